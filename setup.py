@@ -1,0 +1,39 @@
+"""Install hybridflow: `pip install -e ".[dev]"` (install torch==2.13.0 first, see Makefile)."""
+from setuptools import find_packages, setup
+
+CORE = [
+    # torch is deliberately not listed with a range that could pull a CUDA
+    # build: the Makefile installs torch==2.13.0 (CPU wheel) before this.
+    "torch>=2.4",
+    "megatron-core==0.16.1",
+    "psutil>=5.9",
+    "ray[default]>=2.40,<3",
+    "safetensors>=0.4",
+    "sentencepiece>=0.2",
+    "tokenizers>=0.20",
+    "pyyaml>=6.0",
+    "pyarrow>=15",
+    "numpy>=1.26",
+]
+
+EXTRAS = {
+    "dev": [
+        "pytest>=8",
+        "pytest-timeout>=2.3",
+        "transformers>=4.45",
+        "jinja2>=3.1",
+    ],
+    "vllm": ["vllm>=0.8"],
+    "gpu": ["transformer-engine[pytorch]>=2.0", "triton>=3.0"],
+}
+
+setup(
+    name="hybridflow",
+    version="0.1.0",
+    description="Megatron-centric framework for reinforcement learning on large language models",
+    packages=find_packages(include=["hybridflow", "hybridflow.*"]),
+    python_requires=">=3.10",
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["hybridflow=hybridflow.cli:main"]},
+)
