@@ -1,0 +1,16 @@
+"""Typed configuration for hybridflow: schema, YAML loading, overrides, validation."""
+from hybridflow.config.loader import (
+    ConfigError, apply_overrides, dump_config, from_dict, load_config, to_dict)
+from hybridflow.config.schema import (
+    ActorConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, DataflowConfig,
+    KLControlConfig, ModelConfig, OptimConfig, ParallelConfig, PlacementConfig,
+    ReferenceConfig, RewardConfig, RolloutConfig, TrainerConfig)
+from hybridflow.config.validate import devices_for, validate
+
+__all__ = [
+    "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
+    "DataflowConfig", "KLControlConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
+    "PlacementConfig", "ReferenceConfig", "RewardConfig", "RolloutConfig", "TrainerConfig",
+    "apply_overrides", "devices_for", "dump_config", "from_dict", "load_config", "to_dict",
+    "validate",
+]

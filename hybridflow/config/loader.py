@@ -1,0 +1,172 @@
+"""YAML <-> typed config, `key=value` overrides, and cross-field validation.
+
+Every error names the dotted key path (`actor.optim.lr`) and, for a typo, the
+nearest valid key, so a user can fix a 40-line YAML file from one message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from hybridflow.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A config value, key or combination that cannot run; names the key path."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+def _nearest(name: str, choices: typing.Iterable[str]) -> str:
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    """Check `value` against the annotation `tp`; only int/str -> float is converted."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a mapping for section {_type_name(tp)}, got {value!r}")
+        return from_dict(tp, value, path)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(path, "must not be null")
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], path)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            hint = _nearest(str(value), [str(c) for c in choices])
+            raise ConfigError(path, f"{value!r} is not one of {list(choices)}{hint}")
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(path, f"expected a list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-5` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is bool or tp is str:
+        if isinstance(value, tp):
+            return value
+    else:  # pragma: no cover - a schema annotation this loader does not know
+        raise TypeError(f"{path}: unsupported annotation {tp!r}")
+    raise ConfigError(path, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def from_dict(cls: type, data: dict, path: str = "") -> Any:
+    """Build dataclass `cls` from a plain mapping, rejecting unknown keys."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in hints:
+            raise ConfigError(_join(path, str(key)), f"unknown key{_nearest(str(key), names)}")
+        kwargs[key] = _convert(value, hints[key], _join(path, key))
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict:
+    """Plain-data form of a config, suitable for YAML/JSON."""
+    return dataclasses.asdict(cfg)
+
+
+def _parse_override(item: str) -> tuple[list[str], str]:
+    if "=" not in item:
+        raise ConfigError("", f"override {item!r} must look like key.path=value")
+    key, raw = item.split("=", 1)
+    if not key.strip():
+        raise ConfigError("", f"override {item!r} has an empty key")
+    return key.strip().split("."), raw
+
+
+def apply_overrides(data: dict, overrides: typing.Sequence[str], cls: type = Config) -> dict:
+    """Apply `a.b.c=value` overrides to a plain mapping, guided by the schema.
+
+    Values are parsed as YAML (`3`, `1e-5`, `true`, `[0, 1]`, `null`) except
+    for string fields, which keep the raw text (so `experiment=001` stays
+    "001"). Unknown keys fail here, with the nearest valid key.
+    """
+    for item in overrides:
+        keys, raw = _parse_override(item)
+        node, tp, path = data, cls, ""
+        for i, key in enumerate(keys):
+            path = _join(path, key)
+            hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
+            if key not in hints:
+                raise ConfigError(path, f"unknown key{_nearest(key, hints)}")
+            tp = hints[key]
+            if i == len(keys) - 1:
+                node[key] = raw if _is_str(tp) else yaml.safe_load(raw)
+            else:
+                if not dataclasses.is_dataclass(tp):
+                    raise ConfigError(path, f"is a value, not a section; cannot set {item!r}")
+                node = node.setdefault(key, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(path, "is not a mapping in the YAML file")
+    return data
+
+
+def _is_str(tp: Any) -> bool:
+    if tp is str:
+        return True
+    args = typing.get_args(tp)
+    return typing.get_origin(tp) in (Union, types.UnionType) and str in args
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (),
+                validate_config: bool = True) -> Config:
+    """Load a YAML file (or only defaults when `path` is None), apply overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        with open(path) as f:
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as exc:
+                raise ConfigError("", f"{path} is not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError("", f"{path} must hold a mapping at the top level")
+    data = apply_overrides(data, overrides)
+    cfg = from_dict(Config, data)
+    if validate_config:
+        from hybridflow.config.validate import validate
+
+        validate(cfg)
+    return cfg
+
+
+def dump_config(cfg: Config, path: str | Path) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)

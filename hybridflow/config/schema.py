@@ -1,0 +1,207 @@
+"""Typed configuration: one dataclass per component, composed into `Config`.
+
+YAML is only a serialization of these classes (see `loader.py`); code reads
+typed attributes, and each component is handed only its own section
+(`PromptDataset(cfg.data, ...)`, `Actor(cfg.actor, ...)`). Defaults describe a
+small single-process CPU run; the files in `configs/` override them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+@dataclass
+class ModelConfig:
+    """The actor's HF checkpoint directory (config.json + safetensors)."""
+
+    path: str = ""
+    tokenizer_path: Optional[str] = None  # defaults to `path`
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Megatron pads the vocabulary to a multiple of this times TP.
+    make_vocab_size_divisible_by: int = 128
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets in verl's column convention (parquet or jsonl)."""
+
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    overlong_prompts: Literal["filter", "truncate_left", "truncate_right", "error"] = "filter"
+    train_batch_size: int = 32
+    val_batch_size: int = 256
+    shuffle: bool = True
+    seed: int = 0
+    apply_chat_template: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    """Training layout p-t-d(-c); dp is derived from the number of processes."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    virtual_pp: Optional[int] = None
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+
+
+@dataclass
+class RolloutConfig:
+    """Generation: engine, sampling and the generation layout (pg-tg)."""
+
+    engine: Literal["builtin", "vllm"] = "builtin"
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    do_sample: bool = True
+    stop: list[str] = field(default_factory=list)
+    tg: int = 1  # generation tensor parallel size; must divide actor.parallel.tp
+    pg: int = 1  # generation pipeline size; must divide actor.parallel.pp
+    batch_size_per_device: Optional[int] = None
+    pad_to_max_length: bool = False
+    log_prob_micro_batch_size: int = 16
+    val_temperature: float = 0.0  # greedy validation
+
+
+@dataclass
+class ActorConfig:
+    """Policy training: PPO-style mini-batches over the rollout batch."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    policy_loss: str = "ppo"  # name in the algorithms registry
+    ppo_mini_batch_size: int = 32  # in prompts, as verl counts it
+    ppo_micro_batch_size: int = 8  # in sequences, per device
+    ppo_epochs: int = 1
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl", "abs", "mse"] = "low_var_kl"
+
+
+@dataclass
+class CriticConfig:
+    """Value model; used by estimators that need values (GAE)."""
+
+    model_path: Optional[str] = None  # defaults to the actor's checkpoint
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    ppo_micro_batch_size: int = 8
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.5
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+
+
+@dataclass
+class ReferenceConfig:
+    """Frozen copy of the initial policy for KL; forward only."""
+
+    enabled: bool = True
+    log_prob_micro_batch_size: int = 16
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+@dataclass
+class RewardConfig:
+    """Rule-based reward functions and an optional reward model."""
+
+    function: str = "default"  # registry name, or "path/to/file.py:function"
+    model_path: Optional[str] = None  # HF sequence-classification checkpoint
+    rule_weight: float = 1.0
+    model_weight: float = 1.0
+    micro_batch_size: int = 16
+
+
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "gae"  # name in the algorithms registry
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: Literal["k1", "k2", "k3", "low_var_kl", "abs", "mse"] = "k1"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    skip_uniform_groups: bool = False  # drop groups whose rewards are all equal
+
+
+@dataclass
+class PlacementConfig:
+    """Device indices per role, as in API.md; an empty list means every device.
+
+    Roles may share devices (colocated, the hybrid layout) or not (split).
+    """
+
+    rollout: list[int] = field(default_factory=list)
+    reward: list[int] = field(default_factory=list)
+    training: list[int] = field(default_factory=list)
+    reference: list[int] = field(default_factory=list)
+    critic: list[int] = field(default_factory=list)
+
+
+@dataclass
+class DataflowConfig:
+    async_execution: bool = False
+    min_batch_for_reward: int = 0  # 0: wait for the whole rollout batch
+
+
+@dataclass
+class TrainerConfig:
+    project: str = "hybridflow"
+    experiment: str = "run"
+    output_dir: str = "runs"
+    device: Literal["cpu", "cuda"] = "cpu"
+    n_devices: int = 1  # processes (GPUs, or CPU ranks) in the job
+    seed: int = 0
+    total_steps: int = 100
+    total_epochs: int = 1
+    val_every: int = 10
+    save_every: int = 0  # 0: only at the end
+    keep_last: int = 2
+    resume: Literal["disable", "auto"] = "disable"
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    ray_address: Optional[str] = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    dataflow: DataflowConfig = field(default_factory=DataflowConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

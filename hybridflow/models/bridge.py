@@ -1,0 +1,189 @@
+"""HF <-> megatron-core <-> generation names and shapes, one bridge per family.
+
+Three layouts hold the same weights:
+
+- **HF**: `model.layers.N.self_attn.{q,k,v}_proj`, `mlp.{gate,up}_proj`, ...
+- **Megatron** (GPTModel with the *local* layer spec, whose norms are separate
+  modules): `decoder.layers.N.self_attention.linear_qkv` in Megatron's grouped
+  QKV layout, `mlp.linear_fc1` = `[gate; up]`, vocabulary padded to a multiple
+  of `make_vocab_size_divisible_by * tp`.
+- **generation** (`hybridflow.models.Decoder`): Megatron's fused layout under
+  short names, unpadded vocabulary.
+
+The table in `LlamaBridge.entries` is the one place these names meet; loading
+checkpoints, the reshard tool and weight sync all go through it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional
+
+import torch
+
+from hybridflow.models.config import DecoderConfig
+from hybridflow.models.sharding import ShardSpec, padded_vocab_size, spec_for
+
+Fuse = Optional[Literal["qkv", "gate_up"]]
+# Buffers some HF checkpoints carry that are recomputed, not learned.
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    megatron: str
+    generation: str
+    hf: tuple[str, ...]  # HF tensors fused (in order) into this one
+    fuse: Fuse = None
+    vocab: bool = False  # rows are the vocabulary: padded in the Megatron layout
+
+    @property
+    def shard(self) -> ShardSpec:
+        return spec_for(self.megatron)
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: DecoderConfig) -> torch.Tensor:
+    """[q; k; v] (HF) -> Megatron grouped rows [g][q_0..q_{h/g-1}, k, v]; weight or bias."""
+    g, hd, rest = cfg.num_kv_heads, cfg.head_dim, q.shape[1:]
+    q = q.reshape(g, cfg.heads_per_group * hd, *rest)
+    k, v = k.reshape(g, hd, *rest), v.reshape(g, hd, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(cfg.qkv_size, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, cfg: DecoderConfig) -> tuple[torch.Tensor, ...]:
+    """Inverse of `fuse_qkv`."""
+    g, hd, hpg, rest = cfg.num_kv_heads, cfg.head_dim, cfg.heads_per_group, qkv.shape[1:]
+    grouped = qkv.reshape(g, (hpg + 2) * hd, *rest)
+    q, k, v = grouped.split([hpg * hd, hd, hd], dim=1)
+    return (q.reshape(g * hpg * hd, *rest).contiguous(), k.reshape(g * hd, *rest).contiguous(),
+            v.reshape(g * hd, *rest).contiguous())
+
+
+class LlamaBridge:
+    """Llama, Qwen2 and Mistral share HF names; their differences are in `cfg`."""
+
+    def __init__(self, cfg: DecoderConfig, make_vocab_size_divisible_by: int = 128, tp: int = 1):
+        self.cfg = cfg
+        self.padded_vocab = padded_vocab_size(cfg.vocab_size, make_vocab_size_divisible_by, tp)
+
+    def entries(self) -> list[ParamEntry]:
+        cfg = self.cfg
+        out = [ParamEntry("embedding.word_embeddings.weight", "embed.weight",
+                          ("model.embed_tokens.weight",), vocab=True)]
+        for i in range(cfg.num_layers):
+            mc, gen, hf = f"decoder.layers.{i}.", f"layers.{i}.", f"model.layers.{i}."
+            att = hf + "self_attn."
+            out += [
+                ParamEntry(mc + "input_layernorm.weight", gen + "attn_norm.weight",
+                           (hf + "input_layernorm.weight",)),
+                ParamEntry(mc + "self_attention.linear_qkv.weight", gen + "attn.qkv.weight",
+                           tuple(f"{att}{p}_proj.weight" for p in "qkv"), fuse="qkv"),
+            ]
+            if cfg.qkv_bias:
+                out.append(ParamEntry(mc + "self_attention.linear_qkv.bias", gen + "attn.qkv.bias",
+                                      tuple(f"{att}{p}_proj.bias" for p in "qkv"), fuse="qkv"))
+            out += [
+                ParamEntry(mc + "self_attention.linear_proj.weight", gen + "attn.proj.weight",
+                           (att + "o_proj.weight",)),
+                ParamEntry(mc + "pre_mlp_layernorm.weight", gen + "mlp_norm.weight",
+                           (hf + "post_attention_layernorm.weight",)),
+                ParamEntry(mc + "mlp.linear_fc1.weight", gen + "mlp.fc1.weight",
+                           (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), fuse="gate_up"),
+                ParamEntry(mc + "mlp.linear_fc2.weight", gen + "mlp.fc2.weight",
+                           (hf + "mlp.down_proj.weight",)),
+            ]
+        out.append(ParamEntry("decoder.final_layernorm.weight", "norm.weight", ("model.norm.weight",)))
+        if not cfg.tie_word_embeddings:
+            out.append(ParamEntry("output_layer.weight", "lm_head.weight", ("lm_head.weight",), vocab=True))
+        return out
+
+    # -- one tensor ---------------------------------------------------------
+    def _fuse(self, e: ParamEntry, parts: list[torch.Tensor]) -> torch.Tensor:
+        if e.fuse == "qkv":
+            return fuse_qkv(*parts, self.cfg)
+        if e.fuse == "gate_up":
+            return torch.cat(parts, dim=0)
+        return parts[0]
+
+    def _split(self, e: ParamEntry, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if e.fuse == "qkv":
+            return split_qkv(t, self.cfg)
+        if e.fuse == "gate_up":
+            return tuple(p.contiguous() for p in t.chunk(2, dim=0))
+        return (t,)
+
+    def _pad_vocab(self, t: torch.Tensor) -> torch.Tensor:
+        extra = self.padded_vocab - t.shape[0]
+        return torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) if extra else t
+
+    # -- whole state dicts --------------------------------------------------
+    def _from_hf(self, hf: dict[str, torch.Tensor], name: Callable[[ParamEntry], str],
+                 pad: bool) -> dict[str, torch.Tensor]:
+        entries = self.entries()
+        required = {n for e in entries for n in e.hf}
+        # Some tied checkpoints still store lm_head; it is the embedding again.
+        allowed = required | ({"lm_head.weight"} if self.cfg.tie_word_embeddings else set())
+        missing = sorted(required - hf.keys())
+        if missing:
+            raise KeyError(f"HF checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+        unexpected = sorted(n for n in hf if n not in allowed and not n.endswith(_IGNORED_HF_SUFFIXES))
+        if unexpected:
+            raise KeyError(f"HF checkpoint has {len(unexpected)} unexpected tensor(s), e.g. "
+                           f"{unexpected[:3]}: not a {self.cfg.model_type} model of this config?")
+        out = {}
+        for e in entries:
+            t = self._fuse(e, [hf[n] for n in e.hf])
+            out[name(e)] = self._pad_vocab(t) if (pad and e.vocab) else t
+        return out
+
+    def _to_hf(self, sd: dict[str, torch.Tensor], name: Callable[[ParamEntry], str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for e in self.entries():
+            if name(e) not in sd:
+                raise KeyError(f"state dict is missing {name(e)!r}")
+            t = sd[name(e)]
+            if e.vocab:
+                t = t[: self.cfg.vocab_size]
+            out.update(zip(e.hf, self._split(e, t)))
+        return out
+
+    def hf_to_megatron(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self._from_hf(hf, lambda e: e.megatron, pad=True)
+
+    def megatron_to_hf(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self._to_hf(sd, lambda e: e.megatron)
+
+    def hf_to_generation(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self._from_hf(hf, lambda e: e.generation, pad=False)
+
+    def generation_to_hf(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self._to_hf(sd, lambda e: e.generation)
+
+    def megatron_to_generation(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rename only; vocab rows are sliced (a view), so no weight is copied."""
+        return {e.generation: sd[e.megatron][: self.cfg.vocab_size] if e.vocab else sd[e.megatron]
+                for e in self.entries()}
+
+    def megatron_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full (unsharded) shapes of every Megatron parameter."""
+        cfg, shapes = self.cfg, {}
+        for e in self.entries():
+            suffix = ".".join(e.megatron.split(".")[-2:])
+            shapes[e.megatron] = {
+                "word_embeddings.weight": (self.padded_vocab, cfg.hidden_size),
+                "output_layer.weight": (self.padded_vocab, cfg.hidden_size),
+                "linear_qkv.weight": (cfg.qkv_size, cfg.hidden_size),
+                "linear_qkv.bias": (cfg.qkv_size,),
+                "linear_proj.weight": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
+                "linear_fc1.weight": (2 * cfg.intermediate_size, cfg.hidden_size),
+                "linear_fc2.weight": (cfg.hidden_size, cfg.intermediate_size),
+            }.get(suffix, (cfg.hidden_size,))
+        return shapes
+
+
+BRIDGES: dict[str, type[LlamaBridge]] = {"llama": LlamaBridge, "qwen2": LlamaBridge, "mistral": LlamaBridge}
+
+
+def get_bridge(cfg: DecoderConfig, make_vocab_size_divisible_by: int = 128, tp: int = 1) -> LlamaBridge:
+    if cfg.model_type not in BRIDGES:
+        raise KeyError(f"no bridge for model_type {cfg.model_type!r}; known: {sorted(BRIDGES)}")
+    return BRIDGES[cfg.model_type](cfg, make_vocab_size_divisible_by, tp)

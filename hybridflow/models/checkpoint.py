@@ -1,0 +1,144 @@
+"""HF-format checkpoints: safetensors files, single or sharded with an index.
+
+Reading accepts `model.safetensors` or `model.safetensors.index.json` (any
+shard names the index lists). Writing is atomic: everything goes into a
+temporary sibling directory that is renamed over the target only once
+complete, so a crash or a full disk never leaves a half-written checkpoint
+where a good one was.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hybridflow.models.bridge import get_bridge
+from hybridflow.models.config import DecoderConfig
+from hybridflow.models.decoder import Decoder, rope_inv_freq
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _weight_files(path: Path) -> list[Path]:
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    if (path / INDEX_FILE).is_file():
+        with open(path / INDEX_FILE) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{path / INDEX_FILE} lists shard(s) that do not exist: {missing}")
+        return files
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    hint = " (only PyTorch .bin weights found: convert them to safetensors)" if any(
+        path.glob("*.bin")) else ""
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}{hint}")
+
+
+def load_hf_state_dict(path: str | Path, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors checkpoint, optionally cast to `dtype`."""
+    out: dict[str, torch.Tensor] = {}
+    for file in _weight_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                out[name] = t.to(dtype) if dtype is not None else t
+    return out
+
+
+def _shards(sd: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in sd.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += nbytes
+    return shards
+
+
+def _write_weights(sd: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
+    shards = _shards(sd, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    with open(out / INDEX_FILE, "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def save_hf_checkpoint(sd: dict[str, torch.Tensor], hf_config: dict, path: str | Path,
+                       max_shard_bytes: int = 5 * 2**30, extra_files: tuple[Path, ...] = ()) -> Path:
+    """Write config.json + safetensors (sharded past `max_shard_bytes`) atomically.
+
+    `extra_files` (tokenizer files, ...) are copied alongside. An existing
+    checkpoint at `path` is replaced only after the new one is complete.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        _write_weights(sd, tmp, max_shard_bytes)
+        with open(tmp / "config.json", "w") as f:
+            json.dump(hf_config, f, indent=2)
+        for file in extra_files:
+            shutil.copy2(file, tmp / Path(file).name)
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def load_decoder(path: str | Path, dtype: str | torch.dtype | None = None) -> Decoder:
+    """A `Decoder` with the weights of the HF checkpoint at `path`."""
+    cfg = DecoderConfig.from_pretrained(path)
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype)
+    sd = get_bridge(cfg).hf_to_generation(load_hf_state_dict(path, dtype))
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.inv_freq = rope_inv_freq(cfg)  # non-persistent buffer, still on meta
+    return model
+
+
+def save_decoder(model: Decoder, path: str | Path, **kwargs) -> Path:
+    """Export a `Decoder` as an HF checkpoint that `transformers` loads."""
+    cfg = model.cfg
+    gen = {k: v.detach() for k, v in model.state_dict().items()}
+    hf = get_bridge(cfg).generation_to_hf(gen)
+    hf_config = cfg.to_hf_dict()
+    dtypes = {t.dtype for t in hf.values()}
+    hf_config["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+    return save_hf_checkpoint(hf, hf_config, path, **kwargs)

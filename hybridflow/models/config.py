@@ -1,0 +1,159 @@
+"""Decoder architecture read from an HF `config.json` (Llama, Qwen2, Mistral).
+
+The three families differ only in a few switches (QKV bias, sliding window,
+tied embeddings, RoPE base/scaling); `DecoderConfig` holds exactly those, so
+the plain decoder, the bridge and the Megatron builder read one description.
+Options these families can carry but hybridflow does not implement fail
+loudly here instead of giving silently wrong logits.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+class ModelConfigError(ValueError):
+    """config.json describes a model this decoder cannot reproduce exactly."""
+
+
+@dataclass
+class DecoderConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # {"rope_type": "linear"|"llama3", ...}
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    # Per layer: None for full attention, else the sliding-window size.
+    layer_windows: list[Optional[int]] = field(default_factory=list)
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int | list[int]] = None
+    torch_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not self.layer_windows:
+            self.layer_windows = [None] * self.num_layers
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}")
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def qkv_size(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> "DecoderConfig":
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_FAMILIES:
+            raise ModelConfigError(
+                f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_FAMILIES}")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"hidden_act={act!r}: only SwiGLU (silu) MLPs are supported")
+        if hf.get("mlp_bias"):
+            raise ModelConfigError("mlp_bias=true is not supported")
+        # Llama's `attention_bias` also puts a bias on o_proj, which Megatron's
+        # local spec cannot hold separately from the MLP biases; Qwen2 always
+        # has a QKV bias and never an o_proj bias.
+        if model_type != "qwen2" and hf.get("attention_bias"):
+            raise ModelConfigError("attention_bias=true (bias on o_proj) is not supported")
+        heads = hf["num_attention_heads"]
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ModelConfigError(f"rope_type={rope_type!r} is not supported (default, linear, llama3)")
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
+            layer_windows=_layer_windows(hf, model_type),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "DecoderConfig":
+        file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"model config not found: {file}")
+        with open(file) as f:
+            return cls.from_hf_dict(json.load(f))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` an HF loader needs to rebuild this model."""
+        out: dict[str, Any] = {
+            "architectures": [HF_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": self.torch_dtype,
+        }
+        if self.rope_scaling:
+            out["rope_scaling"] = dict(self.rope_scaling)
+        windows = {w for w in self.layer_windows if w is not None}
+        if self.model_type == "mistral":
+            out["sliding_window"] = windows.pop() if windows else None
+        if self.model_type == "qwen2":
+            out["use_sliding_window"] = bool(windows)
+            if windows:
+                out["sliding_window"] = windows.pop()
+                out["max_window_layers"] = self.layer_windows.index(out["sliding_window"])
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _layer_windows(hf: dict[str, Any], model_type: str) -> list[Optional[int]]:
+    n = hf["num_hidden_layers"]
+    window = hf.get("sliding_window")
+    if model_type == "mistral":
+        return [window] * n
+    if model_type == "qwen2" and hf.get("use_sliding_window") and window:
+        first = hf.get("max_window_layers", n)
+        return [window if i >= first else None for i in range(n)]
+    return [None] * n

@@ -1,0 +1,187 @@
+"""A plain decoder-only transformer for the Llama / Qwen2 / Mistral family.
+
+Used for generation and as a reference forward. It keeps the *fused* weight
+layout of megatron-core rather than HF's separate projections:
+
+- `attn.qkv` is Megatron's grouped layout: rows are ordered per query group
+  `[q_0 .. q_{h/g-1}, k, v]` (head_dim rows each), so a contiguous row slice
+  is exactly one tensor-parallel shard;
+- `mlp.fc1` is `[gate; up]`.
+
+With the same layout, the generation weights can be views of the training
+engine's parameters (no copy), which is what the 3D-HybridEngine builds on.
+Nothing here knows about processes or parallelism (STYLE rule 1).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridflow.models.config import DecoderConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the gain, as HF does, so
+        # bfloat16 outputs match bit for bit.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with linear or llama3 scaling applied."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv = torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    return inv
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):
+    """cos/sin [B, T, head_dim] for integer positions [B, T]."""
+    freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, heads, T, head_dim] by the half-split convention HF uses."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.hidden_size, cfg.qkv_size, bias=cfg.qkv_bias)
+        self.proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        hpg, hd = cfg.heads_per_group, cfg.head_dim
+        # [B, T, groups, heads_per_group + 2, head_dim]: Megatron's grouped layout.
+        qkv = self.qkv(x).view(b, t, -1, hpg + 2, hd)
+        q = qkv[:, :, :, :hpg].reshape(b, t, -1, hd).transpose(1, 2)
+        k = qkv[:, :, :, hpg].transpose(1, 2)
+        v = qkv[:, :, :, hpg + 1].transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hpg > 1)
+        return self.proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # [gate; up]
+        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def build_attention_mask(attention_mask: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """Boolean [B, 1, T, T] mask: causal, key padding, optional sliding window.
+
+    A padded query position would otherwise attend to nothing (NaN from the
+    softmax); it is allowed to see itself, and its output is ignored anyway.
+    """
+    t = attention_mask.shape[-1]
+    device = attention_mask.device
+    idx = torch.arange(t, device=device)
+    allowed = idx[None, :] <= idx[:, None]
+    if window is not None:
+        allowed &= idx[:, None] - idx[None, :] < window
+    allowed = allowed[None] & attention_mask[:, None, :].bool()
+    allowed |= torch.eye(t, dtype=torch.bool, device=device)[None]
+    return allowed[:, None]
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """0-based positions counting only real tokens (left padding gets 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class Decoder(nn.Module):
+    """Llama-family causal LM. `forward(input_ids[B,T]) -> logits[B,T,V]`."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def init_weights(self, std: float = 0.02, seed: Optional[int] = None) -> "Decoder":
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        return self
+
+    def hidden_states(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        """Final-norm hidden states [B, T, hidden] (input to the output layer)."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)
+        x = self.embed(input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
+        masks = {w: build_attention_mask(attention_mask, w) for w in set(self.cfg.layer_windows)}
+        for layer, window in zip(self.layers, self.cfg.layer_windows):
+            x = layer(x, cos, sin, masks[window])
+        return self.norm(x)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        h = self.hidden_states(input_ids, attention_mask, position_ids)
+        return F.linear(h, self.output_weight)
+
