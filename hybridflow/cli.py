@@ -1,0 +1,47 @@
+"""The `hybridflow` command line.
+
+    hybridflow config CONFIG.yaml [key=value ...]   validate and print the resolved config
+
+Later subcommands (`train`, `bench`, `reshard`, `plot`) hang off the same
+parser. Errors in user input print one line naming the problem and exit 2,
+instead of a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+
+def _config(args: argparse.Namespace) -> int:
+    from hybridflow.config import load_config, to_dict
+
+    cfg = load_config(args.config, args.overrides)
+    yaml.safe_dump(to_dict(cfg), sys.stdout, sort_keys=False)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("config", help="validate a config and print it with every default filled in")
+    p.add_argument("config", help="YAML file")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.optim.lr=1e-6")
+    p.set_defaults(func=_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hybridflow.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"hybridflow: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

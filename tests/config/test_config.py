@@ -1,0 +1,119 @@
+"""Typed config: YAML + overrides, errors that name the key path, cross-field rules."""
+import inspect
+import textwrap
+
+import pytest
+
+from hybridflow.config import (
+    ActorConfig, Config, ConfigError, DataConfig, dump_config, load_config, to_dict)
+
+BASE = ["model.path=/models/tiny"]
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "c.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_yaml_and_overrides_build_typed_sections(tmp_path):
+    path = _write(tmp_path, """
+        model: {path: /models/tiny}
+        data: {train_files: [a.parquet], max_prompt_length: 64}
+        actor:
+          optim: {lr: 1e-5}      # YAML 1.1 reads this as a string; the schema says float
+          parallel: {tp: 2}
+        rollout: {n: 4, tg: 2}
+        algorithm: {adv_estimator: grpo}
+        trainer: {n_devices: 4, experiment: exp}
+    """)
+    cfg = load_config(path, ["actor.optim.lr=3e-4", "trainer.experiment=007", "placement.rollout=[0, 1]"])
+    assert isinstance(cfg, Config) and isinstance(cfg.actor, ActorConfig)
+    assert cfg.actor.optim.lr == pytest.approx(3e-4) and isinstance(cfg.actor.optim.lr, float)
+    assert cfg.trainer.experiment == "007"  # a string field keeps the raw text
+    assert cfg.placement.rollout == [0, 1]
+    assert cfg.data.train_files == ["a.parquet"] and cfg.data.max_prompt_length == 64
+    assert cfg.critic.optim.lr == pytest.approx(1e-5)  # untouched defaults survive
+
+
+def test_dump_and_reload_round_trip(tmp_path):
+    cfg = load_config(None, BASE + ["rollout.n=8", "algorithm.adv_estimator=grpo"])
+    dump_config(cfg, tmp_path / "out.yaml")
+    assert to_dict(load_config(tmp_path / "out.yaml")) == to_dict(cfg)
+
+
+@pytest.mark.parametrize("overrides, path, hint", [
+    (["actor.optim.lrr=1"], "actor.optim.lrr", "did you mean 'lr'?"),
+    (["rollot.n=2"], "rollot", "did you mean 'rollout'?"),
+    (["trainer.total_step=3"], "trainer.total_step", "did you mean 'total_steps'?"),
+    (["actor.ppo_epochs=true"], "actor.ppo_epochs", "expected int"),
+    (["rollout.temperature=hot"], "rollout.temperature", "expected float"),
+    (["rollout.engine=vlm"], "rollout.engine", "did you mean 'vllm'?"),
+    (["placement.rollout=[0, x]"], "placement.rollout[1]", "expected int"),
+    (["actor.optim=3"], "actor.optim", "expected a mapping"),
+    (["trainer.seed.x=3"], "trainer.seed", "is a value, not a section"),
+])
+def test_bad_keys_and_types_name_the_path(overrides, path, hint):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, BASE + overrides)
+    assert err.value.path == path
+    assert hint in str(err.value) and str(err.value).startswith(path)
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = _write(tmp_path, """
+        model: {path: /m}
+        actor:
+          ppo_mini_batchsize: 4
+    """)
+    with pytest.raises(ConfigError, match=r"actor.ppo_mini_batchsize: unknown key \(did you mean 'ppo_mini_batch_size'\?\)"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("overrides, path, fragment", [
+    ([], "model.path", "is required"),
+    (BASE + ["actor.parallel.tp=2"], "actor.parallel", "does not divide the 1 device"),
+    (BASE + ["trainer.n_devices=8", "actor.parallel.tp=2", "actor.parallel.pp=3"], "actor.parallel",
+     "2*3*1 = 6"),
+    (BASE + ["trainer.n_devices=4", "actor.parallel.tp=4", "rollout.tg=3"], "rollout.tg", "must divide"),
+    (BASE + ["trainer.n_devices=4", "actor.parallel.pp=2", "rollout.pg=4"], "rollout.pg", "must divide"),
+    (BASE + ["trainer.n_devices=4", "placement.reward=[4]"], "placement.reward", "do not exist"),
+    (BASE + ["trainer.n_devices=4", "placement.training=[0, 0]"], "placement.training", "twice"),
+    (BASE + ["trainer.n_devices=4", "placement.training=[0, 1, 2]", "actor.parallel.tp=2"],
+     "actor.parallel", "3 device(s)"),
+    (BASE + ["algorithm.adv_estimator=grpo", "rollout.n=1"], "rollout.n", "needs n >= 2"),
+    (BASE + ["data.train_batch_size=10", "actor.ppo_mini_batch_size=4"], "actor.ppo_mini_batch_size",
+     "does not divide"),
+    (BASE + ["rollout.top_p=0"], "rollout.top_p", "(0, 1]"),
+    (BASE + ["actor.parallel.sequence_parallel=true"], "actor.parallel.sequence_parallel", "CPU"),
+    (BASE + ["dataflow.min_batch_for_reward=1000"], "dataflow.min_batch_for_reward", "exceeds"),
+])
+def test_impossible_combinations_fail_early(overrides, path, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert err.value.path == path
+    assert fragment in str(err.value)
+
+
+def test_valid_split_placement():
+    cfg = load_config(None, BASE + [
+        "trainer.n_devices=4", "placement.rollout=[0, 1]", "placement.reward=[2]",
+        "placement.training=[0, 1, 2, 3]", "actor.parallel.tp=2", "rollout.tg=1"])
+    assert cfg.placement.reward == [2]
+
+
+def test_missing_or_malformed_config_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "none.yaml")):
+        load_config(tmp_path / "none.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(_write(tmp_path, "model: [unclosed\n"))
+    with pytest.raises(ConfigError, match="key.path=value"):
+        load_config(None, ["model.path"])
+
+
+def test_components_take_only_their_section():
+    """STYLE rule 5: each component's constructor receives its own section, never Config."""
+    from hybridflow.data import PromptDataset
+
+    params = list(inspect.signature(PromptDataset).parameters.values())
+    assert params[0].annotation in (DataConfig, "DataConfig")
