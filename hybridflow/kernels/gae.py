@@ -1,0 +1,45 @@
+"""Advantage scans: GAE and discounted returns as a reverse scan per sequence.
+
+`gae_reference` is the per-timestep loop (vectorised over the batch only);
+the `cpu` backend runs the same recursion in C++ (csrc/cpu/kernels.cpp),
+one sequence per thread. Masked steps (padding, or tool tokens in the middle
+of a response) are skipped: they get 0 and the recursion carries the next
+value and advantage across them, as if they were not there.
+"""
+from __future__ import annotations
+
+import torch
+
+from hybridflow.kernels.backend import cpu_extension, resolve
+
+
+def gae_reference(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                  gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """rewards, values, mask [B, T] -> (advantages [B, T], returns [B, T]), float32."""
+    rewards, values, mask = rewards.float(), values.float(), mask.bool()
+    b, t = rewards.shape
+    adv = torch.zeros_like(rewards)
+    next_v = rewards.new_zeros(b)
+    next_a = rewards.new_zeros(b)
+    for j in range(t - 1, -1, -1):
+        m = mask[:, j]
+        a = rewards[:, j] + gamma * next_v - values[:, j] + gamma * lam * next_a
+        adv[:, j] = torch.where(m, a, 0.0)
+        next_v = torch.where(m, values[:, j], next_v)
+        next_a = torch.where(m, a, next_a)
+    return adv, torch.where(mask, adv + values, 0.0)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float,
+        backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE on the selected backend; same contract as `gae_reference`."""
+    if resolve(backend, rewards.device, ("cpu",)) == "cpu":
+        adv, ret = cpu_extension().gae_forward(rewards, values, mask, gamma, lam)
+        return adv, ret
+    return gae_reference(rewards, values, mask, gamma, lam)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float,
+                       backend: str = "auto") -> torch.Tensor:
+    """Return-to-go over valid steps [B, T]: GAE with zero values and lam = 1."""
+    return gae(rewards, torch.zeros_like(rewards, dtype=torch.float32), mask, gamma, 1.0, backend)[0]

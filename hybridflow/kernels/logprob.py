@@ -1,0 +1,102 @@
+"""Token log-probabilities and entropy from logits, without a full log-softmax.
+
+    logprob_entropy(logits[..., V], labels[...]) -> (log_probs[...], entropy[...])  # float32
+
+Backends (see `backend.py`):
+- `reference`: eager `log_softmax` + `gather` + entropy; materialises several
+  [tokens, V] float32 temporaries. The ground truth for tests.
+- `chunked`: plain PyTorch over chunks of tokens, forward and backward, so
+  temporaries are [chunk, V]; runs on any device.
+- `cpu`: C++ (csrc/cpu/kernels.cpp): two passes over each row, no [tokens, V]
+  temporary in the forward; backward writes the logits gradient directly.
+Outputs are float32 whatever the logits dtype (bfloat16 is upcast per row).
+"""
+from __future__ import annotations
+
+import torch
+
+from hybridflow.kernels.backend import cpu_extension, resolve
+
+DEFAULT_CHUNK = 1024
+
+
+def logprob_entropy_reference(logits: torch.Tensor, labels: torch.Tensor):
+    logp_all = torch.log_softmax(logits.float(), dim=-1)
+    logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def _chunk_stats(x: torch.Tensor, labels: torch.Tensor):
+    x = x.float()
+    lse = torch.logsumexp(x, dim=-1)
+    logp_all = x - lse[:, None]
+    # -sum p log p, not lse - sum p x: the latter cancels badly for large logits.
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return x.gather(-1, labels[:, None]).squeeze(-1) - lse, entropy, lse
+
+
+def _chunk_grad(x, labels, lse, entropy, g_logp, g_ent, label_grad=None):
+    """d/dx of (g_logp * logp + g_ent * H) for one chunk of rows.
+
+    `label_grad` (default `g_logp`) is what lands on each row's label column;
+    the vocab-parallel kernel zeroes it on rows whose label another rank owns.
+    """
+    logp_all = x.float() - lse[:, None]
+    p = logp_all.exp()
+    grad = -(g_logp[:, None] * p) - g_ent[:, None] * p * (logp_all + entropy[:, None])
+    label_grad = g_logp if label_grad is None else label_grad
+    grad.scatter_add_(1, labels[:, None], label_grad[:, None])
+    return grad.to(x.dtype)
+
+
+class _ChunkedLogProbEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, chunk):
+        outs = [_chunk_stats(x, y) for x, y in zip(logits.split(chunk), labels.split(chunk))]
+        logp, entropy, lse = (torch.cat(t) for t in zip(*outs))
+        ctx.save_for_backward(logits, labels, lse, entropy)
+        ctx.chunk = chunk
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        logits, labels, lse, entropy = ctx.saved_tensors
+        g_logp = torch.zeros_like(lse) if g_logp is None else g_logp.float()
+        g_ent = torch.zeros_like(lse) if g_ent is None else g_ent.float()
+        grad = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], ctx.chunk):
+            e = s + ctx.chunk
+            grad[s:e] = _chunk_grad(logits[s:e], labels[s:e], lse[s:e], entropy[s:e], g_logp[s:e], g_ent[s:e])
+        return grad, None, None
+
+
+class _CpuLogProbEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels):
+        logp, entropy, lse = cpu_extension().logprob_entropy_forward(logits, labels)
+        ctx.save_for_backward(logits, labels, lse, entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        logits, labels, lse, entropy = ctx.saved_tensors
+        g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
+        g_ent = torch.zeros_like(lse) if g_ent is None else g_ent
+        return cpu_extension().logprob_entropy_backward(logits, labels, lse, entropy, g_logp, g_ent), None
+
+
+def logprob_entropy(logits: torch.Tensor, labels: torch.Tensor, backend: str = "auto",
+                    chunk_size: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(label) and entropy per token; leading dims of `labels` are kept."""
+    shape = labels.shape
+    flat = logits.reshape(-1, logits.shape[-1])
+    flat_labels = labels.reshape(-1).long()
+    chosen = resolve(backend, logits.device, ("cpu", "chunked"))
+    if chosen == "cpu":
+        out = _CpuLogProbEntropy.apply(flat.contiguous(), flat_labels.contiguous())
+    elif chosen == "chunked":
+        out = _ChunkedLogProbEntropy.apply(flat, flat_labels, chunk_size)
+    else:
+        out = logprob_entropy_reference(flat, flat_labels)
+    return out[0].reshape(shape), out[1].reshape(shape)
