@@ -12,6 +12,7 @@ CORE = [
     "sentencepiece>=0.2",
     "tokenizers>=0.20",
     "pyyaml>=6.0",
+    "jinja2>=3.1.6",  # chat templates, rendered the way HF renders them
     "pyarrow>=15",
     "numpy>=1.26",
 ]
@@ -21,7 +22,6 @@ EXTRAS = {
         "pytest>=8",
         "pytest-timeout>=2.3",
         "transformers>=4.45",
-        "jinja2>=3.1",
     ],
     "vllm": ["vllm>=0.8"],
     "gpu": ["transformer-engine[pytorch]>=2.0", "triton>=3.0"],

@@ -1,0 +1,129 @@
+"""Names of the fields a batch carries through one RL iteration.
+
+Every stage (dataset, rollout, preparation, update) reads and writes batch
+entries through these constants, never through string literals, so a typo is
+an ``AttributeError`` at import time instead of a silent ``KeyError`` deep in
+a worker. Shapes use ``B`` = number of sequences in the batch, ``T`` = padded
+prompt length, ``R`` = padded response length.
+
+Prompt stage (produced by :func:`hybridflow.data.dataset.collate_prompts`):
+
+=================  ====================  ==========================================
+constant           type / shape          meaning
+=================  ====================  ==========================================
+INPUT_IDS          LongTensor[B, T]      token ids, LEFT-padded with the pad id.
+                                         After rollout: LongTensor[B, T + R],
+                                         prompt followed by response.
+ATTENTION_MASK     LongTensor[B, T]      1 on real tokens, 0 on padding
+                                         ([B, T + R] after rollout).
+POSITION_IDS       LongTensor[B, T]      0 at the first real token, counting up;
+                                         0 on left padding ([B, T + R] after
+                                         rollout).
+PROMPT_TEXT        list[str]  (B)        the prompt exactly as tokenized (chat
+                                         template applied, after truncation).
+RAW_PROMPT         list[list[dict]] (B)  the prompt's chat messages
+                                         ``{"role", "content"}`` as read from disk,
+                                         for reward models that render their own
+                                         template.
+DATA_SOURCE        list[str]  (B)        which task the row came from; selects the
+                                         reward function (e.g. "openai/gsm8k").
+GROUND_TRUTH       list[Any]  (B)        the verifier's reference answer (a str for
+                                         the built-in tasks).
+EXTRA_INFO         list[dict] (B)        free-form per-row metadata from the dataset.
+INDEX              list[int]  (B)        the row's position in the dataset's source
+                                         files (stable under filtering/shuffling).
+=================  ====================  ==========================================
+
+Rollout and preparation stages:
+
+=================  ====================  ==========================================
+PROMPTS            LongTensor[B, T]      the left-padded prompt ids, kept once the
+                                         response is appended to INPUT_IDS.
+RESPONSES          LongTensor[B, R]      generated ids, RIGHT-padded with the pad id.
+RESPONSE_MASK      LongTensor[B, R]      1 on generated tokens (EOS included),
+                                         0 on padding after it.
+RESPONSE_TEXT      list[str]  (B)        decoded responses (special tokens skipped).
+UID                list[str]  (B)        group id: the n samples of one prompt share
+                                         it (GRPO / RLOO baselines).
+ROLLOUT_LOG_PROBS  FloatTensor[B, R]     per-token log-probs reported by the
+                                         inference engine while sampling.
+OLD_LOG_PROBS      FloatTensor[B, R]     per-token log-probs of the actor in its
+                                         training layout, before the update.
+REF_LOG_PROBS      FloatTensor[B, R]     per-token log-probs of the frozen reference.
+ENTROPY            FloatTensor[B, R]     per-token entropy of the actor's policy.
+VALUES             FloatTensor[B, R]     critic value estimate per response token.
+SCORES             FloatTensor[B]        sequence-level verifier / reward-model score.
+TOKEN_SCORES       FloatTensor[B, R]     SCORES placed on each sequence's last
+                                         response token, zeros elsewhere.
+TOKEN_REWARDS      FloatTensor[B, R]     TOKEN_SCORES minus the KL penalty when
+                                         KL-in-reward is on (otherwise equal).
+ADVANTAGES         FloatTensor[B, R]     advantage estimate per response token.
+RETURNS            FloatTensor[B, R]     return targets for the critic.
+=================  ====================  ==========================================
+
+``FIELD_SHAPES`` repeats the type/shape column as data, e.g. for validation
+messages; it is read-only.
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping
+
+# Prompt stage.
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"
+PROMPT_TEXT = "prompt_text"
+RAW_PROMPT = "raw_prompt"
+DATA_SOURCE = "data_source"
+GROUND_TRUTH = "ground_truth"
+EXTRA_INFO = "extra_info"
+INDEX = "index"
+
+# Rollout and preparation stages.
+PROMPTS = "prompts"
+RESPONSES = "responses"
+RESPONSE_MASK = "response_mask"
+RESPONSE_TEXT = "response_text"
+UID = "uid"
+ROLLOUT_LOG_PROBS = "rollout_log_probs"
+OLD_LOG_PROBS = "old_log_probs"
+REF_LOG_PROBS = "ref_log_probs"
+ENTROPY = "entropy"
+VALUES = "values"
+SCORES = "scores"
+TOKEN_SCORES = "token_scores"
+TOKEN_REWARDS = "token_rewards"
+ADVANTAGES = "advantages"
+RETURNS = "returns"
+
+FIELD_SHAPES: Mapping[str, str] = MappingProxyType({
+    INPUT_IDS: "LongTensor[B, T]",
+    ATTENTION_MASK: "LongTensor[B, T]",
+    POSITION_IDS: "LongTensor[B, T]",
+    PROMPT_TEXT: "list[str]",
+    RAW_PROMPT: "list[list[dict]]",
+    DATA_SOURCE: "list[str]",
+    GROUND_TRUTH: "list[Any]",
+    EXTRA_INFO: "list[dict]",
+    INDEX: "list[int]",
+    PROMPTS: "LongTensor[B, T]",
+    RESPONSES: "LongTensor[B, R]",
+    RESPONSE_MASK: "LongTensor[B, R]",
+    RESPONSE_TEXT: "list[str]",
+    UID: "list[str]",
+    ROLLOUT_LOG_PROBS: "FloatTensor[B, R]",
+    OLD_LOG_PROBS: "FloatTensor[B, R]",
+    REF_LOG_PROBS: "FloatTensor[B, R]",
+    ENTROPY: "FloatTensor[B, R]",
+    VALUES: "FloatTensor[B, R]",
+    SCORES: "FloatTensor[B]",
+    TOKEN_SCORES: "FloatTensor[B, R]",
+    TOKEN_REWARDS: "FloatTensor[B, R]",
+    ADVANTAGES: "FloatTensor[B, R]",
+    RETURNS: "FloatTensor[B, R]",
+})
+
+# The tensor fields collate_prompts produces, and the per-row lists beside them.
+PROMPT_TENSOR_FIELDS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)
+PROMPT_LIST_FIELDS = (PROMPT_TEXT, RAW_PROMPT, DATA_SOURCE, GROUND_TRUTH, EXTRA_INFO, INDEX)
