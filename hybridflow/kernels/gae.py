@@ -15,8 +15,12 @@ from hybridflow.kernels.backend import cpu_extension, resolve
 
 def gae_reference(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                   gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """rewards, values, mask [B, T] -> (advantages [B, T], returns [B, T]), float32."""
-    rewards, values, mask = rewards.float(), values.float(), mask.bool()
+    """rewards, values, mask [B, T] -> (advantages [B, T], returns [B, T]).
+
+    Computed in float64 for float64 rewards, else in float32.
+    """
+    dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    rewards, values, mask = rewards.to(dtype), values.to(dtype), mask.bool()
     b, t = rewards.shape
     adv = torch.zeros_like(rewards)
     next_v = rewards.new_zeros(b)
@@ -32,7 +36,12 @@ def gae_reference(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tenso
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float,
         backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE on the selected backend; same contract as `gae_reference`."""
+    """GAE on the selected backend; same contract as `gae_reference`.
+
+    The C++ scan runs in float32; `auto` keeps float64 inputs on the reference.
+    """
+    if backend == "auto" and rewards.dtype == torch.float64:
+        backend = "reference"
     if resolve(backend, rewards.device, ("cpu",)) == "cpu":
         adv, ret = cpu_extension().gae_forward(rewards, values, mask, gamma, lam)
         return adv, ret
@@ -42,4 +51,4 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float,
                        backend: str = "auto") -> torch.Tensor:
     """Return-to-go over valid steps [B, T]: GAE with zero values and lam = 1."""
-    return gae(rewards, torch.zeros_like(rewards, dtype=torch.float32), mask, gamma, 1.0, backend)[0]
+    return gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0, backend)[0]

@@ -1,0 +1,172 @@
+"""Policy and value losses: per-token terms, aggregated to a scalar.
+
+Shapes: B sequences, T response tokens; `mask[B, T]` marks the tokens that
+are trained on. Every loss returns `LossOutput(loss, metrics)` (a NamedTuple,
+so `loss, metrics = ppo_clip_loss(...)` works): `loss` is a differentiable
+scalar, `metrics` plain floats under stable names ("actor/clip_frac", ...).
+
+Registered policy losses share one keyword signature, so
+`actor.policy_loss` selects one by name:
+    fn(log_probs, old_log_probs, advantages, mask, *, clip_ratio_low,
+       clip_ratio_high, clip_ratio_c, loss_agg_mode, denominator) -> LossOutput
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from hybridflow.algos._registry import lookup, make_register
+from hybridflow.algos.aggregate import Denominator, aggregate_loss
+from hybridflow.algos.kl import kl_k3
+from hybridflow.algos.masked import as_bool, masked_fill_zero, masked_mean
+
+# Beyond this the ratio is meaningless and exp() would overflow float32.
+_MAX_LOG_RATIO = 20.0
+
+
+class LossOutput(NamedTuple):
+    loss: Tensor  # scalar, differentiable
+    metrics: dict[str, float]
+
+
+PolicyLoss = Callable[..., LossOutput]
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+register_policy_loss = make_register(POLICY_LOSSES, "policy loss")
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The registered policy loss (signature in the module docstring); KeyError if unknown."""
+    return lookup(POLICY_LOSSES, name, "policy loss")
+
+
+def _log_ratio(log_probs: Tensor, old_log_probs: Tensor, mask: Tensor) -> Tensor:
+    # Padding may hold -inf log-probs; select before anything is exponentiated.
+    return masked_fill_zero(log_probs - old_log_probs, mask).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+
+
+def _frac(flags: Tensor, mask: Tensor) -> float:
+    return masked_mean(flags.float(), mask).item()
+
+
+class ClipTerms(NamedTuple):
+    """Per-token pieces of a clipped surrogate, each [B, T]."""
+
+    loss_mat: Tensor  # per-token loss, 0 at padding
+    clipped: Tensor  # bool: the clipped branch is the active one
+    dual_clipped: Tensor  # bool: the dual-clip bound is the active one
+
+
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, mask: Tensor, clip_ratio_low: float,
+                      clip_ratio_high: float, clip_ratio_c: Optional[float] = None) -> ClipTerms:
+    """PPO's clipped objective per token, as a loss (to minimise).
+
+    ratio, advantages, mask: [B, T]. loss = max(-A r, -A clip(r, 1-low, 1+high)).
+    Dual clip (Ye et al. 2020), only where A < 0: loss = min(loss, -A c), so a
+    huge ratio on a bad token cannot produce an unbounded update.
+    """
+    adv = masked_fill_zero(advantages, mask)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    dual_active = torch.zeros_like(clip_active)
+    if clip_ratio_c is not None:
+        if clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+        bound = -adv * clip_ratio_c
+        dual_active = (adv < 0) & (bound < loss)
+        loss = torch.where(dual_active, bound, loss)
+    valid = as_bool(mask)
+    return ClipTerms(masked_fill_zero(loss, mask), clip_active & valid, dual_active & valid)
+
+
+def _policy_output(terms: ClipTerms, log_ratio: Tensor, mask: Tensor, loss_agg_mode: str,
+                   denominator: Denominator) -> LossOutput:
+    loss = aggregate_loss(terms.loss_mat, mask, loss_agg_mode, denominator)
+    with torch.no_grad():
+        # k3 estimate of KL(pi_old || pi) from the rollout's samples:
+        # (r - 1) - log r with r = pi / pi_old, never negative.
+        approx_kl = masked_mean(kl_k3(torch.zeros_like(log_ratio), log_ratio), mask).item()
+        metrics = {
+            "actor/pg_loss": loss.item(),
+            "actor/clip_frac": _frac(terms.clipped, mask),
+            "actor/dual_clip_frac": _frac(terms.dual_clipped, mask),
+            "actor/approx_kl": approx_kl,
+        }
+    return LossOutput(loss, metrics)
+
+
+@register_policy_loss("ppo")
+def ppo_clip_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, *,
+                  clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                  clip_ratio_c: Optional[float] = None, loss_agg_mode: str = "token-mean",
+                  denominator: Denominator = None) -> LossOutput:
+    """PPO clipped surrogate with asymmetric bounds and optional dual clip.
+
+    log_probs (differentiable), old_log_probs, advantages, mask: [B, T].
+    Per-token ratio r = exp(logp - old); the clip range is [1 - low, 1 + high]
+    (a larger `high`, as in DAPO's clip-higher, leaves room to raise unlikely
+    tokens). clip_ratio_c > 1 enables the dual clip on negative advantages.
+    Where a clip is active the token's gradient is exactly 0.
+    """
+    log_ratio = _log_ratio(log_probs, old_log_probs, mask)
+    terms = clipped_surrogate(log_ratio.exp(), advantages, mask, clip_ratio_low,
+                              clip_ratio_high, clip_ratio_c)
+    return _policy_output(terms, log_ratio, mask, loss_agg_mode, denominator)
+
+
+@register_policy_loss("gspo")
+def gspo_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, *,
+              clip_ratio_low: float = 3e-4, clip_ratio_high: float = 4e-4,
+              clip_ratio_c: Optional[float] = None, loss_agg_mode: str = "seq-mean-token-mean",
+              denominator: Denominator = None) -> LossOutput:
+    """GSPO (Zheng et al. 2025): one clipped importance ratio per sequence.
+
+    log_probs (differentiable), old_log_probs, advantages, mask: [B, T].
+    s_i = exp(mean over valid tokens of (logp - old)), clipped to
+    [1 - low, 1 + high] for the whole sequence; the paper's ranges are
+    ~1e-4, far tighter than token-level PPO. Written in the GSPO-token form:
+    token t uses sg(s_i) * pi(y_t) / sg(pi(y_t)), whose value is s_i and
+    whose gradient is s_i * grad log pi(y_t); with one advantage per sequence
+    and "seq-mean-token-mean" (the paper's setting) this equals GSPO exactly,
+    and it still accepts per-token advantages. clip_ratio_c is accepted for a
+    uniform signature and not used (the paper has no dual clip).
+    """
+    log_ratio = _log_ratio(log_probs, old_log_probs, mask)
+    seq_log_ratio = masked_mean(log_ratio, mask, dim=-1)
+    lp = masked_fill_zero(log_probs, mask)
+    token_log_ratio = (seq_log_ratio.detach()[:, None] + lp - lp.detach()).clamp(
+        -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    terms = clipped_surrogate(token_log_ratio.exp(), advantages, mask, clip_ratio_low,
+                              clip_ratio_high, None)
+    return _policy_output(terms, log_ratio, mask, loss_agg_mode, denominator)
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
+               cliprange_value: Optional[float] = 0.5, loss_agg_mode: str = "token-mean",
+               denominator: Denominator = None) -> LossOutput:
+    """Clipped value loss: 0.5 * max((v - R)^2, (v_clip - R)^2).
+
+    values (differentiable), old_values (from the rollout), returns, mask: [B, T].
+    v_clip = old + clip(v - old, -cliprange_value, +cliprange_value): the
+    critic gains nothing from moving further than the clip range in one
+    update. cliprange_value=None disables clipping.
+    """
+    err = masked_fill_zero(values - returns, mask)
+    unclipped = err ** 2
+    if cliprange_value is None:
+        loss_mat, clipped_flags = unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    else:
+        delta = masked_fill_zero(values - old_values, mask).clamp(-cliprange_value, cliprange_value)
+        clipped = masked_fill_zero(old_values + delta - returns, mask) ** 2
+        loss_mat, clipped_flags = torch.maximum(unclipped, clipped), clipped > unclipped
+    loss = 0.5 * aggregate_loss(loss_mat, mask, loss_agg_mode, denominator)
+    with torch.no_grad():
+        metrics = {
+            "critic/vf_loss": loss.item(),
+            "critic/vf_clip_frac": _frac(clipped_flags, mask),
+            "critic/vpred_mean": masked_mean(values, mask).item(),
+        }
+    return LossOutput(loss, metrics)
