@@ -1,6 +1,7 @@
 """The `hybridflow` command line.
 
     hybridflow config CONFIG.yaml [key=value ...]   validate and print the resolved config
+    hybridflow bench NAME [args ...]                run benchmarks/bench_NAME.py
 
 Later subcommands (`train`, `bench`, `reshard`, `plot`) hang off the same
 parser. Errors in user input print one line naming the problem and exit 2,
@@ -22,6 +23,19 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / f"bench_{args.name}.py"
+    if not script.is_file():
+        known = sorted(p.stem.removeprefix("bench_") for p in script.parent.glob("bench_*.py"))
+        raise FileNotFoundError(f"no benchmark {script} (known: {known})")
+    sys.argv = [str(script), *args.args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -29,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML file")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.optim.lr=1e-6")
     p.set_defaults(func=_config)
+    p = sub.add_parser("bench", help="run one benchmark of the suite in benchmarks/")
+    p.add_argument("name", help="e.g. kernels")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark script")
+    p.set_defaults(func=_bench)
     return parser
 
 

@@ -24,3 +24,9 @@ def test_cli_prints_resolved_config_and_reports_errors(capsys):
     assert "n: 4" in capsys.readouterr().out
     assert main(["config", str(CONFIGS[0]), "rollout.nn=4"]) == 2
     assert "rollout.nn: unknown key (did you mean 'n'?)" in capsys.readouterr().err
+
+
+def test_cli_bench_names_unknown_benchmarks(capsys):
+    assert main(["bench", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "bench_nope.py" in err and "known: ['kernels']" in err

@@ -1,0 +1,126 @@
+"""Kernel benchmark: each kernel against its eager reference, side by side in one run.
+
+    python benchmarks/bench_kernels.py [--quick]
+
+Prints time (median of repeats) and extra peak memory (bytes allocated above
+the inputs, tracked by a TorchDispatchMode-free method: the CPU allocator's
+RSS is too coarse, so tensors' own storage sizes are summed through
+torch.profiler's memory events) and the ratio reference / kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from hybridflow.kernels import (
+    fused_linear_logprob_entropy, fused_linear_reference, gae, gae_reference, logprob_entropy,
+    logprob_entropy_reference)
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up (and JIT build of the extension)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _peak_extra_bytes(fn) -> int:
+    """Peak of live bytes allocated during `fn`, from the profiler's allocation events."""
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    events = sorted((e for e in prof.events() if e.cpu_memory_usage), key=lambda e: e.time_range.start)
+    for e in events:
+        live += e.cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def _row(name, ref_fn, fast_fn, repeats, memory=True):
+    t_ref, t_fast = _time(ref_fn, repeats), _time(fast_fn, repeats)
+    m_ref = _peak_extra_bytes(ref_fn) if memory else 0
+    m_fast = _peak_extra_bytes(fast_fn) if memory else 0
+    mem = f"{m_ref / 2**20:9.1f} {m_fast / 2**20:9.1f} {m_fast / max(m_ref, 1):6.3f}" if memory else " " * 33
+    print(f"{name:44s} {t_ref * 1e3:10.2f} {t_fast * 1e3:10.2f} {t_ref / t_fast:7.1f}x {mem}", flush=True)
+
+
+def bench_gae(sizes, repeats):
+    for t in sizes:
+        g = torch.Generator().manual_seed(0)
+        r, v = torch.randn(64, t, generator=g), torch.randn(64, t, generator=g)
+        m = torch.ones(64, t)
+        _row(f"gae B=64 T={t} (loop ref vs cpu)", lambda: gae_reference(r, v, m, 0.99, 0.95),
+             lambda: gae(r, v, m, 0.99, 0.95, backend="cpu"), repeats, memory=False)
+
+
+def _logprob_case(n, v, backward):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(n, v, generator=g).requires_grad_(backward)
+    labels = torch.randint(0, v, (n,), generator=g)
+
+    def run(fn):
+        def go():
+            lp, ent = fn(logits, labels)
+            if backward:
+                (lp.sum() + ent.sum()).backward()
+                logits.grad = None
+        return go
+    return run
+
+
+def bench_logprob(shapes, repeats):
+    for n, v in shapes:
+        for backward in (False, True):
+            run = _logprob_case(n, v, backward)
+            _row(f"logprob+entropy {n}x{v} {'fwd+bwd' if backward else 'fwd'}",
+                 run(logprob_entropy_reference), run(lambda x, y: logprob_entropy(x, y, backend="cpu")),
+                 repeats)
+
+
+def bench_fused(n, hiddens, vocab, repeats):
+    for h in hiddens:
+        g = torch.Generator().manual_seed(0)
+        hidden = torch.randn(n, h, generator=g).requires_grad_(True)
+        weight = (torch.randn(vocab, h, generator=g) * 0.02).requires_grad_(True)
+        labels = torch.randint(0, vocab, (n,), generator=g)
+
+        def run(fn):
+            def go():
+                lp, ent = fn(hidden, weight, labels)
+                (lp.sum() + ent.sum()).backward()
+                hidden.grad = weight.grad = None
+            return go
+        _row(f"fused linear {n}x{h}->{vocab} fwd+bwd", run(fused_linear_reference),
+             run(fused_linear_logprob_entropy), repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes, for a smoke run")
+    args = parser.parse_args()
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}")
+    print(f"{'kernel':44s} {'ref ms':>10s} {'ours ms':>10s} {'speedup':>8s} "
+          f"{'ref MiB':>9s} {'ours MiB':>9s} {'mem':>6s}")
+    if args.quick:
+        bench_gae([128], 2)
+        bench_logprob([(256, 4096)], 2)
+        bench_fused(256, [64], 4096, 2)
+        return
+    bench_gae([512, 2048, 8192], 3)
+    bench_logprob([(4096, 32000), (4096, 151936)], 3)
+    bench_fused(4096, [896, 3584], 151936, 1)
+
+
+if __name__ == "__main__":
+    main()
