@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.kernels.logprob import _chunk_grad, logprob_entropy
+from hybridflow.kernels.logprob import _chunk_grad, incoming_grads, logprob_entropy
 
 DEFAULT_CHUNK = 512
 
@@ -40,8 +40,7 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, labels, logp, entropy = ctx.saved_tensors
-        g_logp = torch.zeros_like(logp) if g_logp is None else g_logp.float()
-        g_ent = torch.zeros_like(logp) if g_ent is None else g_ent.float()
+        g_logp, g_ent = incoming_grads(g_logp, g_ent, logp)
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for s in range(0, hidden.shape[0], ctx.chunk):

@@ -50,6 +50,12 @@ def _chunk_grad(x, labels, lse, entropy, g_logp, g_ent, label_grad=None):
     return grad.to(x.dtype)
 
 
+def incoming_grads(g_logp, g_ent, like: torch.Tensor):
+    """float32 upstream gradients; an output that was not used arrives as None."""
+    zeros = torch.zeros_like(like, dtype=torch.float32)
+    return (zeros if g_logp is None else g_logp.float(), zeros if g_ent is None else g_ent.float())
+
+
 class _ChunkedLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, chunk):
@@ -62,8 +68,7 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         logits, labels, lse, entropy = ctx.saved_tensors
-        g_logp = torch.zeros_like(lse) if g_logp is None else g_logp.float()
-        g_ent = torch.zeros_like(lse) if g_ent is None else g_ent.float()
+        g_logp, g_ent = incoming_grads(g_logp, g_ent, lse)
         grad = torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.chunk):
             e = s + ctx.chunk
@@ -81,8 +86,7 @@ class _CpuLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         logits, labels, lse, entropy = ctx.saved_tensors
-        g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
-        g_ent = torch.zeros_like(lse) if g_ent is None else g_ent
+        g_logp, g_ent = incoming_grads(g_logp, g_ent, lse)
         return cpu_extension().logprob_entropy_backward(logits, labels, lse, entropy, g_logp, g_ent), None
 
 

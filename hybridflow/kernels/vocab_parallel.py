@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybridflow.kernels.logprob import _chunk_grad
+from hybridflow.kernels.logprob import _chunk_grad, incoming_grads
 
 
 def _local_target(shard: torch.Tensor, labels: torch.Tensor, start: int) -> torch.Tensor:
@@ -47,8 +47,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         shard, labels, lse, entropy = ctx.saved_tensors
-        g_logp = torch.zeros_like(lse) if g_logp is None else g_logp.float()
-        g_ent = torch.zeros_like(lse) if g_ent is None else g_ent.float()
+        g_logp, g_ent = incoming_grads(g_logp, g_ent, lse)
         local = labels - ctx.start
         inside = (local >= 0) & (local < shard.shape[-1])
         # The label term lands only on the rank that owns the label.
