@@ -6,8 +6,9 @@ name raises KeyError naming it and the nearest registered name.
 """
 from __future__ import annotations
 
-import difflib
 from typing import Callable, TypeVar
+
+from hybridflow.utils import nearest_name
 
 F = TypeVar("F", bound=Callable)
 
@@ -34,7 +35,6 @@ def lookup(table: dict[str, Callable], name: str, what: str) -> Callable:
     if name in table:
         return table[name]
     # Compare case-insensitively so "GRPO" points at "grpo".
-    lowered = {key.lower(): key for key in table}
-    nearest = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.0)
-    hint = f"; nearest registered: {lowered[nearest[0]]!r}" if nearest else ""
+    nearest = nearest_name(name, table, cutoff=0.0, ignore_case=True)
+    hint = f"; nearest registered: {nearest!r}" if nearest else ""
     raise KeyError(f"unknown {what} {name!r}{hint} (registered: {', '.join(sorted(table))})")

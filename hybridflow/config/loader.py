@@ -6,7 +6,6 @@ nearest valid key, so a user can fix a 40-line YAML file from one message.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from hybridflow.config.schema import Config
+from hybridflow.utils import nearest_name
 
 
 class ConfigError(ValueError):
@@ -26,8 +26,8 @@ class ConfigError(ValueError):
 
 
 def _nearest(name: str, choices: typing.Iterable[str]) -> str:
-    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
-    return f" (did you mean '{match[0]}'?)" if match else ""
+    match = nearest_name(name, choices)
+    return f" (did you mean '{match}'?)" if match else ""
 
 
 def _join(path: str, key: str) -> str:

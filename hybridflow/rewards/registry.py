@@ -12,7 +12,6 @@ loaded, so a wrong one fails at start-up instead of mid-training.
 """
 from __future__ import annotations
 
-import difflib
 import hashlib
 import importlib.util
 import inspect
@@ -23,6 +22,7 @@ from typing import Any, Callable, Mapping
 
 from hybridflow.rewards.arithmetic import arithmetic_reward
 from hybridflow.rewards.gsm8k import gsm8k_flexible_reward, gsm8k_reward
+from hybridflow.utils import nearest_name
 
 __all__ = ["RewardFn", "register_reward", "get_reward_fn", "registered_rewards", "default_reward",
            "DATA_SOURCE_REWARDS"]
@@ -74,8 +74,8 @@ def registered_rewards() -> list[str]:
 
 
 def _suggest(word: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(word, options, n=1, cutoff=0.5)
-    hint = f"did you mean {close[0]!r}? " if close else ""
+    close = nearest_name(word, options)
+    hint = f"did you mean {close!r}? " if close else ""
     return f"{hint}known: {', '.join(sorted(options))}"
 
 
