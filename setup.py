@@ -15,6 +15,7 @@ CORE = [
     "jinja2>=3.1.6",  # chat templates, rendered the way HF renders them
     "pyarrow>=15",
     "numpy>=1.26",
+    "matplotlib>=3.7",  # `hybridflow plot`; `make demo` ends by drawing the curves
 ]
 
 EXTRAS = {

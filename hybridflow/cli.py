@@ -2,8 +2,9 @@
 
     hybridflow config CONFIG.yaml [key=value ...]   validate and print the resolved config
     hybridflow bench NAME [args ...]                run benchmarks/bench_NAME.py
+    hybridflow plot RUN_DIR                         draw RUN_DIR/metrics.jsonl into RUN_DIR/plots/
 
-Later subcommands (`train`, `bench`, `reshard`, `plot`) hang off the same
+Later subcommands (`train`, `reshard`) hang off the same
 parser. Errors in user input print one line naming the problem and exit 2,
 instead of a traceback.
 """
@@ -36,6 +37,19 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from hybridflow.trainer.plot import PlotError, plot_run
+
+    try:
+        paths = plot_run(args.run_dir)
+    except PlotError as exc:
+        print(f"hybridflow: error: {exc}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="e.g. kernels")
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark script")
     p.set_defaults(func=_bench)
+    p = sub.add_parser("plot", help="draw a run's metrics.jsonl as PNG curves in RUN_DIR/plots/")
+    p.add_argument("run_dir", help="a run directory holding metrics.jsonl")
+    p.set_defaults(func=_plot)
     return parser
 
 

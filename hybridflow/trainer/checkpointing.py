@@ -1,0 +1,223 @@
+"""Checkpoint directories that are either complete or absent.
+
+    root/step_000010/     one directory per saved step (contents: the trainer's)
+    root/latest           "step_000010": the last step saved, written atomically
+    root/.tmp-step_000020-<pid>/   a save in progress, or a crashed one
+
+`CheckpointManager.save(step, write)` lets `write` fill a hidden temporary
+directory, fsyncs it, and only then renames it to `step_XXXXXX`, so a crash or
+a full disk mid-save never leaves a half-written step that `latest()` would
+pick. The trainer decides what goes inside (engine shards through
+dist_checkpointing, dataloader and RNG state through `atomic_write_json` and
+`atomic_torch_save`). Only the controller (one process) saves into a root.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import IO, Any, Callable, Optional
+
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_PARTIAL = re.compile(r"^\.(tmp|old)-(step_\d+)-(\d+)$")
+
+
+class CheckpointError(OSError):
+    """A checkpoint step could not be saved; earlier checkpoints are untouched."""
+
+    def __init__(self, step: int, message: str):
+        self.step = step
+        super().__init__(message)
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+# --- durable files -----------------------------------------------------------
+
+def _fsync_dir(path: Path) -> None:
+    # Makes a rename inside `path` durable. Some filesystems refuse fsync on a
+    # directory (EINVAL); the rename is then as durable as that filesystem allows.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _atomic_write(path: Path | str, write: Callable[[IO[bytes]], None]) -> None:
+    """Write `path` through a temporary sibling, fsync, then os.replace."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path | str, obj: Any) -> None:
+    """`obj` as indented JSON at `path`; readers see the old file or the new one, never half."""
+    data = (json.dumps(obj, indent=2) + "\n").encode()
+    _atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_torch_save(obj: Any, path: Path | str) -> None:
+    """`torch.save(obj, path)`, atomically (same argument order as torch.save)."""
+    import torch
+
+    _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+# --- the manager -------------------------------------------------------------
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class CheckpointManager:
+    """Saves step directories under `root`, keeping the newest `keep_last` (<= 0: all).
+
+    The `latest` marker, not the highest step number, says which checkpoint
+    is current (as in verl and Megatron), so a run resumed from an older step
+    carries on from its own saves.
+    """
+
+    def __init__(self, root: Path | str, keep_last: int):
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._recover()
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / step_dirname(step)
+
+    def all_steps(self) -> list[int]:
+        """Steps with a complete checkpoint directory, ascending."""
+        steps = []
+        for entry in self.root.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if match and entry.is_dir():
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def latest(self) -> Optional[tuple[int, Path]]:
+        """(step, directory) of the last checkpoint saved, or None when there is none.
+
+        The `latest` marker decides; if it is missing, unreadable or names a
+        directory that no longer exists, the newest complete step directory
+        is used instead.
+        """
+        marked = self._read_marker()
+        if marked is not None and self.step_dir(marked).is_dir():
+            return marked, self.step_dir(marked)
+        steps = self.all_steps()
+        return (steps[-1], self.step_dir(steps[-1])) if steps else None
+
+    def save(self, step: int, write: Callable[[Path], None]) -> Path:
+        """Run `write(tmp_dir)`, then publish tmp_dir as `root/step_XXXXXX` and return it.
+
+        If `write` (or the fsync) fails, the temporary directory is removed,
+        existing checkpoints and the marker are left as they were, and a
+        CheckpointError naming the step is raised from the original error.
+        """
+        final = self.step_dir(step)
+        tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            write(tmp)
+            _fsync_tree(tmp)
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(step, f"checkpoint step {step} was not saved to {final}: "
+                                        f"{type(exc).__name__}: {exc}") from exc
+        except BaseException:  # KeyboardInterrupt: clean up, re-raise unchanged
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._publish(tmp, final)
+        self._write_marker(final.name)
+        self._prune(step)
+        return final
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        if final.exists():
+            # A directory cannot be replaced by rename; move the old one aside
+            # first. A crash in between leaves `.old-…`, which _recover restores.
+            old = self.root / f".old-{final.name}-{os.getpid()}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+
+    def _write_marker(self, name: str) -> None:
+        _atomic_write(self.root / LATEST, lambda f: f.write(f"{name}\n".encode()))
+
+    def _read_marker(self) -> Optional[int]:
+        try:
+            text = (self.root / LATEST).read_text().strip()
+        except OSError:
+            return None
+        match = _STEP_DIR.match(text)
+        return int(match.group(1)) if match else None
+
+    def _prune(self, saved: int) -> None:
+        """Keep `saved` and the newest keep_last-1 steps before it.
+
+        Steps after `saved` are from a run abandoned by a resume (a crash
+        after publishing a step but before its marker, or a manual rollback):
+        `latest()` no longer points at them, so they are deleted too.
+        """
+        if self.keep_last <= 0:
+            return
+        older = [s for s in self.all_steps() if s < saved]
+        doomed = older[:max(len(older) - (self.keep_last - 1), 0)]
+        doomed += [s for s in self.all_steps() if s > saved]
+        for step in doomed:
+            shutil.rmtree(self.step_dir(step), ignore_errors=True)
+
+    def _recover(self) -> None:
+        """Clean up after saves that crashed (their process is gone)."""
+        for entry in self.root.iterdir():
+            match = _PARTIAL.match(entry.name)
+            if not match or _pid_alive(int(match.group(3))):
+                continue
+            kind, name = match.group(1), match.group(2)
+            if kind == "old" and not (self.root / name).exists():
+                os.rename(entry, self.root / name)  # crashed between the two renames
+            else:
+                shutil.rmtree(entry, ignore_errors=True)

@@ -1,0 +1,137 @@
+"""CheckpointManager: atomic step directories, latest marker, pruning, failed and crashed saves."""
+import json
+import os
+
+import pytest
+import torch
+
+from hybridflow.trainer import (CheckpointError, CheckpointManager, atomic_torch_save,
+                                atomic_write_json)
+
+DEAD_PID = 4_194_304 + 12_345  # above Linux's largest pid_max: never a live process
+
+
+def _writer(tag: str):
+    def write(d):
+        (d / "model.bin").write_bytes(tag.encode() * 100)
+        (d / "sub").mkdir()
+        atomic_write_json(d / "sub" / "meta.json", {"tag": tag})
+    return write
+
+
+def _hidden(root):
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+
+
+def test_save_publishes_a_complete_directory_and_marker(tmp_path):
+    mgr = CheckpointManager(tmp_path / "ckpt", keep_last=0)
+    assert mgr.latest() is None and mgr.all_steps() == []
+    seen = []
+
+    def write(d):
+        seen.append(d)
+        assert d.parent == mgr.root and d.name.startswith(".tmp-step_000010-")
+        _writer("a")(d)
+
+    path = mgr.save(10, write)
+    assert path == mgr.root / "step_000010" and not seen[0].exists()
+    assert json.loads((path / "sub" / "meta.json").read_text()) == {"tag": "a"}
+    assert (mgr.root / "latest").read_text().strip() == "step_000010"
+    assert mgr.latest() == (10, path)
+    assert _hidden(mgr.root) == []
+
+
+def test_saving_a_step_again_replaces_it(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=0)
+    mgr.save(3, _writer("old"))
+    path = mgr.save(3, _writer("new"))
+    assert json.loads((path / "sub" / "meta.json").read_text()) == {"tag": "new"}
+    assert mgr.all_steps() == [3] and _hidden(tmp_path) == []
+
+
+def test_keep_last_prunes_the_oldest(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    for step in (5, 10, 15, 20):
+        mgr.save(step, _writer(str(step)))
+    assert mgr.all_steps() == [15, 20] and mgr.latest()[0] == 20
+    keep_all = CheckpointManager(tmp_path, keep_last=0)
+    keep_all.save(25, _writer("x"))
+    assert keep_all.all_steps() == [15, 20, 25]
+
+
+@pytest.mark.parametrize("keep_last, kept", [(2, [10, 12]), (0, [10, 12, 20])])
+def test_a_resumed_run_follows_the_marker_and_prunes_the_abandoned_steps(tmp_path, keep_last,
+                                                                          kept):
+    # Step 20 was published but the crash came before its marker: resume from 10.
+    mgr = CheckpointManager(tmp_path, keep_last=keep_last)
+    mgr.save(10, _writer("a"))
+    mgr.save(20, _writer("abandoned"))
+    (tmp_path / "latest").write_text("step_000010\n")
+    assert mgr.latest()[0] == 10
+    mgr.save(12, _writer("resumed"))
+    assert mgr.all_steps() == kept and mgr.latest()[0] == 12
+
+
+def test_failed_write_keeps_the_previous_checkpoint_and_removes_tmp(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=1)
+    good = mgr.save(10, _writer("good"))
+
+    def write(d):
+        (d / "shard_0.bin").write_bytes(b"x" * 1000)  # part-way through
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(CheckpointError, match="step 20") as err:
+        mgr.save(20, write)
+    assert isinstance(err.value, OSError) and "No space left" in str(err.value)
+    assert err.value.step == 20 and err.value.__cause__.errno == 28
+    assert mgr.latest() == (10, good) and mgr.all_steps() == [10]
+    assert (tmp_path / "latest").read_text().strip() == "step_000010"
+    assert json.loads((good / "sub" / "meta.json").read_text()) == {"tag": "good"}
+    assert _hidden(tmp_path) == []
+
+
+def test_stale_tmp_dirs_and_markers_are_ignored_then_cleaned(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=0)
+    mgr.save(10, _writer("a"))
+    # A save of step 30 that crashed mid-write, and one by a live process.
+    crashed = tmp_path / f".tmp-step_000030-{DEAD_PID}"
+    live = tmp_path / f".tmp-step_000040-{os.getpid()}"
+    for d in (crashed, live):
+        d.mkdir()
+        (d / "model.bin").write_bytes(b"partial")
+    assert mgr.latest()[0] == 10 and mgr.all_steps() == [10]
+    # A marker naming a step that was deleted by hand falls back to the newest directory.
+    (tmp_path / "latest").write_text("step_000099\n")
+    assert mgr.latest() == (10, tmp_path / "step_000010")
+    (tmp_path / "latest").write_text("garbage")
+    assert mgr.latest()[0] == 10
+    (tmp_path / "latest").unlink()
+    assert mgr.latest()[0] == 10
+    CheckpointManager(tmp_path, keep_last=0)  # a restarted run cleans up dead saves only
+    assert not crashed.exists() and live.exists()
+
+
+def test_crash_between_renames_restores_the_old_directory(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=0)
+    mgr.save(10, _writer("a"))
+    os.rename(tmp_path / "step_000010", tmp_path / f".old-step_000010-{DEAD_PID}")
+    mgr = CheckpointManager(tmp_path, keep_last=0)
+    assert mgr.latest() == (10, tmp_path / "step_000010")
+    assert _hidden(tmp_path) == []
+
+
+def test_atomic_file_helpers(tmp_path):
+    atomic_write_json(tmp_path / "state.json", {"step": 3, "seed": [1, 2]})
+    atomic_write_json(tmp_path / "state.json", {"step": 4})
+    assert json.loads((tmp_path / "state.json").read_text()) == {"step": 4}
+    state = {"rng": torch.get_rng_state(), "x": torch.arange(4)}
+    atomic_torch_save(state, tmp_path / "rng.pt")
+    loaded = torch.load(tmp_path / "rng.pt")
+    assert torch.equal(loaded["x"], state["x"])
+    with pytest.raises(TypeError):  # not JSON-serialisable: the old file stays, no tmp left
+        atomic_write_json(tmp_path / "state.json", {"bad": object()})
+    assert json.loads((tmp_path / "state.json").read_text()) == {"step": 4}
+    with pytest.raises(Exception):  # pickling fails part-way through the file
+        atomic_torch_save({"x": torch.zeros(1000), "f": lambda: 0}, tmp_path / "rng.pt")
+    assert torch.equal(torch.load(tmp_path / "rng.pt")["x"], state["x"])
+    assert _hidden(tmp_path) == []
