@@ -1,0 +1,163 @@
+"""The one place megatron-core is adapted to a CPU-only PyTorch (DESIGN §4).
+
+megatron-core assumes CUDA in a handful of spots a CPU run reaches:
+
+- literal `device="cuda"` and `torch.cuda.current_device()` for scratch
+  tensors and for DDP's contiguous param/grad buffers;
+- the CUDA RNG tracker (`get_cuda_rng_tracker().fork()` wraps attention
+  dropout even at p=0);
+- `param.type() == "torch.cuda.FloatTensor"` checks in the optimizer.
+
+Rather than editing megatron-core, `apply()` gives each loaded
+`megatron.core` module a view of `torch` (`_CpuTorch`) whose factory
+functions map a CUDA device to the CPU and whose `torch.cuda` answers
+`current_device()` with the CPU; installs an RNG tracker holding CPU
+generator states; and makes `Tensor.type()` report CPU tensors under their
+CUDA names *to megatron-core callers only*. Nothing outside megatron-core
+sees a difference. It is applied by the engine only when it runs on CPU in a
+process without a visible GPU, and it is idempotent.
+
+Known to work on CPU through this layer: GPTModel (local layer spec),
+TP/PP/DP collectives over gloo, Megatron DDP and the distributed optimizer.
+Not supported: sequence parallelism and Transformer Engine layers.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import torch
+
+_APPLIED = False
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
+              "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor")
+
+
+def _on_cpu(device):
+    if device is None:
+        return None
+    if isinstance(device, int) or str(device).startswith("cuda"):
+        return torch.device("cpu")
+    return device
+
+
+def _cpu_factory(fn):
+    def factory(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _on_cpu(kwargs["device"])
+        return fn(*args, **kwargs)
+    factory.__name__ = fn.__name__
+    return factory
+
+
+class _NoStream:
+    """Stands in for CUDA streams: work on CPU is already ordered."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuCuda(types.SimpleNamespace):
+    """`torch.cuda` as seen by megatron-core on CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+def _make_cuda_namespace() -> _CpuCuda:
+    nothing = lambda *a, **k: None  # noqa: E731
+    return _CpuCuda(
+        current_device=lambda: torch.device("cpu"),
+        synchronize=nothing, empty_cache=nothing,
+        default_stream=lambda *a, **k: _NoStream(), current_stream=lambda *a, **k: _NoStream(),
+        Stream=lambda *a, **k: _NoStream(), stream=lambda *a, **k: contextlib.nullcontext(),
+        nvtx=types.SimpleNamespace(range_push=nothing, range_pop=nothing),
+    )
+
+
+class _CpuTorch(types.ModuleType):
+    """`torch` as seen by megatron-core modules on CPU; everything else passes through."""
+
+    def __init__(self):
+        super().__init__("torch")
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+        self.cuda = _make_cuda_namespace()
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        setattr(self, name, value)  # cache: later lookups are plain attribute reads
+        return value
+
+
+def _install_cpu_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Megatron's named RNG streams, kept as CPU generator states."""
+
+        def add(self, name, seed):
+            if seed in self.seeds_ or name in self.states_:
+                raise Exception(f"rng state {name} / seed {seed} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def _patch_tensor_type() -> None:
+    """`t.type()` says `torch.cuda.FloatTensor` for a CPU float tensor, to megatron callers only."""
+    original = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or name.startswith("torch.cuda."):
+            return name
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        return name.replace("torch.", "torch.cuda.", 1) if caller.startswith("megatron.") else name
+
+    torch.Tensor.type = type_
+
+
+def _megatron_modules():
+    # Import what the engine uses first, so every module that holds `torch` is patched.
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+    return [m for n, m in list(sys.modules.items()) if n.startswith("megatron.") and m is not None]
+
+
+def apply() -> None:
+    """Adapt megatron-core to this CPU-only process (idempotent)."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("the CPU compatibility layer is for processes without a visible GPU; "
+                           "set CUDA_VISIBLE_DEVICES='' to train on CPU on a GPU machine")
+    cpu_torch = _CpuTorch()
+    for module in _megatron_modules():
+        if getattr(module, "torch", None) is torch:
+            module.torch = cpu_torch
+    _install_cpu_rng_tracker()
+    _patch_tensor_type()
+    _APPLIED = True

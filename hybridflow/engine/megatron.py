@@ -1,0 +1,331 @@
+"""The training engine: a megatron-core GPTModel built and loaded from an HF checkpoint.
+
+`MegatronEngine` owns one model replica's shard on this rank: the GPTModel
+(local layer spec, so it runs without Transformer Engine), Megatron DDP and
+its (distributed) optimizer with an LR schedule. Roles (actor, critic,
+reference in `hybridflow.workers`) hand it micro-batches and a loss
+function; it never knows which algorithm runs (STYLE rule 6).
+
+Batches are RL sequences: a left-padded prompt followed by a right-padded
+response, so real tokens are one contiguous run per row. Megatron's GPTModel
+numbers positions 0..S-1 for every row, so each row is rotated to start at
+column 0 before the forward pass and the outputs are rotated back; with only
+right padding left, the plain causal mask is exact.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hybridflow.config.schema import OptimConfig, ParallelConfig
+from hybridflow.engine.distributed import Layout, init_model_parallel
+from hybridflow.models.bridge import get_bridge
+from hybridflow.models.checkpoint import resolve_dtype
+from hybridflow.models.config import DecoderConfig
+from hybridflow.models.decoder import rope_inv_freq
+from hybridflow.models.sharding import shard_tensor, unshard_tensor
+
+# A role's step function: (model output [B, S, ...] in the caller's column order,
+# micro-batch) -> (scalar loss, metrics or outputs to collect).
+StepFn = Callable[[Tensor, dict[str, Any]], tuple[Tensor, dict[str, Any]]]
+
+
+def left_align_index(attention_mask: Tensor) -> Tensor:
+    """Column gather index [B, S] that rotates each row's real tokens to column 0.
+
+    Assumes one contiguous run of real tokens per row (left-padded prompt +
+    right-padded response). `x.gather(1, idx)` aligns; `scatter` undoes it.
+    """
+    s = attention_mask.shape[-1]
+    shift = (attention_mask.long().cumsum(-1) == 0).sum(-1, keepdim=True)  # leading pads
+    return (torch.arange(s, device=attention_mask.device)[None] + shift) % s
+
+
+def unalign(x: Tensor, idx: Tensor) -> Tensor:
+    """Inverse of `x_aligned = x.gather(1, idx)` for x [B, S, ...]."""
+    index = idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand_as(x)
+    return torch.empty_like(x).scatter(1, index, x)
+
+
+class ValueHead(nn.Module):
+    """The critic's output layer: hidden -> one value, replicated across TP."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
+
+    def forward(self, hidden_states: Tensor, weight=None, runtime_gather_output=None):
+        return hidden_states @ self.weight.t(), None
+
+
+@dataclass
+class StepStats:
+    grad_norm: float
+    lr: float
+    update_ok: bool
+
+
+def transformer_config(cfg: DecoderConfig, parallel: ParallelConfig, dtype: torch.dtype, device: str):
+    from megatron.core.transformer import TransformerConfig
+
+    if len(set(cfg.layer_windows)) > 1:
+        raise NotImplementedError("the Megatron engine supports one attention window for all layers; "
+                                  f"this model has {sorted(set(map(str, cfg.layer_windows)))}")
+    window = cfg.layer_windows[0] if cfg.layer_windows else None
+    return TransformerConfig(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_heads, num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=cfg.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False,
+        window_size=None if window is None else (window - 1, 0),
+        tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp, sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=device == "cpu", perform_initialization=False)
+
+
+class MegatronEngine:
+    """One rank's shard of a megatron-core GPTModel, its DDP wrapper and optimizer.
+
+    optim=None builds a frozen, forward-only engine (the reference policy).
+    value_head=True replaces the vocabulary output layer by a scalar head (the critic).
+    """
+
+    def __init__(self, model_cfg: DecoderConfig, parallel: ParallelConfig,
+                 optim: Optional[OptimConfig] = None, *, device: str = "cpu", dtype: str = "float32",
+                 make_vocab_size_divisible_by: int = 128, value_head: bool = False,
+                 total_steps: int = 1, seed: int = 0):
+        if device == "cpu":
+            from hybridflow.engine import cpu_compat
+            cpu_compat.apply()
+        self.cfg, self.parallel, self.device = model_cfg, parallel, device
+        self.dtype = resolve_dtype(dtype)
+        self.value_head = value_head
+        self.layout: Layout = init_model_parallel(parallel, device)
+        from megatron.core import tensor_parallel
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)  # Megatron's named RNG streams
+        self.bridge = get_bridge(model_cfg, make_vocab_size_divisible_by, parallel.tp)
+        self.tconfig = transformer_config(model_cfg, parallel, self.dtype, device)
+        self.module = self._build_model()
+        self.optimizer = self.scheduler = None
+        self.model: nn.Module = self.module
+        if optim is not None:
+            self._build_ddp_and_optimizer(optim, total_steps)
+        else:
+            self.module.requires_grad_(False)
+            self.module.eval()
+
+    # -- construction ---------------------------------------------------------
+    def _build_model(self) -> nn.Module:
+        from megatron.core import parallel_state as ps
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        cfg = self.cfg
+        model = GPTModel(
+            config=self.tconfig, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=self.bridge.padded_vocab, max_sequence_length=cfg.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+            position_embedding_type="rope", rotary_base=int(cfg.rope_theta),
+            share_embeddings_and_output_weights=cfg.tie_word_embeddings and not self.value_head)
+        # RoPE frequencies (incl. linear / llama3 scaling) come from the one
+        # definition the plain decoder uses, so both layouts agree exactly.
+        model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(self._torch_device())
+        if self.value_head and model.post_process:
+            model.output_layer = ValueHead(cfg.hidden_size, self.dtype)
+        model.to(self._torch_device())
+        if self.dtype != torch.float32:
+            from megatron.core.transformer.module import Float16Module
+            model = Float16Module(self.tconfig, model)
+        return model
+
+    def _torch_device(self) -> torch.device:
+        return torch.device("cpu") if self.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
+
+    def _build_ddp_and_optimizer(self, optim: OptimConfig, total_steps: int) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=self.parallel.distributed_optimizer)
+        self.model = DistributedDataParallel(self.tconfig, ddp_cfg, self.module)
+        self.tconfig.no_sync_func = self.model.no_sync
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
+        ocfg = OptimizerConfig(
+            optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+            adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
+            clip_grad=optim.grad_clip, bf16=self.dtype == torch.bfloat16, fp16=False,
+            params_dtype=self.dtype, use_distributed_optimizer=self.parallel.distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(ocfg, [self.model])
+        decay = max(1, total_steps)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr,
+            min_lr=optim.min_lr, lr_warmup_steps=optim.warmup_steps,
+            lr_decay_steps=max(decay, optim.warmup_steps + 1), lr_decay_style=optim.lr_schedule,
+            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay,
+            wd_incr_style="constant")
+
+    # -- weights --------------------------------------------------------------
+    def _named_params(self) -> dict[str, Tensor]:
+        inner = self.module.module if hasattr(self.module, "module") else self.module
+        return dict(inner.named_parameters())
+
+    def load_hf_state_dict(self, hf: dict[str, Tensor]) -> None:
+        """Copy full HF tensors into this rank's shards, in place (DDP buffers keep their storage)."""
+        full = self.bridge.hf_to_megatron(hf)
+        params = self._named_params()
+        with torch.no_grad():
+            for entry in self.bridge.entries():
+                if self.value_head and entry.megatron == "output_layer.weight":
+                    continue
+                if entry.megatron not in params:
+                    continue  # lives on another pipeline stage
+                piece = shard_tensor(full[entry.megatron], entry.shard, self.layout.tp_rank, self.layout.tp)
+                params[entry.megatron].copy_(piece)
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """The full model in HF names and layout, gathered over TP (pp=1)."""
+        from megatron.core import parallel_state as ps
+
+        if self.parallel.pp > 1:
+            raise NotImplementedError("HF export from pipeline-parallel engines goes through tools/reshard")
+        if self.value_head:
+            raise NotImplementedError("a critic is not an HF causal LM; save it with state_dict()")
+        params, full = self._named_params(), {}
+        for entry in self.bridge.entries():
+            local = params[entry.megatron].detach()
+            if self.layout.tp > 1 and entry.shard.dim is not None:
+                pieces = [torch.empty_like(local) for _ in range(self.layout.tp)]
+                dist.all_gather(pieces, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+                local = unshard_tensor(pieces, entry.shard)
+            full[entry.megatron] = local.clone()
+        return self.bridge.megatron_to_hf(full)
+
+    def generation_state(self) -> dict[str, Tensor]:
+        """Generation-layout names -> *views* of this rank's parameters (tp=pp=1: the whole model)."""
+        if self.layout.tp > 1 or self.parallel.pp > 1:
+            raise NotImplementedError("views of a sharded engine need the 3D-HybridEngine's reshard")
+        return self.bridge.megatron_to_generation(self._named_params())
+
+    # -- compute --------------------------------------------------------------
+    def _forward_step(self, step_fn: StepFn, data_iterator, model):
+        batch = next(data_iterator)
+        idx = left_align_index(batch["attention_mask"])
+        ids = batch["input_ids"].gather(1, idx).to(self._torch_device())
+        s = ids.shape[1]
+        positions = torch.arange(s, device=ids.device)[None].expand_as(ids)
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
+        output = model(ids, positions, causal)
+        return output, functools.partial(self._loss, step_fn, batch, idx)
+
+    @staticmethod
+    def _loss(step_fn: StepFn, batch: dict[str, Any], idx: Tensor, output: Tensor):
+        output = unalign(output, idx.to(output.device))
+        if output.shape[-1] == 1:
+            output = output.squeeze(-1)
+        return step_fn(output, batch)
+
+    def run(self, micro_batches: list[dict[str, Any]], step_fn: StepFn,
+            forward_only: bool = False) -> list[dict[str, Any]]:
+        """Forward (and backward) over micro-batches; returns what each step_fn reported.
+
+        Each micro-batch holds at least "input_ids" and "attention_mask" [b, S].
+        Megatron divides each loss by len(micro_batches), so a step_fn that
+        returns its micro-batch's share of the mini-batch loss times
+        len(micro_batches) gives exactly the mini-batch gradient.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not forward_only and self.optimizer is None:
+            raise RuntimeError("this engine is frozen (built without an optimizer)")
+        self.model.train(not forward_only)
+        with torch.set_grad_enabled(not forward_only):
+            return get_forward_backward_func()(
+                forward_step_func=functools.partial(self._forward_step, step_fn),
+                data_iterator=iter(micro_batches), model=[self.model],
+                num_microbatches=len(micro_batches), seq_length=micro_batches[0]["input_ids"].shape[1],
+                micro_batch_size=micro_batches[0]["input_ids"].shape[0], forward_only=forward_only)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> StepStats:
+        """Apply accumulated gradients (clip, Adam, LR schedule)."""
+        ok, grad_norm, _ = self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step(increment=1)
+        return StepStats(grad_norm=float("nan") if grad_norm is None else float(grad_norm), lr=lr,
+                         update_ok=bool(ok))
+
+    # -- checkpoints (this rank's shard) --------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": {k: v.detach().clone() for k, v in self._named_params().items()}}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+            state["optimizer_params"] = [_param_state(opt) for opt in self.optimizer.chained_optimizers]
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params = self._named_params()
+        with torch.no_grad():
+            for name, value in state["model"].items():
+                params[name].copy_(value)
+        if self.optimizer is not None and "optimizer" in state:
+            self._load_optimizer(state)
+
+    @torch.no_grad()
+    def _load_optimizer(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        for opt, pstate in zip(self.optimizer.chained_optimizers, state["optimizer_params"]):
+            if pstate is not None:
+                opt.load_parameter_state_from_dp_reshardable(pstate)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer.reload_model_params()
+        # Megatron's loader hands every parameter the *same* Adam step tensor;
+        # torch's AdamW then bumps it once per parameter per step. Unshare it.
+        for opt in self.optimizer.chained_optimizers:
+            for param_state in opt.optimizer.state.values():
+                if torch.is_tensor(param_state.get("step")):
+                    param_state["step"] = param_state["step"].clone()
+
+    def shard_path(self, directory: Path) -> Path:
+        """This rank's file inside a checkpoint directory."""
+        lay = self.layout
+        return Path(directory) / f"engine_tp{lay.tp_rank}_pp{lay.pp_rank}_dp{lay.dp_rank}.pt"
+
+
+def _param_state(opt) -> Optional[dict]:
+    """A distributed optimizer's own shard of Adam state, in the form its loader reads back."""
+    if not hasattr(opt, "get_parameter_state_dp_reshardable"):
+        return None
+    state = opt.get_parameter_state_dp_reshardable()
+    for gbuf_idx, by_dtype in state.items():
+        if isinstance(gbuf_idx, int):
+            for buckets in by_dtype.values():
+                for bucket in buckets:
+                    for elem in bucket:
+                        elem.setdefault("padding", False)  # the loader filters on this key
+    return state
+
+
+def iter_micro_batches(batch: dict[str, Any], size: int) -> Iterable[dict[str, Any]]:
+    """Split a batch of tensors/lists along dim 0 into consecutive micro-batches."""
+    n = len(batch["input_ids"])
+    for start in range(0, n, size):
+        yield {k: v[start:start + size] for k, v in batch.items()}

@@ -1,0 +1,38 @@
+"""Tiny models shared by the engine tests (world size 1, gloo, in this process)."""
+import pytest
+import torch
+
+from hybridflow.models import DecoderConfig
+from hybridflow.models.bridge import get_bridge
+from hybridflow.models.decoder import Decoder
+
+TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=96,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=37,
+            max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def tiny_model(**overrides):
+    cfg = DecoderConfig.from_hf_dict({**TINY, **overrides})
+    dec = Decoder(cfg).init_weights(std=0.2, seed=0)
+    return cfg, dec, get_bridge(cfg).generation_to_hf(dict(dec.state_dict()))
+
+
+def rl_batch(vocab: int, b: int = 4, t: int = 5, r: int = 4, seed: int = 0):
+    """Left-padded prompts + right-padded responses, as rollout produces them."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.tensor([5, 3, 4, 1])[:b]
+    resp_len = torch.tensor([4, 2, 1, 3])[:b]
+    pm = (torch.arange(t)[None] >= (t - prompt_len)[:, None]).long()
+    rm = (torch.arange(r)[None] < resp_len[:, None]).long()
+    prompts = torch.randint(4, vocab, (b, t), generator=g) * pm
+    responses = torch.randint(4, vocab, (b, r), generator=g) * rm
+    return {"input_ids": torch.cat([prompts, responses], 1), "attention_mask": torch.cat([pm, rm], 1),
+            "responses": responses, "response_mask": rm}
+
+
+@pytest.fixture(scope="session")
+def megatron_world():
+    """One process group for every engine test in this process."""
+    from hybridflow.engine.distributed import init_process_group
+    init_process_group("cpu")
+    yield
