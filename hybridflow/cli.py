@@ -1,17 +1,19 @@
 """The `hybridflow` command line.
 
+    hybridflow train CONFIG.yaml [key=value ...]    run PPO/GRPO end to end
     hybridflow config CONFIG.yaml [key=value ...]   validate and print the resolved config
     hybridflow bench NAME [args ...]                run benchmarks/bench_NAME.py
     hybridflow plot RUN_DIR                         draw RUN_DIR/metrics.jsonl into RUN_DIR/plots/
 
-Later subcommands (`train`, `reshard`) hang off the same
-parser. Errors in user input print one line naming the problem and exit 2,
+Later subcommands (`reshard`) hang off the same parser. Errors in user input print one line naming the problem and exit 2,
 instead of a traceback.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+import warnings
 
 import yaml
 
@@ -22,6 +24,48 @@ def _config(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     yaml.safe_dump(to_dict(cfg), sys.stdout, sort_keys=False)
     return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    from hybridflow.config import load_config
+    from hybridflow.trainer.trainer import RLTrainer, TrainingError
+
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # CPU runs: see engine/cpu_compat.py
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    # megatron-core narrates its set-up at INFO and warns about deprecations
+    # it calls itself; the run's own progress is what the user wants to see.
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", module=r"(megatron|torch\.distributed)(\..*)?")
+    start = time.perf_counter()
+    cfg = load_config(args.config, args.overrides)
+    try:
+        summary = RLTrainer(cfg).fit()
+    except TrainingError as exc:
+        print(f"hybridflow: error: {exc}", file=sys.stderr)
+        return 1
+    _report(summary, time.perf_counter() - start)
+    return 0
+
+
+def _report(summary: dict, seconds: float) -> None:
+    first, last = summary.get("start", {}), summary.get("end", {})
+    lines = [f"done: {summary.get('steps', 0)} steps in {seconds / 60:.1f} min"]
+    if "val/accuracy" in first and "val/accuracy" in last:
+        lines.append(f"held-out accuracy: {first['val/accuracy']:.1%} -> {last['val/accuracy']:.1%} "
+                     f"({int(first.get('val/n', 0))} prompts, greedy)")
+    run_dir = summary["run_dir"]
+    lines.append(f"metrics:    {run_dir / 'metrics.jsonl'}")
+    for plot in summary.get("plots", []):
+        lines.append(f"plot:       {plot}")
+    if "checkpoint" in summary:
+        lines.append(f"checkpoint: {summary['checkpoint']}")
+    if "hf_actor" in summary:
+        lines.append(f"HF model:   {summary['hf_actor']}")
+    print("\n".join(lines))
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -53,6 +97,10 @@ def _plot(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="run PPO/GRPO end to end from a config")
+    p.add_argument("config", help="YAML file")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=10")
+    p.set_defaults(func=_train)
     p = sub.add_parser("config", help="validate a config and print it with every default filled in")
     p.add_argument("config", help="YAML file")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.optim.lr=1e-6")
@@ -69,11 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from hybridflow.config import ConfigError
+    from hybridflow.data.dataset import DatasetError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError) as exc:
+    except (ConfigError, DatasetError, FileNotFoundError) as exc:
         print(f"hybridflow: error: {exc}", file=sys.stderr)
         return 2
 

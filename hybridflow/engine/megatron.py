@@ -275,11 +275,15 @@ class MegatronEngine:
     # -- checkpoints (this rank's shard) --------------------------------------
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"model": {k: v.detach().clone() for k, v in self._named_params().items()}}
-        if self.optimizer is not None:
+        if self.optimizer is not None and self._has_stepped():
             state["optimizer"] = self.optimizer.state_dict()
             state["optimizer_params"] = [_param_state(opt) for opt in self.optimizer.chained_optimizers]
             state["scheduler"] = self.scheduler.state_dict()
         return state
+
+    def _has_stepped(self) -> bool:
+        """Adam state exists only after the first step (Megatron cannot save it before)."""
+        return any(len(opt.optimizer.state) for opt in self.optimizer.chained_optimizers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         params = self._named_params()

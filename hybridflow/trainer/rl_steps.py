@@ -1,0 +1,101 @@
+"""The stages of one RL iteration as small functions on a batch dict (fields in `data.fields`).
+
+rollout -> score -> [reference log-probs] -> old log-probs -> [KL in reward]
+-> [values] -> advantages; the trainer picks which stages run when it is
+built (STYLE rule 7), so none of these branch on the config.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from hybridflow.algos import AdvantageInputs, apply_kl_penalty, compute_advantages, group_stats
+from hybridflow.data import fields as F
+from hybridflow.rollout import GenerationOutput
+
+Batch = dict[str, Any]
+
+
+def repeat_rows(values: Sequence[Any], n: int) -> list[Any]:
+    """Prompt-major repeat, matching the generator's row order."""
+    return [v for v in values for _ in range(n)]
+
+
+def assemble_rollout(prompts: Batch, out: GenerationOutput, n: int, tokenizer) -> Batch:
+    """The training batch for B prompts x n samples: ids [B*n, T+R] and per-row lists."""
+    batch: Batch = {
+        F.PROMPTS: out.prompts,
+        F.RESPONSES: out.responses,
+        F.RESPONSE_MASK: out.response_mask,
+        F.ROLLOUT_LOG_PROBS: out.log_probs,
+        F.INPUT_IDS: torch.cat([out.prompts, out.responses], dim=1),
+        F.ATTENTION_MASK: torch.cat([out.prompt_mask, out.response_mask], dim=1),
+        F.RESPONSE_TEXT: [tokenizer.decode(r[m.bool()].tolist()) for r, m in
+                          zip(out.responses, out.response_mask)],
+        F.UID: repeat_rows([str(i) for i in prompts[F.INDEX]], n),
+    }
+    for key in (F.DATA_SOURCE, F.GROUND_TRUTH, F.EXTRA_INFO, F.INDEX, F.PROMPT_TEXT):
+        batch[key] = repeat_rows(prompts[key], n)
+    return batch
+
+
+def score(batch: Batch, reward_fn: Callable) -> Tensor:
+    """SCORES [B] from the rule-based reward of each decoded response."""
+    return torch.tensor([float(reward_fn(src, text, truth, extra)) for src, text, truth, extra in zip(
+        batch[F.DATA_SOURCE], batch[F.RESPONSE_TEXT], batch[F.GROUND_TRUTH], batch[F.EXTRA_INFO])])
+
+
+def token_scores(scores: Tensor, mask: Tensor) -> Tensor:
+    """SCORES placed on each row's last response token [B, R]."""
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    last = (mask.long().sum(-1) - 1).clamp(min=0)
+    rows = torch.arange(len(scores))
+    out[rows, last] = scores.float() * mask.bool().any(-1)
+    return out
+
+
+def kl_in_reward(batch: Batch, kl_coef: float, kind: str) -> tuple[Tensor, float]:
+    return apply_kl_penalty(batch[F.TOKEN_SCORES], batch[F.OLD_LOG_PROBS], batch[F.REF_LOG_PROBS],
+                            batch[F.RESPONSE_MASK], kl_coef, kind)
+
+
+def advantages(batch: Batch, estimator: str, gamma: float, lam: float, norm_by_std: bool) -> tuple[Tensor, Tensor]:
+    inputs = AdvantageInputs(
+        mask=batch[F.RESPONSE_MASK], token_rewards=batch[F.TOKEN_REWARDS], scores=batch[F.SCORES],
+        values=batch.get(F.VALUES), group_ids=batch[F.UID], gamma=gamma, lam=lam, norm_by_std=norm_by_std)
+    return compute_advantages(estimator, inputs)
+
+
+def nonuniform_rows(batch: Batch) -> Tensor:
+    """Rows whose group's scores are not all equal (they carry a learning signal)."""
+    stats = group_stats(batch[F.SCORES].float(), batch[F.UID])
+    return stats.std > 1e-6
+
+
+def select_rows(batch: Batch, keep: Tensor) -> Batch:
+    idx = keep.nonzero().flatten()
+    out: Batch = {}
+    for key, value in batch.items():
+        out[key] = value[idx] if isinstance(value, Tensor) else [value[int(i)] for i in idx]
+    return out
+
+
+def rollout_metrics(batch: Batch, prefix: str = "") -> dict[str, float]:
+    scores, mask = batch[F.SCORES].float(), batch[F.RESPONSE_MASK]
+    lengths = mask.sum(-1).float()
+    return {
+        f"{prefix}reward/mean": scores.mean().item(),
+        f"{prefix}reward/accuracy": (scores >= 1.0).float().mean().item(),
+        f"{prefix}response/length_mean": lengths.mean().item(),
+        f"{prefix}response/length_max": lengths.max().item(),
+    }
+
+
+def real_tokens(batch: Batch) -> int:
+    return int(batch[F.ATTENTION_MASK].sum())
+
+
+def maybe(value: Optional[float]) -> float:
+    return float("nan") if value is None else float(value)
