@@ -1,0 +1,150 @@
+"""End to end: the PPO/GRPO trainer on the tiny configs in configs/, plus its bad-input errors."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridflow.config import ConfigError, load_config
+from hybridflow.data.dataset import DatasetError
+from hybridflow.trainer import read_metrics
+from hybridflow.trainer.checkpointing import CheckpointError
+from hybridflow.trainer.trainer import RLTrainer, TrainingError
+
+pytestmark = pytest.mark.usefixtures("megatron_world")
+ROOT = Path(__file__).resolve().parents[2]
+DETERMINISTIC = ("reward/", "response/", "actor/", "critic/", "val/", "batch/")
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    from hybridflow.engine.distributed import init_process_group
+    init_process_group("cpu")
+
+
+def config(name: str, tmp_path: Path, *overrides: str):
+    return load_config(ROOT / "configs" / name, [f"trainer.output_dir={tmp_path}", *overrides])
+
+
+def in_repo(cfg):
+    """Config paths are relative to the repo root."""
+    cfg.model.path = str(ROOT / cfg.model.path)
+    cfg.data.train_files = [str(ROOT / f) for f in cfg.data.train_files]
+    cfg.data.val_files = [str(ROOT / f) for f in cfg.data.val_files]
+    return cfg
+
+
+def learned(metrics: list[dict]) -> dict[int, dict]:
+    return {m["step"]: {k: v for k, v in m.items() if k.startswith(DETERMINISTIC)} for m in metrics}
+
+
+def test_grpo_runs_saves_exports_and_resumes_identically(tmp_path):
+    full = in_repo(config("tiny-grpo.yaml", tmp_path / "a"))
+    summary = RLTrainer(full).fit()
+    run = summary["run_dir"]
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert {"reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/clip_frac",
+            "timing/rollout_s", "perf/tokens_per_s"} <= records[1].keys()
+    assert "val/accuracy" in records[0] and "val/accuracy" in records[2]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")) == \
+        ["step_000002", "step_000004"]
+    assert (run / "plots" / "metrics.png").is_file()
+
+    # The exported actor loads in transformers and gives the engine's logits.
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(summary["hf_actor"])
+    tok = transformers.AutoTokenizer.from_pretrained(summary["hf_actor"])
+    ids = torch.tensor([tok("123+456=")["input_ids"]])
+    from hybridflow.models.checkpoint import load_decoder
+    ours = load_decoder(summary["hf_actor"])(ids)
+    torch.testing.assert_close(hf(ids).logits, ours, atol=1e-4, rtol=1e-4)
+
+    # Interrupted after step 2, resumed: the same metrics as the uninterrupted run.
+    part = in_repo(config("tiny-grpo.yaml", tmp_path / "b"))
+    RLTrainer(part).fit(stop_after=2)
+    resumed = in_repo(config("tiny-grpo.yaml", tmp_path / "b", "trainer.resume=auto"))
+    RLTrainer(resumed).fit()
+    again = read_metrics(tmp_path / "b" / "tiny-grpo" / "metrics.jsonl")
+    assert [r["step"] for r in again] == [0, 1, 2, 3, 4]
+    want, got = learned(records), learned(again)
+    for step in (3, 4):
+        assert got[step].keys() == want[step].keys()
+        for key, value in want[step].items():
+            assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+
+
+def test_ppo_with_critic_reference_and_kl(tmp_path):
+    cfg = in_repo(config("tiny-ppo.yaml", tmp_path))
+    summary = RLTrainer(cfg).fit()
+    records = read_metrics(summary["run_dir"] / "metrics.jsonl")
+    last = records[-1]
+    for key in ("critic/vf_loss", "critic/grad_norm", "actor/kl", "actor/kl_loss", "actor/kl_coef",
+                "actor/kl_in_reward"):
+        assert key in last and math.isfinite(last[key]), key
+    ckpt = summary["checkpoint"]
+    assert (ckpt / "critic").is_dir() and (ckpt / "actor").is_dir()
+
+
+def test_missing_model_path_is_named(tmp_path):
+    cfg = in_repo(config("tiny-grpo.yaml", tmp_path))
+    cfg.model.path = str(tmp_path / "no-such-model")
+    with pytest.raises(ConfigError, match="model.path: model path does not exist: .*no-such-model"):
+        RLTrainer(cfg)
+
+
+def test_tokenizer_model_vocab_mismatch(tmp_path):
+    from hybridflow.data.tokenizer import build_char_tokenizer
+    tok_dir = build_char_tokenizer("0123456789+=abcdefghij", tmp_path / "tok")
+    cfg = in_repo(config("tiny-grpo.yaml", tmp_path, f"model.tokenizer_path={tok_dir}"))
+    with pytest.raises(ConfigError, match="has 26 tokens but the model .* has vocab_size 16"):
+        RLTrainer(cfg)
+
+
+def test_dataset_without_usable_prompts(tmp_path):
+    cfg = in_repo(config("tiny-grpo.yaml", tmp_path, "data.max_prompt_length=3"))
+    with pytest.raises(DatasetError, match="no usable prompts"):
+        RLTrainer(cfg)
+
+
+def test_nan_loss_stops_with_step_and_metric_and_keeps_last_checkpoint(tmp_path, monkeypatch):
+    cfg = in_repo(config("tiny-grpo.yaml", tmp_path, "trainer.save_every=1"))
+    trainer = RLTrainer(cfg)
+    real = trainer.actor.policy_loss
+
+    def poisoned(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out._replace(loss=out.loss * float("nan")) if trainer_step["now"] == 2 else out
+
+    trainer_step = {"now": 0}
+    original_step = trainer.train_step
+
+    def tracked(step):
+        trainer_step["now"] = step
+        return original_step(step)
+
+    monkeypatch.setattr(trainer.actor, "policy_loss", poisoned)
+    monkeypatch.setattr(trainer, "train_step", tracked)
+    with pytest.raises(TrainingError, match=r"step 2: actor/pg_loss is nan; .*step_000001"):
+        trainer.fit()
+    assert trainer.ckpt.latest()[0] == 1
+    assert json.loads((trainer.ckpt.latest()[1] / "trainer.json").read_text())["step"] == 1
+
+
+def test_full_disk_when_saving_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    cfg = in_repo(config("tiny-grpo.yaml", tmp_path, "trainer.save_every=1", "trainer.total_steps=2"))
+    trainer = RLTrainer(cfg)
+    trainer.fit(stop_after=1)
+    first = trainer.ckpt.latest()
+    real_save = torch.save
+
+    def full_disk(obj, f, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match="step 2 .*No space left on device"):
+        trainer.save_checkpoint(2)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert trainer.ckpt.latest() == first
+    assert trainer.ckpt.all_steps() == [1]
