@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridflow.models.config import DecoderConfig
+from hybridflow.models.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -59,36 +60,44 @@ def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):
-    """cos/sin [B, T, head_dim] for integer positions [B, T]."""
-    freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
+    """cos/sin [B, T, 1, 1, head_dim] for integer positions [B, T] (broadcast over groups, heads)."""
+    freqs = position_ids[..., None, None, None].float() * inv_freq.to(position_ids.device)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, heads, T, head_dim] by the half-split convention HF uses."""
+    """Rotate x [B, T, groups, heads, head_dim] by the half-split convention HF uses."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, layer: int):
         super().__init__()
         self.cfg = cfg
+        self.layer = layer  # its slot in a KVCache
         self.qkv = nn.Linear(cfg.hidden_size, cfg.qkv_size, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, mask, cache: Optional[KVCache] = None):
         cfg = self.cfg
         b, t, _ = x.shape
         hpg, hd = cfg.heads_per_group, cfg.head_dim
         # [B, T, groups, heads_per_group + 2, head_dim]: Megatron's grouped layout.
         qkv = self.qkv(x).view(b, t, -1, hpg + 2, hd)
-        q = qkv[:, :, :, :hpg].reshape(b, t, -1, hd).transpose(1, 2)
-        k = qkv[:, :, :, hpg].transpose(1, 2)
+        qk = apply_rope(qkv[:, :, :, :hpg + 1], cos, sin)  # queries and key of each group at once
+        k = qk[:, :, :, hpg].transpose(1, 2)
         v = qkv[:, :, :, hpg + 1].transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)
+        if t == 1:
+            # One query per head (a decode step): a group's heads are the query
+            # rows of its one kv head, so keys are never expanded or copied.
+            out = F.scaled_dot_product_attention(qk[:, 0, :, :hpg], k, v, attn_mask=mask)
+            return self.proj(out.reshape(b, 1, -1))
+        q = qk[:, :, :, :hpg].reshape(b, t, -1, hd).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hpg > 1)
         return self.proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -105,15 +114,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, layer: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+    def forward(self, x, cos, sin, mask, cache: Optional[KVCache] = None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -146,7 +155,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -185,3 +194,26 @@ class Decoder(nn.Module):
         h = self.hidden_states(input_ids, attention_mask, position_ids)
         return F.linear(h, self.output_weight)
 
+    def forward_cached(self, input_ids, cache: KVCache, attention_mask=None,
+                       last_only: bool = False) -> torch.Tensor:
+        """Logits [b, t, V] (or [b, 1, V]) of `input_ids` [b, t] following what `cache` holds.
+
+        Keys and values are appended to `cache`, positions continue from each
+        row's real tokens so far; `attention_mask` [b, t] (default all ones)
+        marks left padding. On an empty cache `b` may divide the cache batch
+        (prefill a prompt once for several rows, see `KVCache.append`).
+        """
+        position_ids = cache.append(input_ids.shape[1], attention_mask)
+        x = self.embed(input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
+        windows = set(self.cfg.layer_windows)
+        if cache.start == 0:  # nothing cached before: attend among the new tokens only
+            if attention_mask is None:
+                attention_mask = torch.ones_like(input_ids)
+            masks = {w: build_attention_mask(attention_mask, w) for w in windows}
+        else:
+            masks = {w: cache.attention_mask(w) for w in windows}
+        for layer, window in zip(self.layers, self.cfg.layer_windows):
+            x = layer(x, cos, sin, masks[window], cache)
+        h = self.norm(x[:, -1:] if last_only else x)
+        return F.linear(h, self.output_weight)

@@ -1,0 +1,106 @@
+"""Rollout benchmark: the built-in Generator against HF `generate` on the same weights.
+
+    python benchmarks/bench_rollout.py [--quick] [--threads N]
+
+A small Llama-shaped model is built here with random weights, saved as an HF
+checkpoint and loaded by `transformers`, so both engines run identical
+float32 weights on the same left-padded prompts. Decoding is greedy and both
+generate exactly `--new-tokens` tokens per row (no EOS; `min_new_tokens` for
+HF). Runs of the two alternate and the median of `--repeats` is reported,
+since other processes on a shared machine shift single timings. `same`
+is the fraction of generated tokens on which the two engines agree.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+import torch
+
+from hybridflow.models import Decoder, DecoderConfig, save_decoder
+from hybridflow.rollout import Generator, SamplingParams
+
+MODEL = dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=704,
+             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             rms_norm_eps=1e-5, max_position_embeddings=2048)
+PAD = 0
+
+
+def _prompts(batch: int, max_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts [batch, max_len] with lengths between max_len/2 and max_len."""
+    g = torch.Generator().manual_seed(batch)
+    lengths = torch.randint(max_len // 2, max_len + 1, (batch,), generator=g)
+    mask = (torch.arange(max_len)[None] >= max_len - lengths[:, None]).long()
+    ids = torch.randint(1, vocab, (batch, max_len), generator=g) * mask
+    return ids, mask
+
+
+def _time(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench(ours: Generator, hf_model, batches, prompt_len: int, new_tokens: int, repeats: int) -> None:
+    params = SamplingParams(max_new_tokens=new_tokens, do_sample=False)
+    hf_kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                     pad_token_id=PAD, eos_token_id=None)
+    for batch in batches:
+        ids, mask = _prompts(batch, prompt_len, MODEL["vocab_size"])
+        out = ours.generate(ids, mask, params)  # warm-up of both, and the agreement check
+        with torch.no_grad():
+            ref = hf_model.generate(ids, attention_mask=mask, **hf_kwargs)[:, prompt_len:]
+        assert out.responses.shape == ref.shape == (batch, new_tokens), (out.responses.shape, ref.shape)
+        same = (out.responses == ref).float().mean().item()
+        t_ours, t_hf = [], []
+        for _ in range(repeats):
+            t_ours.append(_time(lambda: ours.generate(ids, mask, params)))
+            with torch.no_grad():
+                t_hf.append(_time(lambda: hf_model.generate(ids, attention_mask=mask, **hf_kwargs)))
+        t_ours, t_hf = statistics.median(t_ours), statistics.median(t_hf)
+        tokens = batch * new_tokens
+        print(f"{batch:6d} {prompt_len:7d} {new_tokens:7d} {tokens / t_ours:10.0f} {tokens / t_hf:10.0f} "
+              f"{t_hf / t_ours:7.2f}x {same:6.3f}", flush=True)
+
+
+def main() -> None:
+    import transformers
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="few tokens, small batches, for a smoke run")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="torch intra-op threads (default: the CPUs this process may use)")
+    parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
+    parser.add_argument("--prompt-len", type=int, default=64, help="longest prompt (shortest is half)")
+    parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+    cfg = DecoderConfig.from_hf_dict(MODEL)
+    decoder = Decoder(cfg).init_weights(std=0.02, seed=0).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(save_decoder(decoder, tmp)).eval()
+    ours = Generator(decoder, pad_token_id=PAD)
+
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}, transformers {transformers.__version__}")
+    print(f"model: llama, hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads "
+          f"({cfg.num_kv_heads} kv), ffn {cfg.intermediate_size}, vocab {cfg.vocab_size}, float32; greedy")
+    print(f"{'batch':>6s} {'prompt':>7s} {'new':>7s} {'ours tok/s':>10s} {'HF tok/s':>10s} "
+          f"{'speedup':>8s} {'same':>6s}")
+    if args.quick:
+        bench(ours, hf_model, [1, 4], 16, 8, 1)
+        return
+    batches = [int(b) for b in args.batches.split(",")]
+    bench(ours, hf_model, batches, args.prompt_len, args.new_tokens, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The built-in rollout engine: batched generation with a KV cache on the plain `Decoder`.
+
+    gen = Generator(decoder, pad_token_id=tok.pad_token_id, tokenizer=tok)
+    out = gen.generate(input_ids, attention_mask, SamplingParams(max_new_tokens=256, n=4))
+
+Prompts come left-padded; each prompt is prefilled once and its cache rows
+shared by its `n` samples. Every decode step runs all rows together, finished
+rows included (fed padding, their outputs discarded), so the step is the same
+few tensor ops whatever the batch; the loop stops once every row has ended.
+The one per-row Python loop is the stop-string check, which has to decode
+text and runs only when `stop` strings are given.
+
+Weights are read from the model's parameters at each call (the hybrid engine
+hands over a decoder whose parameters are views of the training weights).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from hybridflow.models.decoder import Decoder
+from hybridflow.models.kv_cache import KVCache
+from hybridflow.rollout.sampling import SamplingParams, sample
+
+# Tokens decoded per stop-string check, per character of the longest stop
+# string: a character can span several byte-level tokens.
+_TOKENS_PER_CHAR = 4
+
+
+@dataclass
+class GenerationOutput:
+    """B*n rows, prompt-major (prompt 0 x n, prompt 1 x n, ...)."""
+    prompts: torch.Tensor        # [B*n, T] long, left-padded
+    prompt_mask: torch.Tensor    # [B*n, T] long
+    responses: torch.Tensor      # [B*n, R] long, right-padded with pad_token_id; R = longest response
+    response_mask: torch.Tensor  # [B*n, R] long, 1 on generated tokens including the EOS
+    log_probs: torch.Tensor      # [B*n, R] float32, log-prob of each chosen token, 0 on padding
+
+
+class Generator:
+    def __init__(self, model: Decoder, pad_token_id: int, tokenizer: Any = None):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.tokenizer = tokenizer  # anything with .decode(list[int]) -> str; needed for stop strings
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
+                 generator: Optional[torch.Generator] = None) -> GenerationOutput:
+        """Sample up to `params.max_new_tokens` tokens after each left-padded prompt [B, T].
+
+        Reproducible: the same inputs and the same `generator` state give the same output.
+        """
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: Generator(model, pad_token_id, tokenizer)")
+        n, steps = params.n, params.max_new_tokens
+        b, t = input_ids.shape
+        rows, device = b * n, input_ids.device
+        cache = KVCache(self.model.cfg, rows, t + steps, self.model.embed.weight.dtype, device)
+        logits = self.model.forward_cached(input_ids, cache, attention_mask, last_only=True)[:, -1]
+        logits = logits.repeat_interleave(n, 0)
+
+        tokens = input_ids.new_full((rows, steps), self.pad_token_id)
+        log_probs = torch.zeros(rows, steps, device=device)
+        mask = torch.zeros(rows, steps, dtype=torch.long, device=device)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+        length = 0
+        while True:
+            token, log_prob = sample(logits, params, generator)
+            token = token.masked_fill(done, self.pad_token_id)
+            tokens[:, length] = token
+            log_probs[:, length] = log_prob.masked_fill(done, 0.0)
+            mask[:, length] = (~done).long()
+            done |= torch.isin(token, stop_ids)
+            length += 1
+            if params.stop:
+                done |= self._completes_stop_string(tokens[:, :length], done, params.stop)
+            if length == steps or bool(done.all()):
+                break
+            logits = self.model.forward_cached(token[:, None], cache)[:, -1]
+
+        return GenerationOutput(
+            prompts=input_ids.repeat_interleave(n, 0),
+            prompt_mask=attention_mask.long().repeat_interleave(n, 0),
+            responses=tokens[:, :length].contiguous(),
+            response_mask=mask[:, :length].contiguous(),
+            log_probs=log_probs[:, :length].contiguous(),
+        )
+
+    def _completes_stop_string(self, tokens: torch.Tensor, done: torch.Tensor,
+                               stop: tuple[str, ...]) -> torch.Tensor:
+        """Rows [N] (bool) not yet done whose last token completes one of `stop`.
+
+        Only the tail of each row is decoded: an earlier occurrence would
+        already have ended the row.
+        """
+        lookback = _TOKENS_PER_CHAR * max(len(s) for s in stop)
+        tails = tokens[:, -lookback:].tolist()
+        hits = torch.zeros_like(done)
+        for row in (~done).nonzero().flatten().tolist():
+            text = self.tokenizer.decode(tails[row])
+            hits[row] = any(s in text for s in stop)
+        return hits

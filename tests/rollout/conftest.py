@@ -1,0 +1,57 @@
+"""Tiny random decoders for the rollout tests, and the same weights loaded by `transformers`."""
+import pytest
+import torch
+
+from hybridflow.models import Decoder, DecoderConfig, save_decoder
+
+PAD = 0
+# One switch each: grouped-query attention; QKV bias + tied embeddings + a
+# single kv head; a sliding window shorter than the sequences.
+FAMILIES = {
+    "llama-gqa": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2),
+    "qwen2-bias-tied": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=1,
+                            tie_word_embeddings=True),
+    "mistral-window": dict(model_type="mistral", num_attention_heads=8, num_key_value_heads=2,
+                           head_dim=8, sliding_window=5),
+}
+
+
+def tiny_decoder(family: str, seed: int = 0, vocab_size: int = 101) -> Decoder:
+    """Weights large enough (std 0.15, random biases and norm gains) for varied greedy text."""
+    cfg = DecoderConfig.from_hf_dict(dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        rope_theta=5000.0, max_position_embeddings=128, rms_norm_eps=1e-5, **FAMILIES[family]))
+    model = Decoder(cfg).init_weights(std=0.15, seed=seed).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def left_padded_prompts(vocab_size: int, lengths=(9, 4, 1, 7), seed: int = 0):
+    """input_ids, attention_mask [len(lengths), max(lengths)]: left-padded with PAD, no PAD inside."""
+    g = torch.Generator().manual_seed(seed)
+    t = max(lengths)
+    mask = (torch.arange(t)[None] >= t - torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(1, vocab_size, (len(lengths), t), generator=g) * mask
+    return ids, mask
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request):
+    return request.param
+
+
+@pytest.fixture
+def hf_twin(tmp_path):
+    """`hf_twin(decoder)`: the decoder's weights loaded by transformers from an HF checkpoint."""
+    import transformers
+
+    def load(model: Decoder):
+        path = save_decoder(model, tmp_path / model.cfg.model_type)
+        return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    return load
