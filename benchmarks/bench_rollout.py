@@ -24,9 +24,17 @@ import torch
 from hybridflow.models import Decoder, DecoderConfig, save_decoder
 from hybridflow.rollout import Generator, SamplingParams
 
-MODEL = dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=704,
-             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             rms_norm_eps=1e-5, max_position_embeddings=2048)
+# "small": a Llama-shaped model where the matrix multiplies dominate a step;
+# "demo": the shape `make demo` generates with (hidden 128, 16-token vocab),
+# where per-step overhead dominates, as it does for short RL responses.
+SHAPES = {
+    "small": dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=704,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  rms_norm_eps=1e-5, max_position_embeddings=2048),
+    "demo": dict(model_type="llama", vocab_size=16, hidden_size=128, intermediate_size=384,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                 rms_norm_eps=1e-6, max_position_embeddings=2048),
+}
 PAD = 0
 
 
@@ -46,11 +54,12 @@ def _time(fn) -> float:
 
 
 def bench(ours: Generator, hf_model, batches, prompt_len: int, new_tokens: int, repeats: int) -> None:
+    vocab = ours.model.cfg.vocab_size
     params = SamplingParams(max_new_tokens=new_tokens, do_sample=False)
     hf_kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                      pad_token_id=PAD, eos_token_id=None)
     for batch in batches:
-        ids, mask = _prompts(batch, prompt_len, MODEL["vocab_size"])
+        ids, mask = _prompts(batch, prompt_len, vocab)
         out = ours.generate(ids, mask, params)  # warm-up of both, and the agreement check
         with torch.no_grad():
             ref = hf_model.generate(ids, attention_mask=mask, **hf_kwargs)[:, prompt_len:]
@@ -78,12 +87,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64, help="longest prompt (shortest is half)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small", help="model shape (see SHAPES)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
-    cfg = DecoderConfig.from_hf_dict(MODEL)
+    cfg = DecoderConfig.from_hf_dict(SHAPES[args.shape])
     decoder = Decoder(cfg).init_weights(std=0.02, seed=0).eval()
     with tempfile.TemporaryDirectory() as tmp:
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(save_decoder(decoder, tmp)).eval()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -326,10 +326,3 @@ def _param_state(opt) -> Optional[dict]:
                     for elem in bucket:
                         elem.setdefault("padding", False)  # the loader filters on this key
     return state
-
-
-def iter_micro_batches(batch: dict[str, Any], size: int) -> Iterable[dict[str, Any]]:
-    """Split a batch of tensors/lists along dim 0 into consecutive micro-batches."""
-    n = len(batch["input_ids"])
-    for start in range(0, n, size):
-        yield {k: v[start:start + size] for k, v in batch.items()}

@@ -17,8 +17,8 @@ PLOT_METRICS = (
     "actor/kl",
     "actor/entropy",
     "response/length_mean",
-    "actor/pg_clipfrac",
-    "critic/value_loss",
+    "actor/clip_frac",
+    "critic/vf_loss",
     "actor/grad_norm",
 )
 

@@ -12,6 +12,7 @@ of (seed, step), so a resumed run repeats an uninterrupted one exactly.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from contextlib import contextmanager
@@ -265,7 +266,6 @@ class RLTrainer:
         step, directory = found
         for name, engine in self._trained_engines().items():
             engine.load_state_dict(torch.load(engine.shard_path(directory / name), weights_only=False))
-        import json
         state = json.loads((directory / "trainer.json").read_text())
         self.kl_ctrl.value = state["kl_coef"]
         log.info("resumed from %s (step %d)", directory, step)

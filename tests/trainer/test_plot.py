@@ -19,7 +19,7 @@ def _run(tmp_path) -> Path:
     with Tracker(run, ["jsonl"], total_steps=20) as tracker:
         for step in range(1, 21):
             metrics = {"reward/mean": step / 20, "actor/kl": 0.01 * math.sin(step),
-                       "critic/value_loss": float("nan"),  # all-NaN: skipped
+                       "critic/vf_loss": float("nan"),  # all-NaN: skipped
                        "response/length_mean": 100 + step}
             if step % 5 == 0:
                 metrics["val/accuracy"] = step / 40
