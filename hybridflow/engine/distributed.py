@@ -50,10 +50,9 @@ def init_process_group(device: str = "cpu") -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
         return
-    # A single process run directly (demo, tests): a world of one.
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group(backend, rank=0, world_size=1)
+    # A single process run directly (demo, tests): a world of one. The
+    # address is not exported, so child processes cannot collide with it.
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
 
 
 def init_model_parallel(parallel: ParallelConfig, device: str = "cpu") -> Layout:

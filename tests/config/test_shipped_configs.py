@@ -29,4 +29,4 @@ def test_cli_prints_resolved_config_and_reports_errors(capsys):
 def test_cli_bench_names_unknown_benchmarks(capsys):
     assert main(["bench", "nope"]) == 2
     err = capsys.readouterr().err
-    assert "bench_nope.py" in err and "known: ['kernels']" in err
+    assert "bench_nope.py" in err and "'kernels'" in err and "'rollout'" in err
