@@ -36,3 +36,18 @@ def megatron_world():
     from hybridflow.engine.distributed import init_process_group
     init_process_group("cpu")
     yield
+
+
+def dp_case():
+    """A fixed batch and optimizer for the data-parallel equivalence test."""
+    from hybridflow.config.schema import ActorConfig, OptimConfig
+    from hybridflow.data import fields as F
+    cfg, _, hf = tiny_model()
+    batch = rl_batch(cfg.vocab_size)
+    g = torch.Generator().manual_seed(5)
+    batch[F.OLD_LOG_PROBS] = -2.0 + 0.3 * torch.randn(batch["responses"].shape, generator=g)
+    batch[F.ADVANTAGES] = torch.randn(batch["responses"].shape, generator=g) * batch["response_mask"]
+    optim = OptimConfig(lr=1e-2, grad_clip=100.0)
+    # Two prompts' worth per mini-batch, so the global batch is one mini-batch.
+    actor_cfg = ActorConfig(optim=optim, ppo_mini_batch_size=4, ppo_micro_batch_size=1)
+    return cfg, hf, batch, optim, actor_cfg
