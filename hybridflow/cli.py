@@ -41,10 +41,16 @@ def _train(args: argparse.Namespace) -> int:
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", module=r"(megatron|torch\.distributed)(\..*)?")
     start = time.perf_counter()
+    from hybridflow.controller.worker_group import WorkerError
+
     cfg = load_config(args.config, args.overrides)
     try:
-        summary = RLTrainer(cfg).fit()
-    except TrainingError as exc:
+        trainer = RLTrainer(cfg)
+        try:
+            summary = trainer.fit()
+        finally:
+            trainer.shutdown()
+    except (TrainingError, WorkerError) as exc:
         print(f"hybridflow: error: {exc}", file=sys.stderr)
         return 1
     _report(summary, time.perf_counter() - start)

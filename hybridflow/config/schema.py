@@ -190,6 +190,10 @@ class TrainerConfig:
     resume: Literal["disable", "auto"] = "disable"
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     ray_address: Optional[str] = None
+    # Where the worker groups run: "ray" (one Ray actor per device), "local"
+    # (in this process; or this rank's share under torchrun), "auto" (Ray when
+    # n_devices > 1 or ray_address is set, else local).
+    launcher: Literal["auto", "ray", "local"] = "auto"
 
 
 @dataclass

@@ -74,8 +74,29 @@ def nonuniform_rows(batch: Batch) -> Tensor:
     return stats.std > 1e-6
 
 
-def select_rows(batch: Batch, keep: Tensor) -> Batch:
-    idx = keep.nonzero().flatten()
+def tensor_fields(batch: Batch) -> dict[str, Tensor]:
+    """The per-row tensors of a batch: what the workers need (lists stay on the controller)."""
+    return {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+
+
+def fill_to_multiple(batch: Batch, world: int) -> Batch:
+    """Repeat the last rows with zero advantage until the rows split evenly over `world` ranks.
+
+    Used after uniform groups are dropped; a zero-advantage row adds nothing
+    to the policy gradient (it only counts in the token-mean denominator).
+    """
+    rows = len(batch[F.INPUT_IDS])
+    extra = -rows % world
+    if extra == 0 or rows == 0:
+        return batch
+    idx = torch.cat([torch.arange(rows), torch.full((extra,), rows - 1)])
+    out = select_rows({k: v for k, v in batch.items() if k != "metrics"}, idx, by_index=True)
+    out[F.ADVANTAGES][rows:] = 0.0
+    return out
+
+
+def select_rows(batch: Batch, keep: Tensor, by_index: bool = False) -> Batch:
+    idx = keep if by_index else keep.nonzero().flatten()
     out: Batch = {}
     for key, value in batch.items():
         out[key] = value[idx] if isinstance(value, Tensor) else [value[int(i)] for i in idx]

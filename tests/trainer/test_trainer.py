@@ -111,7 +111,8 @@ def test_dataset_without_usable_prompts(tmp_path):
 def test_nan_loss_stops_with_step_and_metric_and_keeps_last_checkpoint(tmp_path, monkeypatch):
     cfg = in_repo(config("tiny-grpo.yaml", tmp_path, "trainer.save_every=1"))
     trainer = RLTrainer(cfg)
-    real = trainer.actor.policy_loss
+    actor = trainer.actor_rollout._worker.actor  # in-process group (trainer.launcher auto, 1 device)
+    real = actor.policy_loss
 
     def poisoned(*args, **kwargs):
         out = real(*args, **kwargs)
@@ -124,7 +125,7 @@ def test_nan_loss_stops_with_step_and_metric_and_keeps_last_checkpoint(tmp_path,
         trainer_step["now"] = step
         return original_step(step)
 
-    monkeypatch.setattr(trainer.actor, "policy_loss", poisoned)
+    monkeypatch.setattr(actor, "policy_loss", poisoned)
     monkeypatch.setattr(trainer, "train_step", tracked)
     with pytest.raises(TrainingError, match=r"step 2: actor/pg_loss is nan; .*step_000001"):
         trainer.fit()
