@@ -1,8 +1,26 @@
-"""Small helpers shared across layers."""
+"""Small helpers shared across layers.
+
+`load_hf_model` (in `hybridflow.utils.hf`) is imported on first use, so the
+config and registry modules that need only `nearest_name` do not pay for torch.
+"""
 from __future__ import annotations
 
 import difflib
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+if TYPE_CHECKING:
+    from hybridflow.utils.hf import CausalLM, HFModel, RewardModel, load_hf_model
+
+__all__ = ["CausalLM", "HFModel", "RewardModel", "load_hf_model", "nearest_name"]
+
+_LAZY = {"CausalLM", "HFModel", "RewardModel", "load_hf_model"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from hybridflow.utils import hf
+        return getattr(hf, name)
+    raise AttributeError(f"module 'hybridflow.utils' has no attribute {name!r}")
 
 
 def nearest_name(name: str, choices: Iterable[str], cutoff: float = 0.5,

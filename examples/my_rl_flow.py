@@ -1,0 +1,80 @@
+"""The DataFlow of the user guide (API.md), runnable: rollout -> [safety ->] reward.
+
+    python examples/my_rl_flow.py --prompts "['042+917=', '123+456=']"
+    python examples/my_rl_flow.py --prompts "['042+917=', '123+456=']" --safety
+    python examples/my_rl_flow.py --prompts "[...]" --async --min-batch 1
+
+The defaults are the models shipped in `hybridflow/assets/`: the demo actor
+(3-digit addition) and a tiny *random* reward model (its scores are
+meaningless; it shows the plumbing), which also serves as the guard.
+Everything runs in this process on the available device; placing nodes on
+separate devices is the controller's job.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+from pathlib import Path
+
+from hybridflow import DataFlow, Node
+from hybridflow.utils import load_hf_model
+
+ASSETS = Path(__file__).resolve().parent.parent / "hybridflow" / "assets"
+
+
+def build_flow(actor_path, rm_path, guard_path=None, max_new_tokens=128) -> DataFlow:
+    rollout_node = Node(
+        name="rollout",
+        model=load_hf_model(actor_path, device_map="auto"),   # any local HF causal LM
+        engine="vllm",            # or "builtin"; falls back with a warning when vLLM is absent
+        forward_fn=lambda model, prompts: model.generate(prompts, max_new_tokens=max_new_tokens),
+    )
+    reward_node = Node(
+        name="reward",
+        model=load_hf_model(rm_path, device_map="auto"),  # sequence classifier
+        forward_fn=lambda model, batch: [model(prompt, response).item() for prompt, response in batch],
+    )
+    dataflow = DataFlow(nodes=[rollout_node, reward_node], edges=[(rollout_node, reward_node)])
+    if guard_path is not None:
+        safety_node = Node(name="safety", model=load_hf_model(guard_path),
+                           forward_fn=lambda model, batch: [model.check(p, r) for p, r in batch])
+        dataflow.add_node(safety_node)
+        dataflow.add_edge(rollout_node, safety_node)   # rollout -> safety
+        dataflow.add_edge(safety_node, reward_node)    # safety -> reward: only passing samples are scored
+    return dataflow
+
+
+def parse_prompts(text: str) -> list[str]:
+    prompts = ast.literal_eval(text)
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
+        raise argparse.ArgumentTypeError(f"--prompts must be a Python list of strings, got {text!r}")
+    return list(prompts)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Run prompts through rollout -> [safety ->] reward.")
+    parser.add_argument("--prompts", type=parse_prompts, required=True,
+                        help="a Python list of prompts, e.g. \"['042+917=', '123+456=']\"")
+    parser.add_argument("--actor", default=str(ASSETS / "demo_model"), help="HF causal LM directory")
+    parser.add_argument("--reward-model", default=str(ASSETS / "tiny_reward_model"),
+                        help="HF sequence-classifier directory")
+    parser.add_argument("--safety", action="store_true", help="add the safety (guard) node")
+    parser.add_argument("--guard", default=None, help="guard directory (default: the reward model)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--async", dest="async_execution", action="store_true",
+                        help="stream chunks: reward starts before rollout finishes")
+    parser.add_argument("--min-batch", type=int, default=1,
+                        help="prompts per chunk with --async (default 1)")
+    args = parser.parse_args(argv)
+
+    guard = (args.guard or args.reward_model) if args.safety else None
+    dataflow = build_flow(args.actor, args.reward_model, guard, args.max_new_tokens)
+    result = dataflow.run(args.prompts, async_execution=args.async_execution, min_batch=args.min_batch)
+    print(result.report())
+    print(f"Final rewards: {[round(r, 4) for r in result.final]}")
+
+
+if __name__ == "__main__":
+    main()

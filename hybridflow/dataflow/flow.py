@@ -1,0 +1,214 @@
+"""`DataFlow`: nodes and edges, checked as they are added, planned into a topological order.
+
+Rules (each broken rule is a `DataFlowError` naming the culprit):
+
+- node names are unique; an edge names nodes already in the flow (by object
+  or by name); no edge is declared twice; edges never close a cycle (the
+  error spells the cycle out: ``a -> b -> a``);
+- at run time the flow has exactly one source, the node without an input
+  edge: it receives the run's inputs. A second source would have no inputs
+  to receive, so it is an error (connect it, or remove it).
+
+Shortcut edges are superseded. When a node has two inputs and one of them is
+an ancestor of the other (``rollout -> reward`` next to ``rollout -> safety
+-> reward``), the nearer path wins and the shortcut is dropped from the plan
+(logged once): adding a filter between two connected nodes takes one node
+and two edges, and only the samples the filter passes reach the node after
+it. The declared edges are kept as written (`DataFlow.edges`); `plan()`
+shows what runs. A node whose inputs are independent branches receives
+their items zipped into tuples, in the order the edges were declared.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence, Union
+
+from hybridflow.dataflow.node import Node
+from hybridflow.utils import nearest_name
+
+__all__ = ["DataFlow", "DataFlowError", "Plan"]
+
+logger = logging.getLogger("hybridflow.dataflow")
+
+NodeRef = Union[Node, str]
+
+
+class DataFlowError(ValueError):
+    """The flow's nodes or edges do not form a runnable DataFlow."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What runs: the node order and each node's effective inputs and outputs."""
+    order: tuple[str, ...]                   # topological; ties keep the order nodes were added
+    source: str
+    sinks: tuple[str, ...]
+    inputs: dict[str, tuple[str, ...]]       # node -> upstream nodes, in declaration order
+    outputs: dict[str, tuple[str, ...]]      # node -> downstream nodes
+    superseded: tuple[tuple[str, str], ...]  # declared shortcut edges left out
+
+
+class DataFlow:
+    """A directed acyclic graph of `Node`s; `run(inputs)` pushes the inputs through it."""
+
+    def __init__(self, nodes: Iterable[Node] = (),
+                 edges: Iterable[tuple[NodeRef, NodeRef]] = ()):
+        self.nodes: dict[str, Node] = {}
+        self.edges: list[tuple[str, str]] = []
+        self._plan: Optional[Plan] = None
+        for node in nodes:
+            self.add_node(node)
+        for edge in edges:
+            if not isinstance(edge, (tuple, list)) or len(edge) != 2:
+                raise DataFlowError(f"an edge is a pair (upstream, downstream), got {edge!r}")
+            self.add_edge(*edge)
+
+    # -- building ---------------------------------------------------------
+    def add_node(self, node: Node) -> Node:
+        if not isinstance(node, Node):
+            raise DataFlowError(f"add_node takes a Node, got {type(node).__name__}")
+        if node.name in self.nodes:
+            raise DataFlowError(f"duplicate node name {node.name!r}: every node in a DataFlow "
+                                f"needs its own name")
+        self.nodes[node.name] = node
+        self._plan = None
+        return node
+
+    def _name(self, ref: NodeRef, edge: str) -> str:
+        name = ref.name if isinstance(ref, Node) else ref
+        if not isinstance(name, str):
+            raise DataFlowError(f"edge {edge}: expected a Node or a node name, got {type(ref).__name__}")
+        if name not in self.nodes:
+            close = nearest_name(name, self.nodes)
+            hint = f"did you mean {close!r}? " if close else ""
+            raise DataFlowError(f"edge {edge}: unknown node {name!r} ({hint}nodes in the flow: "
+                                f"{', '.join(map(repr, self.nodes)) or 'none'}; add it with add_node first)")
+        if isinstance(ref, Node) and self.nodes[name] is not ref:
+            raise DataFlowError(f"edge {edge}: a different node named {name!r} is in the flow")
+        return name
+
+    def add_edge(self, upstream: NodeRef, downstream: NodeRef) -> None:
+        """Route every item `upstream` passes on to `downstream`."""
+        label = f"({_label(upstream)} -> {_label(downstream)})"
+        a, b = self._name(upstream, label), self._name(downstream, label)
+        if (a, b) in self.edges:
+            raise DataFlowError(f"edge {a} -> {b} is already in the flow")
+        path = self._path(b, a)
+        if path is not None:
+            raise DataFlowError(f"edge {a} -> {b} would close a cycle: {' -> '.join(path + [b])}")
+        self.edges.append((a, b))
+        self._plan = None
+
+    # -- graph queries ----------------------------------------------------
+    def _children(self, name: str) -> list[str]:
+        return [b for a, b in self.edges if a == name]
+
+    def _parents(self, name: str) -> list[str]:
+        return [a for a, b in self.edges if b == name]
+
+    def _path(self, start: str, goal: str) -> Optional[list[str]]:
+        """A path start -> ... -> goal along declared edges, or None."""
+        stack, seen = [[start]], {start}
+        while stack:
+            path = stack.pop()
+            if path[-1] == goal:
+                return path
+            for child in self._children(path[-1]):
+                if child not in seen:
+                    seen.add(child)
+                    stack.append(path + [child])
+        return None
+
+    def _ancestors(self, name: str) -> set[str]:
+        out, todo = set(), self._parents(name)
+        while todo:
+            node = todo.pop()
+            if node not in out:
+                out.add(node)
+                todo.extend(self._parents(node))
+        return out
+
+    # -- planning -----------------------------------------------------------
+    def plan(self) -> Plan:
+        """Validate the flow and return what runs (cached until the flow changes)."""
+        if self._plan is None:
+            self._plan = self._build_plan()
+        return self._plan
+
+    validate = plan
+
+    def _effective_inputs(self) -> tuple[dict[str, tuple[str, ...]], list[tuple[str, str]]]:
+        inputs, superseded = {}, []
+        for b in self.nodes:
+            parents = self._parents(b)
+            ancestors = {p: self._ancestors(p) for p in parents}
+            keep = []
+            for u in parents:
+                nearer = [a for a in parents if u in ancestors[a]]
+                if nearer:
+                    superseded.append((u, b))
+                    logger.info("DataFlow: edge %s -> %s is superseded by %s -> %s (%s reaches %s "
+                                "through %s); only what %s passes on reaches %s",
+                                u, b, nearer[0], b, u, b, nearer[0], nearer[0], b)
+                else:
+                    keep.append(u)
+            inputs[b] = tuple(keep)
+        return inputs, superseded
+
+    def _build_plan(self) -> Plan:
+        if not self.nodes:
+            raise DataFlowError("the DataFlow has no nodes")
+        inputs, superseded = self._effective_inputs()
+        sources = [n for n in self.nodes if not inputs[n]]
+        if len(sources) != 1:
+            raise DataFlowError(
+                f"a DataFlow needs exactly one source (a node without an input edge; it receives "
+                f"the run's inputs), found {len(sources)}: {', '.join(map(repr, sources))}; connect "
+                f"the others with add_edge(upstream, node)")
+        outputs = {n: tuple(b for b in self.nodes if n in inputs[b]) for n in self.nodes}
+        order, indegree = [], {n: len(inputs[n]) for n in self.nodes}
+        ready = [n for n in self.nodes if indegree[n] == 0]
+        while ready:
+            node = ready.pop(0)
+            order.append(node)
+            for child in outputs[node]:
+                indegree[child] -= 1
+                if indegree[child] == 0:
+                    ready.append(child)
+        assert len(order) == len(self.nodes), "add_edge admits no cycle"
+        return Plan(order=tuple(order), source=sources[0],
+                    sinks=tuple(n for n in order if not outputs[n]),
+                    inputs=inputs, outputs=outputs, superseded=tuple(superseded))
+
+    # -- running -----------------------------------------------------------
+    def run(self, inputs: Sequence[Any], async_execution: bool = False, min_batch: int = 0):
+        """Push `inputs` (a list of items, e.g. prompts) through the flow -> `FlowResult`.
+
+        Sync (default): each node runs once on everything its upstream passed
+        on, in topological order. `async_execution=True` with `min_batch=N > 0`:
+        the source runs on chunks of N inputs and every node works on each
+        chunk as soon as its upstream finishes it, each node on its own
+        thread; results are re-assembled in input order (identical to sync
+        when forward_fn treats items independently). `min_batch=0` runs sync.
+        `DataflowConfig` maps onto this as
+        `run(inputs, cfg.async_execution, cfg.min_batch_for_reward)`.
+        """
+        from hybridflow.dataflow.execute import run_async, run_sync
+
+        if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
+            raise TypeError(f"DataFlow.run takes a list of input items, got {type(inputs).__name__}")
+        if not isinstance(min_batch, int) or min_batch < 0:
+            raise ValueError(f"min_batch must be an int >= 0, got {min_batch!r}")
+        plan = self.plan()
+        if async_execution and min_batch > 0:
+            return run_async(self.nodes, plan, list(inputs), min_batch)
+        return run_sync(self.nodes, plan, list(inputs))
+
+    def __repr__(self) -> str:
+        edges = ", ".join(f"{a}->{b}" for a, b in self.edges)
+        return f"DataFlow(nodes=[{', '.join(self.nodes)}], edges=[{edges}])"
+
+
+def _label(ref: Any) -> str:
+    return ref.name if isinstance(ref, Node) else str(ref)

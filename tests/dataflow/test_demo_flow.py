@@ -1,0 +1,66 @@
+"""The API.md flow on the shipped models: sync == async, and examples/my_rl_flow.py end to end."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from hybridflow import DataFlow, Node
+from hybridflow.rewards.registry import get_reward_fn
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _truth(prompt: str) -> str:
+    a, b = prompt.rstrip("=").split("+")
+    return f"{int(a) + int(b):0{len(a) + 1}d}"
+
+
+def test_async_matches_sync_with_the_demo_model_and_a_rule_reward(actor):
+    rule = get_reward_fn("arithmetic")
+    rollout = Node(name="rollout", model=actor,
+                   forward_fn=lambda model, prompts: model.generate(prompts, max_new_tokens=8))
+    reward = Node(name="reward", model=rule,
+                  forward_fn=lambda fn, batch: [fn("arithmetic", r, _truth(p)) for p, r in batch])
+    flow = DataFlow(nodes=[rollout, reward], edges=[(rollout, reward)])
+    prompts = [f"{a:03d}+{b:03d}=" for a, b in [(42, 917), (123, 456), (5, 5), (250, 250), (999, 1),
+                                                 (314, 159), (271, 828), (100, 900)]]
+    sync = flow.run(prompts)
+    asyn = flow.run(prompts, async_execution=True, min_batch=2)
+    assert asyn.outputs == sync.outputs and asyn.final == sync.final
+    assert len(sync.final) == 8 and 0 < sum(sync.final) < 8  # the demo model gets some right
+    assert asyn.overlap_s > 0.0 and sync.overlap_s == 0.0
+    assert asyn.stats["rollout"].items_out == 8 and asyn.stats["reward"].items_in == 8
+
+
+def _run_example(*args: str) -> list[str]:
+    proc = subprocess.run(
+        [sys.executable, "examples/my_rl_flow.py", "--prompts", "['042+917=', '123+456=']", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "vLLM is not installed" in proc.stderr or "vllm" not in proc.stderr.lower()
+    return proc.stdout.splitlines()
+
+
+def _rewards(line: str) -> list[float]:
+    match = re.fullmatch(r"Final rewards: \[(.*)\]", line)
+    assert match, line
+    return [float(x) for x in match.group(1).split(",") if x.strip()]
+
+
+def test_example_prints_the_pipeline_report():
+    lines = _run_example()
+    assert len(lines) == 3, lines
+    assert re.fullmatch(r"\[Rollout\] Generated 2 responses in \d+\.\ds", lines[0])
+    assert re.fullmatch(r"\[Reward\] Scored 2 samples in \d+\.\ds", lines[1])
+    assert len(_rewards(lines[2])) == 2
+
+
+def test_example_with_safety_scores_only_passing_samples_async():
+    lines = _run_example("--safety", "--async", "--min-batch", "1")
+    assert len(lines) == 4, lines
+    assert re.fullmatch(r"\[Rollout\] Generated 2 responses in \d+\.\ds", lines[0])
+    passed = re.fullmatch(r"\[Safety\] Passed (\d) of 2 samples in \d+\.\ds", lines[1])
+    assert passed, lines[1]
+    scored = re.fullmatch(r"\[Reward\] Scored (\d) samples? in \d+\.\ds", lines[2])
+    assert scored and scored.group(1) == passed.group(1)
+    assert len(_rewards(lines[3])) == int(passed.group(1))
