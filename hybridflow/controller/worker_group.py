@@ -1,0 +1,469 @@
+"""Worker groups: one SPMD role class run on every device of a pool, driven by the single controller.
+
+    class Doubler(Worker):
+        def __init__(self, scale):
+            self.init_process_group()          # one torch.distributed group per worker group
+            self.scale = scale
+
+        @register(Dispatch.DP_SPLIT)
+        def forward(self, batch):              # sees only its rank's rows
+            return {"y": batch["x"] * self.scale}
+
+    group = RayWorkerGroup(Doubler, ResourcePool([0, 1], "cpu"), 2)
+    out = group.forward({"x": torch.arange(8)})   # chunks out, results concatenated back
+    group.shutdown()
+
+`Worker` is a plain class. Before its `__init__` runs, the group hands it a
+`WorkerContext` (rank, world size, master address and port) and exports it as
+RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, with
+CUDA_VISIBLE_DEVICES="" on CPU, so `init_process_group()` — or megatron-core
+through `hybridflow.engine.distributed` — forms the group's process group
+(gloo on CPU, NCCL on GPU). Methods tagged `@register(mode)` become methods of
+the group that dispatch per `hybridflow.controller.dispatch`.
+
+Two groups with one interface (pick one when the flow is built):
+
+- `RayWorkerGroup(worker_cls, pool, *args, **kwargs)`: one Ray actor per
+  device of the pool. An argument several ranks receive is `ray.put` once
+  and every rank gets the ref (resolved by Ray); a rank's own DP_SPLIT chunk
+  (already a copy with its own storage) goes by value — Ray inlines small
+  ones, which measured 2x faster per call than a put (benchmarks/
+  bench_controller.py), and stores large ones itself. Failures surface as
+  `WorkerError` naming the
+  rank and method: a raising method carries the worker's traceback text; a
+  dying process (crash, SIGKILL, OOM) is reported as soon as Ray notices, and
+  `call_timeout` (seconds, default None = wait) bounds a hung call. A group is
+  SPMD — when one rank fails the others are stuck in collectives — so any
+  failure kills every actor of the group before `WorkerError` is raised.
+- `LocalWorkerGroup(worker_cls, pool=None, *args, **kwargs)`: no Ray. In a
+  plain process it is a world of one that calls the worker in-process (for
+  debugging: breakpoints work). Launched by `torchrun`, every rank runs the
+  controller code itself (SPMD driver) and holds one worker: rank and world
+  come from RANK / WORLD_SIZE, a call runs this rank's share (its DP_SPLIT
+  chunk, its ALL_TO_ALL element) and the results of all ranks are gathered
+  with `all_gather_object`, so every rank gets what a Ray controller would.
+  A failing rank raises on its own; torchrun then stops the others. Call
+  `shutdown()` on every rank before exiting.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from hybridflow.controller.dispatch import Dispatch, collect, dispatch, registered_methods
+from hybridflow.controller.resource_pool import ResourcePool
+
+STARTUP_TIMEOUT_S = 600.0  # actor start plus the worker's __init__ (model build, checkpoint load)
+
+
+class WorkerError(RuntimeError):
+    """A rank of a worker group failed; `rank`, `method` and the worker-side `traceback` text."""
+
+    def __init__(self, rank: int, method: str, reason: str, traceback_text: str = ""):
+        self.rank, self.method, self.reason, self.traceback = rank, method, reason, traceback_text
+        message = f"rank {rank} failed in {method}: {reason}"
+        if traceback_text:
+            message += f"\n--- on rank {rank} ---\n{traceback_text.rstrip()}"
+        super().__init__(message)
+
+    def __reduce__(self):
+        return WorkerError, (self.rank, self.method, self.reason, self.traceback)
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Where one worker sits in its group; exported as the torchrun-style environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int  # on GPU always 0: Ray shows each actor only its own GPU
+    master_addr: str
+    master_port: int
+    device: str  # "cpu" | "cuda"
+
+    def env(self) -> dict[str, str]:
+        env = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+               "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+        if self.device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""  # megatron-core on CPU must not see a GPU
+        return env
+
+
+class Worker:
+    """Base of the classes a worker group runs; `context`, `rank`, `world_size` are set before `__init__`.
+
+    (No `device` attribute here: role classes commonly keep their own torch device under that name.)
+    """
+
+    _context: Optional[WorkerContext] = None
+
+    @property
+    def context(self) -> WorkerContext:
+        if self._context is None:
+            raise RuntimeError(f"{type(self).__name__} was created outside a worker group: it has no rank; "
+                               "create it through RayWorkerGroup or LocalWorkerGroup")
+        return self._context
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.context.world_size
+
+    def init_process_group(self):
+        """Join this group's torch.distributed world (idempotent); returns the WORLD group."""
+        import torch.distributed as dist
+
+        from hybridflow.engine.distributed import init_process_group
+
+        init_process_group(self.context.device)
+        return dist.group.WORLD
+
+
+def _construct(worker_cls: type, context: WorkerContext, args: tuple, kwargs: dict) -> Worker:
+    """Instantiate with the context in place, so `__init__` can already use `self.rank`."""
+    worker = worker_cls.__new__(worker_cls)
+    worker._context = context
+    worker.__init__(*args, **kwargs)
+    return worker
+
+
+def _split_kw(kw_names: tuple, values: tuple) -> tuple[tuple, dict]:
+    cut = len(values) - len(kw_names)
+    return values[:cut], dict(zip(kw_names, values[cut:]))
+
+
+def _flatten(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+    # Ray resolves object refs only when they are top-level arguments, so
+    # keyword values travel positionally after the names.
+    return tuple(kwargs), (*args, *kwargs.values())
+
+
+class _BoundMethod:
+    """`group.<name>`: calls `name` on the workers under its dispatch mode."""
+
+    def __init__(self, group: "_WorkerGroup", name: str, mode: Dispatch, doc: Optional[str]):
+        self._group, self.name, self.mode, self.__doc__ = group, name, mode, doc
+
+    def __call__(self, *args, **kwargs):
+        return self._group._call(self.name, self.mode, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<{self.mode.name} method {self.name} of {self._group!r}>"
+
+
+class _WorkerGroup:
+    """What both groups share: exposing registered methods under their dispatch modes."""
+
+    world_size: int
+
+    def __init__(self, worker_cls: type, pool: ResourcePool):
+        if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
+            raise TypeError(f"worker groups run subclasses of Worker, got {worker_cls!r}")
+        self.worker_cls, self.pool = worker_cls, pool
+        self.world_size = pool.world_size
+        for name, mode in registered_methods(worker_cls).items():
+            if hasattr(type(self), name) or name in vars(self):
+                raise TypeError(f"{worker_cls.__name__}.{name} is registered, but worker groups already have an "
+                                f"attribute {name!r}; rename the method")
+            setattr(self, name, _BoundMethod(self, name, mode, getattr(worker_cls, name).__doc__))
+
+    def _call(self, name: str, mode: Dispatch, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.worker_cls.__name__}, {self.pool!r})"
+
+
+# --------------------------------------------------------------------------- Ray
+
+class _Failure:
+    """A worker-side exception, returned (not raised) so the controller sees rank, method and traceback."""
+
+    def __init__(self, exc: BaseException):
+        self.summary = f"{type(exc).__name__}: {exc}"
+        self.traceback = traceback.format_exc()
+
+
+class _Host:
+    """The Ray actor around one worker: sets up its environment, then forwards calls."""
+
+    def __init__(self, device: str):
+        if device == "cpu":  # before the worker's modules (torch, megatron) are imported
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        self.worker: Optional[Worker] = None
+
+    def node_address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it now (rank 0's becomes the master port)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def setup(self, context: WorkerContext, cls_blob: bytes, kw_names: tuple, *values):
+        from ray import cloudpickle
+
+        os.environ.update(context.env())
+        try:
+            worker_cls = cloudpickle.loads(cls_blob)  # imports the worker's modules under that env
+            args, kwargs = _split_kw(kw_names, values)
+            self.worker = _construct(worker_cls, context, args, kwargs)
+        except Exception as exc:
+            return _Failure(exc)
+        return None
+
+    def call(self, name: str, kw_names: tuple, *values):
+        args, kwargs = _split_kw(kw_names, values)
+        try:
+            return getattr(self.worker, name)(*args, **kwargs)
+        except Exception as exc:
+            return _Failure(exc)
+
+
+def _local_ranks(ips: list[str]) -> list[int]:
+    seen: dict[str, int] = {}
+    out = []
+    for ip in ips:
+        out.append(seen.get(ip, 0))
+        seen[ip] = out[-1] + 1
+    return out
+
+
+def _check_fits(pool: ResourcePool) -> None:
+    """Fail now, not after the start timeout, when the cluster can never hold the pool's CPU processes."""
+    import ray
+
+    if pool.device != "cpu":
+        return  # GPU pools fail fast in their placement-group reservation
+    needed = sum(pool.fraction(rank) for rank in range(pool.world_size))
+    total = ray.cluster_resources().get("CPU", 0.0)
+    if needed > total:
+        raise RuntimeError(f"{pool!r} needs {needed:g} logical CPUs but the Ray cluster has {total:g}; "
+                           "start Ray with more (init_ray(num_cpus=...)) or use fewer devices")
+
+
+class RayWorkerGroup(_WorkerGroup):
+    """`worker_cls(*args, **kwargs)` on every device of `pool`, one Ray actor each.
+
+    call_timeout: seconds a call may take before the group is torn down with
+        a WorkerError naming the ranks that did not answer (None: no bound;
+        dead processes are still reported as soon as Ray notices).
+    """
+
+    def __init__(self, worker_cls: type, pool: ResourcePool, *args, **kwargs):
+        from ray import cloudpickle
+        import ray
+
+        from hybridflow.controller.ray_setup import init_ray
+
+        self.call_timeout: Optional[float] = None
+        self._dead: Optional[WorkerError] = None
+        self._hosts: Optional[list] = []
+        super().__init__(worker_cls, pool)
+        init_ray()
+        _check_fits(pool)
+        host = ray.remote(_Host)
+        try:
+            for rank in range(self.world_size):
+                self._hosts.append(host.options(max_restarts=0, **pool.actor_options(rank)).remote(pool.device))
+            addresses = self._gather([h.node_address.remote() for h in self._hosts], "start", STARTUP_TIMEOUT_S)
+            master_addr, master_port = addresses[0]
+            # On GPU, Ray shows each actor only its own GPU: that is local device 0.
+            local_ranks = (_local_ranks([ip for ip, _ in addresses]) if pool.device == "cpu"
+                           else [0] * self.world_size)
+            contexts = [WorkerContext(rank, self.world_size, local, master_addr, master_port, pool.device)
+                        for rank, local in enumerate(local_ranks)]
+            blob = cloudpickle.dumps(worker_cls)
+            kw_names, values = _flatten(*self._put_once([(args, kwargs)] * self.world_size)[0])
+            self._gather([h.setup.remote(ctx, blob, kw_names, *values) for h, ctx in zip(self._hosts, contexts)],
+                         "__init__", STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def alive(self) -> bool:
+        return self._hosts is not None and self._dead is None
+
+    def pids(self) -> list[int]:
+        """Process id of each rank's actor (debugging; tests kill one)."""
+        return self._gather([h.pid.remote() for h in self._live_hosts()], "pid", self.call_timeout)
+
+    def _call(self, name: str, mode: Dispatch, args: tuple, kwargs: dict) -> Any:
+        hosts = self._live_hosts()
+        per_rank = self._put_once(dispatch(mode, self.world_size, args, kwargs, copy=True))
+        futures = []
+        for host, (rank_args, rank_kwargs) in zip(hosts, per_rank):
+            kw_names, values = _flatten(rank_args, rank_kwargs)
+            futures.append(host.call.remote(name, kw_names, *values))
+        return collect(mode, self._gather(futures, name, self.call_timeout))
+
+    def _live_hosts(self) -> list:
+        if self._dead is not None:
+            raise WorkerError(self._dead.rank, self._dead.method,
+                              f"this group was shut down after that failure: {self._dead.reason}")
+        if self._hosts is None:
+            raise RuntimeError(f"{self!r} has been shut down")
+        return self._hosts
+
+    @staticmethod
+    def _put_once(per_rank: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
+        """Put each argument that several ranks receive into the object store once; they get the ref.
+
+        An argument only one rank receives (its DP_SPLIT chunk) is passed by
+        value: Ray inlines a small one in the call, which is faster than a
+        trip through the object store, and stores a large one itself.
+        """
+        import ray
+
+        uses: dict[int, int] = {}
+        for args, kwargs in per_rank:
+            for value in (*args, *kwargs.values()):
+                uses[id(value)] = uses.get(id(value), 0) + 1
+        refs: dict[int, Any] = {}
+
+        def ref(value):
+            if uses[id(value)] < 2 or value is None or isinstance(value, (bool, int, float, str)):
+                return value
+            if id(value) not in refs:
+                refs[id(value)] = ray.put(value)
+            return refs[id(value)]
+
+        return [(tuple(ref(a) for a in args), {k: ref(v) for k, v in kwargs.items()}) for args, kwargs in per_rank]
+
+    def _gather(self, futures: list, method: str, timeout: Optional[float]) -> list:
+        """Results in rank order; on the first failure tear the group down and raise WorkerError."""
+        import ray
+
+        pending = {ref: rank for rank, ref in enumerate(futures)}
+        results: list[Any] = [None] * len(futures)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            if not ready:
+                ranks = sorted(pending.values())
+                self._fail(WorkerError(ranks[0], method, f"rank(s) {ranks} did not answer within {timeout}s"))
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    out = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    self._fail(WorkerError(rank, method, "its worker process died", str(exc)))
+                except ray.exceptions.RayError as exc:
+                    self._fail(WorkerError(rank, method, type(exc).__name__, str(exc)))
+                if isinstance(out, _Failure):
+                    self._fail(WorkerError(rank, method, out.summary, out.traceback))
+                results[rank] = out
+        return results
+
+    def _fail(self, error: WorkerError) -> None:
+        self.shutdown()
+        self._dead = error
+        raise error
+
+    def shutdown(self) -> None:
+        """Kill every actor of the group (idempotent). The pool's reservation stays for other groups."""
+        if self._hosts is None:
+            return
+        import ray
+
+        for host in self._hosts:
+            try:
+                ray.kill(host, no_restart=True)
+            except Exception:  # already dead; nothing left to free
+                pass
+        self._hosts = None
+
+
+# --------------------------------------------------------------------------- local
+
+def _context_from_env(pool: ResourcePool) -> WorkerContext:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != pool.world_size:
+        raise ValueError(f"{pool!r} has {pool.world_size} device(s) but this job runs {world} process(es) "
+                         "(WORLD_SIZE); launch one process per device, e.g. torchrun --nproc-per-node "
+                         f"{pool.world_size}")
+    rank = int(os.environ.get("RANK", "0"))
+    return WorkerContext(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", str(rank))),
+                         master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                         master_port=int(os.environ.get("MASTER_PORT", "0")), device=pool.device)
+
+
+class LocalWorkerGroup(_WorkerGroup):
+    """The Ray-free group: a world of one in-process, or this rank's share of a torchrun job.
+
+    pool: the devices of the job (default: one per WORLD_SIZE process, on CPU);
+        its size must equal WORLD_SIZE (1 when unset).
+    """
+
+    def __init__(self, worker_cls: type, pool: Optional[ResourcePool] = None, *args, **kwargs):
+        if pool is None:
+            pool = ResourcePool(list(range(int(os.environ.get("WORLD_SIZE", "1")))), "cpu")
+        self._process_group = None
+        self._owns_process_group = False
+        self._worker: Optional[Worker] = None
+        super().__init__(worker_cls, pool)
+        self._context = _context_from_env(pool)
+        if pool.device == "cpu":
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        if self.world_size > 1:  # results are all-gathered over the job's world
+            import torch.distributed as dist
+
+            from hybridflow.engine.distributed import init_process_group
+
+            self._owns_process_group = not dist.is_initialized()
+            init_process_group(pool.device)
+            self._process_group = dist.group.WORLD
+        self._worker = self._run("__init__", lambda: _construct(worker_cls, self._context, args, kwargs))
+
+    @property
+    def rank(self) -> int:
+        return self._context.rank
+
+    @property
+    def alive(self) -> bool:
+        return self._worker is not None
+
+    def _run(self, name: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as exc:
+            raise WorkerError(self.rank, name, f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
+
+    def _call(self, name: str, mode: Dispatch, args: tuple, kwargs: dict) -> Any:
+        if self._worker is None:
+            raise RuntimeError(f"{self!r} has been shut down")
+        rank_args, rank_kwargs = dispatch(mode, self.world_size, args, kwargs)[self.rank]
+        out = self._run(name, lambda: getattr(self._worker, name)(*rank_args, **rank_kwargs))
+        if self._process_group is None:
+            return collect(mode, [out])
+        import torch.distributed as dist
+
+        results: list[Any] = [None] * self.world_size
+        dist.all_gather_object(results, out, group=self._process_group)
+        return collect(mode, results)
+
+    def shutdown(self) -> None:
+        """Drop the worker; tear down the process group if this group created it.
+
+        Under torchrun call it on every rank before exiting: a rank that exits
+        with gloo still connected to a peer can abort the peer.
+        """
+        self._worker = None
+        if self._owns_process_group:
+            import torch.distributed as dist
+
+            dist.barrier(group=self._process_group)
+            dist.destroy_process_group()
+            self._owns_process_group, self._process_group = False, None

@@ -1,0 +1,19 @@
+"""The controller benchmark's measurement runs (tiny sizes); its figures are not asserted."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_controller.py"
+
+
+@pytest.mark.timeout(120)
+def test_measure_dispatch_overhead_reports_every_variant(ray_cluster):
+    spec = importlib.util.spec_from_file_location("bench_controller_under_test", BENCH)
+    bench = importlib.util.module_from_spec(spec)  # not in sys.modules: Ray ships its classes by value
+    spec.loader.exec_module(bench)
+    rows = bench.measure_dispatch_overhead(calls=2, rows=8, world=2)
+    assert [(r["group"], r["call"].split()[0]) for r in rows][:3] == [("ray x2", "ONE_TO_ALL"),
+                                                                      ("ray x2", "DP_SPLIT"), ("ray x2", "DP_SPLIT")]
+    assert {r["group"] for r in rows} == {"ray x2", "ray x2 put-all", "local x1"}
+    assert all(r["wall_ms"] >= r["worker_ms"] >= 0 for r in rows)

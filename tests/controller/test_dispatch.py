@@ -1,0 +1,84 @@
+"""Dispatch/collect modes as pure functions: no processes."""
+import pytest
+import torch
+
+from hybridflow.controller.dispatch import (Dispatch, batch_size, collect, concat_batches, dispatch, register,
+                                            registered_methods, split_batch)
+
+
+def _batch(n=6):
+    return {"x": torch.arange(n * 3).reshape(n, 3), "names": [f"p{i}" for i in range(n)]}
+
+
+def test_split_then_concat_is_identity_in_order():
+    batch = _batch()
+    chunks = split_batch(batch, 3)
+    assert [c["names"] for c in chunks] == [["p0", "p1"], ["p2", "p3"], ["p4", "p5"]]
+    back = concat_batches(chunks)
+    assert torch.equal(back["x"], batch["x"]) and back["names"] == batch["names"]
+
+
+def test_copied_chunks_own_their_storage():
+    # pickling a view ships its whole storage: a chunk for one rank must not carry the others' rows
+    x = torch.zeros(1000, 4)
+    view = split_batch(x, 4)[0]
+    copy = split_batch(x, 4, copy=True)[0]
+    assert view.untyped_storage().nbytes() == x.nbytes
+    assert copy.untyped_storage().nbytes() == copy.nbytes == x.nbytes // 4
+
+
+def test_uneven_and_inconsistent_batches_are_rejected():
+    with pytest.raises(ValueError, match="7 rows does not split evenly over 2"):
+        split_batch(_batch(7), 2)
+    with pytest.raises(ValueError, match="different row counts"):
+        batch_size({"x": torch.zeros(4, 2), "names": ["a"]})
+    with pytest.raises(TypeError, match=r"\['lr'\]"):
+        batch_size({"x": torch.zeros(4, 2), "lr": 0.1})
+    with pytest.raises(TypeError, match="first positional argument"):
+        dispatch(Dispatch.DP_SPLIT, 2, (), {"batch": _batch()})
+
+
+def test_dp_split_passes_other_arguments_unchanged():
+    per_rank = dispatch(Dispatch.DP_SPLIT, 2, (_batch(4), 5), {"scale": 2.0})
+    assert [args[1] for args, _ in per_rank] == [5, 5]
+    assert [kwargs for _, kwargs in per_rank] == [{"scale": 2.0}] * 2
+    assert [args[0]["names"] for args, _ in per_rank] == [["p0", "p1"], ["p2", "p3"]]
+
+
+def test_collect_concatenates_fields_and_lists_scalars_per_rank():
+    parts = [{"y": torch.ones(2), "t": 0.5, "names": ["a", "b"]}, {"y": torch.zeros(2), "t": 0.7, "names": ["c", "d"]}]
+    out = collect(Dispatch.DP_SPLIT, parts)
+    assert torch.equal(out["y"], torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    assert out["names"] == ["a", "b", "c", "d"] and out["t"] == [0.5, 0.7]
+    assert collect(Dispatch.DP_SPLIT, [None, None]) is None
+    with pytest.raises(ValueError, match="rank 1 returned"):
+        concat_batches([{"y": 1}, {"z": 1}])
+
+
+def test_one_to_all_rank_zero_all_to_all():
+    assert dispatch(Dispatch.ONE_TO_ALL, 3, (1,), {"k": 2}) == [((1,), {"k": 2})] * 3
+    assert collect(Dispatch.ONE_TO_ALL, [1, 2, 3]) == [1, 2, 3]
+    assert collect(Dispatch.RANK_ZERO, ["zero", "one"]) == "zero"
+    assert dispatch(Dispatch.ALL_TO_ALL, 2, ([1, 2],), {"b": [3, 4]}) == [((1,), {"b": 3}), ((2,), {"b": 4})]
+    with pytest.raises(ValueError, match="argument 'b' must be a list with one value per rank"):
+        dispatch(Dispatch.ALL_TO_ALL, 2, ([1, 2],), {"b": 3})
+
+
+def test_register_marks_methods_and_overrides_without_tag_hide_them():
+    class Base:
+        @register(Dispatch.DP_SPLIT)
+        def forward(self, batch):
+            return batch
+
+        @register("rank_zero")
+        def metrics(self):
+            return {}
+
+    class Child(Base):
+        def metrics(self):  # overridden without a mode: no longer a group method
+            return {}
+
+    assert registered_methods(Base) == {"forward": Dispatch.DP_SPLIT, "metrics": Dispatch.RANK_ZERO}
+    assert registered_methods(Child) == {"forward": Dispatch.DP_SPLIT}
+    with pytest.raises(ValueError, match="unknown dispatch mode 'dp_slpit'"):
+        register("dp_slpit")

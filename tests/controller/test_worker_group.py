@@ -1,0 +1,124 @@
+"""RayWorkerGroup: SPMD workers as Ray actors, dispatch modes end to end, and failures that surface."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from hybridflow.controller import Dispatch, RayWorkerGroup, ResourcePool, WorkerError, register
+from hybridflow.controller.worker_group import Worker
+from tests.controller.workers import BrokenInit, Echo, double_batch
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def echo_group(ray_cluster):
+    group = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu"), offset=7)
+    yield group
+    group.shutdown()
+
+
+def _batch(n=8):
+    return {"x": torch.arange(n * 14, dtype=torch.int64).reshape(n, 14), "names": [f"q{i}" for i in range(n)]}
+
+
+def test_workers_get_their_context_before_init(echo_group):
+    infos = echo_group.whoami()
+    assert [i["rank"] for i in infos] == [0, 1] and [i["init_rank"] for i in infos] == [0, 1]
+    assert all(i["world"] == 2 and i["offset"] == 7 for i in infos)
+    env0, env1 = infos[0]["env"], infos[1]["env"]
+    assert (env0["RANK"], env1["RANK"], env1["WORLD_SIZE"]) == ("0", "1", "2")
+    assert env0["MASTER_ADDR"] == env1["MASTER_ADDR"] and env0["MASTER_PORT"] == env1["MASTER_PORT"]
+    assert env0["CUDA_VISIBLE_DEVICES"] == "" and {env0["LOCAL_RANK"], env1["LOCAL_RANK"]} == {"0", "1"}
+    assert not hasattr(echo_group, "not_exposed")
+
+
+def test_gloo_group_all_reduce(echo_group):
+    # rank r contributes 3 * (r + 1): 3 + 6
+    assert echo_group.all_reduce(3.0) == [9.0, 9.0]
+    assert echo_group.gather_ranks() == [[0, 1], [0, 1]]
+
+
+def test_dp_split_round_trip_in_order(echo_group):
+    batch = _batch()
+    out = echo_group.double(batch, extra=1)
+    want = double_batch(batch)
+    assert torch.equal(out["x"], want["x"] + 1) and out["names"] == want["names"]
+    assert out["rank"] == [0] * 4 + [1] * 4
+
+
+def test_one_to_all_rank_zero_all_to_all(echo_group):
+    assert echo_group.tag() == "rank0"
+    assert echo_group.add([1, 2], b=[10, 20]) == [11, 122]
+    with pytest.raises(ValueError, match="one value per rank"):
+        echo_group.add([1, 2, 3])
+    assert echo_group.alive  # a bad call on the controller side does not touch the workers
+
+
+def test_worker_exception_surfaces_with_rank_method_and_traceback(ray_cluster):
+    group = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu"))
+    with pytest.raises(WorkerError) as err:
+        group.fail_on(1)
+    text = str(err.value)
+    assert err.value.rank == 1 and err.value.method == "fail_on"
+    assert "ValueError: bad value on rank 1" in text and "_raise_from_worker" in text
+    assert not group.alive
+    with pytest.raises(WorkerError, match="shut down after that failure"):
+        group.tag()
+
+
+def test_worker_init_failure_surfaces(ray_cluster):
+    with pytest.raises(WorkerError) as err:
+        RayWorkerGroup(BrokenInit, ResourcePool([0, 1], "cpu"))
+    assert err.value.rank == 1 and err.value.method == "__init__"
+    assert "cannot build the model on this rank" in str(err.value)
+
+
+def test_worker_exiting_mid_collective_is_reported_without_hang(ray_cluster):
+    group = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu"))
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as err:
+        group.exit_on(1)  # rank 0 is left waiting in a barrier
+    assert err.value.rank == 1 and "died" in str(err.value)
+    assert time.monotonic() - start < 60 and not group.alive
+
+
+def test_worker_killed_mid_call_is_reported_within_timeout(ray_cluster):
+    group = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu"))
+    pids = group.pids()
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    killer = threading.Timer(1.0, os.kill, (pids[1], signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1 failed in sleep"):
+        group.sleep(60)
+    killer.join()
+    assert time.monotonic() - start < 45
+
+
+def test_call_timeout_tears_down_a_hung_group(ray_cluster):
+    group = RayWorkerGroup(Echo, ResourcePool([0], "cpu"))
+    group.call_timeout = 1.0
+    with pytest.raises(WorkerError, match=r"rank\(s\) \[0\] did not answer within 1.0s"):
+        group.sleep(30)
+    assert not group.alive
+
+
+def test_group_rejects_non_workers_and_clashing_names(ray_cluster):
+    class Plain:
+        pass
+
+    class Clash(Worker):
+        @register(Dispatch.ONE_TO_ALL)
+        def shutdown(self):
+            return None
+
+    with pytest.raises(TypeError, match="subclasses of Worker"):
+        RayWorkerGroup(Plain, ResourcePool([0]))
+    with pytest.raises(TypeError, match="already have an attribute 'shutdown'"):
+        RayWorkerGroup(Clash, ResourcePool([0]))
+    with pytest.raises(RuntimeError, match="needs 20 logical CPUs but the Ray cluster has 8"):
+        RayWorkerGroup(Echo, ResourcePool(list(range(20))))

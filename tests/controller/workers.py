@@ -1,0 +1,88 @@
+"""Worker classes for the controller tests (importable by Ray actors and torchrun ranks)."""
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.controller import Dispatch, Worker, register
+
+
+def double_batch(batch: dict) -> dict:
+    """The transformation the DP_SPLIT tests expect back, row by row."""
+    return {"x": batch["x"] * 2, "names": [name.upper() for name in batch["names"]]}
+
+
+def _raise_from_worker(rank: int):
+    raise ValueError(f"bad value on rank {rank}")
+
+
+class Echo(Worker):
+    def __init__(self, offset: int = 0):
+        self.offset = offset
+        self.init_rank = self.rank  # the context is in place before __init__
+
+    @register(Dispatch.DP_SPLIT)
+    def double(self, batch: dict, extra: int = 0) -> dict:
+        out = double_batch(batch)
+        out["x"] = out["x"] + extra
+        out["rank"] = [self.rank] * len(batch["names"])
+        return out
+
+    @register(Dispatch.ONE_TO_ALL)
+    def whoami(self) -> dict:
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
+        return {"rank": self.rank, "init_rank": self.init_rank, "world": self.world_size, "offset": self.offset,
+                "env": {k: os.environ.get(k) for k in keys}}
+
+    @register(Dispatch.RANK_ZERO)
+    def tag(self) -> str:
+        return f"rank{self.rank}"
+
+    @register(Dispatch.ALL_TO_ALL)
+    def add(self, a: int, b: int = 0) -> int:
+        return a + b + 100 * self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def all_reduce(self, value: float) -> float:
+        """Sum of value * (rank + 1) over the group's gloo process group."""
+        group = self.init_process_group()
+        t = torch.tensor([value * (self.rank + 1)])
+        dist.all_reduce(t, group=group)
+        return t.item()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def gather_ranks(self) -> list:
+        group = self.init_process_group()
+        out = [None] * self.world_size
+        dist.all_gather_object(out, self.rank, group=group)
+        return out
+
+    @register(Dispatch.ONE_TO_ALL)
+    def fail_on(self, rank: int) -> int:
+        if self.rank == rank:
+            _raise_from_worker(rank)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def exit_on(self, rank: int) -> int:
+        """`rank` exits hard; the others wait in a collective that can never complete."""
+        self.init_process_group()
+        if self.rank == rank:
+            os._exit(1)
+        dist.barrier()
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    def not_exposed(self):
+        return "only registered methods reach the group"
+
+
+class BrokenInit(Worker):
+    def __init__(self):
+        if self.rank == 1:
+            raise RuntimeError("cannot build the model on this rank")
