@@ -1,6 +1,6 @@
 """Controller benchmark: what one worker-group call costs beyond the work it does.
 
-    python benchmarks/bench_controller.py [--calls N] [--rows R] [--world W]
+    python benchmarks/bench_controller.py [--calls N] [--rows R] [--world W] [--iteration STEPS]
 
 A batch shaped like the demo's rollout batch (R rows x 14 tokens of int64 ids
 plus a mask, and per-row lists of prompt strings and rewards) goes through
@@ -11,6 +11,10 @@ splitting, `ray.put`, the actor calls, `ray.get` and concatenation. Three
 calls per variant: an argument-free ONE_TO_ALL (the RPC floor), a DP_SPLIT
 returning nothing, and a DP_SPLIT returning a float [rows, 14] tensor (as a
 log-prob pass does). Medians over N calls after 3 warm-ups.
+
+`--iteration STEPS` also times real demo GRPO steps with the actor in a
+one-process Ray group against the same steps in-process: the controller's
+share of an iteration.
 
 `ray x2 put-all` is the same Ray group with every argument sent through
 `ray.put` first; the default passes a rank's own chunk by value (Ray inlines
@@ -109,12 +113,49 @@ def measure_dispatch_overhead(calls: int = 20, rows: int = 256, world: int = 2) 
     return rows_out
 
 
+def measure_iteration_overhead(steps: int = 20, warmup: int = 3) -> dict:
+    """Median demo training step (GRPO, configs/demo.yaml) on a 1-process Ray group vs in-process.
+
+    Both run the same steps with the same seeds, so the work is identical; the
+    difference is what the controller adds per iteration (three DP_SPLIT calls:
+    generate, log-probs, update, with their batches through Ray).
+    """
+    import tempfile
+    from pathlib import Path
+
+    from hybridflow.config import load_config
+    from hybridflow.trainer.trainer import RLTrainer
+
+    root = Path(__file__).resolve().parents[1]
+    medians = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for launcher in ("local", "ray"):
+            cfg = load_config(root / "configs/demo.yaml", [f"trainer.output_dir={tmp}", f"trainer.launcher={launcher}"])
+            cfg.model.path = str(root / cfg.model.path)
+            cfg.data.train_files = [str(root / f) for f in cfg.data.train_files]
+            cfg.data.val_files = []
+            trainer = RLTrainer(cfg)
+            try:
+                times = []
+                for step in range(1, warmup + steps + 1):
+                    start = time.perf_counter()
+                    trainer.train_step(step)
+                    times.append(time.perf_counter() - start)
+                medians[launcher] = statistics.median(times[warmup:])
+            finally:
+                trainer.shutdown()
+    local, ray_ = medians["local"], medians["ray"]
+    return {"local_s": local, "ray_s": ray_, "overhead_s": ray_ - local, "fraction": (ray_ - local) / ray_}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="5 calls per variant")
+    parser.add_argument("--iteration", type=int, default=0, metavar="STEPS",
+                        help="also time STEPS demo training steps on Ray vs in-process")
     args = parser.parse_args()
     calls = 5 if args.quick else args.calls
     rows = measure_dispatch_overhead(calls=calls, rows=args.rows, world=args.world)
@@ -123,6 +164,11 @@ def main() -> None:
     print(f"{'group':>16s} {'call':<26s} {'wall ms':>9s} {'worker ms':>10s} {'overhead ms':>12s}")
     for r in rows:
         print(f"{r['group']:>16s} {r['call']:<26s} {r['wall_ms']:9.2f} {r['worker_ms']:10.3f} {r['overhead_ms']:12.2f}")
+    if args.iteration:
+        it = measure_iteration_overhead(steps=args.iteration)
+        print(f"demo GRPO step (median of {args.iteration}): in-process {it['local_s'] * 1e3:.0f} ms, "
+              f"Ray worker group {it['ray_s'] * 1e3:.0f} ms -> controller overhead "
+              f"{it['overhead_s'] * 1e3:.0f} ms = {it['fraction']:.1%} of an iteration")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import warnings
 
 import yaml
 
@@ -36,10 +35,6 @@ def _train(args: argparse.Namespace) -> int:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # CPU runs: see engine/cpu_compat.py
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    # megatron-core narrates its set-up at INFO and warns about deprecations
-    # it calls itself; the run's own progress is what the user wants to see.
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", module=r"(megatron|torch\.distributed)(\..*)?")
     start = time.perf_counter()
     from hybridflow.controller.worker_group import WorkerError
 

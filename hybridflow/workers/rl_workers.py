@@ -12,6 +12,7 @@ controller never writes communication code.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,22 @@ def build_engine(cfg: Config, path: str, optim, parallel, value_head: bool = Fal
     return engine
 
 
+def prepare_process(worker: Worker) -> None:
+    """Per-process set-up of a worker: CPU threads, and quiet megatron-core.
+
+    Torch threads become this rank's share of the node's cores (Ray starts
+    actors with one). megatron-core narrates its set-up at INFO and warns about
+    deprecated calls it makes itself; a worker keeps its warnings and errors.
+    """
+    import logging
+    import warnings
+
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", module=r"(megatron|torch\.distributed)(\..*)?")
+    if worker.context.device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, worker.world_size)))
+
+
 def pad_columns(t: torch.Tensor, width: int, value) -> torch.Tensor:
     """Right-pad [B, R] to [B, width] so every rank returns the same shape."""
     if t.shape[1] >= width:
@@ -98,6 +115,7 @@ class ActorRolloutRefWorker(Worker):
 
     def __init__(self, cfg: Config):
         self.init_process_group()
+        prepare_process(self)
         torch.manual_seed(cfg.trainer.seed)
         self.cfg = cfg
         self.model_cfg = load_model_config(cfg.model.path, "model.path")
@@ -171,6 +189,7 @@ class CriticWorker(Worker):
 
     def __init__(self, cfg: Config):
         self.init_process_group()
+        prepare_process(self)
         torch.manual_seed(cfg.trainer.seed)
         path = cfg.critic.model_path or cfg.model.path
         self.engine = build_engine(cfg, path, cfg.critic.optim, cfg.critic.parallel, value_head=True)
