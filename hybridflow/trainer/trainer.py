@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -29,7 +28,9 @@ import torch
 from hybridflow.algos import build_kl_controller
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import Config
+from hybridflow.controller.dispatch import concat_batches
 from hybridflow.controller.worker_group import LocalWorkerGroup, WorkerError
+from hybridflow.dataflow import DataFlow, Node
 from hybridflow.data import fields as F
 from hybridflow.data.dataset import PromptDataset, batches_per_epoch, iterate_batches
 from hybridflow.rewards.registry import get_reward_fn
@@ -82,6 +83,11 @@ def mean_of_ranks(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: sum(v) / len(v) if isinstance(v, list) else float(v) for k, v in metrics.items()}
 
 
+def _per_item(fn: Callable[[Any], Any]) -> Callable[[Any, list], list]:
+    """A DataFlow forward_fn applying a per-batch stage to each chunk it receives."""
+    return lambda model, items: [fn(item) for item in items]
+
+
 class RLTrainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -107,18 +113,44 @@ class RLTrainer:
         if cfg.data.train_batch_size % self.world:
             raise ConfigError("data.train_batch_size", f"{cfg.data.train_batch_size} prompts do not split over "
                               f"the actor's {self.world} data-parallel ranks")
-        self.prepare_stages = self._build_prepare_stages()
+        self.chunk_prompts = self._chunk_size()
+        self.flow = self._build_flow()
+        self.batch_stages = self._build_batch_stages()
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", t.keep_last)
 
-    def _build_prepare_stages(self) -> list[Callable[[dict], dict]]:
-        stages = [self._score]
+    def _chunk_size(self) -> int:
+        """Prompts per rollout chunk: dataflow.min_batch_for_reward responses, or the whole batch."""
+        cfg = self.cfg
+        size, want = cfg.data.train_batch_size, cfg.dataflow.min_batch_for_reward
+        if want > 0:
+            per_prompt = -(-want // cfg.rollout.n)
+            size = -(-per_prompt // self.world) * self.world  # each rank gets an equal share
+            if cfg.data.train_batch_size % size:
+                raise ConfigError("dataflow.min_batch_for_reward", f"{want} responses make chunks of {size} "
+                                  f"prompts, which do not divide data.train_batch_size={cfg.data.train_batch_size}")
+        return size
+
+    def _build_flow(self) -> DataFlow:
+        """Per-chunk preparation as a DataFlow: rollout -> reward -> [reference] -> old log-probs -> [values].
+
+        Items are prompt chunks; with dataflow.async_execution the reward and
+        log-prob stages start on the first chunk while later chunks generate.
+        Each chunk has its own sampling seed, so sync and async runs agree.
+        """
+        stages = [("rollout", self.actor_rollout, self._rollout_chunk), ("reward", self.reward_fn, self._score)]
         if self.needs_ref:
-            stages.append(self._ref_log_probs)
-        stages.append(self._old_log_probs)
+            stages.append(("reference", self.actor_rollout, self._ref_log_probs))
+        stages.append(("old_log_probs", self.actor_rollout, self._old_log_probs))
+        if self.critic is not None:
+            stages.append(("values", self.critic, self._values))
+        nodes = [Node(name, model=model, forward_fn=_per_item(fn)) for name, model, fn in stages]
+        return DataFlow(nodes, list(zip(nodes, nodes[1:])))
+
+    def _build_batch_stages(self) -> list[Callable[[dict], dict]]:
+        """What needs the whole batch: the KL controller, advantages, group filtering."""
+        stages = []
         if self.cfg.algorithm.use_kl_in_reward:
             stages.append(self._kl_in_reward)
-        if self.critic is not None:
-            stages.append(self._values)
         stages.append(self._advantages)
         if self.cfg.algorithm.skip_uniform_groups:
             stages.append(self._drop_uniform_groups)
@@ -133,13 +165,23 @@ class RLTrainer:
                                      start_step=index))
         return self.train_set.collate(items, pad_to=d.max_prompt_length if self.cfg.rollout.pad_to_max_length else None)
 
-    def rollout(self, prompts: dict[str, Any], seed: int, validation: bool = False) -> dict[str, Any]:
-        return self.actor_rollout.generate(prompts, seed, validation)
+    def rollout(self, prompts: dict[str, Any], seed: int, validation: bool = False, pad: bool = False) -> dict[str, Any]:
+        return self.actor_rollout.generate(prompts, seed, validation, pad)
 
-    def prepare(self, batch: dict[str, Any]) -> dict[str, Any]:
-        for stage in self.prepare_stages:
+    def prepare(self, step: int) -> tuple[dict[str, Any], Any]:
+        """Prompts of `step` through the flow, chunk by chunk; the gathered batch and the flow's result."""
+        prompts = self.prompts(step)
+        rows, size = len(prompts[F.INPUT_IDS]), self.chunk_prompts
+        base = self.cfg.trainer.seed * 1_000_003 + step
+        chunks = [(base + 7919 * i, {k: v[start:start + size] for k, v in prompts.items()})
+                  for i, start in enumerate(range(0, rows, size))]
+        result = self.flow.run(chunks, async_execution=self.cfg.dataflow.async_execution, min_batch=1)
+        batch = concat_batches(result.final) if len(result.final) > 1 else result.final[0]
+        batch["metrics"] = self._rollout_metrics(batch)
+        batch["metrics"]["batch/tokens"] = float(S.real_tokens(batch))
+        for stage in self.batch_stages:
             batch = stage(batch)
-        return batch
+        return batch, result
 
     def update(self, batch: dict[str, Any], step: int) -> dict[str, float]:
         if len(batch[F.INPUT_IDS]) == 0:
@@ -151,12 +193,15 @@ class RLTrainer:
         stats.update(mean_of_ranks(self.actor_rollout.update_actor(S.tensor_fields(batch), step)))
         return stats
 
-    # -- preparation stages ---------------------------------------------------
+    # -- preparation stages (per chunk) ------------------------------------------
+    def _rollout_chunk(self, item: tuple[int, dict[str, Any]]) -> dict[str, Any]:
+        seed, prompts = item
+        return self.rollout(prompts, seed, pad=self.chunk_prompts < self.cfg.data.train_batch_size)
+
     def _score(self, batch):
         batch[F.SCORES] = S.score(batch, self.reward_fn)
         batch[F.TOKEN_SCORES] = S.token_scores(batch[F.SCORES], batch[F.RESPONSE_MASK])
         batch[F.TOKEN_REWARDS] = batch[F.TOKEN_SCORES]
-        batch["metrics"] = S.rollout_metrics(batch)
         return batch
 
     def _ref_log_probs(self, batch):
@@ -165,22 +210,26 @@ class RLTrainer:
 
     def _old_log_probs(self, batch):
         batch.update(self.actor_rollout.compute_log_probs(S.tensor_fields(batch)))
-        mask = batch[F.RESPONSE_MASK].bool()
-        batch["metrics"]["actor/entropy"] = batch[F.ENTROPY][mask].mean().item()
-        if self.needs_ref:
-            diff = (batch[F.OLD_LOG_PROBS] - batch[F.REF_LOG_PROBS])[mask]
-            batch["metrics"]["actor/kl"] = diff.mean().item()
         return batch
+
+    def _values(self, batch):
+        batch.update(self.critic.compute_values(S.tensor_fields(batch)))
+        return batch
+
+    # -- preparation stages (whole batch) ---------------------------------------
+    def _rollout_metrics(self, batch) -> dict[str, float]:
+        metrics = S.rollout_metrics(batch)
+        mask = batch[F.RESPONSE_MASK].bool()
+        metrics["actor/entropy"] = batch[F.ENTROPY][mask].mean().item()
+        if self.needs_ref:
+            metrics["actor/kl"] = (batch[F.OLD_LOG_PROBS] - batch[F.REF_LOG_PROBS])[mask].mean().item()
+        return metrics
 
     def _kl_in_reward(self, batch):
         a = self.cfg.algorithm
         batch[F.TOKEN_REWARDS], kl = S.kl_in_reward(batch, self.kl_ctrl.value, a.kl_penalty)
         batch["metrics"].update({"actor/kl_in_reward": kl, "actor/kl_coef": self.kl_ctrl.value})
         self.kl_ctrl.update(kl, n_steps=len(batch[F.SCORES]))
-        return batch
-
-    def _values(self, batch):
-        batch.update(self.critic.compute_values(S.tensor_fields(batch)))
         return batch
 
     def _advantages(self, batch):
@@ -253,25 +302,18 @@ class RLTrainer:
                 group.shutdown()
 
     # -- the loop -------------------------------------------------------------
-    @contextmanager
-    def _timed(self, metrics: dict[str, float], name: str):
-        start = time.perf_counter()
-        yield
-        metrics[f"timing/{name}_s"] = time.perf_counter() - start
-
     def train_step(self, step: int) -> dict[str, float]:
-        timing: dict[str, float] = {}
         start = time.perf_counter()
-        with self._timed(timing, "rollout"):
-            batch = self.rollout(self.prompts(step), seed=self.cfg.trainer.seed * 1_000_003 + step)
-        tokens = S.real_tokens(batch)
-        with self._timed(timing, "prepare"):
-            batch = self.prepare(batch)
-        with self._timed(timing, "update"):
-            stats = self.update(batch, step)
-        metrics = {**batch.pop("metrics"), **stats, **timing}
+        batch, flow = self.prepare(step)
+        prepared = time.perf_counter()
+        stats = self.update(batch, step)
+        metrics = {**batch.pop("metrics"), **stats}
+        metrics.update({f"timing/{name}_s": seconds for name, seconds in flow.timings.items()})
+        metrics["timing/prepare_wall_s"] = prepared - start
+        metrics["timing/overlap_s"] = flow.overlap_s
+        metrics["timing/update_s"] = time.perf_counter() - prepared
         metrics["timing/step_s"] = time.perf_counter() - start
-        metrics["perf/tokens_per_s"] = tokens / metrics["timing/step_s"]
+        metrics["perf/tokens_per_s"] = metrics["batch/tokens"] / metrics["timing/step_s"]
         return metrics
 
     def fit(self, stop_after: Optional[int] = None) -> dict[str, Any]:

@@ -134,14 +134,15 @@ class ActorRolloutRefWorker(Worker):
         self.sampling = {False: sampling_params(cfg, self.tokenizer), True: sampling_params(cfg, self.tokenizer, True)}
 
     @register(Dispatch.DP_SPLIT)
-    def generate(self, prompts: dict[str, Any], seed: int, validation: bool = False) -> dict[str, Any]:
+    def generate(self, prompts: dict[str, Any], seed: int, validation: bool = False,
+                 pad: bool = False) -> dict[str, Any]:
         """This rank's prompts -> the rollout batch (fields in `data.fields`), responses padded to max length."""
         from hybridflow.trainer.rl_steps import assemble_rollout
 
         params = self.sampling[validation]
         gen = torch.Generator().manual_seed(seed + 104_729 * self.rank)  # one stream per rank
         out = self.generator.generate(prompts[F.INPUT_IDS], prompts[F.ATTENTION_MASK], params, generator=gen)
-        if self.world_size > 1:  # ranks' batches are concatenated: give them one width
+        if pad or self.world_size > 1:  # ranks' (or chunks') batches are concatenated: one width
             width, pad = params.max_new_tokens, self.tokenizer.pad_token_id
             out.responses = pad_columns(out.responses, width, pad)
             out.response_mask = pad_columns(out.response_mask, width, 0)

@@ -149,3 +149,21 @@ def test_full_disk_when_saving_keeps_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "save", real_save)
     assert trainer.ckpt.latest() == first
     assert trainer.ckpt.all_steps() == [1]
+
+
+def test_async_preparation_equals_sync_and_overlaps(tmp_path):
+    """Chunks of dataflow.min_batch_for_reward responses: reward and log-probs start on chunk 0
+    while chunk 1 generates; the run's metrics equal the sync run's with the same chunks."""
+    runs = {}
+    for mode in ("false", "true"):
+        cfg = in_repo(config("tiny-grpo.yaml", tmp_path / mode, "dataflow.min_batch_for_reward=16",
+                             f"dataflow.async_execution={mode}", "trainer.total_steps=2",
+                             "trainer.val_every=0", "trainer.save_every=0"))
+        RLTrainer(cfg).fit()
+        runs[mode] = read_metrics(tmp_path / mode / "tiny-grpo" / "metrics.jsonl")
+    sync, async_ = learned(runs["false"]), learned(runs["true"])
+    assert sync.keys() == async_.keys() == {0, 1, 2}
+    for step in (1, 2):
+        assert sync[step] == pytest.approx(async_[step], rel=1e-6, abs=1e-7), step
+    assert all(r["timing/overlap_s"] > 0 for r in runs["true"][1:])
+    assert all(r["timing/overlap_s"] == 0 for r in runs["false"][1:])
