@@ -1,6 +1,6 @@
 """Controller benchmark: what one worker-group call costs beyond the work it does.
 
-    python benchmarks/bench_controller.py [--calls N] [--rows R] [--world W] [--iteration STEPS]
+    python benchmarks/bench_controller.py [--calls N] [--rows R] [--world W] [--iteration STEPS] [--long-tail]
 
 A batch shaped like the demo's rollout batch (R rows x 14 tokens of int64 ids
 plus a mask, and per-row lists of prompt strings and rewards) goes through
@@ -15,6 +15,9 @@ log-prob pass does). Medians over N calls after 3 warm-ups.
 `--iteration STEPS` also times real demo GRPO steps with the actor in a
 one-process Ray group against the same steps in-process: the controller's
 share of an iteration.
+
+`--long-tail` times a rollout -> reward DataFlow with long-tail response
+lengths in sync and async mode (see `measure_async_long_tail`).
 
 `ray x2 put-all` is the same Ray group with every argument sent through
 `ray.put` first; the default passes a rank's own chunk by value (Ray inlines
@@ -148,12 +151,65 @@ def measure_iteration_overhead(steps: int = 20, warmup: int = 3) -> dict:
     return {"local_s": local, "ray_s": ray_, "overhead_s": ray_ - local, "fraction": (ray_ - local) / ray_}
 
 
+def measure_async_long_tail(prompts: int = 64, chunk: int = 4, seed: int = 0, repeats: int = 3) -> dict:
+    """Async vs sync DataFlow wall time on a rollout with long-tail response lengths.
+
+    rollout: the built-in generator on a random demo-shaped model; each chunk
+    of `chunk` prompts generates max(its prompts' lengths) tokens, the lengths
+    drawn from a log-normal (median 24, a few past 150). reward: a 4x larger
+    model scores prompt+response in one forward pass. Each stage gets one
+    torch thread, standing in for stages on separate devices. The same chunks
+    run in both modes, so the outputs are identical; only the schedule differs.
+    """
+    from hybridflow.dataflow import DataFlow, Node
+    from hybridflow.models import Decoder, DecoderConfig
+    from hybridflow.rollout import Generator, SamplingParams
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.distributions.LogNormal(torch.log(torch.tensor(24.0)), 0.9).sample((prompts,)).clamp(4, 192)
+    small = dict(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+    big = dict(small, hidden_size=256, intermediate_size=768, num_hidden_layers=8)
+    actor = Generator(Decoder(DecoderConfig.from_hf_dict(small)).init_weights(seed=1).eval(), pad_token_id=0)
+    scorer = Decoder(DecoderConfig.from_hf_dict(big)).init_weights(seed=2).eval()
+    ids = torch.randint(1, 512, (prompts, 16), generator=g)
+    items = [(ids[i:i + chunk], int(lengths[i:i + chunk].max())) for i in range(0, prompts, chunk)]
+
+    def rollout(_, batch):
+        out = []
+        for chunk_ids, new in batch:
+            gen = actor.generate(chunk_ids, torch.ones_like(chunk_ids), SamplingParams(max_new_tokens=new),
+                                 generator=torch.Generator().manual_seed(new))
+            out.append(torch.cat([gen.prompts, gen.responses], 1))
+        return out
+
+    @torch.no_grad()
+    def reward(_, batch):
+        return [scorer(seqs)[:, -1].mean().item() for seqs in batch]
+
+    walls, finals = {False: [], True: []}, {}
+    for _ in range(repeats):  # alternate the modes; medians, as the machine is shared
+        for mode in (False, True):
+            r, w = Node("rollout", forward_fn=rollout), Node("reward", forward_fn=reward)
+            result = DataFlow([r, w], [(r, w)]).run(items, async_execution=mode, min_batch=1)
+            walls[mode].append(result.wall_s)
+            finals[mode] = result.final
+            stage = result.timings
+    walls = {mode: statistics.median(times) for mode, times in walls.items()}
+    assert finals[False] == finals[True], "async changed the results"
+    return {"sync_s": walls[False], "async_s": walls[True], "speedup": walls[False] / walls[True],
+            "lengths": lengths, "rollout_s": stage["rollout"], "reward_s": stage["reward"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="5 calls per variant")
+    parser.add_argument("--long-tail", action="store_true", help="also time async vs sync on a long-tail rollout")
     parser.add_argument("--iteration", type=int, default=0, metavar="STEPS",
                         help="also time STEPS demo training steps on Ray vs in-process")
     args = parser.parse_args()
@@ -164,6 +220,14 @@ def main() -> None:
     print(f"{'group':>16s} {'call':<26s} {'wall ms':>9s} {'worker ms':>10s} {'overhead ms':>12s}")
     for r in rows:
         print(f"{r['group']:>16s} {r['call']:<26s} {r['wall_ms']:9.2f} {r['worker_ms']:10.3f} {r['overhead_ms']:12.2f}")
+    if args.long_tail:
+        lt = measure_async_long_tail()
+        q = torch.quantile(lt["lengths"], torch.tensor([0.5, 0.9, 1.0])).tolist()
+        print(f"long-tail rollout (response length p50/p90/max {q[0]:.0f}/{q[1]:.0f}/{q[2]:.0f}), "
+              f"{len(lt['lengths']) // 4} chunks of 4, median of 3: "
+              f"rollout {lt['rollout_s']:.2f} s + reward {lt['reward_s']:.2f} s of work; "
+              f"sync {lt['sync_s']:.2f} s, async {lt['async_s']:.2f} s -> async {lt['speedup']:.2f}x faster "
+              f"(identical outputs)")
     if args.iteration:
         it = measure_iteration_overhead(steps=args.iteration)
         print(f"demo GRPO step (median of {args.iteration}): in-process {it['local_s'] * 1e3:.0f} ms, "
