@@ -48,7 +48,8 @@ def _train(args: argparse.Namespace) -> int:
     except (TrainingError, WorkerError) as exc:
         print(f"hybridflow: error: {exc}", file=sys.stderr)
         return 1
-    _report(summary, time.perf_counter() - start)
+    if trainer.is_main:
+        _report(summary, time.perf_counter() - start)
     return 0
 
 

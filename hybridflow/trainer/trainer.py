@@ -110,6 +110,9 @@ class RLTrainer:
         self.needs_ref = needs_reference(cfg)
         self.actor_rollout, self.critic = build_groups(cfg)
         self.world = self.actor_rollout.world_size
+        # Launched by torchrun: every rank runs this loop over its LocalWorkerGroup share.
+        self.spmd_driver = isinstance(self.actor_rollout, LocalWorkerGroup) and self.world > 1
+        self.is_main = not self.spmd_driver or int(os.environ.get("RANK", "0")) == 0
         if cfg.data.train_batch_size % self.world:
             raise ConfigError("data.train_batch_size", f"{cfg.data.train_batch_size} prompts do not split over "
                               f"the actor's {self.world} data-parallel ranks")
@@ -276,7 +279,23 @@ class RLTrainer:
         atomic_write_json(directory / "trainer.json", {"step": step, "kl_coef": self.kl_ctrl.value})
 
     def save_checkpoint(self, step: int) -> Path:
-        return self.ckpt.save(step, lambda d: self._write_checkpoint(step, d))
+        if not self.spmd_driver:
+            return self.ckpt.save(step, lambda d: self._write_checkpoint(step, d))
+        # Under torchrun every rank drives: rank 0 owns the directory (tmp,
+        # rename, pruning) and tells the others where to write their shards.
+        import torch.distributed as dist
+
+        def write(directory: Path) -> None:
+            dist.broadcast_object_list([str(directory)], src=0)
+            self._write_checkpoint(step, directory)
+
+        if dist.get_rank() == 0:
+            return self.ckpt.save(step, write)
+        where = [None]
+        dist.broadcast_object_list(where, src=0)
+        for group in self._groups():
+            group.save(where[0])
+        return Path(where[0])
 
     def restore(self) -> int:
         """Load the newest checkpoint when trainer.resume=auto; returns the step to continue after."""
@@ -321,7 +340,7 @@ class RLTrainer:
         t = self.cfg.trainer
         self.run_dir.mkdir(parents=True, exist_ok=True)
         start = self.restore()
-        tracker = Tracker(self.run_dir, t.loggers, t.total_steps, resume_from_step=start)
+        tracker = Tracker(self.run_dir, t.loggers if self.is_main else [], t.total_steps, resume_from_step=start)
         summary: dict[str, Any] = {"run_dir": self.run_dir}
         try:
             if start == 0:
@@ -351,6 +370,6 @@ class RLTrainer:
                 summary["hf_actor"] = self.export_hf()
         finally:
             tracker.close()
-        if "jsonl" in t.loggers:
+        if "jsonl" in t.loggers and self.is_main:
             summary["plots"] = plot_run(self.run_dir)
         return summary

@@ -56,3 +56,29 @@ def test_rollout_apart_from_training_is_rejected(tmp_path):
         "placement.training=[0]", "placement.rollout=[1]"]))
     with pytest.raises(ConfigError, match="placement.rollout: must equal placement.training"):
         RLTrainer(cfg)
+
+
+def test_torchrun_local_mode_matches_ray(tmp_path):
+    """`torchrun -m hybridflow.cli train`: every rank drives its LocalWorkerGroup share;
+    the metrics equal those of the same layout on Ray workers."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.trainer.test_trainer import learned
+
+    common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0"]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "hybridflow.cli", "train", "configs/tiny-grpo.yaml", f"trainer.output_dir={tmp_path / 'trun'}",
+         *common], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "trun" / "tiny-grpo"
+    assert len(list((run_dir / "checkpoints" / "step_000002" / "actor").glob("engine_*.pt"))) == 2
+    torchrun = read_metrics(run_dir / "metrics.jsonl")
+    _, ray_run = run("tiny-grpo.yaml", tmp_path / "ray", "trainer.n_devices=2", "trainer.launcher=ray", *common)
+    assert [r["step"] for r in torchrun] == [0, 1, 2]
+    want, got = learned(ray_run), learned(torchrun)
+    for step in (1, 2):
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
