@@ -38,8 +38,8 @@ from hybridflow.trainer import rl_steps as S
 from hybridflow.trainer.checkpointing import CheckpointManager, atomic_write_json
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
-from hybridflow.workers.rl_workers import (ActorRolloutRefWorker, CriticWorker, load_model_config,
-                                           load_tokenizer, needs_reference)
+from hybridflow.workers.rl_workers import (ActorRolloutRefWorker, CriticWorker, RewardModelWorker,
+                                           load_model_config, load_tokenizer, needs_reference)
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +57,14 @@ def use_ray(cfg: Config) -> bool:
     return t.n_devices > 1 or t.ray_address is not None
 
 
-def build_groups(cfg: Config) -> tuple[Any, Optional[Any]]:
-    """(actor/rollout/reference group, critic group or None) on Ray or in this process."""
+def build_groups(cfg: Config) -> tuple[Any, Optional[Any], Optional[Any]]:
+    """(actor/rollout/reference group, critic group or None, reward-model group or None)."""
     critic = cfg.algorithm.adv_estimator == "gae"
+    reward_model = cfg.reward.model_path is not None
     if not use_ray(cfg):
         return (LocalWorkerGroup(ActorRolloutRefWorker, None, cfg),
-                LocalWorkerGroup(CriticWorker, None, cfg) if critic else None)
+                LocalWorkerGroup(CriticWorker, None, cfg) if critic else None,
+                LocalWorkerGroup(RewardModelWorker, None, cfg) if reward_model else None)
     from hybridflow.controller.ray_setup import init_ray
     from hybridflow.controller.resource_pool import pools_from_placement
     from hybridflow.controller.worker_group import RayWorkerGroup
@@ -75,7 +77,8 @@ def build_groups(cfg: Config) -> tuple[Any, Optional[Any]]:
                           "reference share its processes (the hybrid layout); only critic and reward "
                           "may be placed apart")
     return (RayWorkerGroup(ActorRolloutRefWorker, pools["training"], cfg),
-            RayWorkerGroup(CriticWorker, pools["critic"], cfg) if critic else None)
+            RayWorkerGroup(CriticWorker, pools["critic"], cfg) if critic else None,
+            RayWorkerGroup(RewardModelWorker, pools["reward"], cfg) if reward_model else None)
 
 
 def mean_of_ranks(metrics: dict[str, Any]) -> dict[str, float]:
@@ -108,7 +111,9 @@ class RLTrainer:
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                            cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self.needs_ref = needs_reference(cfg)
-        self.actor_rollout, self.critic = build_groups(cfg)
+        if cfg.reward.model_path is not None and not Path(cfg.reward.model_path).exists():
+            raise ConfigError("reward.model_path", f"reward model path does not exist: {cfg.reward.model_path}")
+        self.actor_rollout, self.critic, self.reward_model = build_groups(cfg)
         self.world = self.actor_rollout.world_size
         # Launched by torchrun: every rank runs this loop over its LocalWorkerGroup share.
         self.spmd_driver = isinstance(self.actor_rollout, LocalWorkerGroup) and self.world > 1
@@ -202,10 +207,22 @@ class RLTrainer:
         return self.rollout(prompts, seed, pad=self.chunk_prompts < self.cfg.data.train_batch_size)
 
     def _score(self, batch):
-        batch[F.SCORES] = S.score(batch, self.reward_fn)
+        """SCORES: rule_weight * rule score (+ model_weight * reward-model score)."""
+        r = self.cfg.reward
+        batch[F.SCORES] = r.rule_weight * S.score(batch, self.reward_fn)
+        if self.reward_model is not None:
+            pairs = {"prompt": batch[F.PROMPT_TEXT], "response": batch[F.RESPONSE_TEXT]}
+            model_scores = self._reward_model_scores(pairs)
+            batch[F.SCORES] = batch[F.SCORES] + r.model_weight * model_scores
         batch[F.TOKEN_SCORES] = S.token_scores(batch[F.SCORES], batch[F.RESPONSE_MASK])
         batch[F.TOKEN_REWARDS] = batch[F.TOKEN_SCORES]
         return batch
+
+    def _reward_model_scores(self, pairs: dict[str, list]) -> torch.Tensor:
+        rows = len(pairs["prompt"])
+        extra = -rows % self.reward_model.world_size  # equal shares for the ranks
+        padded = {k: v + v[-1:] * extra for k, v in pairs.items()}
+        return self.reward_model.score(padded)["score"][:rows]
 
     def _ref_log_probs(self, batch):
         batch.update(self.actor_rollout.compute_ref_log_probs(S.tensor_fields(batch)))
@@ -271,7 +288,7 @@ class RLTrainer:
 
     # -- checkpoints ----------------------------------------------------------
     def _groups(self) -> list:
-        return [g for g in (self.actor_rollout, self.critic) if g is not None]
+        return [g for g in (self.actor_rollout, self.critic) if g is not None]  # the ones with checkpoints
 
     def _write_checkpoint(self, step: int, directory: Path) -> None:
         for group in self._groups():
@@ -316,7 +333,9 @@ class RLTrainer:
         return Path(self.actor_rollout.export_hf(str(self.run_dir / "hf_actor")))
 
     def shutdown(self) -> None:
-        for group in self._groups():
+        for group in (*self._groups(), self.reward_model):
+            if group is None:
+                continue
             if hasattr(group, "shutdown"):
                 group.shutdown()
 

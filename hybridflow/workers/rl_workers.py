@@ -215,3 +215,20 @@ class CriticWorker(Worker):
     def load(self, directory: str) -> None:
         self.engine.load_state_dict(torch.load(self.engine.shard_path(Path(directory) / "critic"),
                                                weights_only=False))
+
+
+class RewardModelWorker(Worker):
+    """An HF sequence classifier scoring (prompt, response) pairs, on the devices of placement.reward."""
+
+    def __init__(self, cfg: Config):
+        from hybridflow.utils import load_hf_model
+
+        prepare_process(self)
+        self.cfg = cfg.reward
+        self.model = load_hf_model(cfg.reward.model_path, device_map="auto")
+
+    @register(Dispatch.DP_SPLIT)
+    def score(self, pairs: dict[str, list]) -> dict[str, torch.Tensor]:
+        """{"prompt": [...], "response": [...]} -> {"score": FloatTensor[rows]}."""
+        scores = self.model.score(list(zip(pairs["prompt"], pairs["response"])), batch_size=self.cfg.micro_batch_size)
+        return {"score": torch.tensor(scores, dtype=torch.float32)}

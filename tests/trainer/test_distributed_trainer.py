@@ -82,3 +82,13 @@ def test_torchrun_local_mode_matches_ray(tmp_path):
     want, got = learned(ray_run), learned(torchrun)
     for step in (1, 2):
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
+
+
+def test_reward_model_on_its_own_device(tmp_path):
+    """Split placement for the reward model: actor group on device 0, reward model on device 1."""
+    rm = ROOT / "hybridflow/assets/tiny_reward_model"
+    _, records = run("tiny-grpo.yaml", tmp_path, "trainer.n_devices=2", "trainer.launcher=ray",
+                     "placement.training=[0]", "placement.rollout=[0]", "placement.reference=[0]",
+                     "placement.reward=[1]", f"reward.model_path={rm}", "reward.model_weight=0.5",
+                     "trainer.total_steps=1", "trainer.val_every=0")
+    assert math.isfinite(records[-1]["reward/mean"]) and math.isfinite(records[-1]["actor/grad_norm"])

@@ -167,3 +167,26 @@ def test_async_preparation_equals_sync_and_overlaps(tmp_path):
         assert sync[step] == pytest.approx(async_[step], rel=1e-6, abs=1e-7), step
     assert all(r["timing/overlap_s"] > 0 for r in runs["true"][1:])
     assert all(r["timing/overlap_s"] == 0 for r in runs["false"][1:])
+
+
+def test_reward_model_combined_with_rule_reward(tmp_path):
+    """reward.model_path: SCORES = rule_weight * rule + model_weight * reward-model score."""
+    from hybridflow.data import fields as F
+    from hybridflow.trainer import rl_steps
+    from hybridflow.utils import load_hf_model
+
+    rm_path = ROOT / "hybridflow/assets/tiny_reward_model"
+    cfg = in_repo(config("tiny-grpo.yaml", tmp_path, f"reward.model_path={rm_path}", "reward.rule_weight=2.0",
+                         "reward.model_weight=0.5"))
+    trainer = RLTrainer(cfg)
+    batch, _ = trainer.prepare(1)
+    rule = rl_steps.score(batch, trainer.reward_fn)
+    model = load_hf_model(rm_path).score(list(zip(batch[F.PROMPT_TEXT], batch[F.RESPONSE_TEXT])))
+    torch.testing.assert_close(batch[F.SCORES], 2.0 * rule + 0.5 * torch.tensor(model), atol=1e-5, rtol=1e-5)
+    assert trainer.train_step(2)["actor/grad_norm"] > 0
+
+
+def test_missing_reward_model_path_is_named(tmp_path):
+    cfg = in_repo(config("tiny-grpo.yaml", tmp_path, f"reward.model_path={tmp_path / 'no-rm'}"))
+    with pytest.raises(ConfigError, match="reward.model_path: reward model path does not exist"):
+        RLTrainer(cfg)
