@@ -92,3 +92,29 @@ def test_reward_model_on_its_own_device(tmp_path):
                      "placement.reward=[1]", f"reward.model_path={rm}", "reward.model_weight=0.5",
                      "trainer.total_steps=1", "trainer.val_every=0")
     assert math.isfinite(records[-1]["reward/mean"]) and math.isfinite(records[-1]["actor/grad_norm"])
+
+
+def test_killed_worker_stops_the_step_with_its_rank_named(tmp_path):
+    """SIGKILL an actor process mid-step: the controller raises WorkerError naming a rank, no hang.
+
+    Which rank is reported first depends on timing: the killed one (its
+    process died) or its peer (its gloo collective lost the connection).
+    """
+    import os
+    import signal
+    import threading
+
+    from hybridflow.controller import WorkerError
+
+    cfg = in_repo(load_config(ROOT / "configs/tiny-grpo.yaml", [
+        f"trainer.output_dir={tmp_path}", "trainer.n_devices=2", "trainer.launcher=ray"]))
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.train_step(1)  # warm: the next step's timing is known to be > 0.2 s
+        victim = trainer.actor_rollout.pids()[1]
+        threading.Timer(0.2, os.kill, (victim, signal.SIGKILL)).start()
+        with pytest.raises(WorkerError, match=r"rank [01] failed in \w+"):
+            for step in range(2, 20):
+                trainer.train_step(step)
+    finally:
+        trainer.shutdown()
