@@ -28,7 +28,7 @@ from hybridflow.engine import MegatronEngine
 from hybridflow.hybrid_engine import generation_model
 from hybridflow.models.checkpoint import load_hf_state_dict, save_hf_checkpoint
 from hybridflow.models.config import DecoderConfig
-from hybridflow.rollout import Generator, SamplingParams
+from hybridflow.rollout import GenerationOutput, Generator, SamplingParams
 from hybridflow.workers.actor import Actor
 from hybridflow.workers.critic import Critic
 from hybridflow.workers.reference import Reference
@@ -141,12 +141,20 @@ class ActorRolloutRefWorker(Worker):
 
         params = self.sampling[validation]
         gen = torch.Generator().manual_seed(seed + 104_729 * self.rank)  # one stream per rank
-        out = self.generator.generate(prompts[F.INPUT_IDS], prompts[F.ATTENTION_MASK], params, generator=gen)
-        if pad or self.world_size > 1:  # ranks' (or chunks') batches are concatenated: one width
-            width, pad = params.max_new_tokens, self.tokenizer.pad_token_id
-            out.responses = pad_columns(out.responses, width, pad)
-            out.response_mask = pad_columns(out.response_mask, width, 0)
-            out.log_probs = pad_columns(out.log_probs, width, 0.0)
+        ids, mask = prompts[F.INPUT_IDS], prompts[F.ATTENTION_MASK]
+        # rollout.batch_size_per_device: generate this rank's prompts that many at a time.
+        size = self.cfg.rollout.batch_size_per_device or len(ids)
+        parts = [self.generator.generate(ids[i:i + size], mask[i:i + size], params, generator=gen)
+                 for i in range(0, len(ids), size)]
+        if pad or self.world_size > 1 or len(parts) > 1:  # concatenated batches need one width
+            width = params.max_new_tokens
+        else:
+            width = parts[0].responses.shape[1]
+        out = GenerationOutput(
+            prompts=torch.cat([p.prompts for p in parts]), prompt_mask=torch.cat([p.prompt_mask for p in parts]),
+            responses=torch.cat([pad_columns(p.responses, width, self.tokenizer.pad_token_id) for p in parts]),
+            response_mask=torch.cat([pad_columns(p.response_mask, width, 0) for p in parts]),
+            log_probs=torch.cat([pad_columns(p.log_probs, width, 0.0) for p in parts]))
         return assemble_rollout(prompts, out, params.n, self.tokenizer)
 
     @register(Dispatch.DP_SPLIT)

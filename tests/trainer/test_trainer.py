@@ -190,3 +190,10 @@ def test_missing_reward_model_path_is_named(tmp_path):
     cfg = in_repo(config("tiny-grpo.yaml", tmp_path, f"reward.model_path={tmp_path / 'no-rm'}"))
     with pytest.raises(ConfigError, match="reward.model_path: reward model path does not exist"):
         RLTrainer(cfg)
+
+
+def test_batch_size_per_device_splits_generation_without_changing_greedy_results(tmp_path):
+    whole = RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path / "a"))).validate()
+    parts = RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path / "b", "rollout.batch_size_per_device=24",
+                                     "rollout.pad_to_max_length=true"))).validate()
+    assert parts["val/accuracy"] == whole["val/accuracy"] and parts["val/n"] == whole["val/n"] == 1000
