@@ -3,12 +3,13 @@
     python examples/my_rl_flow.py --prompts "['042+917=', '123+456=']"
     python examples/my_rl_flow.py --prompts "['042+917=', '123+456=']" --safety
     python examples/my_rl_flow.py --prompts "[...]" --async --min-batch 1
+    python examples/my_rl_flow.py --prompts "[...]" --ray     # each node in its own Ray worker
 
 The defaults are the models shipped in `hybridflow/assets/`: the demo actor
 (3-digit addition) and a tiny *random* reward model (its scores are
 meaningless; it shows the plumbing), which also serves as the guard.
-Everything runs in this process on the available device; placing nodes on
-separate devices is the controller's job.
+By default everything runs in this process; `--ray` starts the controller
+on Ray and places each node in its own worker process.
 """
 from __future__ import annotations
 
@@ -65,13 +66,16 @@ def main(argv=None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--async", dest="async_execution", action="store_true",
                         help="stream chunks: reward starts before rollout finishes")
+    parser.add_argument("--ray", action="store_true",
+                        help="start the controller on Ray and run each node in its own worker process")
     parser.add_argument("--min-batch", type=int, default=1,
                         help="prompts per chunk with --async (default 1)")
     args = parser.parse_args(argv)
 
     guard = (args.guard or args.reward_model) if args.safety else None
     dataflow = build_flow(args.actor, args.reward_model, guard, args.max_new_tokens)
-    result = dataflow.run(args.prompts, async_execution=args.async_execution, min_batch=args.min_batch)
+    result = dataflow.run(args.prompts, async_execution=args.async_execution, min_batch=args.min_batch,
+                          launcher="ray" if args.ray else "local")
     print(result.report())
     print(f"Final rewards: {[round(r, 4) for r in result.final]}")
 

@@ -15,8 +15,8 @@ with `n` samples per prompt returns `n`), or, for a filter (a node whose
 outputs are all `bool`), the input items it marked True. Items marked False
 are recorded in `FlowResult.rejected`, not lost.
 
-This package runs a flow in one process (`DataFlow.run`); placing nodes on
-devices and worker groups is the controller's (`Node.placement`).
+`DataFlow.run` runs a flow in this process, or with `launcher="ray"` each
+node in its own Ray worker on its `placement` device (`remote.py`).
 """
 from hybridflow.dataflow.execute import FlowResult, NodeStats
 from hybridflow.dataflow.flow import DataFlow, DataFlowError, Plan

@@ -182,7 +182,8 @@ class DataFlow:
                     inputs=inputs, outputs=outputs, superseded=tuple(superseded))
 
     # -- running -----------------------------------------------------------
-    def run(self, inputs: Sequence[Any], async_execution: bool = False, min_batch: int = 0):
+    def run(self, inputs: Sequence[Any], async_execution: bool = False, min_batch: int = 0,
+            launcher: str = "local"):
         """Push `inputs` (a list of items, e.g. prompts) through the flow -> `FlowResult`.
 
         Sync (default): each node runs once on everything its upstream passed
@@ -193,6 +194,8 @@ class DataFlow:
         when forward_fn treats items independently). `min_batch=0` runs sync.
         `DataflowConfig` maps onto this as
         `run(inputs, cfg.async_execution, cfg.min_batch_for_reward)`.
+        `launcher="ray"` runs every node in its own Ray worker process
+        (`hybridflow.dataflow.remote`) for this run; "local" runs them here.
         """
         from hybridflow.dataflow.execute import run_async, run_sync
 
@@ -200,10 +203,21 @@ class DataFlow:
             raise TypeError(f"DataFlow.run takes a list of input items, got {type(inputs).__name__}")
         if not isinstance(min_batch, int) or min_batch < 0:
             raise ValueError(f"min_batch must be an int >= 0, got {min_batch!r}")
+        if launcher not in ("local", "ray"):
+            raise ValueError(f"launcher must be 'local' or 'ray', got {launcher!r}")
         plan = self.plan()
-        if async_execution and min_batch > 0:
-            return run_async(self.nodes, plan, list(inputs), min_batch)
-        return run_sync(self.nodes, plan, list(inputs))
+        nodes: dict[str, Node] = self.nodes
+        if launcher == "ray":
+            from hybridflow.dataflow.remote import place_nodes
+            nodes = place_nodes(self.nodes)
+        try:
+            if async_execution and min_batch > 0:
+                return run_async(nodes, plan, list(inputs), min_batch)
+            return run_sync(nodes, plan, list(inputs))
+        finally:
+            if nodes is not self.nodes:
+                for remote in nodes.values():
+                    remote.shutdown()
 
     def __repr__(self) -> str:
         edges = ", ".join(f"{a}->{b}" for a, b in self.edges)
