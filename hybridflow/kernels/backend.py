@@ -8,12 +8,16 @@ Every kernel has a `reference` (plain PyTorch) and faster backends:
   load it in well under a second;
 - `chunked`: plain PyTorch processed in chunks of tokens (memory-lean on any
   device) for kernels where that matters;
-- `cuda`/`triton`: GPU kernels, only where a GPU toolchain exists;
+- `cuda`: the CUDA extension in `csrc/cuda/` (kernels in a torch-free .cu,
+  a small binding .cpp), JIT-compiled and cached the same way, only where
+  torch sees a CUDA device;
+- `triton`: GPU kernels, only where a GPU toolchain exists;
 - `auto`: the fastest one available for the input's device (C++ on CPU,
-  `chunked` elsewhere when the kernel has it), else `reference`.
+  CUDA on a GPU, else `chunked` when the kernel has it), else `reference`.
 
-When an extension cannot be built, `auto` falls back to the reference and
-says so once in the log; asking for that backend by name raises instead.
+When an extension cannot be built, `auto` falls back to `chunked` (or the
+reference) and says so once in the log; asking for that backend by name
+raises instead.
 """
 from __future__ import annotations
 
@@ -39,23 +43,43 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("HYBRIDFLOW_CACHE", Path.home() / ".cache" / "hybridflow"))
 
 
+def _build(name: str, sources: list[Path], headers: tuple[Path, ...] = (), **flags) -> ModuleType:
+    """JIT-compile `sources` once per content (with `headers`) and torch version, cached under `_cache_dir()`."""
+    missing = [s for s in (*sources, *headers) if not s.is_file()]
+    if missing:
+        raise BackendUnavailable(f"source not found: {missing[0]}")
+    from torch.utils import cpp_extension
+
+    key = b"".join(s.read_bytes() for s in (*sources, *headers)) + torch.__version__.encode()
+    digest = hashlib.sha1(key).hexdigest()[:12]
+    build = _cache_dir() / f"{name}_{digest}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(name=f"hybridflow_{name}_{digest}", sources=[str(s) for s in sources],
+                                  build_directory=str(build), verbose=False, **flags)
+    except Exception as exc:  # compiler missing, headers missing, ...
+        raise BackendUnavailable(f"could not build {', '.join(s.name for s in sources)}: {exc}") from exc
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_extension() -> ModuleType:
     """The compiled C++ CPU kernels; raises BackendUnavailable with the reason."""
-    source = CSRC / "cpu" / "kernels.cpp"
-    if not source.is_file():
-        raise BackendUnavailable(f"C++ source not found: {source}")
-    from torch.utils import cpp_extension
+    return _build("cpu_kernels", [CSRC / "cpu" / "kernels.cpp"],
+                  extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
 
-    digest = hashlib.sha1(source.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
-    build = _cache_dir() / f"cpu_kernels_{digest}"
-    build.mkdir(parents=True, exist_ok=True)
-    try:
-        return cpp_extension.load(
-            name=f"hybridflow_cpu_kernels_{digest}", sources=[str(source)], build_directory=str(build),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as exc:  # compiler missing, headers missing, ...
-        raise BackendUnavailable(f"could not build {source}: {exc}") from exc
+
+@functools.lru_cache(maxsize=None)
+def cuda_extension() -> ModuleType:
+    """The compiled CUDA kernels (for the current device's architecture); raises BackendUnavailable."""
+    if not torch.cuda.is_available():
+        raise BackendUnavailable("no CUDA device (or torch was built without CUDA)")
+    arch = "sm_{}{}".format(*torch.cuda.get_device_capability())
+    cuda = CSRC / "cuda"
+    return _build(f"cuda_kernels_{arch}", [cuda / "binding.cpp", cuda / "logprob_entropy.cu"],
+                  headers=(cuda / "logprob_entropy.h",), extra_cflags=["-O3"], extra_cuda_cflags=["-O3"])
+
+
+_EXTENSIONS = {"cpu": cpu_extension, "cuda": cuda_extension}  # backend name == device type it runs on
 
 
 def resolve(backend: str, device: torch.device, available: tuple[str, ...]) -> str:
@@ -70,15 +94,15 @@ def resolve(backend: str, device: torch.device, available: tuple[str, ...]) -> s
     if backend != "auto":
         if backend not in available:
             raise BackendUnavailable(f"this kernel has no {backend!r} backend (has: {available})")
-        if backend == "cpu":
-            cpu_extension()
+        if backend in _EXTENSIONS:
+            _EXTENSIONS[backend]()
         return backend
-    if device.type == "cpu" and "cpu" in available:
+    if device.type in _EXTENSIONS and device.type in available:
         try:
-            cpu_extension()
-            return "cpu"
+            _EXTENSIONS[device.type]()
+            return device.type
         except BackendUnavailable as exc:
-            _warn_once(f"C++ CPU kernels unavailable, using the PyTorch fallback: {exc}")
+            _warn_once(f"{device.type.upper()} kernels unavailable, using the PyTorch fallback: {exc}")
     return "chunked" if "chunked" in available else "reference"
 
 

@@ -9,13 +9,16 @@ Backends (see `backend.py`):
   temporaries are [chunk, V]; runs on any device.
 - `cpu`: C++ (csrc/cpu/kernels.cpp): two passes over each row, no [tokens, V]
   temporary in the forward; backward writes the logits gradient directly.
+- `cuda`: CUDA (csrc/cuda/logprob_entropy.cu): one read of each row (online
+  softmax), one block per row; backward reads logits once, writes the gradient.
+  A label outside [0, V) gives log p = NaN there (a kernel cannot raise).
 Outputs are float32 whatever the logits dtype (bfloat16 is upcast per row).
 """
 from __future__ import annotations
 
 import torch
 
-from hybridflow.kernels.backend import cpu_extension, resolve
+from hybridflow.kernels.backend import cpu_extension, cuda_extension, resolve
 
 DEFAULT_CHUNK = 1024
 
@@ -76,18 +79,21 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
         return grad, None, None
 
 
-class _CpuLogProbEntropy(torch.autograd.Function):
+class _ExtensionLogProbEntropy(torch.autograd.Function):
+    """The C++ or CUDA kernels; both extensions expose the same two functions."""
+
     @staticmethod
-    def forward(ctx, logits, labels):
-        logp, entropy, lse = cpu_extension().logprob_entropy_forward(logits, labels)
+    def forward(ctx, logits, labels, extension):
+        logp, entropy, lse = extension.logprob_entropy_forward(logits, labels)
         ctx.save_for_backward(logits, labels, lse, entropy)
+        ctx.extension = extension
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         logits, labels, lse, entropy = ctx.saved_tensors
         g_logp, g_ent = incoming_grads(g_logp, g_ent, lse)
-        return cpu_extension().logprob_entropy_backward(logits, labels, lse, entropy, g_logp, g_ent), None
+        return ctx.extension.logprob_entropy_backward(logits, labels, lse, entropy, g_logp, g_ent), None, None
 
 
 def logprob_entropy(logits: torch.Tensor, labels: torch.Tensor, backend: str = "auto",
@@ -96,9 +102,10 @@ def logprob_entropy(logits: torch.Tensor, labels: torch.Tensor, backend: str = "
     shape = labels.shape
     flat = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1).long()
-    chosen = resolve(backend, logits.device, ("cpu", "chunked"))
-    if chosen == "cpu":
-        out = _CpuLogProbEntropy.apply(flat.contiguous(), flat_labels.contiguous())
+    chosen = resolve(backend, logits.device, ("cpu", "cuda", "chunked"))
+    if chosen in ("cpu", "cuda"):
+        extension = cpu_extension() if chosen == "cpu" else cuda_extension()
+        out = _ExtensionLogProbEntropy.apply(flat.contiguous(), flat_labels.contiguous(), extension)
     elif chosen == "chunked":
         out = _ChunkedLogProbEntropy.apply(flat, flat_labels, chunk_size)
     else:

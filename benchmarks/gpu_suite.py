@@ -1,0 +1,198 @@
+"""GPU benchmark suite: the kernel claims that need a GPU, measured side by side in one run.
+
+    python benchmarks/gpu_suite.py [--quick] [--peak-tbps 4.8] [--only logprob,bandwidth,gae]
+
+Sections, each a table (read the ratios; these machines are noisy):
+- logprob: token log-prob + entropy at 4096 x {32000, 151936}, bfloat16 and
+  float32 logits, forward and forward+backward. Eager log_softmax + gather +
+  entropy (the reference), the `chunked` PyTorch backend and the `cuda`
+  kernel: median time from CUDA events, extra peak memory from
+  torch.cuda.max_memory_allocated, and the largest |cuda - eager| over the
+  outputs (and the logits gradient), so a fast wrong kernel cannot pass.
+- bandwidth: the cuda forward and backward kernels alone (no autograd):
+  bytes they must move / time, as a fraction of the device's peak HBM
+  bandwidth (`--peak-tbps`; 4.8 for an H200).
+- gae: GAE at B=64 x T in {512, 2048, 8192} on CUDA tensors: the reference
+  loop on the GPU (what `auto` runs there: the C++ scan takes host tensors)
+  against the C++ scan on the host, device<->host copies included.
+
+The whole run takes a few minutes on one H200, well under 8, of which the
+first JIT build of the CUDA extension is about one (cached afterwards).
+Importable, and `--help` works, without CUDA; a run needs a CUDA device.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from hybridflow.kernels import gae, logprob_entropy, logprob_entropy_reference
+from hybridflow.kernels.backend import BackendUnavailable, cuda_extension
+
+LOGPROB_FNS = {
+    "eager": logprob_entropy_reference,
+    "chunked": lambda x, y: logprob_entropy(x, y, backend="chunked"),
+    "cuda": lambda x, y: logprob_entropy(x, y, backend="cuda"),
+}
+
+
+def time_ms(fn, repeats: int, warmup: int = 2) -> float:
+    """Median GPU time of `fn()` in milliseconds, from CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_extra_mib(fn) -> float:
+    """Peak bytes allocated during `fn()` beyond what was live before it, in MiB."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _logprob_inputs(n: int, v: int, dtype: torch.dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(n, v, generator=g, device="cuda") * 3.0).to(dtype)
+    return logits, torch.randint(0, v, (n,), generator=g, device="cuda")
+
+
+def _step(fn, logits, labels, backward: bool):
+    """One call as a closure: forward, or forward + backward of sum(logp) + sum(entropy)."""
+    def go():
+        lp, ent = fn(logits, labels)
+        if backward:
+            (lp.sum() + ent.sum()).backward()
+            logits.grad = None
+    return go
+
+
+def _max_diff(logits, labels, backward: bool) -> float:
+    """Largest |cuda - eager| over logp, entropy and (with `backward`) the logits gradient."""
+    outs = []
+    for name in ("eager", "cuda"):
+        x = logits.detach().clone().requires_grad_(backward)
+        lp, ent = LOGPROB_FNS[name](x, labels)
+        if backward:
+            (lp.sum() + ent.sum()).backward()
+        outs.append([lp.detach(), ent.detach()] + ([x.grad.float()] if backward else []))
+        del x, lp, ent
+    return max((a - b).abs().max().item() for a, b in zip(*outs))
+
+
+def bench_logprob(shapes, dtypes, repeats: int) -> None:
+    print(f"\n{'log-prob + entropy':36s} {'eager ms':>9s} {'chunk ms':>9s} {'cuda ms':>9s} {'eager/':>7s} "
+          f"{'chunk/':>7s} {'eager MiB':>10s} {'chunk MiB':>10s} {'cuda MiB':>10s} {'max|diff|':>10s}")
+    print(f"{'':36s} {'':>9s} {'':>9s} {'':>9s} {'cuda':>7s} {'cuda':>7s}")
+    for n, v in shapes:
+        for dtype in dtypes:
+            for backward in (False, True):
+                logits, labels = _logprob_inputs(n, v, dtype)
+                logits.requires_grad_(backward)
+                steps = {name: _step(fn, logits, labels, backward) for name, fn in LOGPROB_FNS.items()}
+                ms = {name: time_ms(step, repeats) for name, step in steps.items()}
+                mib = {name: peak_extra_mib(step) for name, step in steps.items()}
+                diff = _max_diff(logits, labels, backward)
+                case = f"{n}x{v} {str(dtype).removeprefix('torch.')} {'fwd+bwd' if backward else 'fwd'}"
+                print(f"{case:36s} {ms['eager']:9.3f} {ms['chunked']:9.3f} {ms['cuda']:9.3f} "
+                      f"{ms['eager'] / ms['cuda']:6.1f}x {ms['chunked'] / ms['cuda']:6.1f}x "
+                      f"{mib['eager']:10.0f} {mib['chunked']:10.0f} {mib['cuda']:10.0f} {diff:10.2e}", flush=True)
+                del logits, labels, steps
+                torch.cuda.empty_cache()
+
+
+def bench_bandwidth(shapes, dtypes, repeats: int, peak_tbps: float) -> None:
+    """HBM bandwidth of the kernels alone: forward reads logits once; backward reads them and writes the gradient."""
+    ext = cuda_extension()
+    print(f"\n{'cuda kernel bandwidth':36s} {'ms':>9s} {'GB moved':>9s} {'TB/s':>7s} {'of peak':>8s}"
+          f"   (peak {peak_tbps} TB/s)")
+    for n, v in shapes:
+        for dtype in dtypes:
+            logits, labels = _logprob_inputs(n, v, dtype)
+            _, ent, lse = ext.logprob_entropy_forward(logits, labels)
+            g = torch.ones(n, device="cuda")
+            matrix = n * v * logits.element_size()
+            cases = [  # (name, call, bytes): the [n, v] traffic plus labels and the per-row floats
+                ("fwd", lambda: ext.logprob_entropy_forward(logits, labels), matrix + n * (8 + 3 * 4)),
+                ("bwd", lambda: ext.logprob_entropy_backward(logits, labels, lse, ent, g, g),
+                 2 * matrix + n * (8 + 4 * 4)),
+            ]
+            for name, call, nbytes in cases:
+                ms = time_ms(call, repeats)
+                tbps = nbytes / (ms * 1e-3) / 1e12
+                case = f"{n}x{v} {str(dtype).removeprefix('torch.')} {name}"
+                print(f"{case:36s} {ms:9.3f} {nbytes / 1e9:9.3f} {tbps:7.2f} {tbps / peak_tbps:7.0%}", flush=True)
+            del logits, labels, ent, lse
+            torch.cuda.empty_cache()
+
+
+def bench_gae(lengths, repeats: int) -> None:
+    print(f"\n{'gae B=64, CUDA tensors':36s} {'gpu ref ms':>11s} {'host C++ ms':>12s} {'ref/C++':>8s} {'max|diff|':>10s}")
+    for t in lengths:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        r, v = torch.randn(64, t, generator=g, device="cuda"), torch.randn(64, t, generator=g, device="cuda")
+        m = (torch.rand(64, t, generator=g, device="cuda") > 0.1).float()
+
+        def on_gpu():
+            return gae(r, v, m, 0.99, 0.95)  # `auto` on CUDA tensors: the reference loop
+
+        def via_host():
+            adv, ret = gae(r.cpu(), v.cpu(), m.cpu(), 0.99, 0.95, backend="cpu")
+            return adv.to("cuda"), ret.to("cuda")
+
+        diff = max((a - b).abs().max().item() for a, b in zip(on_gpu(), via_host()))
+        t_gpu, t_host = time_ms(on_gpu, repeats, warmup=1), time_ms(via_host, repeats, warmup=1)
+        print(f"{f'T={t}':36s} {t_gpu:11.2f} {t_host:12.2f} {t_gpu / t_host:7.1f}x {diff:10.2e}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes and few repeats, a smoke run (~1 min)")
+    parser.add_argument("--only", default="logprob,bandwidth,gae", help="comma-separated subset of the sections")
+    parser.add_argument("--peak-tbps", type=float, default=4.8, help="device peak HBM bandwidth in TB/s (H200: 4.8)")
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per case (median reported)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_suite: no CUDA device visible (torch.cuda.is_available() is False); "
+              "run it on a GPU machine with a CUDA build of torch.", file=sys.stderr)
+        return 1
+    only = set(args.only.split(","))
+    repeats = 3 if args.quick else args.repeats
+    shapes = [(256, 4096), (64, 32000)] if args.quick else [(4096, 32000), (4096, 151936)]
+    dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float32]
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB), "
+          f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+    start = time.perf_counter()
+    try:
+        cuda_extension()
+    except BackendUnavailable as exc:
+        print(f"gpu_suite: the CUDA extension does not build: {exc}", file=sys.stderr)
+        return 1
+    print(f"CUDA extension ready in {time.perf_counter() - start:.1f} s (JIT build on the first run, then cached)")
+    if "logprob" in only:
+        bench_logprob(shapes, dtypes, repeats)
+    if "bandwidth" in only:
+        bench_bandwidth(shapes, dtypes, repeats, args.peak_tbps)
+    if "gae" in only:
+        bench_gae([128] if args.quick else [512, 2048, 8192], min(repeats, 3))
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+// Torch binding of the CUDA log-prob/entropy kernels (logprob_entropy.cu).
+//
+// Only device-generic torch headers: the current stream comes from c10's
+// device-guard interface rather than c10/cuda, so this file also compiles
+// against torch's CPU wheel (the CPU test checks that it does).
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "logprob_entropy.h"
+
+namespace {
+
+hybridflow_cuda::Dtype dtype_of(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat: return hybridflow_cuda::Dtype::kFloat32;
+    case torch::kBFloat16: return hybridflow_cuda::Dtype::kBFloat16;
+    case torch::kHalf: return hybridflow_cuda::Dtype::kFloat16;
+    default: break;
+  }
+  TORCH_CHECK(false, "logits must be float32, bfloat16 or float16, got ", t.scalar_type());
+}
+
+void check_logits(const torch::Tensor& logits, const torch::Tensor& labels) {
+  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
+              "logits must be a contiguous 2-D CUDA tensor with a non-empty last dimension");
+  TORCH_CHECK(labels.device() == logits.device() && labels.scalar_type() == torch::kLong && labels.dim() == 1 &&
+                  labels.size(0) == logits.size(0) && labels.is_contiguous(),
+              "labels must be a contiguous int64 vector on the logits' device, one per logits row");
+}
+
+// The current stream of `device`, as a cudaStream_t.
+void* current_stream(const torch::Device& device) {
+  return c10::impl::getDeviceGuardImpl(device.type())->getStream(device).native_handle();
+}
+
+void check_launch(const char* error) { TORCH_CHECK(error == nullptr, "CUDA logprob_entropy kernel: ", error); }
+
+}  // namespace
+
+std::vector<torch::Tensor> logprob_entropy_forward(torch::Tensor logits, torch::Tensor labels) {
+  check_logits(logits, labels);
+  const c10::DeviceGuard guard(logits.device());
+  auto logp = torch::empty({logits.size(0)}, logits.options().dtype(torch::kFloat));
+  auto ent = torch::empty_like(logp), lse = torch::empty_like(logp);
+  check_launch(hybridflow_cuda::logprob_entropy_forward(
+      logits.data_ptr(), dtype_of(logits), labels.data_ptr<int64_t>(), logits.size(0), logits.size(1),
+      logp.data_ptr<float>(), ent.data_ptr<float>(), lse.data_ptr<float>(), current_stream(logits.device())));
+  return {logp, ent, lse};
+}
+
+torch::Tensor logprob_entropy_backward(torch::Tensor logits, torch::Tensor labels, torch::Tensor lse,
+                                       torch::Tensor ent, torch::Tensor g_logp, torch::Tensor g_ent) {
+  check_logits(logits, labels);
+  const c10::DeviceGuard guard(logits.device());
+  // Upstream gradients of a sum() arrive expanded (stride 0): make them plain vectors.
+  auto f = [&](const torch::Tensor& t) { return t.to(logits.device(), torch::kFloat).contiguous(); };
+  auto lse_f = f(lse), ent_f = f(ent), gl = f(g_logp), ge = f(g_ent);
+  auto grad = torch::empty_like(logits, torch::MemoryFormat::Contiguous);
+  check_launch(hybridflow_cuda::logprob_entropy_backward(
+      logits.data_ptr(), dtype_of(logits), labels.data_ptr<int64_t>(), lse_f.data_ptr<float>(),
+      ent_f.data_ptr<float>(), gl.data_ptr<float>(), ge.data_ptr<float>(), logits.size(0), logits.size(1),
+      grad.data_ptr(), current_stream(logits.device())));
+  return grad;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("logprob_entropy_forward", &logprob_entropy_forward, "token log-prob, entropy, logsumexp (CUDA)");
+  m.def("logprob_entropy_backward", &logprob_entropy_backward, "gradient w.r.t. logits (CUDA)");
+}
