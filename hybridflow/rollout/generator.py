@@ -47,10 +47,14 @@ class Generator:
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
-                 generator: Optional[torch.Generator] = None) -> GenerationOutput:
+                 generator: Optional[torch.Generator] = None,
+                 row_keys: Optional[torch.Tensor] = None) -> GenerationOutput:
         """Sample up to `params.max_new_tokens` tokens after each left-padded prompt [B, T].
 
         Reproducible: the same inputs and the same `generator` state give the same output.
+        row_keys [B] (int64, one per prompt): sample with noise hashed from
+        (row_keys[i], sample j, step) instead of `generator`, so a prompt's
+        samples are the same whatever batch or rank it is generated in.
         """
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: Generator(model, pad_token_id, tokenizer)")
@@ -66,9 +70,13 @@ class Generator:
         mask = torch.zeros(rows, steps, dtype=torch.long, device=device)
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+        keys = None
+        if row_keys is not None:  # one stream per (prompt, sample), advanced per step below
+            keys = (row_keys.long().to(device).repeat_interleave(n) * n
+                    + torch.arange(n, device=device).repeat(b)) * (steps + 1)
         length = 0
         while True:
-            token, log_prob = sample(logits, params, generator)
+            token, log_prob = sample(logits, params, generator, None if keys is None else keys + length)
             token = token.masked_fill(done, self.pad_token_id)
             tokens[:, length] = token
             log_probs[:, length] = log_prob.masked_fill(done, 0.0)

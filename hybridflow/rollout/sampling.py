@@ -61,12 +61,46 @@ def truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return scaled
 
 
-def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens [B] and their log-probs [B] from `logits` [B, V] (any float dtype)."""
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def counter_uniform(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """Uniforms in (0, 1), [B, width]: a pure function of (keys[b], column).
+
+    A splitmix64-style hash of a counter (int64 arithmetic wraps), so a row's
+    random numbers do not depend on which other rows share its batch.
+    """
+    def shr(z: torch.Tensor, k: int) -> torch.Tensor:  # logical shift: torch's >> keeps the sign
+        return (z >> k) & ((1 << (64 - k)) - 1)
+
+    x = keys.long()[:, None] * width + torch.arange(width, device=keys.device)
+    z = x + _GOLDEN
+    z = (z ^ shr(z, 30)) * _MIX1
+    z = (z ^ shr(z, 27)) * _MIX2
+    z = z ^ shr(z, 31)
+    mantissa = shr(z, 12)  # 52 bits: (m + 0.5) / 2^52 is exact in float64 and strictly inside (0, 1)
+    return (mantissa.double() + 0.5) * 2.0 ** -52
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None,
+           keys: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens [B] and their log-probs [B] from `logits` [B, V] (any float dtype).
+
+    keys [B] (int64): draw row b's token with Gumbel-max noise hashed from
+    keys[b] instead of `generator`, so each row's sample is independent of
+    how rows are batched (the same prompt gives the same sample on any rank).
+    """
     logits = logits.float()
     if params.greedy:
         tokens = logits.argmax(-1)
+    elif keys is not None:
+        logits = logits / params.temperature
+        gumbel = -torch.log(-torch.log(counter_uniform(keys, logits.shape[-1])))
+        tokens = (truncate(logits, params.top_k, params.top_p).double() + gumbel).argmax(-1)
     else:
         logits = logits / params.temperature
         probs = truncate(logits, params.top_k, params.top_p).softmax(-1)

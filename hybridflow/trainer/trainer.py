@@ -143,7 +143,8 @@ class RLTrainer:
 
         Items are prompt chunks; with dataflow.async_execution the reward and
         log-prob stages start on the first chunk while later chunks generate.
-        Each chunk has its own sampling seed, so sync and async runs agree.
+        Sampling noise is keyed by (step, prompt, sample), so chunking, async
+        execution and the number of ranks do not change the samples.
         """
         stages = [("rollout", self.actor_rollout, self._rollout_chunk), ("reward", self.reward_fn, self._score)]
         if self.needs_ref:
@@ -181,8 +182,7 @@ class RLTrainer:
         prompts = self.prompts(step)
         rows, size = len(prompts[F.INPUT_IDS]), self.chunk_prompts
         base = self.cfg.trainer.seed * 1_000_003 + step
-        chunks = [(base + 7919 * i, {k: v[start:start + size] for k, v in prompts.items()})
-                  for i, start in enumerate(range(0, rows, size))]
+        chunks = [(base, {k: v[start:start + size] for k, v in prompts.items()}) for start in range(0, rows, size)]
         result = self.flow.run(chunks, async_execution=self.cfg.dataflow.async_execution, min_batch=1)
         batch = concat_batches(result.final) if len(result.final) > 1 else result.final[0]
         batch["metrics"] = self._rollout_metrics(batch)

@@ -140,11 +140,13 @@ class ActorRolloutRefWorker(Worker):
         from hybridflow.trainer.rl_steps import assemble_rollout
 
         params = self.sampling[validation]
-        gen = torch.Generator().manual_seed(seed + 104_729 * self.rank)  # one stream per rank
         ids, mask = prompts[F.INPUT_IDS], prompts[F.ATTENTION_MASK]
+        # Noise keyed by (seed, dataset row, sample): a prompt's samples do not
+        # depend on the rank, chunk or batch it is generated in.
+        keys = seed * 1_000_003 + torch.as_tensor(prompts[F.INDEX], dtype=torch.long)
         # rollout.batch_size_per_device: generate this rank's prompts that many at a time.
         size = self.cfg.rollout.batch_size_per_device or len(ids)
-        parts = [self.generator.generate(ids[i:i + size], mask[i:i + size], params, generator=gen)
+        parts = [self.generator.generate(ids[i:i + size], mask[i:i + size], params, row_keys=keys[i:i + size])
                  for i in range(0, len(ids), size)]
         if pad or self.world_size > 1 or len(parts) > 1:  # concatenated batches need one width
             width = params.max_new_tokens

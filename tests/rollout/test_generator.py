@@ -162,3 +162,23 @@ def test_weights_are_read_at_call_time():
     after = generator.generate(ids, mask, _greedy()).responses
     assert torch.equal(after, Generator(other, PAD).generate(ids, mask, _greedy()).responses)
     assert not torch.equal(before, after)
+
+
+def test_keyed_samples_do_not_depend_on_the_batch():
+    """row_keys: a prompt's n samples are the same alone or batched with others (any rank split)."""
+    model = tiny_decoder("llama-gqa")
+    ids, mask = left_padded_prompts(model.cfg.vocab_size)
+    keys = torch.tensor([11, 22, 33, 44])
+    params = SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.95, n=3)
+    gen = Generator(model, PAD)
+    whole = gen.generate(ids, mask, params, row_keys=keys)
+    # Rows 2..3 alone: strip their (now unneeded) left padding to a narrower batch.
+    width = int(mask[2:].sum(-1).max())
+    part = gen.generate(ids[2:, -width:], mask[2:, -width:], params, row_keys=keys[2:])
+    r = part.responses.shape[1]
+    assert torch.equal(whole.responses[6:, :r], part.responses)
+    torch.testing.assert_close(whole.log_probs[6:, :r], part.log_probs, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(whole.responses[6:9], whole.responses[9:12])  # different prompts, different keys
+    recomputed = _recomputed_log_probs(model, whole, 0.9)
+    m = whole.response_mask.bool()
+    torch.testing.assert_close(recomputed[m], whole.log_probs[m], atol=1e-4, rtol=1e-4)

@@ -56,3 +56,21 @@ def test_sample_accepts_low_precision_logits():
     logits = torch.randn(3, 10).to(torch.bfloat16)
     tokens, log_probs = sample(logits, SamplingParams(2), torch.Generator().manual_seed(0))
     assert log_probs.dtype == torch.float32 and (log_probs <= 0).all() and not math.isnan(log_probs.sum())
+
+
+def test_counter_uniform_is_uniform_and_a_function_of_key_and_column():
+    from hybridflow.rollout.sampling import counter_uniform
+    keys = torch.arange(2000)
+    u = counter_uniform(keys, 50)
+    assert u.min() > 0 and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
+    assert torch.equal(counter_uniform(keys[5:7], 50), u[5:7])  # independent of the other rows
+    assert (u[:, 1:] != u[:, :-1]).all()
+
+
+def test_keyed_sampling_follows_the_softmax():
+    from hybridflow.rollout.sampling import SamplingParams, sample
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
+    tokens, _ = sample(logits, SamplingParams(max_new_tokens=1, temperature=1.0), keys=torch.arange(20000))
+    freq = torch.bincount(tokens, minlength=4).float() / 20000
+    torch.testing.assert_close(freq, logits[0].softmax(-1), atol=0.01, rtol=0)
