@@ -95,6 +95,8 @@ def resolve(backend: str, device: torch.device, available: tuple[str, ...]) -> s
         if backend not in available:
             raise BackendUnavailable(f"this kernel has no {backend!r} backend (has: {available})")
         if backend in _EXTENSIONS:
+            if device.type != backend:  # an extension reads raw pointers of its own device only
+                raise BackendUnavailable(f"the {backend!r} backend runs on {backend} tensors, got {device}")
             _EXTENSIONS[backend]()
         return backend
     if device.type in _EXTENSIONS and device.type in available:

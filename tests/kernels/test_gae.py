@@ -63,3 +63,9 @@ def test_discounted_returns():
     for backend in ("reference", "cpu"):
         torch.testing.assert_close(discounted_returns(r, m, 0.5, backend=backend),
                                    torch.tensor([[1.5, 1.0, 2.0, 0.0]]))
+
+
+def test_an_extension_backend_refuses_tensors_of_another_device():
+    from hybridflow.kernels.backend import BackendUnavailable, resolve
+    with pytest.raises(BackendUnavailable, match="runs on cpu tensors"):
+        resolve("cpu", torch.device("meta"), ("cpu",))
