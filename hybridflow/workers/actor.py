@@ -11,7 +11,7 @@ from hybridflow.algos import aggregate_loss, get_policy_loss, kl_loss, masked_me
 from hybridflow.config.schema import ActorConfig
 from hybridflow.data import fields as F
 from hybridflow.workers.batching import (global_count, mean_metrics, response_log_probs, shuffled, split,
-                                         tensor_fields)
+                                         summed_share, tensor_fields)
 
 _TRAIN_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.OLD_LOG_PROBS, F.ADVANTAGES)
 
@@ -112,6 +112,6 @@ class Actor:
         # The per-micro-batch loss is a share of the mini-batch loss: sum, not mean.
         for key in ("actor/pg_loss", "actor/kl_loss"):
             if key in out:
-                out[key] = sum(r[key] for r in reports)
+                out[key] = summed_share(reports, key, ps.get_data_parallel_group())
         out.update({"actor/grad_norm": stats.grad_norm, "actor/lr": stats.lr})
         return out

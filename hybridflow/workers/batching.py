@@ -50,6 +50,14 @@ def global_count(mask: Tensor, mode: str, group=None) -> Tensor:
     return count
 
 
+def summed_share(reports: list[dict[str, Any]], key: str, group=None) -> float:
+    """A loss reported as shares of the global mini-batch loss: summed over micro-batches and DP ranks."""
+    total = torch.tensor(sum(r[key] for r in reports), dtype=torch.float64)
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return total.item()
+
+
 def mean_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:
     """Average each float metric over micro-batches."""
     out: dict[str, list[float]] = {}

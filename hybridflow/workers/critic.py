@@ -10,7 +10,8 @@ from hybridflow.algos import value_loss
 from hybridflow.config.schema import CriticConfig
 from hybridflow.data import fields as F
 from hybridflow.workers.actor import check_finite, forward_only
-from hybridflow.workers.batching import global_count, mean_metrics, response_slice, shuffled, split
+from hybridflow.workers.batching import (global_count, mean_metrics, response_slice, shuffled, split,
+                                         summed_share)
 
 _TRAIN_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.VALUES, F.RETURNS)
 
@@ -58,7 +59,7 @@ class Critic:
                 stats = self.engine.step()
                 check_finite("critic/grad_norm", stats.grad_norm)
                 report = mean_metrics(micro_reports)
-                report["critic/vf_loss"] = sum(r["critic/vf_loss"] for r in micro_reports)
+                report["critic/vf_loss"] = summed_share(micro_reports, "critic/vf_loss", ps.get_data_parallel_group())
                 report.update({"critic/grad_norm": stats.grad_norm, "critic/lr": stats.lr})
                 reports.append(report)
         return mean_metrics(reports)

@@ -50,13 +50,22 @@ def test_grpo_colocated_on_two_ray_workers_matches_the_single_process_run(tmp_pa
 
 
 def test_ppo_split_placement_critic_on_its_own_devices(tmp_path):
-    """Actor+rollout+reference on devices 0-1, the critic on 2-3: four Ray processes."""
-    _, records = run("tiny-ppo.yaml", tmp_path, "trainer.n_devices=4", "trainer.launcher=ray",
+    """Actor+rollout+reference on devices 0-1, the critic on 2-3 (four Ray processes): the same
+    metrics as one process, up to summation order (one mini-batch per epoch, as above)."""
+    from tests.trainer.test_trainer import learned
+
+    common = ["trainer.total_steps=2", "actor.ppo_mini_batch_size=8"]
+    _, records = run("tiny-ppo.yaml", tmp_path / "split", "trainer.n_devices=4", "trainer.launcher=ray",
                      "placement.training=[0,1]", "placement.rollout=[0,1]", "placement.reference=[0,1]",
-                     "placement.critic=[2,3]", "trainer.total_steps=1")
-    last = records[-1]
+                     "placement.critic=[2,3]", *common)
+    _, single = run("tiny-ppo.yaml", tmp_path / "one", *common)
+    split, one = learned(records), learned(single)
     for key in ("critic/vf_loss", "actor/pg_loss", "actor/kl", "actor/kl_loss"):
-        assert math.isfinite(last[key]), key
+        assert math.isfinite(split[2][key]), key
+    for step in (1, 2):
+        assert split[step].keys() == one[step].keys()
+        for key, value in one[step].items():
+            assert split[step][key] == pytest.approx(value, rel=1e-3, abs=1e-5), (step, key)
 
 
 def test_rollout_apart_from_training_is_rejected(tmp_path):
