@@ -359,7 +359,9 @@ class RLTrainer:
         t = self.cfg.trainer
         self.run_dir.mkdir(parents=True, exist_ok=True)
         start = self.restore()
-        tracker = Tracker(self.run_dir, t.loggers if self.is_main else [], t.total_steps, resume_from_step=start)
+        # A fresh run (start 0) in an existing run directory starts a new metrics file.
+        tracker = Tracker(self.run_dir, t.loggers if self.is_main else [], t.total_steps,
+                          resume_from_step=start if start > 0 else -1)
         summary: dict[str, Any] = {"run_dir": self.run_dir}
         try:
             if start == 0:

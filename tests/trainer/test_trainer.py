@@ -197,3 +197,9 @@ def test_batch_size_per_device_splits_generation_without_changing_greedy_results
     parts = RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path / "b", "rollout.batch_size_per_device=24",
                                      "rollout.pad_to_max_length=true"))).validate()
     assert parts["val/accuracy"] == whole["val/accuracy"] and parts["val/n"] == whole["val/n"] == 1000
+
+
+def test_a_fresh_run_in_an_old_run_directory_starts_new_metrics(tmp_path):
+    for _ in range(2):
+        RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path, "trainer.total_steps=1", "trainer.val_every=0"))).fit()
+    assert [r["step"] for r in read_metrics(tmp_path / "tiny-grpo" / "metrics.jsonl")] == [0, 1]
