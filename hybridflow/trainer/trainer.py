@@ -30,7 +30,7 @@ from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import Config
 from hybridflow.controller.dispatch import concat_batches
 from hybridflow.controller.worker_group import LocalWorkerGroup, WorkerError
-from hybridflow.dataflow import DataFlow, Node
+from hybridflow.dataflow import DataFlow, Node, NodeError
 from hybridflow.data import fields as F
 from hybridflow.data.dataset import PromptDataset, batches_per_epoch, iterate_batches
 from hybridflow.rewards.registry import get_reward_fn
@@ -183,7 +183,12 @@ class RLTrainer:
         rows, size = len(prompts[F.INPUT_IDS]), self.chunk_prompts
         base = self.cfg.trainer.seed * 1_000_003 + step
         chunks = [(base, {k: v[start:start + size] for k, v in prompts.items()}) for start in range(0, rows, size)]
-        result = self.flow.run(chunks, async_execution=self.cfg.dataflow.async_execution, min_batch=1)
+        try:
+            result = self.flow.run(chunks, async_execution=self.cfg.dataflow.async_execution, min_batch=1)
+        except NodeError as exc:  # a worker failed inside a stage: report the worker's error itself
+            if isinstance(exc.__cause__, WorkerError):
+                raise exc.__cause__ from None
+            raise
         batch = concat_batches(result.final) if len(result.final) > 1 else result.final[0]
         batch["metrics"] = self._rollout_metrics(batch)
         batch["metrics"]["batch/tokens"] = float(S.real_tokens(batch))

@@ -130,7 +130,7 @@ def test_killed_worker_stops_the_step_with_its_rank_named(tmp_path):
     try:
         trainer.train_step(1)  # warm: the next step's timing is known to be > 0.2 s
         victim = trainer.actor_rollout.pids()[1]
-        threading.Timer(0.2, os.kill, (victim, signal.SIGKILL)).start()
+        threading.Timer(0.2, os.kill, (victim, signal.SIGKILL)).start()  # rollout or update, whichever runs
         with pytest.raises(WorkerError, match=r"rank [01] failed in \w+"):
             for step in range(2, 20):
                 trainer.train_step(step)

@@ -203,3 +203,19 @@ def test_a_fresh_run_in_an_old_run_directory_starts_new_metrics(tmp_path):
     for _ in range(2):
         RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path, "trainer.total_steps=1", "trainer.val_every=0"))).fit()
     assert [r["step"] for r in read_metrics(tmp_path / "tiny-grpo" / "metrics.jsonl")] == [0, 1]
+
+
+def test_a_worker_failing_inside_a_flow_stage_surfaces_as_worker_error(tmp_path, monkeypatch):
+    from hybridflow.controller import WorkerError
+    from hybridflow.dataflow import NodeError
+
+    trainer = RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path)))
+    cause = WorkerError(1, "generate", "its worker process died")
+
+    def failing_run(*args, **kwargs):
+        raise NodeError("node 'rollout': forward_fn raised WorkerError") from cause
+
+    monkeypatch.setattr(trainer.flow, "run", failing_run)
+    with pytest.raises(WorkerError, match="rank 1 failed in generate") as info:
+        trainer.train_step(1)
+    assert info.value is cause
