@@ -202,7 +202,8 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         if self.parallel.pp > 1:
-            raise NotImplementedError("HF export from pipeline-parallel engines goes through tools/reshard")
+            raise NotImplementedError("HF export from pipeline-parallel engines is not built yet (needs a "
+                                      "gather across stages)")
         if self.value_head:
             raise NotImplementedError("a critic is not an HF causal LM; save it with state_dict()")
         params, full = self._named_params(), {}
@@ -312,6 +313,15 @@ class MegatronEngine:
         """This rank's file inside a checkpoint directory."""
         lay = self.layout
         return Path(directory) / f"engine_tp{lay.tp_rank}_pp{lay.pp_rank}_dp{lay.dp_rank}.pt"
+
+    def save(self, directory: Path) -> None:
+        """Write this rank's shard (`state_dict`) into `directory`."""
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), self.shard_path(directory))
+
+    def load(self, directory: Path) -> None:
+        """Restore this rank's shard written by `save`."""
+        self.load_state_dict(torch.load(self.shard_path(directory), weights_only=False))
 
 
 def _param_state(opt) -> Optional[dict]:

@@ -173,14 +173,11 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def save(self, directory: str) -> None:
-        target = Path(directory) / "actor"
-        target.mkdir(parents=True, exist_ok=True)
-        torch.save(self.engine.state_dict(), self.engine.shard_path(target))
+        self.engine.save(Path(directory) / "actor")
 
     @register(Dispatch.ONE_TO_ALL)
     def load(self, directory: str) -> None:
-        self.engine.load_state_dict(torch.load(self.engine.shard_path(Path(directory) / "actor"),
-                                               weights_only=False))
+        self.engine.load(Path(directory) / "actor")
 
     @register(Dispatch.RANK_ZERO)
     def export_hf(self, path: str) -> str:
@@ -217,14 +214,11 @@ class CriticWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def save(self, directory: str) -> None:
-        target = Path(directory) / "critic"
-        target.mkdir(parents=True, exist_ok=True)
-        torch.save(self.engine.state_dict(), self.engine.shard_path(target))
+        self.engine.save(Path(directory) / "critic")
 
     @register(Dispatch.ONE_TO_ALL)
     def load(self, directory: str) -> None:
-        self.engine.load_state_dict(torch.load(self.engine.shard_path(Path(directory) / "critic"),
-                                               weights_only=False))
+        self.engine.load(Path(directory) / "critic")
 
 
 class RewardModelWorker(Worker):
