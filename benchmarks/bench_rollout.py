@@ -1,14 +1,24 @@
 """Rollout benchmark: the built-in Generator against HF `generate` on the same weights.
 
-    python benchmarks/bench_rollout.py [--quick] [--threads N]
+    python benchmarks/bench_rollout.py [--quick] [--threads N] [--workload greedy|sampled]
 
 A small Llama-shaped model is built here with random weights, saved as an HF
 checkpoint and loaded by `transformers`, so both engines run identical
-float32 weights on the same left-padded prompts. Decoding is greedy and both
-generate exactly `--new-tokens` tokens per row (no EOS; `min_new_tokens` for
-HF). Runs of the two alternate and the median of `--repeats` is reported,
-since other processes on a shared machine shift single timings. `same`
-is the fraction of generated tokens on which the two engines agree.
+float32 weights on the same left-padded prompts. Runs of the two alternate
+and the median of `--repeats` is reported, since other processes on a shared
+machine shift single timings. Two workloads:
+
+- `greedy`: both generate exactly `--new-tokens` tokens per row (no EOS;
+  `min_new_tokens` for HF). Every row does the same work, so this compares
+  the decoding step itself. `same` is the fraction of generated tokens on
+  which the two engines agree (greedy: they should be identical).
+- `sampled`: what an RL rollout does. Temperature 1 over the full vocabulary,
+  and `--eos-ids` of the tokens end a row, so with near-uniform random logits
+  a row ends with probability eos_ids/vocab per step: lengths are geometric
+  (mean about 64 at the defaults) and cut at `--new-tokens`, a long tail like
+  real responses. Tokens are counted up to and including each row's EOS, for
+  each engine from its own samples (the two draw different random numbers
+  from the same distribution); `same` is then the ratio of mean lengths.
 """
 from __future__ import annotations
 
@@ -53,6 +63,47 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
+def _tokens_to_eos(responses: torch.Tensor, eos: tuple[int, ...]) -> int:
+    """Tokens of each row up to and including its first EOS (all of them when none), summed."""
+    ended = torch.isin(responses, torch.tensor(eos))
+    first = torch.where(ended.any(1), ended.int().argmax(1) + 1, responses.shape[1])
+    return int(first.sum())
+
+
+def bench_sampled(ours: Generator, hf_model, batches, prompt_len: int, new_tokens: int,
+                  repeats: int, eos_ids: int) -> None:
+    vocab = ours.model.cfg.vocab_size
+    eos = tuple(range(1, vocab, vocab // eos_ids))[:eos_ids]
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=eos)
+    hf_kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                     pad_token_id=PAD, eos_token_id=list(eos))
+    for batch in batches:
+        ids, mask = _prompts(batch, prompt_len, vocab)
+        gen = torch.Generator().manual_seed(0)
+        torch.manual_seed(0)
+        rates_ours, rates_hf, len_ours, len_hf = [], [], [], []
+        for i in range(repeats + 1):  # the first round is a warm-up
+            start = time.perf_counter()
+            out = ours.generate(ids, mask, params, generator=gen)
+            t_ours = time.perf_counter() - start
+            start = time.perf_counter()
+            with torch.no_grad():
+                ref = hf_model.generate(ids, attention_mask=mask, **hf_kwargs)[:, prompt_len:]
+            t_hf = time.perf_counter() - start
+            n_ours, n_hf = int(out.response_mask.sum()), _tokens_to_eos(ref, eos)
+            assert n_ours == _tokens_to_eos(out.responses, eos)
+            if i:
+                rates_ours.append(n_ours / t_ours)
+                rates_hf.append(n_hf / t_hf)
+                len_ours.append(n_ours / batch)
+                len_hf.append(n_hf / batch)
+        ours_rate, hf_rate = statistics.median(rates_ours), statistics.median(rates_hf)
+        print(f"{batch:6d} {prompt_len:7d} {new_tokens:7d} {ours_rate:10.0f} {hf_rate:10.0f} "
+              f"{ours_rate / hf_rate:7.2f}x {statistics.mean(len_ours) / statistics.mean(len_hf):6.3f}"
+              f"   mean length ours {statistics.mean(len_ours):.0f}, HF {statistics.mean(len_hf):.0f}",
+              flush=True)
+
+
 def bench(ours: Generator, hf_model, batches, prompt_len: int, new_tokens: int, repeats: int) -> None:
     vocab = ours.model.cfg.vocab_size
     params = SamplingParams(max_new_tokens=new_tokens, do_sample=False)
@@ -88,6 +139,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small", help="model shape (see SHAPES)")
+    parser.add_argument("--workload", choices=("greedy", "sampled", "both"), default="both",
+                        help="greedy fixed-length decoding, RL-style sampling with EOS, or both")
+    parser.add_argument("--eos-ids", type=int, default=64,
+                        help="sampled: how many token ids end a row (P(end) per step ~ eos_ids/vocab)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
@@ -102,14 +157,20 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, transformers {transformers.__version__}")
     print(f"model: llama, hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads "
-          f"({cfg.num_kv_heads} kv), ffn {cfg.intermediate_size}, vocab {cfg.vocab_size}, float32; greedy")
-    print(f"{'batch':>6s} {'prompt':>7s} {'new':>7s} {'ours tok/s':>10s} {'HF tok/s':>10s} "
-          f"{'speedup':>8s} {'same':>6s}")
-    if args.quick:
-        bench(ours, hf_model, [1, 4], 16, 8, 1)
-        return
+          f"({cfg.num_kv_heads} kv), ffn {cfg.intermediate_size}, vocab {cfg.vocab_size}, float32")
+    header = (f"{'batch':>6s} {'prompt':>7s} {'new':>7s} {'ours tok/s':>10s} {'HF tok/s':>10s} "
+              f"{'speedup':>8s} {'same':>6s}")
     batches = [int(b) for b in args.batches.split(",")]
-    bench(ours, hf_model, batches, args.prompt_len, args.new_tokens, args.repeats)
+    prompt_len, new_tokens, repeats = args.prompt_len, args.new_tokens, args.repeats
+    if args.quick:
+        batches, prompt_len, new_tokens, repeats = [1, 4], 16, 8, 1
+    if args.workload in ("greedy", "both"):
+        print(f"greedy, exactly {new_tokens} new tokens per row\n{header}")
+        bench(ours, hf_model, batches, prompt_len, new_tokens, repeats)
+    if args.workload in ("sampled", "both"):
+        print(f"sampled (temperature 1), {args.eos_ids} EOS ids of {cfg.vocab_size}, "
+              f"at most {new_tokens} new tokens\n{header}")
+        bench_sampled(ours, hf_model, batches, prompt_len, new_tokens, repeats, args.eos_ids)
 
 
 if __name__ == "__main__":

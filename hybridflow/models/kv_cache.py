@@ -8,10 +8,11 @@ real tokens occupy a contiguous run of slots ending at `length - 1`, and
 slot distance equals token distance and a sliding window is a slice of the
 last `window` slots.
 
-Simplifications: no paging and no per-row lengths (a finished row keeps
-occupying its slots until the call ends); only the first append may be
-shared by several rows (one prompt prefilled once for its `n` samples).
-Only activations are cached, never weights.
+Simplifications: no paging and no per-row lengths; rows that have finished
+are dropped in bulk by `keep_rows` (one copy of the cache), not slot by
+slot. Only the first append may be shared by several rows (one prompt
+prefilled once for its `n` samples). Only activations are cached, never
+weights.
 """
 from __future__ import annotations
 
@@ -60,6 +61,14 @@ class KVCache:
         self.key_mask[:, self.start:self.length] = mask.repeat_interleave(rows, 0)
         self.seen += mask.sum(-1).repeat_interleave(rows)
         return positions
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only cache rows `rows` [b'] (int64 indices, in the order given); the rest are freed."""
+        self.k = self.k.index_select(1, rows)
+        self.v = self.v.index_select(1, rows)
+        self.key_mask = self.key_mask.index_select(0, rows)
+        self.seen = self.seen.index_select(0, rows)
+        self.batch = rows.numel()
 
     def first_key(self, window: Optional[int]) -> int:
         """First slot a query of the last append can attend to."""

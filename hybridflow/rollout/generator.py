@@ -4,11 +4,14 @@
     out = gen.generate(input_ids, attention_mask, SamplingParams(max_new_tokens=256, n=4))
 
 Prompts come left-padded; each prompt is prefilled once and its cache rows
-shared by its `n` samples. Every decode step runs all rows together, finished
-rows included (fed padding, their outputs discarded), so the step is the same
-few tensor ops whatever the batch; the loop stops once every row has ended.
-The one per-row Python loop is the stop-string check, which has to decode
-text and runs only when `stop` strings are given.
+shared by its `n` samples. Every decode step runs the live rows together, so
+the step is the same few tensor ops whatever the batch. A row that has ended
+is fed padding (its outputs discarded) until a quarter of the live rows have
+ended; then those rows are dropped from the batch and the KV cache in one
+copy (`_COMPACT_AT`), so a long tail of responses is decoded at the cost of
+the rows still running, not of the whole batch. The loop stops once every
+row has ended. The one per-row Python loop is the stop-string check, which
+has to decode text and runs only when `stop` strings are given.
 
 Weights are read from the model's parameters at each call (the hybrid engine
 hands over a decoder whose parameters are views of the training weights).
@@ -27,6 +30,10 @@ from hybridflow.rollout.sampling import SamplingParams, sample
 # Tokens decoded per stop-string check, per character of the longest stop
 # string: a character can span several byte-level tokens.
 _TOKENS_PER_CHAR = 4
+# Drop ended rows from the decode batch once they are this fraction of it:
+# each drop copies the live KV cache once, each ended row kept costs a row of
+# every matmul and of attention per step.
+_COMPACT_AT = 0.25
 
 
 @dataclass
@@ -68,7 +75,8 @@ class Generator:
         tokens = input_ids.new_full((rows, steps), self.pad_token_id)
         log_probs = torch.zeros(rows, steps, device=device)
         mask = torch.zeros(rows, steps, dtype=torch.long, device=device)
-        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        live = torch.arange(rows, device=device)  # output row of each cache row
+        done = torch.zeros(rows, dtype=torch.bool, device=device)  # per cache row
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
         keys = None
         if row_keys is not None:  # one stream per (prompt, sample), advanced per step below
@@ -78,15 +86,21 @@ class Generator:
         while True:
             token, log_prob = sample(logits, params, generator, None if keys is None else keys + length)
             token = token.masked_fill(done, self.pad_token_id)
-            tokens[:, length] = token
-            log_probs[:, length] = log_prob.masked_fill(done, 0.0)
-            mask[:, length] = (~done).long()
+            tokens[live, length] = token
+            log_probs[live, length] = log_prob.masked_fill(done, 0.0)
+            mask[live, length] = (~done).long()
             done |= torch.isin(token, stop_ids)
             length += 1
             if params.stop:
-                done |= self._completes_stop_string(tokens[:, :length], done, params.stop)
-            if length == steps or bool(done.all()):
+                done |= self._completes_stop_string(tokens[live, :length], done, params.stop)
+            ended = int(done.sum())
+            if length == steps or ended == done.numel():
                 break
+            if ended >= _COMPACT_AT * done.numel():
+                keep = (~done).nonzero().flatten()
+                cache.keep_rows(keep)
+                live, done, token = live[keep], done[keep], token[keep]
+                keys = None if keys is None else keys[keep]
             logits = self.model.forward_cached(token[:, None], cache)[:, -1]
 
         return GenerationOutput(

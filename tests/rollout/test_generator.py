@@ -182,3 +182,32 @@ def test_keyed_samples_do_not_depend_on_the_batch():
     recomputed = _recomputed_log_probs(model, whole, 0.9)
     m = whole.response_mask.bool()
     torch.testing.assert_close(recomputed[m], whole.log_probs[m], atol=1e-4, rtol=1e-4)
+
+
+def test_dropping_ended_rows_changes_no_output(family, monkeypatch):
+    """Rows that end are dropped from the decode batch and KV cache; the survivors decode as before."""
+    import hybridflow.rollout.generator as generator_module
+    from hybridflow.models.kv_cache import KVCache
+
+    model = tiny_decoder(family)
+    ids, mask = left_padded_prompts(model.cfg.vocab_size)
+    keys = torch.tensor([5, 6, 7, 8])
+    # Ten EOS ids out of 101: rows end at varied lengths well before max_new_tokens.
+    params = SamplingParams(max_new_tokens=40, n=3, stop_token_ids=tuple(range(1, 101, 10)))
+    gen = Generator(model, PAD)
+    monkeypatch.setattr(generator_module, "_COMPACT_AT", 2.0)  # never drop
+    kept = gen.generate(ids, mask, params, row_keys=keys)
+
+    batches = []
+    keep_rows = KVCache.keep_rows
+    monkeypatch.setattr(KVCache, "keep_rows", lambda self, rows: (batches.append(rows.numel()),
+                                                                  keep_rows(self, rows)))
+    monkeypatch.setattr(generator_module, "_COMPACT_AT", 0.0)  # drop ended rows at every step
+    dropped = gen.generate(ids, mask, params, row_keys=keys)
+
+    lengths = kept.response_mask.sum(1)
+    assert (lengths < 40).sum() >= 9 and lengths.min() < lengths.max()  # most end early, unevenly
+    assert batches[0] <= 12 and batches[-1] <= 3 and batches == sorted(batches, reverse=True)
+    assert torch.equal(dropped.responses, kept.responses)
+    assert torch.equal(dropped.response_mask, kept.response_mask)
+    torch.testing.assert_close(dropped.log_probs, kept.log_probs, atol=1e-5, rtol=1e-5)
