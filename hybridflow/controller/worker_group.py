@@ -58,6 +58,7 @@ from hybridflow.controller.dispatch import Dispatch, collect, dispatch, register
 from hybridflow.controller.resource_pool import ResourcePool
 
 STARTUP_TIMEOUT_S = 600.0  # actor start plus the worker's __init__ (model build, checkpoint load)
+DEATH_GRACE_S = 5.0  # after a rank fails, how long to wait for news that a peer's process died
 
 
 class WorkerError(RuntimeError):
@@ -356,16 +357,44 @@ class RayWorkerGroup(_WorkerGroup):
                 self._fail(WorkerError(ranks[0], method, f"rank(s) {ranks} did not answer within {timeout}s"))
             for ref in ready:
                 rank = pending.pop(ref)
-                try:
-                    out = ray.get(ref)
-                except ray.exceptions.RayActorError as exc:
-                    self._fail(WorkerError(rank, method, "its worker process died", str(exc)))
-                except ray.exceptions.RayError as exc:
-                    self._fail(WorkerError(rank, method, type(exc).__name__, str(exc)))
-                if isinstance(out, _Failure):
-                    self._fail(WorkerError(rank, method, out.summary, out.traceback))
+                out = self._result(ref, rank, method)
+                if isinstance(out, WorkerError):
+                    self._fail(self._root_cause(out, pending, method))
                 results[rank] = out
         return results
+
+    @staticmethod
+    def _result(ref, rank: int, method: str) -> Any:
+        """What rank `rank` returned, or the WorkerError describing how it failed."""
+        import ray
+
+        try:
+            out = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            return WorkerError(rank, method, "its worker process died", str(exc))
+        except ray.exceptions.RayError as exc:
+            return WorkerError(rank, method, type(exc).__name__, str(exc))
+        if isinstance(out, _Failure):
+            return WorkerError(rank, method, out.summary, out.traceback)
+        return out
+
+    def _root_cause(self, first: WorkerError, pending: dict, method: str) -> WorkerError:
+        """A rank whose process died, if one did, rather than a peer that failed because of it.
+
+        When a process dies mid-collective its peers' gloo calls fail at once,
+        often before Ray reports the death; the ranks still pending get
+        `DEATH_GRACE_S` to show whether one of them is the cause.
+        """
+        import ray
+
+        if "process died" in first.reason or not pending:
+            return first
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=DEATH_GRACE_S)
+        for ref in ready:
+            out = self._result(ref, pending[ref], method)
+            if isinstance(out, WorkerError) and "process died" in out.reason:
+                return out
+        return first
 
     def _fail(self, error: WorkerError) -> None:
         self.shutdown()

@@ -7,7 +7,10 @@
 
 The models live in worker groups (`hybridflow.workers.rl_workers`): the
 actor, its rollout and the reference share one group (the hybrid layout);
-the critic has its own. A group is Ray actors on the devices `placement`
+the critic has its own. Rollout may instead have a group of its own
+(placement.rollout != placement.training): it then generates from a copy of
+the actor's weights that the actor group publishes to the object store after
+each update. A group is Ray actors on the devices `placement`
 gives the role, or in-process (`trainer.launcher`). Which preparation
 stages run is decided once, when the trainer is built. Checkpoints hold each
 engine's shard (weights, Adam state, LR schedule) and the step; data order
@@ -19,7 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -39,7 +44,7 @@ from hybridflow.trainer.checkpointing import CheckpointManager, atomic_write_jso
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.workers.rl_workers import (ActorRolloutRefWorker, CriticWorker, RewardModelWorker,
-                                           load_model_config, load_tokenizer, needs_reference)
+                                           RolloutWorker, load_model_config, load_tokenizer, needs_reference)
 
 log = logging.getLogger(__name__)
 
@@ -57,28 +62,37 @@ def use_ray(cfg: Config) -> bool:
     return t.n_devices > 1 or t.ray_address is not None
 
 
-def build_groups(cfg: Config) -> tuple[Any, Optional[Any], Optional[Any]]:
-    """(actor/rollout/reference group, critic group or None, reward-model group or None)."""
+@dataclass
+class Groups:
+    """The worker groups of a run; None where the role is not used or shares the actor's group."""
+
+    actor_rollout: Any              # actor + reference, and rollout unless `rollout` is set
+    critic: Optional[Any] = None
+    reward_model: Optional[Any] = None
+    rollout: Optional[Any] = None   # rollout on devices apart from training
+
+
+def build_groups(cfg: Config) -> Groups:
     critic = cfg.algorithm.adv_estimator == "gae"
     reward_model = cfg.reward.model_path is not None
     if not use_ray(cfg):
-        return (LocalWorkerGroup(ActorRolloutRefWorker, None, cfg),
-                LocalWorkerGroup(CriticWorker, None, cfg) if critic else None,
-                LocalWorkerGroup(RewardModelWorker, None, cfg) if reward_model else None)
+        return Groups(LocalWorkerGroup(ActorRolloutRefWorker, None, cfg),
+                      LocalWorkerGroup(CriticWorker, None, cfg) if critic else None,
+                      LocalWorkerGroup(RewardModelWorker, None, cfg) if reward_model else None)
     from hybridflow.controller.ray_setup import init_ray
     from hybridflow.controller.resource_pool import pools_from_placement
     from hybridflow.controller.worker_group import RayWorkerGroup
 
     init_ray(address=cfg.trainer.ray_address)
     pools = pools_from_placement(cfg)
-    hybrid = [r for r in ("rollout", "reference") if pools[r] is not pools["training"]]
-    if hybrid:
-        raise ConfigError(f"placement.{hybrid[0]}", "must equal placement.training: the actor's rollout and "
-                          "reference share its processes (the hybrid layout); only critic and reward "
-                          "may be placed apart")
-    return (RayWorkerGroup(ActorRolloutRefWorker, pools["training"], cfg),
-            RayWorkerGroup(CriticWorker, pools["critic"], cfg) if critic else None,
-            RayWorkerGroup(RewardModelWorker, pools["reward"], cfg) if reward_model else None)
+    if pools["reference"] is not pools["training"]:
+        raise ConfigError("placement.reference", "must equal placement.training: the reference shares the "
+                          "actor's processes; rollout, critic and reward may be placed apart")
+    apart = pools["rollout"] is not pools["training"]
+    return Groups(RayWorkerGroup(ActorRolloutRefWorker, pools["training"], cfg),
+                  RayWorkerGroup(CriticWorker, pools["critic"], cfg) if critic else None,
+                  RayWorkerGroup(RewardModelWorker, pools["reward"], cfg) if reward_model else None,
+                  RayWorkerGroup(RolloutWorker, pools["rollout"], cfg) if apart else None)
 
 
 def mean_of_ranks(metrics: dict[str, Any]) -> dict[str, float]:
@@ -113,14 +127,22 @@ class RLTrainer:
         self.needs_ref = needs_reference(cfg)
         if cfg.reward.model_path is not None and not Path(cfg.reward.model_path).exists():
             raise ConfigError("reward.model_path", f"reward model path does not exist: {cfg.reward.model_path}")
-        self.actor_rollout, self.critic, self.reward_model = build_groups(cfg)
+        groups = build_groups(cfg)
+        self.actor_rollout, self.critic, self.reward_model = groups.actor_rollout, groups.critic, groups.reward_model
+        # Rollout apart from training works on a copy of the actor's weights,
+        # refreshed before the first rollout after each update.
+        self.rollout_group = groups.rollout or self.actor_rollout
+        self.rollout_weights_stale = False
         self.world = self.actor_rollout.world_size
+        # Prompts are split over the rollout ranks and rows over the actor's.
+        self.prompt_multiple = math.lcm(self.world, self.rollout_group.world_size)
         # Launched by torchrun: every rank runs this loop over its LocalWorkerGroup share.
         self.spmd_driver = isinstance(self.actor_rollout, LocalWorkerGroup) and self.world > 1
         self.is_main = not self.spmd_driver or int(os.environ.get("RANK", "0")) == 0
-        if cfg.data.train_batch_size % self.world:
+        if cfg.data.train_batch_size % self.prompt_multiple:
             raise ConfigError("data.train_batch_size", f"{cfg.data.train_batch_size} prompts do not split over "
-                              f"the actor's {self.world} data-parallel ranks")
+                              f"the actor's {self.world} data-parallel ranks and the "
+                              f"{self.rollout_group.world_size} rollout ranks")
         self.chunk_prompts = self._chunk_size()
         self.flow = self._build_flow()
         self.batch_stages = self._build_batch_stages()
@@ -132,7 +154,7 @@ class RLTrainer:
         size, want = cfg.data.train_batch_size, cfg.dataflow.min_batch_for_reward
         if want > 0:
             per_prompt = -(-want // cfg.rollout.n)
-            size = -(-per_prompt // self.world) * self.world  # each rank gets an equal share
+            size = -(-per_prompt // self.prompt_multiple) * self.prompt_multiple  # equal shares for the ranks
             if cfg.data.train_batch_size % size:
                 raise ConfigError("dataflow.min_batch_for_reward", f"{want} responses make chunks of {size} "
                                   f"prompts, which do not divide data.train_batch_size={cfg.data.train_batch_size}")
@@ -175,7 +197,10 @@ class RLTrainer:
         return self.train_set.collate(items, pad_to=d.max_prompt_length if self.cfg.rollout.pad_to_max_length else None)
 
     def rollout(self, prompts: dict[str, Any], seed: int, validation: bool = False, pad: bool = False) -> dict[str, Any]:
-        return self.actor_rollout.generate(prompts, seed, validation, pad)
+        if self.rollout_weights_stale:  # actor group -> object store -> rollout group; a handle via here
+            self.rollout_group.load_weights(self.actor_rollout.publish_weights())
+            self.rollout_weights_stale = False
+        return self.rollout_group.generate(prompts, seed, validation, pad)
 
     def prepare(self, step: int) -> tuple[dict[str, Any], Any]:
         """Prompts of `step` through the flow, chunk by chunk; the gathered batch and the flow's result."""
@@ -204,6 +229,7 @@ class RLTrainer:
         if self.critic is not None:
             stats.update(mean_of_ranks(self.critic.update_critic(S.tensor_fields(batch), step)))
         stats.update(mean_of_ranks(self.actor_rollout.update_actor(S.tensor_fields(batch), step)))
+        self.rollout_weights_stale = self.rollout_group is not self.actor_rollout
         return stats
 
     # -- preparation stages (per chunk) ------------------------------------------
@@ -281,7 +307,7 @@ class RLTrainer:
         for start in range(0, len(self.val_set), size):
             items = [self.val_set[i] for i in range(start, min(start + size, len(self.val_set)))]
             real = len(items)
-            items += items[-1:] * (-real % self.world)  # equal shares for the ranks
+            items += items[-1:] * (-real % self.prompt_multiple)  # equal shares for the ranks
             batch = self.rollout(self.val_set.collate(items), self.cfg.trainer.seed, validation=True)
             batch = S.select_rows(batch, torch.arange(len(items)) < real)
             batch[F.SCORES] = S.score(batch, self.reward_fn)
@@ -329,6 +355,7 @@ class RLTrainer:
         step, directory = found
         for group in self._groups():
             group.load(str(directory))
+        self.rollout_weights_stale = self.rollout_group is not self.actor_rollout
         state = json.loads((directory / "trainer.json").read_text())
         self.kl_ctrl.value = state["kl_coef"]
         log.info("resumed from %s (step %d)", directory, step)
@@ -338,7 +365,8 @@ class RLTrainer:
         return Path(self.actor_rollout.export_hf(str(self.run_dir / "hf_actor")))
 
     def shutdown(self) -> None:
-        for group in (*self._groups(), self.reward_model):
+        rollout = self.rollout_group if self.rollout_group is not self.actor_rollout else None
+        for group in (*self._groups(), self.reward_model, rollout):
             if group is None:
                 continue
             if hasattr(group, "shutdown"):

@@ -2,7 +2,11 @@
 
 - `ActorRolloutRefWorker`: the hybrid layout. The actor's engine, the
   generator over views of its weights and (optionally) the frozen reference
-  live in one process, so rollout needs no weight transfer.
+  live in one process, so rollout needs no weight transfer (the default).
+- `RolloutWorker`: rollout on devices apart from training, on a copy of the
+  actor's weights that the controller refreshes after each update (the
+  actor group publishes them to the object store; only a handle passes
+  through the controller).
 - `CriticWorker`: the value model, colocated with the actor or on its own devices.
 
 Each runs inside a worker group (`hybridflow.controller`): a Ray actor per
@@ -21,17 +25,19 @@ import torch
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import Config
 from hybridflow.controller.dispatch import Dispatch, register
+from hybridflow.controller.transfer import ObjectHandle
 from hybridflow.controller.worker_group import Worker
 from hybridflow.data import fields as F
 from hybridflow.data.tokenizer import Tokenizer
 from hybridflow.engine import MegatronEngine
 from hybridflow.hybrid_engine import generation_model
-from hybridflow.models.checkpoint import load_hf_state_dict, save_hf_checkpoint
+from hybridflow.models.checkpoint import load_decoder, load_hf_state_dict, save_hf_checkpoint
 from hybridflow.models.config import DecoderConfig
-from hybridflow.rollout import GenerationOutput, Generator, SamplingParams
+from hybridflow.rollout import Generator
 from hybridflow.workers.actor import Actor
 from hybridflow.workers.critic import Critic
 from hybridflow.workers.reference import Reference
+from hybridflow.workers.rollout import Rollout
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
@@ -57,16 +63,6 @@ def load_tokenizer(cfg: Config, model_cfg: DecoderConfig) -> Tokenizer:
         raise ConfigError("model.tokenizer_path", f"tokenizer at {path} has {tok.vocab_size} tokens but "
                           f"the model at {cfg.model.path} has vocab_size {model_cfg.vocab_size}")
     return tok
-
-
-def sampling_params(cfg: Config, tokenizer: Tokenizer, validation: bool = False) -> SamplingParams:
-    r = cfg.rollout
-    stop_ids = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
-    common = dict(max_new_tokens=cfg.data.max_response_length, stop_token_ids=stop_ids, stop=tuple(r.stop))
-    if validation:
-        return SamplingParams(temperature=r.val_temperature, do_sample=r.val_temperature > 0, n=1, **common)
-    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, do_sample=r.do_sample,
-                          n=r.n, **common)
 
 
 def needs_reference(cfg: Config) -> bool:
@@ -103,13 +99,6 @@ def prepare_process(worker: Worker) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, worker.world_size)))
 
 
-def pad_columns(t: torch.Tensor, width: int, value) -> torch.Tensor:
-    """Right-pad [B, R] to [B, width] so every rank returns the same shape."""
-    if t.shape[1] >= width:
-        return t
-    return torch.cat([t, t.new_full((t.shape[0], width - t.shape[1]), value)], dim=1)
-
-
 class ActorRolloutRefWorker(Worker):
     """Actor training, rollout from views of its weights, and the reference policy: one process."""
 
@@ -130,34 +119,26 @@ class ActorRolloutRefWorker(Worker):
                                   "actor.use_kl_loss) needs the reference policy")
             self.reference = Reference(cfg.reference, build_engine(cfg, cfg.model.path, None, cfg.reference.parallel),
                                        temperature=cfg.rollout.temperature)
-        self.generator = Generator(generation_model(self.engine), self.tokenizer.pad_token_id, self.tokenizer)
-        self.sampling = {False: sampling_params(cfg, self.tokenizer), True: sampling_params(cfg, self.tokenizer, True)}
+        generator = Generator(generation_model(self.engine), self.tokenizer.pad_token_id, self.tokenizer)
+        self.rollout = Rollout(cfg, generator, self.tokenizer, self.world_size)
 
     @register(Dispatch.DP_SPLIT)
     def generate(self, prompts: dict[str, Any], seed: int, validation: bool = False,
                  pad: bool = False) -> dict[str, Any]:
-        """This rank's prompts -> the rollout batch (fields in `data.fields`), responses padded to max length."""
-        from hybridflow.trainer.rl_steps import assemble_rollout
+        """This rank's prompts -> the rollout batch (fields in `data.fields`), from views of the actor."""
+        return self.rollout.generate(prompts, seed, validation, pad)
 
-        params = self.sampling[validation]
-        ids, mask = prompts[F.INPUT_IDS], prompts[F.ATTENTION_MASK]
-        # Noise keyed by (seed, dataset row, sample): a prompt's samples do not
-        # depend on the rank, chunk or batch it is generated in.
-        keys = seed * 1_000_003 + torch.as_tensor(prompts[F.INDEX], dtype=torch.long)
-        # rollout.batch_size_per_device: generate this rank's prompts that many at a time.
-        size = self.cfg.rollout.batch_size_per_device or len(ids)
-        parts = [self.generator.generate(ids[i:i + size], mask[i:i + size], params, row_keys=keys[i:i + size])
-                 for i in range(0, len(ids), size)]
-        if pad or self.world_size > 1 or len(parts) > 1:  # concatenated batches need one width
-            width = params.max_new_tokens
-        else:
-            width = parts[0].responses.shape[1]
-        out = GenerationOutput(
-            prompts=torch.cat([p.prompts for p in parts]), prompt_mask=torch.cat([p.prompt_mask for p in parts]),
-            responses=torch.cat([pad_columns(p.responses, width, self.tokenizer.pad_token_id) for p in parts]),
-            response_mask=torch.cat([pad_columns(p.response_mask, width, 0) for p in parts]),
-            log_probs=torch.cat([pad_columns(p.log_probs, width, 0.0) for p in parts]))
-        return assemble_rollout(prompts, out, params.n, self.tokenizer)
+    @register(Dispatch.RANK_ZERO)
+    def publish_weights(self) -> ObjectHandle:
+        """The actor's weights in the generation layout, left in the object store for a rollout group.
+
+        Every rank holds the whole model (tp = pp = 1), so rank 0's copy is
+        the one published; only the handle reaches the controller.
+        """
+        if self.rank != 0:
+            return None
+        # Under Ray the put copies the tensors into the object store: a snapshot.
+        return ObjectHandle({name: t.detach() for name, t in self.engine.generation_state().items()})
 
     @register(Dispatch.DP_SPLIT)
     def compute_log_probs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -190,6 +171,40 @@ class ActorRolloutRefWorker(Worker):
         hf_config = self.model_cfg.to_hf_dict()
         hf_config["torch_dtype"] = self.cfg.model.dtype
         return str(save_hf_checkpoint(weights, hf_config, path, extra_files=extra))
+
+
+class RolloutWorker(Worker):
+    """Rollout on devices of its own (placement.rollout apart from placement.training).
+
+    It holds a copy of the actor in the generation layout, loaded from
+    model.path and replaced by `load_weights` with what the actor group
+    publishes after each update. Generation needs no collectives, so it joins
+    no process group.
+    """
+
+    def __init__(self, cfg: Config):
+        prepare_process(self)
+        self.cfg = cfg
+        model_cfg = load_model_config(cfg.model.path, "model.path")
+        self.tokenizer = load_tokenizer(cfg, model_cfg)
+        self.model = load_decoder(cfg.model.path, cfg.model.dtype).to(cfg.trainer.device).eval()
+        generator = Generator(self.model, self.tokenizer.pad_token_id, self.tokenizer)
+        self.rollout = Rollout(cfg, generator, self.tokenizer, self.world_size)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_weights(self, handle: ObjectHandle) -> None:
+        """Copy in the actor's generation-layout weights (fetched from the object store)."""
+        state = handle.get()
+        with torch.no_grad():
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            if missing or unexpected:
+                raise KeyError(f"actor weights do not fit the rollout model: missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]}")
+
+    @register(Dispatch.DP_SPLIT)
+    def generate(self, prompts: dict[str, Any], seed: int, validation: bool = False,
+                 pad: bool = False) -> dict[str, Any]:
+        return self.rollout.generate(prompts, seed, validation, pad)
 
 
 class CriticWorker(Worker):

@@ -86,3 +86,20 @@ class BrokenInit(Worker):
     def __init__(self):
         if self.rank == 1:
             raise RuntimeError("cannot build the model on this rank")
+
+
+class Publisher(Worker):
+    """Leaves a tensor in the object store and returns only the handle."""
+
+    @register(Dispatch.RANK_ZERO)
+    def publish(self, rows: int):
+        from hybridflow.controller import ObjectHandle
+
+        return ObjectHandle(torch.arange(rows * 1024, dtype=torch.float32).reshape(rows, 1024))
+
+
+class Receiver(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def checksum(self, handle) -> tuple[int, float]:
+        value = handle.get()
+        return os.getpid(), float(value.sum())

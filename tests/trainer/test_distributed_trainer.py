@@ -68,11 +68,30 @@ def test_ppo_split_placement_critic_on_its_own_devices(tmp_path):
             assert split[step][key] == pytest.approx(value, rel=1e-3, abs=1e-5), (step, key)
 
 
-def test_rollout_apart_from_training_is_rejected(tmp_path):
+def test_grpo_rollout_apart_from_training_matches_the_single_process_run(tmp_path):
+    """Rollout on its own device (1 process), the actor DP=2 on two others: each update's weights
+    reach the rollout group through the object store before the next rollout, so the responses and
+    metrics are those of one process (keyed sampling; summation order as above)."""
+    from tests.trainer.test_trainer import learned
+
+    common = ["trainer.total_steps=3", "trainer.val_every=3", "trainer.save_every=0",
+              "actor.ppo_mini_batch_size=8"]
+    _, records = run("tiny-grpo.yaml", tmp_path / "apart", "trainer.n_devices=3", "trainer.launcher=ray",
+                     "placement.training=[0,1]", "placement.reference=[0,1]", "placement.rollout=[2]", *common)
+    _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
+    apart, one = learned(records), learned(single)
+    assert apart[0] == one[0]  # greedy validation before any update, from the rollout group's own load
+    for step in (1, 2, 3):  # steps 2 and 3 roll out with weights updated once and twice
+        assert apart[step].keys() == one[step].keys()
+        for key, value in one[step].items():
+            assert apart[step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
+
+
+def test_reference_apart_from_training_is_rejected(tmp_path):
     cfg = in_repo(load_config(ROOT / "configs/tiny-grpo.yaml", [
         f"trainer.output_dir={tmp_path}", "trainer.n_devices=2", "trainer.launcher=ray",
-        "placement.training=[0]", "placement.rollout=[1]"]))
-    with pytest.raises(ConfigError, match="placement.rollout: must equal placement.training"):
+        "placement.training=[0]", "placement.rollout=[0]", "placement.reference=[1]"]))
+    with pytest.raises(ConfigError, match="placement.reference: must equal placement.training"):
         RLTrainer(cfg)
 
 
