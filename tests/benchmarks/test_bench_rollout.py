@@ -12,4 +12,5 @@ def test_bench_rollout_quick_prints_both_engines():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "ours tok/s" in proc.stdout and "HF tok/s" in proc.stdout, proc.stdout
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
-    assert [row[0] for row in rows] == ["1", "4"], proc.stdout
+    assert [row[0] for row in rows] == ["1", "4", "1", "4"], proc.stdout  # greedy, then sampled
+    assert "sampled (temperature 1)" in proc.stdout and "mean length ours" in proc.stdout
