@@ -21,7 +21,10 @@ lengths in sync and async mode (see `measure_async_long_tail`).
 
 `ray x2 put-all` is the same Ray group with every argument sent through
 `ray.put` first; the default passes a rank's own chunk by value (Ray inlines
-small ones) and puts only arguments that several ranks share.
+small ones) and puts only arguments that several ranks share. `ray x2 clone`
+sends each chunk the way the group did before, cloned and pickled as torch
+tensors, instead of as numpy views of the batch (`--rows 4096 --tokens 2048`
+shows the difference on a 128 MiB batch).
 """
 from __future__ import annotations
 
@@ -52,8 +55,21 @@ class _Noop(Worker):
     @register(Dispatch.DP_SPLIT)
     def log_probs(self, batch: dict) -> dict:
         start = time.perf_counter()
-        out = torch.zeros(batch["input_ids"].shape[0], TOKENS)
+        out = torch.zeros(batch["input_ids"].shape[0], batch["input_ids"].shape[1])
         return {"log_probs": out, "seconds": time.perf_counter() - start}
+
+
+class _ClonedChunks(RayWorkerGroup):
+    """The previous send path measured against: each rank's chunk cloned, then pickled as torch tensors."""
+
+    @staticmethod
+    def _pack_args(per_rank):
+        def clone(value):
+            if isinstance(value, dict):
+                return {k: clone(v) for k, v in value.items()}
+            return value.clone() if isinstance(value, torch.Tensor) else value
+
+        return [(tuple(clone(a) for a in args), kw) for args, kw in per_rank]
 
 
 class _PutEveryArgument(RayWorkerGroup):
@@ -69,9 +85,9 @@ class _PutEveryArgument(RayWorkerGroup):
         return [(tuple(ref(a) for a in args), {k: ref(v) for k, v in kw.items()}) for args, kw in per_rank]
 
 
-def demo_batch(rows: int) -> dict:
-    return {"input_ids": torch.randint(0, 16, (rows, TOKENS), dtype=torch.int64),
-            "attention_mask": torch.ones(rows, TOKENS, dtype=torch.int64),
+def demo_batch(rows: int, tokens: int = TOKENS) -> dict:
+    return {"input_ids": torch.randint(0, 16, (rows, tokens), dtype=torch.int64),
+            "attention_mask": torch.ones(rows, tokens, dtype=torch.int64),
             "prompts": [f"What is {i} + {i}?" for i in range(rows)],
             "rewards": [float(i % 2) for i in range(rows)]}
 
@@ -93,14 +109,15 @@ def _measure(call, calls: int) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(works)
 
 
-def measure_dispatch_overhead(calls: int = 20, rows: int = 256, world: int = 2) -> list[dict]:
+def measure_dispatch_overhead(calls: int = 20, rows: int = 256, world: int = 2, tokens: int = TOKENS) -> list[dict]:
     """One row per (group, call): controller wall ms, worker ms and the overhead ms, per call."""
     init_ray()
-    batch = demo_batch(rows)
+    batch = demo_batch(rows, tokens)
     rows_out = []
     pool = ResourcePool(list(range(world)), "cpu")
     groups = [(f"ray x{world}", RayWorkerGroup(_Noop, pool)),
               (f"ray x{world} put-all", _PutEveryArgument(_Noop, pool)),
+              (f"ray x{world} clone", _ClonedChunks(_Noop, pool)),
               ("local x1", LocalWorkerGroup(_Noop, ResourcePool([0], "cpu")))]
     try:
         for name, group in groups:
@@ -208,14 +225,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=TOKENS, help="tokens per row (14 in the demo)")
     parser.add_argument("--quick", action="store_true", help="5 calls per variant")
     parser.add_argument("--long-tail", action="store_true", help="also time async vs sync on a long-tail rollout")
     parser.add_argument("--iteration", type=int, default=0, metavar="STEPS",
                         help="also time STEPS demo training steps on Ray vs in-process")
     args = parser.parse_args()
     calls = 5 if args.quick else args.calls
-    rows = measure_dispatch_overhead(calls=calls, rows=args.rows, world=args.world)
-    print(f"machine: {os.cpu_count()} cores; batch {args.rows} rows x {TOKENS} tokens int64 (+ mask, 2 lists); "
+    rows = measure_dispatch_overhead(calls=calls, rows=args.rows, world=args.world, tokens=args.tokens)
+    print(f"machine: {os.cpu_count()} cores; batch {args.rows} rows x {args.tokens} tokens int64 (+ mask, 2 lists); "
           f"median of {calls} calls")
     print(f"{'group':>16s} {'call':<26s} {'wall ms':>9s} {'worker ms':>10s} {'overhead ms':>12s}")
     for r in rows:

@@ -56,11 +56,16 @@ def _row(name, ref_fn, fast_fn, repeats, memory=True):
     print(f"{name:44s} {t_ref * 1e3:10.2f} {t_fast * 1e3:10.2f} {t_ref / t_fast:7.1f}x {mem}", flush=True)
 
 
+def gae_inputs(t: int, device: str = "cpu", rows: int = 64):
+    """Rewards, values [rows, t] ~ N(0, 1) and a mask with about 10% of steps masked."""
+    g = torch.Generator(device=device).manual_seed(0)
+    r, v = torch.randn(rows, t, generator=g, device=device), torch.randn(rows, t, generator=g, device=device)
+    return r, v, (torch.rand(rows, t, generator=g, device=device) > 0.1).float()
+
+
 def bench_gae(sizes, repeats):
     for t in sizes:
-        g = torch.Generator().manual_seed(0)
-        r, v = torch.randn(64, t, generator=g), torch.randn(64, t, generator=g)
-        m = torch.ones(64, t)
+        r, v, m = gae_inputs(t)
         _row(f"gae B=64 T={t} (loop ref vs cpu)", lambda: gae_reference(r, v, m, 0.99, 0.95),
              lambda: gae(r, v, m, 0.99, 0.95, backend="cpu"), repeats, memory=False)
 

@@ -13,8 +13,8 @@ Sections, each a table (read the ratios; these machines are noisy):
   bytes they must move / time, as a fraction of the device's peak HBM
   bandwidth (`--peak-tbps`; 4.8 for an H200).
 - gae: GAE at B=64 x T in {512, 2048, 8192} on CUDA tensors: the reference
-  loop on the GPU (what `auto` runs there: the C++ scan takes host tensors)
-  against the C++ scan on the host, device<->host copies included.
+  loop on the GPU, the C++ scan on the host (device<->host copies included)
+  and the `cuda` warp-scan kernel (what `auto` runs there).
 
 The whole run takes a few minutes on one H200, well under 8, of which the
 first JIT build of the CUDA extension is about one (cached afterwards).
@@ -26,11 +26,15 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from hybridflow.kernels import gae, logprob_entropy, logprob_entropy_reference
 from hybridflow.kernels.backend import BackendUnavailable, cuda_extension
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import gae_inputs  # noqa: E402  (the inputs of the CPU table, on the GPU)
 
 LOGPROB_FNS = {
     "eager": logprob_entropy_reference,
@@ -141,22 +145,26 @@ def bench_bandwidth(shapes, dtypes, repeats: int, peak_tbps: float) -> None:
 
 
 def bench_gae(lengths, repeats: int) -> None:
-    print(f"\n{'gae B=64, CUDA tensors':36s} {'gpu ref ms':>11s} {'host C++ ms':>12s} {'ref/C++':>8s} {'max|diff|':>10s}")
+    print(f"\n{'gae B=64, CUDA tensors':36s} {'gpu ref ms':>11s} {'host C++ ms':>12s} {'cuda ms':>9s} "
+          f"{'ref/cuda':>9s} {'max|diff|':>10s}")
     for t in lengths:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        r, v = torch.randn(64, t, generator=g, device="cuda"), torch.randn(64, t, generator=g, device="cuda")
-        m = (torch.rand(64, t, generator=g, device="cuda") > 0.1).float()
+        r, v, m = gae_inputs(t, device="cuda")
 
-        def on_gpu():
-            return gae(r, v, m, 0.99, 0.95)  # `auto` on CUDA tensors: the reference loop
+        def reference():
+            return gae(r, v, m, 0.99, 0.95, backend="reference")
 
         def via_host():
             adv, ret = gae(r.cpu(), v.cpu(), m.cpu(), 0.99, 0.95, backend="cpu")
             return adv.to("cuda"), ret.to("cuda")
 
-        diff = max((a - b).abs().max().item() for a, b in zip(on_gpu(), via_host()))
-        t_gpu, t_host = time_ms(on_gpu, repeats, warmup=1), time_ms(via_host, repeats, warmup=1)
-        print(f"{f'T={t}':36s} {t_gpu:11.2f} {t_host:12.2f} {t_gpu / t_host:7.1f}x {diff:10.2e}", flush=True)
+        def kernel():
+            return gae(r, v, m, 0.99, 0.95, backend="cuda")
+
+        want = gae(r.double(), v.double(), m, 0.99, 0.95, backend="reference")
+        diff = max((a.double() - b).abs().max().item() for a, b in zip(kernel(), want))
+        ms = [time_ms(fn, repeats, warmup=1) for fn in (reference, via_host, kernel)]
+        print(f"{f'T={t}':36s} {ms[0]:11.2f} {ms[1]:12.2f} {ms[2]:9.3f} {ms[0] / ms[2]:8.0f}x {diff:10.2e}",
+              flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-// Torch binding of the CUDA log-prob/entropy kernels (logprob_entropy.cu).
+// Torch binding of the CUDA kernels: log-prob/entropy (logprob_entropy.cu) and GAE (gae.cu).
 //
 // Only device-generic torch headers: the current stream comes from c10's
 // device-guard interface rather than c10/cuda, so this file also compiles
@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "gae.h"
 #include "logprob_entropy.h"
 
 namespace {
@@ -34,7 +35,7 @@ void* current_stream(const torch::Device& device) {
   return c10::impl::getDeviceGuardImpl(device.type())->getStream(device).native_handle();
 }
 
-void check_launch(const char* error) { TORCH_CHECK(error == nullptr, "CUDA logprob_entropy kernel: ", error); }
+void check_launch(const char* error) { TORCH_CHECK(error == nullptr, "CUDA kernel launch: ", error); }
 
 }  // namespace
 
@@ -64,7 +65,26 @@ torch::Tensor logprob_entropy_backward(torch::Tensor logits, torch::Tensor label
   return grad;
 }
 
+// GAE over each row's valid (mask != 0) steps; masked steps get 0 and are skipped.
+std::vector<torch::Tensor> gae_forward(torch::Tensor rewards, torch::Tensor values, torch::Tensor mask,
+                                       double gamma, double lam) {
+  TORCH_CHECK(rewards.sizes() == values.sizes() && rewards.sizes() == mask.sizes() && rewards.dim() == 2,
+              "rewards, values and mask must share one [B, T] shape");
+  TORCH_CHECK(rewards.is_cuda() && values.device() == rewards.device() && mask.device() == rewards.device(),
+              "rewards, values and mask must be on one CUDA device");
+  const c10::DeviceGuard guard(rewards.device());
+  auto f = [](const torch::Tensor& t) { return t.to(torch::kFloat).contiguous(); };
+  auto r = f(rewards), v = f(values), m = f(mask);
+  auto adv = torch::empty_like(r), ret = torch::empty_like(r);
+  check_launch(hybridflow_cuda::gae_forward(r.data_ptr<float>(), v.data_ptr<float>(), m.data_ptr<float>(),
+                                            r.size(0), r.size(1), static_cast<float>(gamma),
+                                            static_cast<float>(lam), adv.data_ptr<float>(),
+                                            ret.data_ptr<float>(), current_stream(r.device())));
+  return {adv, ret};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logprob_entropy_forward", &logprob_entropy_forward, "token log-prob, entropy, logsumexp (CUDA)");
   m.def("logprob_entropy_backward", &logprob_entropy_backward, "gradient w.r.t. logits (CUDA)");
+  m.def("gae_forward", &gae_forward, "GAE advantages and returns over valid steps (CUDA)");
 }

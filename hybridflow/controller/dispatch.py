@@ -22,9 +22,9 @@ lists/tuples (one item per row) — the shape of the RL batches in
 `world` equal chunks (the row count must divide; pad upstream otherwise) and
 concatenates what the ranks return, field by field: tensors with
 `torch.cat`, lists and tuples joined, anything else (floats, strings, 0-d
-tensors) gathered into one list entry per rank. A rank's chunk arrives
-without the other ranks' rows: with `copy=True` each tensor chunk owns its
-storage, because pickling a view ships the whole storage it views.
+tensors) gathered into one list entry per rank. Chunks are views of the
+caller's batch; `RayWorkerGroup` sends each as a numpy view of its own rows
+(no copy on the driver; see `_Array` in worker_group.py).
 """
 from __future__ import annotations
 
@@ -107,21 +107,20 @@ def batch_size(batch: Any) -> int:
                     f"{type(batch).__name__}")
 
 
-def split_batch(batch: Any, n: int, copy: bool = False) -> list[Any]:
-    """`n` equal row chunks in order; `copy=True` gives tensors their own storage."""
+def split_batch(batch: Any, n: int) -> list[Any]:
+    """`n` equal row chunks in order (views of the batch's tensors)."""
     rows = batch_size(batch)
     if n < 1 or rows % n:
         raise ValueError(f"DP_SPLIT: a batch of {rows} rows does not split evenly over {n} ranks; "
                          f"pad it or choose a batch size that is a multiple of {n}")
     size = rows // n
-    return [_rows(batch, i * size, (i + 1) * size, copy) for i in range(n)]
+    return [_rows(batch, i * size, (i + 1) * size) for i in range(n)]
 
 
-def _rows(batch: Any, start: int, stop: int, copy: bool) -> Any:
+def _rows(batch: Any, start: int, stop: int) -> Any:
     if isinstance(batch, dict):
-        return {key: _rows(value, start, stop, copy) for key, value in batch.items()}
-    chunk = batch[start:stop]
-    return chunk.clone() if copy and isinstance(chunk, Tensor) else chunk
+        return {key: _rows(value, start, stop) for key, value in batch.items()}
+    return batch[start:stop]
 
 
 def concat_batches(parts: Sequence[Any]) -> Any:
@@ -151,10 +150,10 @@ def _same_for_all(world: int, args: tuple, kwargs: dict) -> PerRank:
     return [(args, kwargs)] * world
 
 
-def _dp_split(world: int, args: tuple, kwargs: dict, copy: bool) -> PerRank:
+def _dp_split(world: int, args: tuple, kwargs: dict) -> PerRank:
     if not args:
         raise TypeError("DP_SPLIT methods take the batch as their first positional argument")
-    chunks = split_batch(args[0], world, copy=copy)
+    chunks = split_batch(args[0], world)
     return [((chunk, *args[1:]), kwargs) for chunk in chunks]
 
 
@@ -169,21 +168,21 @@ def _all_to_all(world: int, args: tuple, kwargs: dict) -> PerRank:
 
 @dataclass(frozen=True)
 class _Rule:
-    split: Callable[[int, tuple, dict, bool], PerRank]
+    split: Callable[[int, tuple, dict], PerRank]
     collect: Callable[[list], Any]
 
 
 _MODES: dict[Dispatch, _Rule] = {
-    Dispatch.ONE_TO_ALL: _Rule(lambda w, a, k, copy: _same_for_all(w, a, k), list),
-    Dispatch.RANK_ZERO: _Rule(lambda w, a, k, copy: _same_for_all(w, a, k), lambda results: results[0]),
+    Dispatch.ONE_TO_ALL: _Rule(_same_for_all, list),
+    Dispatch.RANK_ZERO: _Rule(_same_for_all, lambda results: results[0]),
     Dispatch.DP_SPLIT: _Rule(_dp_split, concat_batches),
-    Dispatch.ALL_TO_ALL: _Rule(lambda w, a, k, copy: _all_to_all(w, a, k), list),
+    Dispatch.ALL_TO_ALL: _Rule(_all_to_all, list),
 }
 
 
-def dispatch(mode: Dispatch, world: int, args: tuple, kwargs: dict, copy: bool = False) -> PerRank:
-    """(args, kwargs) for each of `world` ranks; `copy` makes DP chunks own their storage."""
-    return _MODES[mode].split(world, tuple(args), dict(kwargs), copy)
+def dispatch(mode: Dispatch, world: int, args: tuple, kwargs: dict) -> PerRank:
+    """(args, kwargs) for each of `world` ranks."""
+    return _MODES[mode].split(world, tuple(args), dict(kwargs))
 
 
 def collect(mode: Dispatch, results: list) -> Any:

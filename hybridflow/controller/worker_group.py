@@ -24,10 +24,14 @@ the group that dispatch per `hybridflow.controller.dispatch`.
 Two groups with one interface (pick one when the flow is built):
 
 - `RayWorkerGroup(worker_cls, pool, *args, **kwargs)`: one Ray actor per
-  device of the pool. An argument several ranks receive is `ray.put` once
-  and every rank gets the ref (resolved by Ray); a rank's own DP_SPLIT chunk
-  (already a copy with its own storage) goes by value — Ray inlines small
-  ones, which measured 2x faster per call than a put (benchmarks/
+  device of the pool. Tensors in arguments and results travel as numpy
+  views (`_Array`), which Ray writes straight into the call or the object
+  store: a rank's DP_SPLIT chunk leaves the driver without a copy (a pickled
+  torch view would ship the whole batch's storage, and a clone costs a copy)
+  and the receiver copies it once out of the read-only object store. An
+  argument several ranks receive is `ray.put` once and every rank gets the
+  ref (resolved by Ray); a rank's own chunk goes by value — Ray inlines
+  small ones, which measured 2x faster per call than a put (benchmarks/
   bench_controller.py), and stores large ones itself. Failures surface as
   `WorkerError` naming the
   rank and method: a raising method carries the worker's traceback text; a
@@ -54,7 +58,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from hybridflow.controller.dispatch import Dispatch, collect, dispatch, registered_methods
+from hybridflow.controller.dispatch import Dispatch, PerRank, collect, dispatch, registered_methods
 from hybridflow.controller.resource_pool import ResourcePool
 
 STARTUP_TIMEOUT_S = 600.0  # actor start plus the worker's __init__ (model build, checkpoint load)
@@ -182,6 +186,73 @@ class _WorkerGroup:
         return f"{type(self).__name__}({self.worker_cls.__name__}, {self.pool!r})"
 
 
+# --------------------------------------------------------------------------- wire format
+
+class _Array:
+    """A CPU tensor travelling as a numpy array: Ray writes its bytes straight into the call or the
+    object store (pickle protocol 5, out of band) and the receiver maps them without a copy.
+
+    A torch tensor would be pickled instead: a copy on the sender, and for a
+    view (a DP chunk) the whole storage it views. dtypes numpy lacks
+    (bfloat16) travel as same-width integers.
+    """
+
+    __slots__ = ("array", "dtype")
+
+    def __init__(self, tensor):
+        self.dtype = tensor.dtype
+        t = tensor.detach()
+        self.array = (t.view(_INT_OF[t.dtype]) if t.dtype in _INT_OF else t).numpy()
+
+    def tensor(self):
+        """The tensor again, owning its memory: copied out of a read-only (object-store) buffer."""
+        import torch
+
+        t = torch.from_numpy(self.array if self.array.flags.writeable else self.array.copy())
+        return t.view(self.dtype) if self.dtype in _INT_OF else t
+
+
+_INT_OF: dict = {}      # dtype -> the same-width integer dtype it travels as
+_NUMPY_OK: frozenset = frozenset()
+
+
+def _init_dtypes() -> None:
+    global _INT_OF, _NUMPY_OK
+    import torch
+
+    _INT_OF = {torch.bfloat16: torch.int16}
+    _NUMPY_OK = frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
+                           torch.int64, torch.uint8, torch.bool, *_INT_OF})
+
+
+def _pack(value: Any) -> Any:
+    """`value` with every CPU tensor inside dicts, lists and tuples wrapped as an `_Array`."""
+    import torch
+
+    if not _NUMPY_OK:
+        _init_dtypes()
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and value.dim() > 0 and not value.is_sparse and value.dtype in _NUMPY_OK:
+            return _Array(value)
+        return value
+    if isinstance(value, dict):
+        return {k: _pack(v) for k, v in value.items()} if type(value) is dict else value
+    if type(value) in (list, tuple):
+        return type(value)(_pack(v) for v in value)
+    return value
+
+
+def _unpack(value: Any) -> Any:
+    """Inverse of `_pack`."""
+    if isinstance(value, _Array):
+        return value.tensor()
+    if type(value) is dict:
+        return {k: _unpack(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_unpack(v) for v in value)
+    return value
+
+
 # --------------------------------------------------------------------------- Ray
 
 class _Failure:
@@ -217,16 +288,16 @@ class _Host:
         os.environ.update(context.env())
         try:
             worker_cls = cloudpickle.loads(cls_blob)  # imports the worker's modules under that env
-            args, kwargs = _split_kw(kw_names, values)
+            args, kwargs = _split_kw(kw_names, _unpack(values))
             self.worker = _construct(worker_cls, context, args, kwargs)
         except Exception as exc:
             return _Failure(exc)
         return None
 
     def call(self, name: str, kw_names: tuple, *values):
-        args, kwargs = _split_kw(kw_names, values)
+        args, kwargs = _split_kw(kw_names, _unpack(values))
         try:
-            return getattr(self.worker, name)(*args, **kwargs)
+            return _pack(getattr(self.worker, name)(*args, **kwargs))
         except Exception as exc:
             return _Failure(exc)
 
@@ -285,7 +356,7 @@ class RayWorkerGroup(_WorkerGroup):
             contexts = [WorkerContext(rank, self.world_size, local, master_addr, master_port, pool.device)
                         for rank, local in enumerate(local_ranks)]
             blob = cloudpickle.dumps(worker_cls)
-            kw_names, values = _flatten(*self._put_once([(args, kwargs)] * self.world_size)[0])
+            kw_names, values = _flatten(*self._put_once(self._pack_args([(args, kwargs)] * self.world_size))[0])
             self._gather([h.setup.remote(ctx, blob, kw_names, *values) for h, ctx in zip(self._hosts, contexts)],
                          "__init__", STARTUP_TIMEOUT_S)
         except BaseException:
@@ -302,12 +373,12 @@ class RayWorkerGroup(_WorkerGroup):
 
     def _call(self, name: str, mode: Dispatch, args: tuple, kwargs: dict) -> Any:
         hosts = self._live_hosts()
-        per_rank = self._put_once(dispatch(mode, self.world_size, args, kwargs, copy=True))
+        per_rank = self._put_once(self._pack_args(dispatch(mode, self.world_size, args, kwargs)))
         futures = []
         for host, (rank_args, rank_kwargs) in zip(hosts, per_rank):
             kw_names, values = _flatten(rank_args, rank_kwargs)
             futures.append(host.call.remote(name, kw_names, *values))
-        return collect(mode, self._gather(futures, name, self.call_timeout))
+        return collect(mode, [_unpack(out) for out in self._gather(futures, name, self.call_timeout)])
 
     def _live_hosts(self) -> list:
         if self._dead is not None:
@@ -318,7 +389,19 @@ class RayWorkerGroup(_WorkerGroup):
         return self._hosts
 
     @staticmethod
-    def _put_once(per_rank: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
+    def _pack_args(per_rank: PerRank) -> PerRank:
+        """Each rank's arguments with tensors as `_Array`s; an argument several ranks share stays one object."""
+        packed: dict[int, Any] = {}
+
+        def pack(value):
+            if id(value) not in packed:
+                packed[id(value)] = _pack(value)
+            return packed[id(value)]
+
+        return [(tuple(pack(a) for a in args), {k: pack(v) for k, v in kwargs.items()}) for args, kwargs in per_rank]
+
+    @staticmethod
+    def _put_once(per_rank: PerRank) -> PerRank:
         """Put each argument that several ranks receive into the object store once; they get the ref.
 
         An argument only one rank receives (its DP_SPLIT chunk) is passed by

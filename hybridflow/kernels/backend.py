@@ -75,8 +75,9 @@ def cuda_extension() -> ModuleType:
         raise BackendUnavailable("no CUDA device (or torch was built without CUDA)")
     arch = "sm_{}{}".format(*torch.cuda.get_device_capability())
     cuda = CSRC / "cuda"
-    return _build(f"cuda_kernels_{arch}", [cuda / "binding.cpp", cuda / "logprob_entropy.cu"],
-                  headers=(cuda / "logprob_entropy.h",), extra_cflags=["-O3"], extra_cuda_cflags=["-O3"])
+    return _build(f"cuda_kernels_{arch}", [cuda / "binding.cpp", cuda / "logprob_entropy.cu", cuda / "gae.cu"],
+                  headers=(cuda / "logprob_entropy.h", cuda / "gae.h"), extra_cflags=["-O3"],
+                  extra_cuda_cflags=["-O3"])
 
 
 _EXTENSIONS = {"cpu": cpu_extension, "cuda": cuda_extension}  # backend name == device type it runs on

@@ -2,7 +2,8 @@
 
 `gae_reference` is the per-timestep loop (vectorised over the batch only);
 the `cpu` backend runs the same recursion in C++ (csrc/cpu/kernels.cpp),
-one sequence per thread. Masked steps (padding, or tool tokens in the middle
+one sequence per thread; the `cuda` backend (csrc/cuda/gae.cu) scans each
+sequence with one warp, as a parallel scan of affine maps. Masked steps (padding, or tool tokens in the middle
 of a response) are skipped: they get 0 and the recursion carries the next
 value and advantage across them, as if they were not there.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.kernels.backend import cpu_extension, resolve
+from hybridflow.kernels.backend import cpu_extension, cuda_extension, resolve
 
 
 def gae_reference(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -38,13 +39,15 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """GAE on the selected backend; same contract as `gae_reference`.
 
-    The C++ scan runs in float32; `auto` keeps float64 inputs on the reference.
+    The C++ and CUDA scans run in float32; `auto` keeps float64 inputs on the reference.
     """
     if backend == "auto" and rewards.dtype == torch.float64:
         backend = "reference"
-    if resolve(backend, rewards.device, ("cpu",)) == "cpu":
-        adv, ret = cpu_extension().gae_forward(rewards, values, mask, gamma, lam)
-        return adv, ret
+    chosen = resolve(backend, rewards.device, ("cpu", "cuda"))
+    if chosen == "cpu":
+        return tuple(cpu_extension().gae_forward(rewards, values, mask, gamma, lam))
+    if chosen == "cuda":
+        return tuple(cuda_extension().gae_forward(rewards, values, mask, gamma, lam))
     return gae_reference(rewards, values, mask, gamma, lam)
 
 

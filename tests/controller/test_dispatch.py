@@ -18,13 +18,24 @@ def test_split_then_concat_is_identity_in_order():
     assert torch.equal(back["x"], batch["x"]) and back["names"] == batch["names"]
 
 
-def test_copied_chunks_own_their_storage():
-    # pickling a view ships its whole storage: a chunk for one rank must not carry the others' rows
-    x = torch.zeros(1000, 4)
-    view = split_batch(x, 4)[0]
-    copy = split_batch(x, 4, copy=True)[0]
-    assert view.untyped_storage().nbytes() == x.nbytes
-    assert copy.untyped_storage().nbytes() == copy.nbytes == x.nbytes // 4
+def test_chunks_travel_as_their_own_rows_without_a_copy():
+    """A DP chunk is a view; packed for Ray it pickles only its own rows, and the driver copies nothing."""
+    import pickle
+
+    from hybridflow.controller.worker_group import _pack, _unpack
+
+    x = torch.arange(4000, dtype=torch.float32).reshape(1000, 4)
+    chunk = split_batch({"x": x, "ids": x.long(), "h": x.bfloat16(), "names": ["a"] * 1000}, 4)[1]
+    assert chunk["x"].untyped_storage().nbytes() == x.nbytes  # a view: pickling it would ship all rows
+    packed = _pack(chunk)
+    assert packed["x"].array.ctypes.data == chunk["x"].data_ptr()  # no copy on the sender
+    wire = pickle.dumps(packed, protocol=5)
+    whole = x.nbytes + x.long().nbytes + x.bfloat16().nbytes
+    assert whole // 4 < len(wire) < whole // 3  # only this rank's rows of each field
+    back = _unpack(pickle.loads(wire))
+    for key in ("x", "ids", "h"):
+        assert back[key].dtype == chunk[key].dtype and torch.equal(back[key], chunk[key]), key
+    assert back["names"] == chunk["names"]
 
 
 def test_uneven_and_inconsistent_batches_are_rejected():

@@ -1,11 +1,13 @@
 """The CUDA kernels build, and their per-thread code equals the reference, on a machine without a GPU.
 
-- `csrc/cuda/logprob_entropy.cu` (torch-free) compiles with nvcc for sm_90,
-  with the defines torch's JIT build adds, warnings as errors;
+- `csrc/cuda/logprob_entropy.cu` and `csrc/cuda/gae.cu` (torch-free) compile
+  with nvcc for sm_90, with the defines torch's JIT build adds, warnings as errors;
 - `csrc/cuda/binding.cpp` compiles against torch's headers (syntax only);
 - `tests/kernels/cuda_host_harness.cu` runs the kernels' per-thread code on
   the CPU (one emulated block per row) and matches `logprob_entropy_reference`
-  and `_chunk_grad`. Shuffles, shared memory and launches need a GPU:
+  and `_chunk_grad`; `tests/kernels/cuda_gae_harness.cu` runs the GAE
+  kernel's 32 lanes and its warp scan (in the shuffles' order) against
+  `gae_reference`. Shuffles, shared memory and launches need a GPU:
   tests/kernels/test_logprob_cuda.py;
 - without a CUDA device, `auto` on a CUDA tensor falls back to `chunked` and
   says why, and asking for `cuda` by name raises.
@@ -26,6 +28,8 @@ from tests.kernels.test_logprob import CASES, _inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "csrc" / "cuda" / "logprob_entropy.cu"
+GAE_KERNEL = ROOT / "csrc" / "cuda" / "gae.cu"
+GAE_HARNESS = Path(__file__).with_name("cuda_gae_harness.cu")
 BINDING = ROOT / "csrc" / "cuda" / "binding.cpp"
 HARNESS = Path(__file__).with_name("cuda_host_harness.cu")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # hybridflow_cuda::Dtype
@@ -50,9 +54,10 @@ def _run(cmd: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.parametrize("source", [KERNELS, GAE_KERNEL], ids=lambda p: p.name)
 @pytest.mark.parametrize("std", ["c++17", "c++20"])  # c++20: what torch.utils.cpp_extension.load passes
-def test_kernels_compile_for_sm90(tmp_path, std):
-    _run([_nvcc(), "-c", *_nvcc_flags(std), "--Werror", "all-warnings", str(KERNELS), "-o", str(tmp_path / "k.o")])
+def test_kernels_compile_for_sm90(tmp_path, std, source):
+    _run([_nvcc(), "-c", *_nvcc_flags(std), "--Werror", "all-warnings", str(source), "-o", str(tmp_path / "k.o")])
     assert (tmp_path / "k.o").stat().st_size > 0
 
 
@@ -148,3 +153,30 @@ def test_without_cuda_auto_falls_back_to_chunked_and_cuda_by_name_raises(caplog)
     assert "CUDA kernels unavailable" in caplog.text and "no CUDA device" in caplog.text
     with pytest.raises(BackendUnavailable, match="no CUDA device"):
         resolve("cuda", torch.device("cuda"), ("cpu", "cuda", "chunked"))
+
+
+@pytest.fixture(scope="module")
+def gae_harness(tmp_path_factory) -> Path:
+    exe = tmp_path_factory.mktemp("cuda_gae_harness") / "harness"
+    _run([_nvcc(), *_nvcc_flags("c++17"), str(GAE_HARNESS), "-o", str(exe)])
+    return exe
+
+
+@pytest.mark.parametrize("rows, steps", [(6, 9), (5, 1), (3, 31), (4, 32), (3, 33), (2, 1000), (64, 2048)])
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.99, 0.95), (0.5, 0.0)])
+def test_gae_harness_matches_reference(gae_harness, rows, steps, gamma, lam):
+    """Fewer steps than lanes (idle lanes), chunk edges, long rows; padding, holes, empty and length-1 rows."""
+    from hybridflow.kernels.gae import gae_reference
+    from tests.kernels.test_gae import _inputs as gae_inputs
+
+    r, v, m = gae_inputs(rows, steps, seed=steps)
+    head = torch.tensor([rows, steps], dtype=torch.int64).view(torch.uint8)
+    coef = torch.tensor([gamma, lam], dtype=torch.float32).view(torch.uint8)
+    raw = b"".join(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in (head, coef, r, v, m))
+    out = subprocess.run([str(gae_harness)], input=raw, capture_output=True, check=True, timeout=60).stdout
+    adv, ret = torch.frombuffer(bytearray(out), dtype=torch.float32).view(2, rows, steps)
+    want_adv, want_ret = gae_reference(r.double(), v.double(), m, gamma, lam)
+    # float32 sums of up to `steps` terms, associated differently from the sequential scan
+    tol = 1e-5 * max(1.0, (steps if gamma * lam == 1.0 else 1 / (1 - gamma * lam + 1e-9)) ** 0.5)
+    torch.testing.assert_close(adv, want_adv.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(ret, want_ret.float(), rtol=tol, atol=tol)
