@@ -28,7 +28,9 @@ Two groups with one interface (pick one when the flow is built):
   views (`_Array`), which Ray writes straight into the call or the object
   store: a rank's DP_SPLIT chunk leaves the driver without a copy (a pickled
   torch view would ship the whole batch's storage, and a clone costs a copy)
-  and the receiver copies it once out of the read-only object store. An
+  and the receiver copies it once out of the read-only object store. DP_SPLIT
+  results are concatenated straight from the object store, so the driver's
+  one copy of a gathered batch is the concatenation itself. An
   argument several ranks receive is `ray.put` once and every rank gets the
   ref (resolved by Ray); a rank's own chunk goes by value — Ray inlines
   small ones, which measured 2x faster per call than a put (benchmarks/
@@ -55,6 +57,7 @@ import os
 import socket
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -204,11 +207,15 @@ class _Array:
         t = tensor.detach()
         self.array = (t.view(_INT_OF[t.dtype]) if t.dtype in _INT_OF else t).numpy()
 
-    def tensor(self):
-        """The tensor again, owning its memory: copied out of a read-only (object-store) buffer."""
+    def tensor(self, own: bool = True):
+        """The tensor again. `own`: copied out of a read-only (object-store) buffer, so it may be
+        written; `own=False` only for a tensor that is read once and dropped (concatenated)."""
         import torch
 
-        t = torch.from_numpy(self.array if self.array.flags.writeable else self.array.copy())
+        array = self.array.copy() if own and not self.array.flags.writeable else self.array
+        with warnings.catch_warnings():  # torch warns about read-only arrays; own=False is never written
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(array)
         return t.view(self.dtype) if self.dtype in _INT_OF else t
 
 
@@ -240,6 +247,18 @@ def _pack(value: Any) -> Any:
     if type(value) in (list, tuple):
         return type(value)(_pack(v) for v in value)
     return value
+
+
+def _unpack_rows(parts: list) -> list:
+    """The ranks' DP_SPLIT results for `concat_batches`. What it will `torch.cat` (the results
+    themselves, or a field every rank returned as a tensor) stays a read-only view of the object
+    store, since the concatenation copies it anyway; everything else is unpacked as usual."""
+    if all(isinstance(p, _Array) for p in parts):
+        return [p.tensor(own=False) for p in parts]
+    if not all(type(p) is dict and p.keys() == parts[0].keys() for p in parts):
+        return [_unpack(p) for p in parts]
+    views = {k for k in parts[0] if all(isinstance(p[k], _Array) for p in parts)}
+    return [{k: v.tensor(own=False) if k in views else _unpack(v) for k, v in p.items()} for p in parts]
 
 
 def _unpack(value: Any) -> Any:
@@ -378,7 +397,10 @@ class RayWorkerGroup(_WorkerGroup):
         for host, (rank_args, rank_kwargs) in zip(hosts, per_rank):
             kw_names, values = _flatten(rank_args, rank_kwargs)
             futures.append(host.call.remote(name, kw_names, *values))
-        return collect(mode, [_unpack(out) for out in self._gather(futures, name, self.call_timeout)])
+        results = self._gather(futures, name, self.call_timeout)
+        if mode is Dispatch.DP_SPLIT:
+            return collect(mode, _unpack_rows(results))
+        return collect(mode, [_unpack(out) for out in results])
 
     def _live_hosts(self) -> list:
         if self._dead is not None:

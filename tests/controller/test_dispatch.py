@@ -93,3 +93,25 @@ def test_register_marks_methods_and_overrides_without_tag_hide_them():
     assert registered_methods(Child) == {"forward": Dispatch.DP_SPLIT}
     with pytest.raises(ValueError, match="unknown dispatch mode 'dp_slpit'"):
         register("dp_slpit")
+
+
+def test_gathered_results_are_concatenated_from_read_only_views_into_owned_tensors():
+    import pickle
+
+    from hybridflow.controller.worker_group import _pack, _unpack_rows
+
+    parts = [{"x": torch.full((2, 3), float(r)), "maybe": torch.ones(2) if r else None, "n": [r, r]}
+             for r in range(2)]
+    wired = [pickle.loads(pickle.dumps(_pack(p), protocol=5)) for p in parts]
+    for p in wired:  # as out of the object store: read-only
+        for value in p.values():
+            if hasattr(value, "array"):
+                value.array.flags.writeable = False
+    views = _unpack_rows(wired)
+    assert views[0]["x"].data_ptr() == wired[0]["x"].array.ctypes.data  # a view, left for torch.cat to copy
+    # not a tensor on every rank: unpacked as usual, copied out of the read-only buffer
+    assert views[1]["maybe"].data_ptr() != wired[1]["maybe"].array.ctypes.data
+    out = concat_batches(views)
+    out["x"].add_(1)  # the concatenation owns its memory
+    assert out["x"][:, 0].tolist() == [1, 1, 2, 2] and out["n"] == [0, 0, 1, 1]
+    assert out["maybe"][0] is None and torch.equal(out["maybe"][1], torch.ones(2))
