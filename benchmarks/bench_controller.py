@@ -168,19 +168,39 @@ def measure_iteration_overhead(steps: int = 20, warmup: int = 3) -> dict:
     return {"local_s": local, "ray_s": ray_, "overhead_s": ray_ - local, "fraction": (ray_ - local) / ray_}
 
 
-def measure_async_long_tail(prompts: int = 64, chunk: int = 4, seed: int = 0, repeats: int = 3) -> dict:
+def _rollout_chunks(generator, batch):
+    from hybridflow.rollout import SamplingParams
+
+    out = []
+    for chunk_ids, new in batch:
+        gen = generator.generate(chunk_ids, torch.ones_like(chunk_ids), SamplingParams(max_new_tokens=new),
+                                 generator=torch.Generator().manual_seed(new))
+        out.append(torch.cat([gen.prompts, gen.responses], 1))
+    return out
+
+
+@torch.no_grad()
+def _score_chunks(scorer, batch):
+    return [scorer(seqs)[:, -1].mean().item() for seqs in batch]
+
+
+def measure_async_long_tail(prompts: int = 64, chunk: int = 4, seed: int = 0, repeats: int = 3,
+                            launcher: str = "local") -> dict:
     """Async vs sync DataFlow wall time on a rollout with long-tail response lengths.
 
     rollout: the built-in generator on a random demo-shaped model; each chunk
     of `chunk` prompts generates max(its prompts' lengths) tokens, the lengths
     drawn from a log-normal (median 24, a few past 150). reward: a 4x larger
     model scores prompt+response in one forward pass. Each stage gets one
-    torch thread, standing in for stages on separate devices. The same chunks
-    run in both modes, so the outputs are identical; only the schedule differs.
+    torch thread, standing in for stages on separate devices: threads of this
+    process (`launcher="local"`, where they also share Python's GIL) or a Ray
+    worker process per stage (`launcher="ray"`, the flow's `--ray` mode). The
+    same chunks run in both modes, so the outputs are identical; only the
+    schedule differs.
     """
     from hybridflow.dataflow import DataFlow, Node
     from hybridflow.models import Decoder, DecoderConfig
-    from hybridflow.rollout import Generator, SamplingParams
+    from hybridflow.rollout import Generator
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
@@ -194,23 +214,12 @@ def measure_async_long_tail(prompts: int = 64, chunk: int = 4, seed: int = 0, re
     ids = torch.randint(1, 512, (prompts, 16), generator=g)
     items = [(ids[i:i + chunk], int(lengths[i:i + chunk].max())) for i in range(0, prompts, chunk)]
 
-    def rollout(_, batch):
-        out = []
-        for chunk_ids, new in batch:
-            gen = actor.generate(chunk_ids, torch.ones_like(chunk_ids), SamplingParams(max_new_tokens=new),
-                                 generator=torch.Generator().manual_seed(new))
-            out.append(torch.cat([gen.prompts, gen.responses], 1))
-        return out
-
-    @torch.no_grad()
-    def reward(_, batch):
-        return [scorer(seqs)[:, -1].mean().item() for seqs in batch]
-
     walls, finals = {False: [], True: []}, {}
     for _ in range(repeats):  # alternate the modes; medians, as the machine is shared
         for mode in (False, True):
-            r, w = Node("rollout", forward_fn=rollout), Node("reward", forward_fn=reward)
-            result = DataFlow([r, w], [(r, w)]).run(items, async_execution=mode, min_batch=1)
+            r = Node("rollout", model=actor, forward_fn=_rollout_chunks)
+            w = Node("reward", model=scorer, forward_fn=_score_chunks)
+            result = DataFlow([r, w], [(r, w)]).run(items, async_execution=mode, min_batch=1, launcher=launcher)
             walls[mode].append(result.wall_s)
             finals[mode] = result.final
             stage = result.timings
@@ -239,13 +248,14 @@ def main() -> None:
     for r in rows:
         print(f"{r['group']:>16s} {r['call']:<26s} {r['wall_ms']:9.2f} {r['worker_ms']:10.3f} {r['overhead_ms']:12.2f}")
     if args.long_tail:
-        lt = measure_async_long_tail()
-        q = torch.quantile(lt["lengths"], torch.tensor([0.5, 0.9, 1.0])).tolist()
-        print(f"long-tail rollout (response length p50/p90/max {q[0]:.0f}/{q[1]:.0f}/{q[2]:.0f}), "
-              f"{len(lt['lengths']) // 4} chunks of 4, median of 3: "
-              f"rollout {lt['rollout_s']:.2f} s + reward {lt['reward_s']:.2f} s of work; "
-              f"sync {lt['sync_s']:.2f} s, async {lt['async_s']:.2f} s -> async {lt['speedup']:.2f}x faster "
-              f"(identical outputs)")
+        for launcher, where in (("local", "threads of one process"), ("ray", "a Ray process per stage")):
+            lt = measure_async_long_tail(launcher=launcher)
+            q = torch.quantile(lt["lengths"], torch.tensor([0.5, 0.9, 1.0])).tolist()
+            print(f"long-tail rollout, stages in {where} (response length p50/p90/max "
+                  f"{q[0]:.0f}/{q[1]:.0f}/{q[2]:.0f}), {len(lt['lengths']) // 4} chunks of 4, median of 3: "
+                  f"rollout {lt['rollout_s']:.2f} s + reward {lt['reward_s']:.2f} s of work; "
+                  f"sync {lt['sync_s']:.2f} s, async {lt['async_s']:.2f} s -> async {lt['speedup']:.2f}x faster "
+                  f"(identical outputs)", flush=True)
     if args.iteration:
         it = measure_iteration_overhead(steps=args.iteration)
         print(f"demo GRPO step (median of {args.iteration}): in-process {it['local_s'] * 1e3:.0f} ms, "
