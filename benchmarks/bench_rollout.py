@@ -18,7 +18,9 @@ machine shift single timings. Two workloads:
   (mean about 64 at the defaults) and cut at `--new-tokens`, a long tail like
   real responses. Tokens are counted up to and including each row's EOS, for
   each engine from its own samples (the two draw different random numbers
-  from the same distribution); `same` is then the ratio of mean lengths.
+  from the same distribution), and tokens/s is all tokens over all time of
+  the `--repeats` rounds, so the runs' different lengths average out; `same`
+  is then the ratio of mean lengths.
 """
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ def bench_sampled(ours: Generator, hf_model, batches, prompt_len: int, new_token
         ids, mask = _prompts(batch, prompt_len, vocab)
         gen = torch.Generator().manual_seed(0)
         torch.manual_seed(0)
-        rates_ours, rates_hf, len_ours, len_hf = [], [], [], []
+        tokens_ours, tokens_hf, time_ours, time_hf = 0, 0, 0.0, 0.0
         for i in range(repeats + 1):  # the first round is a warm-up
             start = time.perf_counter()
             out = ours.generate(ids, mask, params, generator=gen)
@@ -93,15 +95,13 @@ def bench_sampled(ours: Generator, hf_model, batches, prompt_len: int, new_token
             n_ours, n_hf = int(out.response_mask.sum()), _tokens_to_eos(ref, eos)
             assert n_ours == _tokens_to_eos(out.responses, eos)
             if i:
-                rates_ours.append(n_ours / t_ours)
-                rates_hf.append(n_hf / t_hf)
-                len_ours.append(n_ours / batch)
-                len_hf.append(n_hf / batch)
-        ours_rate, hf_rate = statistics.median(rates_ours), statistics.median(rates_hf)
+                tokens_ours, tokens_hf, time_ours, time_hf = (tokens_ours + n_ours, tokens_hf + n_hf,
+                                                              time_ours + t_ours, time_hf + t_hf)
+        ours_rate, hf_rate = tokens_ours / time_ours, tokens_hf / time_hf
+        len_ours, len_hf = tokens_ours / (batch * repeats), tokens_hf / (batch * repeats)
         print(f"{batch:6d} {prompt_len:7d} {new_tokens:7d} {ours_rate:10.0f} {hf_rate:10.0f} "
-              f"{ours_rate / hf_rate:7.2f}x {statistics.mean(len_ours) / statistics.mean(len_hf):6.3f}"
-              f"   mean length ours {statistics.mean(len_ours):.0f}, HF {statistics.mean(len_hf):.0f}",
-              flush=True)
+              f"{ours_rate / hf_rate:7.2f}x {len_ours / len_hf:6.3f}"
+              f"   mean length ours {len_ours:.0f}, HF {len_hf:.0f}", flush=True)
 
 
 def bench(ours: Generator, hf_model, batches, prompt_len: int, new_tokens: int, repeats: int) -> None:
