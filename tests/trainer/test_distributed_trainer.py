@@ -155,3 +155,22 @@ def test_killed_worker_stops_the_step_with_its_rank_named(tmp_path):
                 trainer.train_step(step)
     finally:
         trainer.shutdown()
+
+
+def test_api_md_placement_runs_as_written(tmp_path):
+    """../shared/API.md's placement: rollout [0, 1], reward [2], training [0, 1, 2, 3] (seven Ray
+    processes: actor DP=4, a rollout group of two on part of its devices, the reward model on its
+    own). Same metrics as one process with the same reward model, up to summation order."""
+    from tests.trainer.test_trainer import learned
+
+    rm = ROOT / "hybridflow/assets/tiny_reward_model"
+    common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0",
+              "actor.ppo_mini_batch_size=8", f"reward.model_path={rm}", "reward.model_weight=0.5"]
+    _, records = run("tiny-grpo.yaml", tmp_path / "api", "trainer.n_devices=4", "trainer.launcher=ray",
+                     "placement.rollout=[0,1]", "placement.reward=[2]", "placement.training=[0,1,2,3]", *common)
+    _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
+    api, one = learned(records), learned(single)
+    for step in (1, 2):
+        assert api[step].keys() == one[step].keys()
+        for key, value in one[step].items():
+            assert api[step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
