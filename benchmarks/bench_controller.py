@@ -21,10 +21,11 @@ lengths in sync and async mode (see `measure_async_long_tail`).
 
 `ray x2 put-all` is the same Ray group with every argument sent through
 `ray.put` first; the default passes a rank's own chunk by value (Ray inlines
-small ones) and puts only arguments that several ranks share. `ray x2 clone`
-sends each chunk the way the group did before, cloned and pickled as torch
-tensors, instead of as numpy views of the batch (`--rows 4096 --tokens 2048`
-shows the difference on a 128 MiB batch).
+small ones) and puts only arguments that several ranks share. `ray x2
+clone-send` sends each chunk the way the group did before, cloned and
+pickled as torch tensors, instead of as numpy views of the batch (results
+return the same way in both; `--rows 4096 --tokens 2048` shows the
+difference on a 128 MiB batch).
 """
 from __future__ import annotations
 
@@ -60,7 +61,11 @@ class _Noop(Worker):
 
 
 class _ClonedChunks(RayWorkerGroup):
-    """The previous send path measured against: each rank's chunk cloned, then pickled as torch tensors."""
+    """The previous send path: each rank's chunk cloned, then pickled as torch tensors.
+
+    Only the send path: results come back the current way (numpy views) in
+    both variants, so the difference is what the driver saves on sending.
+    """
 
     @staticmethod
     def _pack_args(per_rank):
@@ -117,7 +122,7 @@ def measure_dispatch_overhead(calls: int = 20, rows: int = 256, world: int = 2, 
     pool = ResourcePool(list(range(world)), "cpu")
     groups = [(f"ray x{world}", RayWorkerGroup(_Noop, pool)),
               (f"ray x{world} put-all", _PutEveryArgument(_Noop, pool)),
-              (f"ray x{world} clone", _ClonedChunks(_Noop, pool)),
+              (f"ray x{world} clone-send", _ClonedChunks(_Noop, pool)),
               ("local x1", LocalWorkerGroup(_Noop, ResourcePool([0], "cpu")))]
     try:
         for name, group in groups:

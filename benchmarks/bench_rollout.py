@@ -19,8 +19,10 @@ machine shift single timings. Two workloads:
   real responses. Tokens are counted up to and including each row's EOS, for
   each engine from its own samples (the two draw different random numbers
   from the same distribution), and tokens/s is all tokens over all time of
-  the `--repeats` rounds, so the runs' different lengths average out; `same`
-  is then the ratio of mean lengths.
+  the `--repeats` rounds, so the runs' different lengths average out;
+  `len ratio` is our mean length over HF's. `no-drop` is our generator with
+  ended rows kept in the batch (as HF keeps them), on the same keyed samples
+  as `ours`: `vs no-drop` is what dropping ended rows alone gains.
 """
 from __future__ import annotations
 
@@ -74,34 +76,49 @@ def _tokens_to_eos(responses: torch.Tensor, eos: tuple[int, ...]) -> int:
 
 def bench_sampled(ours: Generator, hf_model, batches, prompt_len: int, new_tokens: int,
                   repeats: int, eos_ids: int) -> None:
+    import hybridflow.rollout.generator as generator_module
+
     vocab = ours.model.cfg.vocab_size
     eos = tuple(range(1, vocab, vocab // eos_ids))[:eos_ids]
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=eos)
     hf_kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
                      pad_token_id=PAD, eos_token_id=list(eos))
+    drop_at = generator_module._COMPACT_AT
+
+    def ours_keyed(ids, mask, keys, compact: bool):
+        generator_module._COMPACT_AT = drop_at if compact else float("inf")
+        try:
+            return ours.generate(ids, mask, params, row_keys=keys)
+        finally:
+            generator_module._COMPACT_AT = drop_at
+
     for batch in batches:
         ids, mask = _prompts(batch, prompt_len, vocab)
-        gen = torch.Generator().manual_seed(0)
         torch.manual_seed(0)
-        tokens_ours, tokens_hf, time_ours, time_hf = 0, 0, 0.0, 0.0
+        tokens = {"ours": 0, "no-drop": 0, "hf": 0}
+        seconds = {"ours": 0.0, "no-drop": 0.0, "hf": 0.0}
         for i in range(repeats + 1):  # the first round is a warm-up
-            start = time.perf_counter()
-            out = ours.generate(ids, mask, params, generator=gen)
-            t_ours = time.perf_counter() - start
-            start = time.perf_counter()
-            with torch.no_grad():
-                ref = hf_model.generate(ids, attention_mask=mask, **hf_kwargs)[:, prompt_len:]
-            t_hf = time.perf_counter() - start
-            n_ours, n_hf = int(out.response_mask.sum()), _tokens_to_eos(ref, eos)
-            assert n_ours == _tokens_to_eos(out.responses, eos)
+            keys = torch.arange(batch) + 1000 * i  # the same samples for both of ours
+            runs = {}
+            for name, call in (("ours", lambda: ours_keyed(ids, mask, keys, True)),
+                               ("no-drop", lambda: ours_keyed(ids, mask, keys, False)),
+                               ("hf", lambda: hf_model.generate(ids, attention_mask=mask, **hf_kwargs))):
+                start = time.perf_counter()
+                with torch.no_grad():
+                    runs[name] = call()
+                if i:
+                    seconds[name] += time.perf_counter() - start
+            assert torch.equal(runs["ours"].responses, runs["no-drop"].responses)
+            counts = {"ours": int(runs["ours"].response_mask.sum()), "no-drop": int(runs["no-drop"].response_mask.sum()),
+                      "hf": _tokens_to_eos(runs["hf"][:, prompt_len:], eos)}
             if i:
-                tokens_ours, tokens_hf, time_ours, time_hf = (tokens_ours + n_ours, tokens_hf + n_hf,
-                                                              time_ours + t_ours, time_hf + t_hf)
-        ours_rate, hf_rate = tokens_ours / time_ours, tokens_hf / time_hf
-        len_ours, len_hf = tokens_ours / (batch * repeats), tokens_hf / (batch * repeats)
-        print(f"{batch:6d} {prompt_len:7d} {new_tokens:7d} {ours_rate:10.0f} {hf_rate:10.0f} "
-              f"{ours_rate / hf_rate:7.2f}x {len_ours / len_hf:6.3f}"
-              f"   mean length ours {len_ours:.0f}, HF {len_hf:.0f}", flush=True)
+                tokens = {k: tokens[k] + counts[k] for k in tokens}
+        rate = {k: tokens[k] / seconds[k] for k in tokens}
+        length = {k: tokens[k] / (batch * repeats) for k in tokens}
+        print(f"{batch:6d} {prompt_len:7d} {new_tokens:7d} {rate['ours']:10.0f} {rate['no-drop']:10.0f} "
+              f"{rate['hf']:10.0f} {rate['ours'] / rate['hf']:7.2f}x {rate['ours'] / rate['no-drop']:7.2f}x "
+              f"{length['ours'] / length['hf']:6.3f}   mean length ours {length['ours']:.0f}, HF {length['hf']:.0f}",
+              flush=True)
 
 
 def bench(ours: Generator, hf_model, batches, prompt_len: int, new_tokens: int, repeats: int) -> None:
@@ -168,8 +185,9 @@ def main() -> None:
         print(f"greedy, exactly {new_tokens} new tokens per row\n{header}")
         bench(ours, hf_model, batches, prompt_len, new_tokens, repeats)
     if args.workload in ("sampled", "both"):
-        print(f"sampled (temperature 1), {args.eos_ids} EOS ids of {cfg.vocab_size}, "
-              f"at most {new_tokens} new tokens\n{header}")
+        print(f"sampled (temperature 1), {args.eos_ids} EOS ids of {cfg.vocab_size}, at most {new_tokens} "
+              f"new tokens\n{'batch':>6s} {'prompt':>7s} {'new':>7s} {'ours tok/s':>10s} {'no-drop':>10s} "
+              f"{'HF tok/s':>10s} {'vs HF':>8s} {'vs no-drop':>8s} {'len ratio':>6s}")
         bench_sampled(ours, hf_model, batches, prompt_len, new_tokens, repeats, args.eos_ids)
 
 

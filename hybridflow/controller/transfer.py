@@ -1,4 +1,17 @@
-"""Values handed from one worker group to another through the Ray object store, not the driver.
+"""How values travel between the driver and Ray workers, and from one worker group to another.
+
+Tensors (`pack` / `unpack`): a CPU tensor inside an argument or a result goes
+as a numpy view (`_Array`). Ray writes numpy arrays out of band (pickle
+protocol 5) straight into the call or the object store, and the receiver
+maps them without a copy, where a pickled torch tensor costs a copy on the
+sender and, for a view such as a DP chunk, ships the whole storage it views.
+The receiver copies an array once out of the read-only object store before
+handing it to code that may write it (`unpack`), except where the next step
+copies anyway (`unpack_rows`, before `concat_batches`). What does not survive
+the trip: `requires_grad`, and aliasing (a tensor passed twice arrives as two).
+
+Handles (`ObjectHandle`), for values handed from one worker group to another
+through the object store, not the driver:
 
     # in a worker of group A
     @register(Dispatch.RANK_ZERO)
@@ -22,6 +35,7 @@ every rank drives itself) the handle simply holds the value.
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 
@@ -30,15 +44,96 @@ def _ray_running() -> bool:
     return ray is not None and ray.is_initialized()
 
 
+class _Array:
+    """A CPU tensor as a numpy array; dtypes numpy lacks (bfloat16) travel as same-width integers."""
+
+    __slots__ = ("array", "dtype")
+
+    def __init__(self, tensor):
+        self.dtype = tensor.dtype
+        t = tensor.detach().resolve_neg()
+        self.array = (t.view(_INT_OF[t.dtype]) if t.dtype in _INT_OF else t).numpy()
+
+    def tensor(self, own: bool = True):
+        """The tensor again. `own`: copied out of a read-only (object-store) buffer, so it may be
+        written; `own=False` only for a tensor that is read once and dropped (concatenated)."""
+        import torch
+
+        array = self.array.copy() if own and not self.array.flags.writeable else self.array
+        with warnings.catch_warnings():  # torch warns about read-only arrays; own=False is never written
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(array)
+        return t if t.dtype == self.dtype else t.view(self.dtype)
+
+
+_INT_OF: dict = {}  # dtype -> the same-width integer dtype it travels as (filled on first use)
+_NUMPY_OK: frozenset = frozenset()
+
+
+def _init_dtypes() -> None:
+    global _INT_OF, _NUMPY_OK
+    import torch
+
+    _INT_OF = {torch.bfloat16: torch.int16}
+    _NUMPY_OK = frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
+                           torch.int64, torch.uint8, torch.bool, *_INT_OF})
+
+
+def pack(value: Any) -> Any:
+    """`value` with every CPU tensor inside dicts, lists and tuples wrapped as an `_Array`."""
+    import torch
+
+    if not _NUMPY_OK:
+        _init_dtypes()
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and value.dim() > 0 and value.layout == torch.strided \
+                and value.dtype in _NUMPY_OK:
+            return _Array(value)
+        return value
+    if type(value) is dict:
+        return {k: pack(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(pack(v) for v in value)
+    return value
+
+
+def unpack(value: Any) -> Any:
+    """Inverse of `pack`; every tensor owns (writable) memory."""
+    if isinstance(value, _Array):
+        return value.tensor()
+    if type(value) is dict:
+        return {k: unpack(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(unpack(v) for v in value)
+    return value
+
+
+def unpack_rows(parts: list) -> list:
+    """The ranks' DP_SPLIT results for `concat_batches`. What it will `torch.cat` (the results
+    themselves, or a field every rank returned as a tensor) stays a read-only view of the object
+    store, since the concatenation copies it anyway; everything else is unpacked as usual."""
+    if all(isinstance(p, _Array) for p in parts):
+        return [p.tensor(own=False) for p in parts]
+    if not all(type(p) is dict and p.keys() == parts[0].keys() for p in parts):
+        return [unpack(p) for p in parts]
+    views = {k for k in parts[0] if all(isinstance(p[k], _Array) for p in parts)}
+    return [{k: v.tensor(own=False) if k in views else unpack(v) for k, v in p.items()} for p in parts]
+
+
 class ObjectHandle:
-    """A value left in the object store by the process that made it; `get()` reads it anywhere."""
+    """A value left in the object store by the process that made it; `get()` reads it anywhere.
+
+    Its tensors travel as `pack` sends them (a CPU tensor is written into the
+    store once, with no pickled copy; `get()` returns tensors that own their
+    memory); in-process the handle holds the value itself.
+    """
 
     def __init__(self, value: Any):
         self._ref, self._value = None, None
         if _ray_running():
             import ray
 
-            self._ref = ray.put(value)
+            self._ref = ray.put(pack(value))
         else:
             self._value = value
 
@@ -51,7 +146,7 @@ class ObjectHandle:
             return self._value
         import ray
 
-        return ray.get(self._ref)
+        return unpack(ray.get(self._ref))
 
     def __repr__(self) -> str:
         where = f"object {self._ref.hex()[:12]}" if self._ref is not None else "in-process value"

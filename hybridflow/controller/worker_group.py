@@ -25,7 +25,7 @@ Two groups with one interface (pick one when the flow is built):
 
 - `RayWorkerGroup(worker_cls, pool, *args, **kwargs)`: one Ray actor per
   device of the pool. Tensors in arguments and results travel as numpy
-  views (`_Array`), which Ray writes straight into the call or the object
+  views (`hybridflow.controller.transfer`), which Ray writes straight into the call or the object
   store: a rank's DP_SPLIT chunk leaves the driver without a copy (a pickled
   torch view would ship the whole batch's storage, and a clone costs a copy)
   and the receiver copies it once out of the read-only object store. DP_SPLIT
@@ -57,12 +57,12 @@ import os
 import socket
 import time
 import traceback
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from hybridflow.controller.dispatch import Dispatch, PerRank, collect, dispatch, registered_methods
 from hybridflow.controller.resource_pool import ResourcePool
+from hybridflow.controller.transfer import pack, unpack, unpack_rows
 
 STARTUP_TIMEOUT_S = 600.0  # actor start plus the worker's __init__ (model build, checkpoint load)
 DEATH_GRACE_S = 5.0  # after a rank fails, how long to wait for news that a peer's process died
@@ -189,89 +189,6 @@ class _WorkerGroup:
         return f"{type(self).__name__}({self.worker_cls.__name__}, {self.pool!r})"
 
 
-# --------------------------------------------------------------------------- wire format
-
-class _Array:
-    """A CPU tensor travelling as a numpy array: Ray writes its bytes straight into the call or the
-    object store (pickle protocol 5, out of band) and the receiver maps them without a copy.
-
-    A torch tensor would be pickled instead: a copy on the sender, and for a
-    view (a DP chunk) the whole storage it views. dtypes numpy lacks
-    (bfloat16) travel as same-width integers.
-    """
-
-    __slots__ = ("array", "dtype")
-
-    def __init__(self, tensor):
-        self.dtype = tensor.dtype
-        t = tensor.detach()
-        self.array = (t.view(_INT_OF[t.dtype]) if t.dtype in _INT_OF else t).numpy()
-
-    def tensor(self, own: bool = True):
-        """The tensor again. `own`: copied out of a read-only (object-store) buffer, so it may be
-        written; `own=False` only for a tensor that is read once and dropped (concatenated)."""
-        import torch
-
-        array = self.array.copy() if own and not self.array.flags.writeable else self.array
-        with warnings.catch_warnings():  # torch warns about read-only arrays; own=False is never written
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.from_numpy(array)
-        return t.view(self.dtype) if self.dtype in _INT_OF else t
-
-
-_INT_OF: dict = {}      # dtype -> the same-width integer dtype it travels as
-_NUMPY_OK: frozenset = frozenset()
-
-
-def _init_dtypes() -> None:
-    global _INT_OF, _NUMPY_OK
-    import torch
-
-    _INT_OF = {torch.bfloat16: torch.int16}
-    _NUMPY_OK = frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
-                           torch.int64, torch.uint8, torch.bool, *_INT_OF})
-
-
-def _pack(value: Any) -> Any:
-    """`value` with every CPU tensor inside dicts, lists and tuples wrapped as an `_Array`."""
-    import torch
-
-    if not _NUMPY_OK:
-        _init_dtypes()
-    if isinstance(value, torch.Tensor):
-        if value.device.type == "cpu" and value.dim() > 0 and not value.is_sparse and value.dtype in _NUMPY_OK:
-            return _Array(value)
-        return value
-    if isinstance(value, dict):
-        return {k: _pack(v) for k, v in value.items()} if type(value) is dict else value
-    if type(value) in (list, tuple):
-        return type(value)(_pack(v) for v in value)
-    return value
-
-
-def _unpack_rows(parts: list) -> list:
-    """The ranks' DP_SPLIT results for `concat_batches`. What it will `torch.cat` (the results
-    themselves, or a field every rank returned as a tensor) stays a read-only view of the object
-    store, since the concatenation copies it anyway; everything else is unpacked as usual."""
-    if all(isinstance(p, _Array) for p in parts):
-        return [p.tensor(own=False) for p in parts]
-    if not all(type(p) is dict and p.keys() == parts[0].keys() for p in parts):
-        return [_unpack(p) for p in parts]
-    views = {k for k in parts[0] if all(isinstance(p[k], _Array) for p in parts)}
-    return [{k: v.tensor(own=False) if k in views else _unpack(v) for k, v in p.items()} for p in parts]
-
-
-def _unpack(value: Any) -> Any:
-    """Inverse of `_pack`."""
-    if isinstance(value, _Array):
-        return value.tensor()
-    if type(value) is dict:
-        return {k: _unpack(v) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_unpack(v) for v in value)
-    return value
-
-
 # --------------------------------------------------------------------------- Ray
 
 class _Failure:
@@ -307,16 +224,16 @@ class _Host:
         os.environ.update(context.env())
         try:
             worker_cls = cloudpickle.loads(cls_blob)  # imports the worker's modules under that env
-            args, kwargs = _split_kw(kw_names, _unpack(values))
+            args, kwargs = _split_kw(kw_names, unpack(values))
             self.worker = _construct(worker_cls, context, args, kwargs)
         except Exception as exc:
             return _Failure(exc)
         return None
 
     def call(self, name: str, kw_names: tuple, *values):
-        args, kwargs = _split_kw(kw_names, _unpack(values))
+        args, kwargs = _split_kw(kw_names, unpack(values))
         try:
-            return _pack(getattr(self.worker, name)(*args, **kwargs))
+            return pack(getattr(self.worker, name)(*args, **kwargs))
         except Exception as exc:
             return _Failure(exc)
 
@@ -399,8 +316,8 @@ class RayWorkerGroup(_WorkerGroup):
             futures.append(host.call.remote(name, kw_names, *values))
         results = self._gather(futures, name, self.call_timeout)
         if mode is Dispatch.DP_SPLIT:
-            return collect(mode, _unpack_rows(results))
-        return collect(mode, [_unpack(out) for out in results])
+            return collect(mode, unpack_rows(results))
+        return collect(mode, [unpack(out) for out in results])
 
     def _live_hosts(self) -> list:
         if self._dead is not None:
@@ -412,15 +329,15 @@ class RayWorkerGroup(_WorkerGroup):
 
     @staticmethod
     def _pack_args(per_rank: PerRank) -> PerRank:
-        """Each rank's arguments with tensors as `_Array`s; an argument several ranks share stays one object."""
+        """Each rank's arguments packed for the trip; an argument several ranks share stays one object."""
         packed: dict[int, Any] = {}
 
-        def pack(value):
+        def once(value):
             if id(value) not in packed:
-                packed[id(value)] = _pack(value)
+                packed[id(value)] = pack(value)
             return packed[id(value)]
 
-        return [(tuple(pack(a) for a in args), {k: pack(v) for k, v in kwargs.items()}) for args, kwargs in per_rank]
+        return [(tuple(once(a) for a in args), {k: once(v) for k, v in kwargs.items()}) for args, kwargs in per_rank]
 
     @staticmethod
     def _put_once(per_rank: PerRank) -> PerRank:
@@ -492,11 +409,14 @@ class RayWorkerGroup(_WorkerGroup):
         """
         import ray
 
-        if "process died" in first.reason or not pending:
+        if "process died" in first.reason:
             return first
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=DEATH_GRACE_S)
-        for ref in ready:
-            out = self._result(ref, pending[ref], method)
+        waiting, deadline = dict(pending), time.monotonic() + DEATH_GRACE_S
+        while waiting:
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            out = self._result(ready[0], waiting.pop(ready[0]), method)
             if isinstance(out, WorkerError) and "process died" in out.reason:
                 return out
         return first

@@ -63,12 +63,20 @@ class KVCache:
         return positions
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only cache rows `rows` [b'] (int64 indices, in the order given); the rest are freed."""
-        self.k = self.k.index_select(1, rows)
-        self.v = self.v.index_select(1, rows)
+        """Keep only cache rows `rows` [b'] (increasing int64 indices): they move to the front.
+
+        In place, one layer and only the filled slots at a time, so the copy
+        costs what is cached and memory never grows; the cache's storage
+        stays allocated until the call ends.
+        """
+        n, e = rows.numel(), self.length
+        for cache in (self.k, self.v):
+            for layer in range(cache.shape[0]):
+                cache[layer, :n, :, :e] = cache[layer, rows, :, :e]  # the gather copies before the write
+        self.k, self.v = self.k[:, :n], self.v[:, :n]
         self.key_mask = self.key_mask.index_select(0, rows)
         self.seen = self.seen.index_select(0, rows)
-        self.batch = rows.numel()
+        self.batch = n
 
     def first_key(self, window: Optional[int]) -> int:
         """First slot a query of the last append can attend to."""

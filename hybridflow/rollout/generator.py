@@ -9,7 +9,10 @@ the step is the same few tensor ops whatever the batch. A row that has ended
 is fed padding (its outputs discarded) until a quarter of the live rows have
 ended; then those rows are dropped from the batch and the KV cache in one
 copy (`_COMPACT_AT`), so a long tail of responses is decoded at the cost of
-the rows still running, not of the whole batch. The loop stops once every
+the rows still running, not of the whole batch. Greedy and keyed sampling
+(`row_keys`) give the same tokens either way; sampling from a
+`torch.Generator` draws for the live rows only, so its samples depend on
+when rows are dropped (still reproducible for the same inputs). The loop stops once every
 row has ended. The one per-row Python loop is the stop-string check, which
 has to decode text and runs only when `stop` strings are given.
 

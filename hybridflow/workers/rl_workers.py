@@ -137,8 +137,8 @@ class ActorRolloutRefWorker(Worker):
         """
         if self.rank != 0:
             return None
-        # Under Ray the put copies the tensors into the object store: a snapshot.
-        return ObjectHandle({name: t.detach() for name, t in self.engine.generation_state().items()})
+        # Under Ray the tensors are written into the object store once: a snapshot.
+        return ObjectHandle({name: t.detach().cpu() for name, t in self.engine.generation_state().items()})
 
     @register(Dispatch.DP_SPLIT)
     def compute_log_probs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:

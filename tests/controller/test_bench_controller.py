@@ -20,7 +20,7 @@ def test_measure_dispatch_overhead_reports_every_variant(ray_cluster):
     rows = bench.measure_dispatch_overhead(calls=2, rows=8, world=2)
     assert [(r["group"], r["call"].split()[0]) for r in rows][:3] == [("ray x2", "ONE_TO_ALL"),
                                                                       ("ray x2", "DP_SPLIT"), ("ray x2", "DP_SPLIT")]
-    assert {r["group"] for r in rows} == {"ray x2", "ray x2 put-all", "ray x2 clone", "local x1"}
+    assert {r["group"] for r in rows} == {"ray x2", "ray x2 put-all", "ray x2 clone-send", "local x1"}
     assert all(r["wall_ms"] >= r["worker_ms"] >= 0 for r in rows)
 
 

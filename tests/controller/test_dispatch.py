@@ -18,26 +18,6 @@ def test_split_then_concat_is_identity_in_order():
     assert torch.equal(back["x"], batch["x"]) and back["names"] == batch["names"]
 
 
-def test_chunks_travel_as_their_own_rows_without_a_copy():
-    """A DP chunk is a view; packed for Ray it pickles only its own rows, and the driver copies nothing."""
-    import pickle
-
-    from hybridflow.controller.worker_group import _pack, _unpack
-
-    x = torch.arange(4000, dtype=torch.float32).reshape(1000, 4)
-    chunk = split_batch({"x": x, "ids": x.long(), "h": x.bfloat16(), "names": ["a"] * 1000}, 4)[1]
-    assert chunk["x"].untyped_storage().nbytes() == x.nbytes  # a view: pickling it would ship all rows
-    packed = _pack(chunk)
-    assert packed["x"].array.ctypes.data == chunk["x"].data_ptr()  # no copy on the sender
-    wire = pickle.dumps(packed, protocol=5)
-    whole = x.nbytes + x.long().nbytes + x.bfloat16().nbytes
-    assert whole // 4 < len(wire) < whole // 3  # only this rank's rows of each field
-    back = _unpack(pickle.loads(wire))
-    for key in ("x", "ids", "h"):
-        assert back[key].dtype == chunk[key].dtype and torch.equal(back[key], chunk[key]), key
-    assert back["names"] == chunk["names"]
-
-
 def test_uneven_and_inconsistent_batches_are_rejected():
     with pytest.raises(ValueError, match="7 rows does not split evenly over 2"):
         split_batch(_batch(7), 2)
@@ -93,25 +73,3 @@ def test_register_marks_methods_and_overrides_without_tag_hide_them():
     assert registered_methods(Child) == {"forward": Dispatch.DP_SPLIT}
     with pytest.raises(ValueError, match="unknown dispatch mode 'dp_slpit'"):
         register("dp_slpit")
-
-
-def test_gathered_results_are_concatenated_from_read_only_views_into_owned_tensors():
-    import pickle
-
-    from hybridflow.controller.worker_group import _pack, _unpack_rows
-
-    parts = [{"x": torch.full((2, 3), float(r)), "maybe": torch.ones(2) if r else None, "n": [r, r]}
-             for r in range(2)]
-    wired = [pickle.loads(pickle.dumps(_pack(p), protocol=5)) for p in parts]
-    for p in wired:  # as out of the object store: read-only
-        for value in p.values():
-            if hasattr(value, "array"):
-                value.array.flags.writeable = False
-    views = _unpack_rows(wired)
-    assert views[0]["x"].data_ptr() == wired[0]["x"].array.ctypes.data  # a view, left for torch.cat to copy
-    # not a tensor on every rank: unpacked as usual, copied out of the read-only buffer
-    assert views[1]["maybe"].data_ptr() != wired[1]["maybe"].array.ctypes.data
-    out = concat_batches(views)
-    out["x"].add_(1)  # the concatenation owns its memory
-    assert out["x"][:, 0].tolist() == [1, 1, 2, 2] and out["n"] == [0, 0, 1, 1]
-    assert out["maybe"][0] is None and torch.equal(out["maybe"][1], torch.ones(2))

@@ -1,4 +1,4 @@
-"""ObjectHandle: a value goes from one worker group to another through the object store by reference."""
+"""How values travel: tensors as numpy views (no copy on the sender), and ObjectHandle between groups."""
 import os
 import pickle
 
@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from hybridflow.controller import ObjectHandle, RayWorkerGroup, ResourcePool
+from hybridflow.controller.dispatch import concat_batches, split_batch
+from hybridflow.controller.transfer import pack, unpack, unpack_rows
 from tests.controller.workers import Publisher, Receiver
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,3 +37,48 @@ def test_without_ray_the_handle_holds_the_value(monkeypatch):
     value = {"w": torch.ones(3)}
     handle = ObjectHandle(value)
     assert not handle.in_object_store and handle.get() is value
+
+
+def test_chunks_travel_as_their_own_rows_without_a_copy():
+    """A DP chunk is a view; packed for Ray it pickles only its own rows, and the driver copies nothing."""
+    x = torch.arange(4000, dtype=torch.float32).reshape(1000, 4)
+    chunk = split_batch({"x": x, "ids": x.long(), "h": x.bfloat16(), "names": ["a"] * 1000}, 4)[1]
+    assert chunk["x"].untyped_storage().nbytes() == x.nbytes  # a view: pickling it would ship all rows
+    packed = pack(chunk)
+    assert packed["x"].array.ctypes.data == chunk["x"].data_ptr()  # no copy on the sender
+    wire = pickle.dumps(packed, protocol=5)
+    whole = x.nbytes + x.long().nbytes + x.bfloat16().nbytes
+    assert whole // 4 < len(wire) < whole // 3  # only this rank's rows of each field
+    back = unpack(pickle.loads(wire))
+    for key in ("x", "ids", "h"):
+        assert back[key].dtype == chunk[key].dtype and torch.equal(back[key], chunk[key]), key
+    assert back["names"] == chunk["names"]
+
+
+def test_gathered_results_are_concatenated_from_read_only_views_into_owned_tensors():
+    parts = [{"x": torch.full((2, 3), float(r)), "maybe": torch.ones(2) if r else None, "n": [r, r]}
+             for r in range(2)]
+    wired = [pickle.loads(pickle.dumps(pack(p), protocol=5)) for p in parts]
+    for p in wired:  # as out of the object store: read-only
+        for value in p.values():
+            if hasattr(value, "array"):
+                value.array.flags.writeable = False
+    views = unpack_rows(wired)
+    assert views[0]["x"].data_ptr() == wired[0]["x"].array.ctypes.data  # a view, left for torch.cat to copy
+    # not a tensor on every rank: unpacked as usual, copied out of the read-only buffer
+    assert views[1]["maybe"].data_ptr() != wired[1]["maybe"].array.ctypes.data
+    out = concat_batches(views)
+    out["x"].add_(1)  # the concatenation owns its memory
+    assert out["x"][:, 0].tolist() == [1, 1, 2, 2] and out["n"] == [0, 0, 1, 1]
+    assert out["maybe"][0] is None and torch.equal(out["maybe"][1], torch.ones(2))
+
+
+def test_a_fresh_worker_gets_bfloat16_as_bfloat16(ray_cluster):
+    """The first thing a new worker process does is unpack its arguments (nothing packed there yet)."""
+    group = RayWorkerGroup(Receiver, ResourcePool([0], "cpu"))
+    try:
+        got = group.dtypes({"bf": torch.ones(2, 3, dtype=torch.bfloat16), "ids": torch.arange(6).view(2, 3),
+                            "flag": torch.ones(2, dtype=torch.bool), "neg": torch.ones(2, 2).neg().conj()})
+        assert got == [{"bf": "torch.bfloat16", "ids": "torch.int64", "flag": "torch.bool", "neg": "torch.float32"}]
+    finally:
+        group.shutdown()

@@ -100,6 +100,10 @@ class Publisher(Worker):
 
 class Receiver(Worker):
     @register(Dispatch.ONE_TO_ALL)
+    def dtypes(self, batch: dict) -> dict:
+        return {key: str(value.dtype) for key, value in batch.items()}
+
+    @register(Dispatch.ONE_TO_ALL)
     def checksum(self, handle) -> tuple[int, float]:
         value = handle.get()
         return os.getpid(), float(value.sum())
