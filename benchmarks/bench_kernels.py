@@ -70,19 +70,21 @@ def bench_gae(sizes, repeats):
              lambda: gae(r, v, m, 0.99, 0.95, backend="cpu"), repeats, memory=False)
 
 
+def logprob_step(fn, logits, labels, backward: bool):
+    """One call as a closure: forward, or forward + backward of sum(logp) + sum(entropy)."""
+    def go():
+        lp, ent = fn(logits, labels)
+        if backward:
+            (lp.sum() + ent.sum()).backward()
+            logits.grad = None
+    return go
+
+
 def _logprob_case(n, v, backward):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(n, v, generator=g).requires_grad_(backward)
     labels = torch.randint(0, v, (n,), generator=g)
-
-    def run(fn):
-        def go():
-            lp, ent = fn(logits, labels)
-            if backward:
-                (lp.sum() + ent.sum()).backward()
-                logits.grad = None
-        return go
-    return run
+    return lambda fn: logprob_step(fn, logits, labels, backward)
 
 
 def bench_logprob(shapes, repeats):

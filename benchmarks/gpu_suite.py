@@ -34,7 +34,7 @@ from hybridflow.kernels import gae, logprob_entropy, logprob_entropy_reference
 from hybridflow.kernels.backend import BackendUnavailable, cuda_extension
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import gae_inputs  # noqa: E402  (the inputs of the CPU table, on the GPU)
+from bench_kernels import gae_inputs, logprob_step  # noqa: E402  (shared with the CPU tables)
 
 LOGPROB_FNS = {
     "eager": logprob_entropy_reference,
@@ -75,16 +75,6 @@ def _logprob_inputs(n: int, v: int, dtype: torch.dtype):
     return logits, torch.randint(0, v, (n,), generator=g, device="cuda")
 
 
-def _step(fn, logits, labels, backward: bool):
-    """One call as a closure: forward, or forward + backward of sum(logp) + sum(entropy)."""
-    def go():
-        lp, ent = fn(logits, labels)
-        if backward:
-            (lp.sum() + ent.sum()).backward()
-            logits.grad = None
-    return go
-
-
 def _max_diff(logits, labels, backward: bool) -> float:
     """Largest |cuda - eager| over logp, entropy and (with `backward`) the logits gradient."""
     outs = []
@@ -107,7 +97,7 @@ def bench_logprob(shapes, dtypes, repeats: int) -> None:
             for backward in (False, True):
                 logits, labels = _logprob_inputs(n, v, dtype)
                 logits.requires_grad_(backward)
-                steps = {name: _step(fn, logits, labels, backward) for name, fn in LOGPROB_FNS.items()}
+                steps = {name: logprob_step(fn, logits, labels, backward) for name, fn in LOGPROB_FNS.items()}
                 ms = {name: time_ms(step, repeats) for name, step in steps.items()}
                 mib = {name: peak_extra_mib(step) for name, step in steps.items()}
                 diff = _max_diff(logits, labels, backward)

@@ -13,18 +13,15 @@
 #include <cstdlib>
 #include <vector>
 
+#include "harness_io.h"
+
 #include "../../csrc/cuda/logprob_entropy.cu"
 
 namespace {
 
 using namespace hybridflow_cuda;
 
-void read_exact(void* dst, size_t bytes) {
-  if (bytes && std::fread(dst, 1, bytes, stdin) != bytes) {
-    std::fprintf(stderr, "short input\n");
-    std::exit(2);
-  }
-}
+using harness::read_exact;
 
 template <typename T>
 T* aligned_buffer(size_t elems, int64_t offset) {
