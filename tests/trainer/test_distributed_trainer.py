@@ -74,10 +74,11 @@ def test_grpo_rollout_apart_from_training_matches_the_single_process_run(tmp_pat
     metrics are those of one process (keyed sampling; summation order as above)."""
     from tests.trainer.test_trainer import learned
 
-    common = ["trainer.total_steps=3", "trainer.val_every=3", "trainer.save_every=0",
+    common = ["trainer.total_steps=3", "trainer.val_every=3", "trainer.save_every=1",
               "actor.ppo_mini_batch_size=8"]
-    _, records = run("tiny-grpo.yaml", tmp_path / "apart", "trainer.n_devices=3", "trainer.launcher=ray",
-                     "placement.training=[0,1]", "placement.reference=[0,1]", "placement.rollout=[2]", *common)
+    layout = ["trainer.n_devices=3", "trainer.launcher=ray", "placement.training=[0,1]",
+              "placement.reference=[0,1]", "placement.rollout=[2]"]
+    _, records = run("tiny-grpo.yaml", tmp_path / "apart", *layout, *common)
     _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
     apart, one = learned(records), learned(single)
     assert apart[0] == one[0]  # greedy validation before any update, from the rollout group's own load
@@ -85,6 +86,18 @@ def test_grpo_rollout_apart_from_training_matches_the_single_process_run(tmp_pat
         assert apart[step].keys() == one[step].keys()
         for key, value in one[step].items():
             assert apart[step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
+
+    # Resumed after step 2: the restored actor's weights must reach the rollout group before step 3.
+    cfg = in_repo(load_config(ROOT / "configs/tiny-grpo.yaml", [
+        f"trainer.output_dir={tmp_path / 'resumed'}", *layout, *common]))
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.fit(stop_after=2)
+    finally:
+        trainer.shutdown()
+    _, again = run("tiny-grpo.yaml", tmp_path / "resumed", *layout, *common, "trainer.resume=auto")
+    for key, value in apart[3].items():
+        assert learned(again)[3][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
 def test_reference_apart_from_training_is_rejected(tmp_path):
