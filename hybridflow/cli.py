@@ -30,15 +30,16 @@ def _train(args: argparse.Namespace) -> int:
     import os
 
     from hybridflow.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.trainer.device == "cpu":  # before torch is imported: see engine/cpu_compat.py
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    from hybridflow.controller.worker_group import WorkerError
     from hybridflow.trainer.trainer import RLTrainer, TrainingError
 
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # CPU runs: see engine/cpu_compat.py
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     start = time.perf_counter()
-    from hybridflow.controller.worker_group import WorkerError
-
-    cfg = load_config(args.config, args.overrides)
     try:
         trainer = RLTrainer(cfg)
         try:

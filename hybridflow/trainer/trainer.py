@@ -53,6 +53,19 @@ class TrainingError(RuntimeError):
     """The run stopped; the message names the step, the cause and the last good checkpoint."""
 
 
+def check_buildable(cfg: Config) -> None:
+    """Fail before any worker starts on settings the config accepts but this trainer cannot run yet."""
+    a = cfg.actor.parallel
+    if a.tp > 1 or a.pp > 1:
+        key = "actor.parallel.tp" if a.tp > 1 else "actor.parallel.pp"
+        raise ConfigError(key, f"rollout needs the actor's weights in the generation layout; from a tp={a.tp}, "
+                          f"pp={a.pp} actor that is the 3D-HybridEngine's reshard, which is not built yet: "
+                          "train the actor data-parallel (tp=pp=1) for now")
+    if cfg.rollout.engine != "builtin":
+        raise ConfigError("rollout.engine", f"{cfg.rollout.engine!r} is not wired into the trainer yet; it "
+                          "generates with the built-in engine ('builtin')")
+
+
 def use_ray(cfg: Config) -> bool:
     t = cfg.trainer
     if t.launcher != "auto":
@@ -121,6 +134,7 @@ class RLTrainer:
         if cfg.algorithm.adv_estimator == "remax":
             raise ConfigError("algorithm.adv_estimator", "remax needs a greedy baseline rollout, which this "
                               "trainer does not run yet; use grpo, rloo, reinforce_plus_plus(_baseline) or gae")
+        check_buildable(cfg)
         self.reward_fn = get_reward_fn(cfg.reward.function)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                            cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)

@@ -219,3 +219,22 @@ def test_a_worker_failing_inside_a_flow_stage_surfaces_as_worker_error(tmp_path,
     with pytest.raises(WorkerError, match="rank 1 failed in generate") as info:
         trainer.train_step(1)
     assert info.value is cause
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor.parallel.tp=2", "actor.parallel.tp: rollout needs the actor's weights in the generation layout; "
+                            "from a tp=2, pp=1 actor that is the 3D-HybridEngine's reshard, which is not built"),
+    ("rollout.engine=vllm", "rollout.engine: 'vllm' is not wired into the trainer yet"),
+])
+def test_settings_not_built_yet_stop_before_any_worker_starts(tmp_path, override, message):
+    cfg = in_repo(config("tiny-grpo.yaml", tmp_path, "trainer.n_devices=2", override))
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RLTrainer(cfg)
+
+
+def test_gpu_scale_configs_stop_early_on_the_missing_reshard():
+    for name in ("qwen2.5-0.5b-grpo-gsm8k.yaml", "qwen2.5-7b-ppo-gsm8k.yaml"):
+        from hybridflow.trainer.trainer import check_buildable
+
+        with pytest.raises(ConfigError, match="actor.parallel.tp: .*3D-HybridEngine's reshard"):
+            check_buildable(load_config(ROOT / "configs" / name))
