@@ -64,6 +64,10 @@ def check_buildable(cfg: Config) -> None:
     if cfg.rollout.engine != "builtin":
         raise ConfigError("rollout.engine", f"{cfg.rollout.engine!r} is not wired into the trainer yet; it "
                           "generates with the built-in engine ('builtin')")
+    # In-process and torchrun workers run here; Ray workers may sit on other nodes (their pools check).
+    if cfg.trainer.device == "cuda" and not use_ray(cfg) and not torch.cuda.is_available():
+        why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ConfigError("trainer.device", f"'cuda' but {why} (torch {torch.__version__}); use cpu")
 
 
 def use_ray(cfg: Config) -> bool:

@@ -232,6 +232,13 @@ def test_settings_not_built_yet_stop_before_any_worker_starts(tmp_path, override
         RLTrainer(cfg)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where no CUDA device exists")
+def test_cuda_device_without_cuda_is_a_config_error(tmp_path):
+    cfg = in_repo(config("tiny-grpo.yaml", tmp_path, "trainer.device=cuda"))
+    with pytest.raises(ConfigError, match="trainer.device: 'cuda' but (torch was built without CUDA|no CUDA device)"):
+        RLTrainer(cfg)
+
+
 def test_gpu_scale_configs_stop_early_on_the_missing_reshard():
     for name in ("qwen2.5-0.5b-grpo-gsm8k.yaml", "qwen2.5-7b-ppo-gsm8k.yaml"):
         from hybridflow.trainer.trainer import check_buildable
