@@ -99,8 +99,25 @@ def prepare_process(worker: Worker) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, worker.world_size)))
 
 
-class ActorRolloutRefWorker(Worker):
+class EngineWorker(Worker):
+    """A worker owning a `MegatronEngine` (`self.engine`): each rank saves and loads its own shard
+    under CHECKPOINT_NAME in a checkpoint directory."""
+
+    CHECKPOINT_NAME: str
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save(self, directory: str) -> None:
+        self.engine.save(Path(directory) / self.CHECKPOINT_NAME)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load(self, directory: str) -> None:
+        self.engine.load(Path(directory) / self.CHECKPOINT_NAME)
+
+
+class ActorRolloutRefWorker(EngineWorker):
     """Actor training, rollout from views of its weights, and the reference policy: one process."""
+
+    CHECKPOINT_NAME = "actor"
 
     def __init__(self, cfg: Config):
         self.init_process_group()
@@ -152,14 +169,6 @@ class ActorRolloutRefWorker(Worker):
     def update_actor(self, batch: dict[str, Any], step: int) -> dict[str, float]:
         return self.actor.update(batch, step)
 
-    @register(Dispatch.ONE_TO_ALL)
-    def save(self, directory: str) -> None:
-        self.engine.save(Path(directory) / "actor")
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load(self, directory: str) -> None:
-        self.engine.load(Path(directory) / "actor")
-
     @register(Dispatch.RANK_ZERO)
     def export_hf(self, path: str) -> str:
         """The actor as an HF checkpoint (every rank gathers; rank 0 writes)."""
@@ -207,8 +216,10 @@ class RolloutWorker(Worker):
         return self.rollout.generate(prompts, seed, validation, pad)
 
 
-class CriticWorker(Worker):
+class CriticWorker(EngineWorker):
     """The value model: per-token values and the clipped value update."""
+
+    CHECKPOINT_NAME = "critic"
 
     def __init__(self, cfg: Config):
         self.init_process_group()
@@ -226,14 +237,6 @@ class CriticWorker(Worker):
     @register(Dispatch.DP_SPLIT)
     def update_critic(self, batch: dict[str, Any], step: int) -> dict[str, float]:
         return self.critic.update(batch, step)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def save(self, directory: str) -> None:
-        self.engine.save(Path(directory) / "critic")
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load(self, directory: str) -> None:
-        self.engine.load(Path(directory) / "critic")
 
 
 class RewardModelWorker(Worker):
