@@ -187,15 +187,19 @@ class _AsyncRun:
         for child in self.plan.outputs[name]:
             self.inbox[child].put((name, message))
 
+    def _run(self, name: str, index: int, items: list) -> None:
+        """Node `name` on chunk `index`: record the step and pass what it lets through downstream."""
+        step = _run_node(self.nodes[name], items)
+        self.steps[name][index] = (items, step)
+        self._send(name, (index, step.passed))
+
     def _source(self) -> None:
         name = self.plan.source
         try:
             for index, chunk in enumerate(self.chunks):
                 if self.stop.is_set():
                     break
-                step = _run_node(self.nodes[name], chunk)
-                self.steps[name][index] = (chunk, step)
-                self._send(name, (index, step.passed))
+                self._run(name, index, chunk)
         except BaseException as exc:  # noqa: BLE001 - re-raised by run()
             self.errors.append(exc)
             self.stop.set()
@@ -217,10 +221,7 @@ class _AsyncRun:
                 index, items = message
                 pending.setdefault(index, {})[upstream] = items
                 if len(pending[index]) == len(ups):
-                    items = _gather(name, self.plan, pending.pop(index))
-                    step = _run_node(self.nodes[name], items)
-                    self.steps[name][index] = (items, step)
-                    self._send(name, (index, step.passed))
+                    self._run(name, index, _gather(name, self.plan, pending.pop(index)))
         except BaseException as exc:  # noqa: BLE001 - re-raised by run()
             self.errors.append(exc)
             self.stop.set()
