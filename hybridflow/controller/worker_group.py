@@ -66,6 +66,7 @@ from hybridflow.controller.transfer import pack, unpack, unpack_rows
 
 STARTUP_TIMEOUT_S = 600.0  # actor start plus the worker's __init__ (model build, checkpoint load)
 DEATH_GRACE_S = 5.0  # after a rank fails, how long to wait for news that a peer's process died
+_DIED = "its worker process died"  # WorkerError.reason of a rank whose process is gone
 
 
 class WorkerError(RuntimeError):
@@ -393,7 +394,7 @@ class RayWorkerGroup(_WorkerGroup):
         try:
             out = ray.get(ref)
         except ray.exceptions.RayActorError as exc:
-            return WorkerError(rank, method, "its worker process died", str(exc))
+            return WorkerError(rank, method, _DIED, str(exc))
         except ray.exceptions.RayError as exc:
             return WorkerError(rank, method, type(exc).__name__, str(exc))
         if isinstance(out, _Failure):
@@ -409,7 +410,7 @@ class RayWorkerGroup(_WorkerGroup):
         """
         import ray
 
-        if "process died" in first.reason:
+        if first.reason == _DIED:
             return first
         waiting, deadline = dict(pending), time.monotonic() + DEATH_GRACE_S
         while waiting:
@@ -417,7 +418,7 @@ class RayWorkerGroup(_WorkerGroup):
             if not ready:
                 break
             out = self._result(ready[0], waiting.pop(ready[0]), method)
-            if isinstance(out, WorkerError) and "process died" in out.reason:
+            if isinstance(out, WorkerError) and out.reason == _DIED:
                 return out
         return first
 

@@ -147,8 +147,9 @@ class RLTrainer:
             raise ConfigError("reward.model_path", f"reward model path does not exist: {cfg.reward.model_path}")
         groups = build_groups(cfg)
         self.actor_rollout, self.critic, self.reward_model = groups.actor_rollout, groups.critic, groups.reward_model
-        # Rollout apart from training works on a copy of the actor's weights,
-        # refreshed before the first rollout after each update.
+        # Rollout apart from training (groups.rollout) works on a copy of the
+        # actor's weights, refreshed before the first rollout after each update.
+        self.separate_rollout = groups.rollout
         self.rollout_group = groups.rollout or self.actor_rollout
         self.rollout_weights_stale = False
         self.world = self.actor_rollout.world_size
@@ -247,7 +248,7 @@ class RLTrainer:
         if self.critic is not None:
             stats.update(mean_of_ranks(self.critic.update_critic(S.tensor_fields(batch), step)))
         stats.update(mean_of_ranks(self.actor_rollout.update_actor(S.tensor_fields(batch), step)))
-        self.rollout_weights_stale = self.rollout_group is not self.actor_rollout
+        self.rollout_weights_stale = self.separate_rollout is not None
         return stats
 
     # -- preparation stages (per chunk) ------------------------------------------
@@ -373,7 +374,7 @@ class RLTrainer:
         step, directory = found
         for group in self._groups():
             group.load(str(directory))
-        self.rollout_weights_stale = self.rollout_group is not self.actor_rollout
+        self.rollout_weights_stale = self.separate_rollout is not None
         state = json.loads((directory / "trainer.json").read_text())
         self.kl_ctrl.value = state["kl_coef"]
         log.info("resumed from %s (step %d)", directory, step)
@@ -383,8 +384,7 @@ class RLTrainer:
         return Path(self.actor_rollout.export_hf(str(self.run_dir / "hf_actor")))
 
     def shutdown(self) -> None:
-        rollout = self.rollout_group if self.rollout_group is not self.actor_rollout else None
-        for group in (*self._groups(), self.reward_model, rollout):
+        for group in (*self._groups(), self.reward_model, self.separate_rollout):
             if group is None:
                 continue
             if hasattr(group, "shutdown"):
