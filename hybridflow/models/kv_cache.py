@@ -9,8 +9,8 @@ slot distance equals token distance and a sliding window is a slice of the
 last `window` slots.
 
 Simplifications: no paging and no per-row lengths; rows that have finished
-are dropped in bulk by `keep_rows` (one copy of the cache), not slot by
-slot. Only the first append may be shared by several rows (one prompt
+are dropped in bulk by `keep_rows` (one in-place copy of the filled
+slots), not slot by slot. Only the first append may be shared by several rows (one prompt
 prefilled once for its `n` samples). Only activations are cached, never
 weights.
 """

@@ -12,9 +12,10 @@ copy (`_COMPACT_AT`), so a long tail of responses is decoded at the cost of
 the rows still running, not of the whole batch. Greedy and keyed sampling
 (`row_keys`) give the same tokens either way; sampling from a
 `torch.Generator` draws for the live rows only, so its samples depend on
-when rows are dropped (still reproducible for the same inputs). The loop stops once every
-row has ended. The one per-row Python loop is the stop-string check, which
-has to decode text and runs only when `stop` strings are given.
+when rows are dropped (still reproducible for the same inputs). The loop
+stops once every row has ended. The one per-row Python loop is the
+stop-string check, which has to decode text and runs only when `stop`
+strings are given.
 
 Weights are read from the model's parameters at each call (the hybrid engine
 hands over a decoder whose parameters are views of the training weights).
