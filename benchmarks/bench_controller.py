@@ -4,7 +4,7 @@
 
 A batch shaped like the demo's rollout batch (R rows x 14 tokens of int64 ids
 plus a mask, and per-row lists of prompt strings and rewards) goes through
-`group.method(batch)` on a Ray group of W CPU workers and on an in-process
+`group.call(Worker.method, batch)` on a Ray group of W CPU workers and on an in-process
 LocalWorkerGroup. The worker method does nothing but time itself, so
 `overhead = controller wall time - worker time` is the price of dispatch:
 splitting, `ray.put`, the actor calls, `ray.get` and concatenation. Three
@@ -126,9 +126,9 @@ def measure_dispatch_overhead(calls: int = 20, rows: int = 256, world: int = 2, 
               ("local x1", LocalWorkerGroup(_Noop, ResourcePool([0], "cpu")))]
     try:
         for name, group in groups:
-            for label, call in (("ONE_TO_ALL ping()", group.ping),
-                                ("DP_SPLIT consume(batch)", lambda g=group: g.consume(batch)),
-                                ("DP_SPLIT log_probs(batch)", lambda g=group: g.log_probs(batch))):
+            for label, call in (("ONE_TO_ALL ping()", lambda g=group: g.call(_Noop.ping)),
+                                ("DP_SPLIT consume(batch)", lambda g=group: g.call(_Noop.consume, batch)),
+                                ("DP_SPLIT log_probs(batch)", lambda g=group: g.call(_Noop.log_probs, batch))):
                 wall, work = _measure(call, calls)
                 rows_out.append({"group": name, "call": label, "wall_ms": wall * 1e3, "worker_ms": work * 1e3,
                                  "overhead_ms": (wall - work) * 1e3})

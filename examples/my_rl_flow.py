@@ -1,4 +1,4 @@
-"""The DataFlow of the user guide (API.md), runnable: rollout -> [safety ->] reward.
+"""The DataFlow of the user guide (docs/api.md), runnable: rollout -> [safety ->] reward.
 
     python examples/my_rl_flow.py --prompts "['042+917=', '123+456=']"
     python examples/my_rl_flow.py --prompts "['042+917=', '123+456=']" --safety

@@ -198,6 +198,10 @@ def reinforce_plus_plus_baseline(scores: Tensor, mask: Tensor,
 def remax(scores: Tensor, baseline_scores: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """ReMax (Li et al. 2023): the greedy rollout's score as the baseline.
 
+    Not registered as a trainer estimator: the trainer does not run the
+    extra greedy rollout per prompt that supplies `baseline_scores`. A flow
+    that does (e.g. a DataFlow node) can call this directly.
+
     scores, baseline_scores: [B]; mask: [B, T] -> (advantages, returns) [B, T].
     A_i = s_i - b_i on every valid token of sequence i.
     """
@@ -289,9 +293,3 @@ def _reinforce_pp_baseline_entry(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     name = "reinforce_plus_plus_baseline"
     return reinforce_plus_plus_baseline(scores=x.outcome_scores(name), mask=x.mask,
                                         group_ids=x.need("group_ids", name))
-
-
-@register_adv_estimator("remax")
-def _remax_entry(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    return remax(scores=x.outcome_scores("remax"),
-                 baseline_scores=x.need("baseline_scores", "remax"), mask=x.mask)

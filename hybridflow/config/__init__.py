@@ -1,16 +1,17 @@
 """Typed configuration for hybridflow: schema, YAML loading, overrides, validation."""
+from hybridflow.config.errors import ConfigError
 from hybridflow.config.loader import (
-    ConfigError, apply_overrides, dump_config, from_dict, load_config, to_dict)
+    apply_overrides, dump_config, from_dict, load_config, to_dict)
 from hybridflow.config.schema import (
     ActorConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, DataflowConfig,
     KLControlConfig, ModelConfig, OptimConfig, ParallelConfig, PlacementConfig,
     ReferenceConfig, RewardConfig, RolloutConfig, TrainerConfig)
-from hybridflow.config.validate import devices_for, validate
+from hybridflow.config.validate import check_runnable, devices_for, validate
 
 __all__ = [
     "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
     "DataflowConfig", "KLControlConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
     "PlacementConfig", "ReferenceConfig", "RewardConfig", "RolloutConfig", "TrainerConfig",
-    "apply_overrides", "devices_for", "dump_config", "from_dict", "load_config", "to_dict",
+    "apply_overrides", "check_runnable", "devices_for", "dump_config", "from_dict", "load_config", "to_dict",
     "validate",
 ]

@@ -13,16 +13,12 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from hybridflow.config.errors import ConfigError
 from hybridflow.config.schema import Config
+from hybridflow.config.validate import validate
 from hybridflow.utils import nearest_name
 
-
-class ConfigError(ValueError):
-    """A config value, key or combination that cannot run; names the key path."""
-
-    def __init__(self, path: str, message: str):
-        self.path = path
-        super().__init__(f"{path}: {message}" if path else message)
+__all__ = ["ConfigError", "apply_overrides", "dump_config", "from_dict", "load_config", "to_dict"]
 
 
 def _nearest(name: str, choices: typing.Iterable[str]) -> str:
@@ -128,12 +124,26 @@ def apply_overrides(data: dict, overrides: typing.Sequence[str], cls: type = Con
             if i == len(keys) - 1:
                 node[key] = raw if _is_str(tp) else yaml.safe_load(raw)
             else:
-                if not dataclasses.is_dataclass(tp):
+                tp = _section_type(tp)
+                if tp is None:
                     raise ConfigError(path, f"is a value, not a section; cannot set {item!r}")
-                node = node.setdefault(key, {})
+                if node.get(key) is None:  # an optional section left unset: start it
+                    node[key] = {}
+                node = node[key]
                 if not isinstance(node, dict):
                     raise ConfigError(path, "is not a mapping in the YAML file")
     return data
+
+
+def _section_type(tp: Any) -> Any:
+    """The dataclass of a section annotation (`Foo` or `Optional[Foo]`), else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
+            return inner[0]
+    return None
 
 
 def _is_str(tp: Any) -> bool:
@@ -161,8 +171,6 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     data = apply_overrides(data, overrides)
     cfg = from_dict(Config, data)
     if validate_config:
-        from hybridflow.config.validate import validate
-
         validate(cfg)
     return cfg
 

@@ -120,7 +120,9 @@ class ReferenceConfig:
 
     enabled: bool = True
     log_prob_micro_batch_size: int = 16
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # None: the actor's layout. The reference lives in the actor's processes,
+    # which hold one megatron-core layout, so a value given must equal it.
+    parallel: Optional[ParallelConfig] = None
 
 
 @dataclass
@@ -156,7 +158,7 @@ class AlgorithmConfig:
 
 @dataclass
 class PlacementConfig:
-    """Device indices per role, as in API.md; an empty list means every device.
+    """Device indices per role, as in docs/api.md; an empty list means every device.
 
     Roles may share devices (colocated, the hybrid layout) or not (split).
     """
@@ -183,7 +185,6 @@ class TrainerConfig:
     n_devices: int = 1  # processes (GPUs, or CPU ranks) in the job
     seed: int = 0
     total_steps: int = 100
-    total_epochs: int = 1
     val_every: int = 10
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2

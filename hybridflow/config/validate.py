@@ -1,42 +1,129 @@
-"""Cross-field checks: combinations of values that cannot run.
+"""Every cross-field check of a config: combinations of values that cannot run.
 
 Single values are type-checked by the loader; here live the rules that tie
-sections together (layouts vs. device counts, batch sizes vs. each other).
-Each failure names the key path that has to change.
+keys together, each failure a `ConfigError` naming the key path to change.
+This module is the one home of such checks (docs/architecture.md, "Where a
+change goes"); nothing downstream re-checks them.
+
+Two entry points, both run before any worker starts:
+
+- `validate(cfg)`: the config alone (placement, layouts, batch sizes,
+  sampling, registry names). `load_config` calls it.
+- `check_runnable(cfg, model)`: what also needs the world outside the
+  config: the model's own shape (heads, layers) against the layouts, paths
+  that must exist, the launcher, whether torch can reach the device, and
+  settings this trainer cannot run yet (a config for them still loads and
+  prints). The trainer calls it once it has read the model's config.json.
+
+It also resolves the derived quantities those checks rely on, so other code
+asks here instead of redoing the arithmetic: which devices a role runs on
+(`devices_for`), whether Ray launches the groups (`uses_ray`), and how many
+processes and data-parallel replicas each role has (`role_layout`).
 """
 from __future__ import annotations
 
-from hybridflow.config.loader import ConfigError
-from hybridflow.config.schema import Config, ParallelConfig
+import dataclasses
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hybridflow.config.errors import ConfigError
+from hybridflow.config.schema import Config, ParallelConfig, PlacementConfig
+from hybridflow.parallel.layout import ParallelDims
+
+if TYPE_CHECKING:
+    from hybridflow.models.config import DecoderConfig
+
+ROLES = tuple(f.name for f in dataclasses.fields(PlacementConfig))  # rollout, reward, training, ...
+
+
+# --------------------------------------------------------------------------- derived
+
+def placement(cfg: Config) -> dict[str, list[int]]:
+    """role -> its listed devices (an empty list meaning every device)."""
+    return dataclasses.asdict(cfg.placement)
 
 
 def devices_for(cfg: Config, role: str) -> list[int]:
-    """Device indices a role runs on: its placement, or every device."""
-    placed = getattr(cfg.placement, role)
-    return list(placed) if placed else list(range(cfg.trainer.n_devices))
+    """Device indices a role runs on: its placement, or every device.
+
+    The reference always shares the actor's processes, so an empty
+    `placement.reference` means `placement.training`'s devices.
+    """
+    placed = placement(cfg)
+    if role not in placed:
+        raise ValueError(f"unknown role {role!r}; placement roles are {list(ROLES)}")
+    if placed[role]:
+        return list(placed[role])
+    if role == "reference":
+        return devices_for(cfg, "training")
+    return list(range(cfg.trainer.n_devices))
 
 
-def _check_layout(par: ParallelConfig, n: int, path: str, device: str) -> None:
-    for key in ("tp", "pp", "cp"):
-        if getattr(par, key) < 1:
-            raise ConfigError(f"{path}.{key}", f"must be >= 1, got {getattr(par, key)}")
-    model_parallel = par.tp * par.pp * par.cp
-    if n % model_parallel:
-        raise ConfigError(
-            path, f"tp*pp*cp = {par.tp}*{par.pp}*{par.cp} = {model_parallel} does not divide "
-            f"the {n} device(s) this role runs on")
-    if par.virtual_pp is not None and (par.pp < 2 or par.virtual_pp < 1):
-        raise ConfigError(f"{path}.virtual_pp", "needs pp >= 2 and a value >= 1")
-    if par.sequence_parallel and device == "cpu":
-        raise ConfigError(f"{path}.sequence_parallel", "is not supported on CPU (see DESIGN.md section 4)")
+def uses_ray(cfg: Config) -> bool:
+    """Whether worker groups run as Ray actors (else in-process, or this rank's share under torchrun)."""
+    t = cfg.trainer
+    if t.launcher != "auto":
+        return t.launcher == "ray"
+    if "WORLD_SIZE" in os.environ:  # launched by torchrun: every rank drives its own share
+        return False
+    return t.n_devices > 1 or t.ray_address is not None
 
+
+def role_world(cfg: Config, role: str) -> int:
+    """Processes of a role's worker group: its placement under Ray, the job's ranks otherwise."""
+    if uses_ray(cfg):
+        return len(devices_for(cfg, role))
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def engine_roles(cfg: Config) -> dict[str, tuple[str, ParallelConfig]]:
+    """Placement role -> (key path, parallel section) of each role that runs a Megatron engine."""
+    return {"training": ("actor.parallel", cfg.actor.parallel), "critic": ("critic.parallel", cfg.critic.parallel),
+            "reference": ("reference.parallel", reference_parallel(cfg))}
+
+
+def reference_parallel(cfg: Config) -> ParallelConfig:
+    """The reference's layout: the actor's unless given (and then checked to be equal)."""
+    return cfg.reference.parallel or cfg.actor.parallel
+
+
+def role_layout(cfg: Config, role: str) -> ParallelDims:
+    """The p-t-d(-c) layout of an engine role ("training", "critic" or "reference")."""
+    path, par = engine_roles(cfg)[role]
+    return ParallelDims.for_world(role_world(cfg, role), tp=par.tp, pp=par.pp, cp=par.cp, key=path)
+
+
+def rollout_apart(cfg: Config) -> bool:
+    """Rollout has its own worker group (placed on other devices than training)."""
+    return sorted(devices_for(cfg, "rollout")) != sorted(devices_for(cfg, "training")) and uses_ray(cfg)
+
+
+def prompt_multiple(cfg: Config) -> int:
+    """Prompts must come in multiples of this: equal shares for the actor's DP replicas and the rollout ranks."""
+    import math
+
+    rollout_ranks = role_world(cfg, "rollout") if rollout_apart(cfg) else role_world(cfg, "training")
+    return math.lcm(role_layout(cfg, "training").dp, rollout_ranks)
+
+
+def chunk_prompts(cfg: Config) -> int:
+    """Prompts per rollout chunk: dataflow.min_batch_for_reward responses (whole prompts), or the whole batch."""
+    size, want = cfg.data.train_batch_size, cfg.dataflow.min_batch_for_reward
+    if want > 0:
+        multiple = prompt_multiple(cfg)
+        per_prompt = -(-want // cfg.rollout.n)
+        size = -(-per_prompt // multiple) * multiple  # equal shares for the ranks
+    return size
+
+
+# --------------------------------------------------------------------------- config alone
 
 def _check_placement(cfg: Config) -> None:
     n = cfg.trainer.n_devices
     if n < 1:
         raise ConfigError("trainer.n_devices", f"must be >= 1, got {n}")
-    for role in ("rollout", "reward", "training", "reference", "critic"):
-        devices = getattr(cfg.placement, role)
+    for role, devices in placement(cfg).items():
         if len(set(devices)) != len(devices):
             raise ConfigError(f"placement.{role}", f"lists a device twice: {devices}")
         bad = [d for d in devices if not 0 <= d < n]
@@ -44,6 +131,32 @@ def _check_placement(cfg: Config) -> None:
             raise ConfigError(
                 f"placement.{role}", f"device(s) {bad} do not exist: trainer.n_devices is {n} "
                 f"(valid indices 0..{n - 1})")
+    if sorted(devices_for(cfg, "reference")) != sorted(devices_for(cfg, "training")):
+        raise ConfigError("placement.reference", "must equal placement.training: the reference shares the "
+                          "actor's processes; rollout, critic and reward may be placed apart")
+
+
+def _check_layout(par: ParallelConfig, n: int, path: str, device: str) -> None:
+    for key, value in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp)):
+        if value < 1:
+            raise ConfigError(f"{path}.{key}", f"must be >= 1, got {value}")
+    ParallelDims.for_world(n, tp=par.tp, pp=par.pp, cp=par.cp, key=path)
+    if par.virtual_pp is not None and (par.pp < 2 or par.virtual_pp < 1):
+        raise ConfigError(f"{path}.virtual_pp", "needs pp >= 2 and a value >= 1")
+    if par.sequence_parallel and device == "cpu":
+        raise ConfigError(f"{path}.sequence_parallel", "is not supported on CPU: megatron-core's sequence "
+                          "parallelism needs CUDA collectives (docs/megatron-on-cpu.md)")
+
+
+def _check_reference_layout(cfg: Config) -> None:
+    """The reference lives in the actor's processes, and megatron-core holds one layout per process."""
+    a, r = cfg.actor.parallel, cfg.reference.parallel
+    if r is None:
+        return
+    for key, mine, actor in (("tp", r.tp, a.tp), ("pp", r.pp, a.pp), ("cp", r.cp, a.cp)):
+        if mine != actor:
+            raise ConfigError(f"reference.parallel.{key}", f"must equal actor.parallel.{key}={actor}, got {mine}: "
+                              "the reference shares the actor's processes and their megatron-core layout")
 
 
 def _check_generation_layout(cfg: Config) -> None:
@@ -53,6 +166,19 @@ def _check_generation_layout(cfg: Config) -> None:
         raise ConfigError("rollout.tg", f"must divide actor.parallel.tp={tp}, got {ro.tg}")
     if ro.pg < 1 or pp % ro.pg:
         raise ConfigError("rollout.pg", f"must divide actor.parallel.pp={pp}, got {ro.pg}")
+
+
+def _check_not_built(cfg: Config) -> None:
+    """Settings the schema accepts but this trainer cannot run yet."""
+    a = cfg.actor.parallel
+    if a.tp > 1 or a.pp > 1:
+        key = "actor.parallel.tp" if a.tp > 1 else "actor.parallel.pp"
+        raise ConfigError(key, f"rollout needs the actor's weights in the generation layout; from a tp={a.tp}, "
+                          f"pp={a.pp} actor that is the 3D-HybridEngine's reshard, which is not built yet: "
+                          "train the actor data-parallel (tp=pp=1) for now")
+    if cfg.rollout.engine != "builtin":
+        raise ConfigError("rollout.engine", f"{cfg.rollout.engine!r} is not wired into the trainer yet; it "
+                          "generates with the built-in engine ('builtin')")
 
 
 def _check_sampling(cfg: Config) -> None:
@@ -69,6 +195,22 @@ def _check_sampling(cfg: Config) -> None:
         raise ConfigError(
             "rollout.n", f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples "
             f"of the same prompt and needs n >= 2, got {ro.n}")
+
+
+def _check_algorithm(cfg: Config) -> None:
+    """Names the registries must know (built-in or registered by the user before loading)."""
+    from hybridflow.algos import get_adv_estimator, get_policy_loss
+
+    for path, name, lookup in (("algorithm.adv_estimator", cfg.algorithm.adv_estimator, get_adv_estimator),
+                               ("actor.policy_loss", cfg.actor.policy_loss, get_policy_loss)):
+        try:
+            lookup(name)
+        except KeyError as exc:
+            raise ConfigError(path, exc.args[0]) from None
+    needs_reference = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
+    if needs_reference and not cfg.reference.enabled:
+        raise ConfigError("reference.enabled", "KL (algorithm.use_kl_in_reward or actor.use_kl_loss) needs "
+                          "the reference policy")
 
 
 def _check_batches(cfg: Config) -> None:
@@ -100,16 +242,53 @@ def _check_batches(cfg: Config) -> None:
         raise ConfigError("actor.clip_ratio_c", f"dual-clip bound must be > 1, got {actor.clip_ratio_c}")
 
 
+def _check_shares(cfg: Config) -> None:
+    """Prompts split evenly over the ranks: per step and per rollout chunk."""
+    multiple, batch = prompt_multiple(cfg), cfg.data.train_batch_size
+    if batch % multiple:
+        rollout = role_world(cfg, "rollout") if rollout_apart(cfg) else role_world(cfg, "training")
+        raise ConfigError("data.train_batch_size", f"{batch} prompts do not split over the actor's "
+                          f"{role_layout(cfg, 'training').dp} data-parallel replicas and the {rollout} rollout ranks")
+    size = chunk_prompts(cfg)
+    if batch % size:
+        raise ConfigError("dataflow.min_batch_for_reward", f"{cfg.dataflow.min_batch_for_reward} responses make "
+                          f"chunks of {size} prompts, which do not divide data.train_batch_size={batch}")
+
+
 def validate(cfg: Config) -> Config:
-    """Raise ConfigError for the first impossible combination found."""
+    """Raise ConfigError for the first impossible combination found in the config alone."""
     if not cfg.model.path:
         raise ConfigError("model.path", "is required: a directory holding an HF config.json and weights")
     _check_placement(cfg)
-    for role, par, path in (("training", cfg.actor.parallel, "actor.parallel"),
-                            ("critic", cfg.critic.parallel, "critic.parallel"),
-                            ("reference", cfg.reference.parallel, "reference.parallel")):
+    for role, (path, par) in engine_roles(cfg).items():
         _check_layout(par, len(devices_for(cfg, role)), path, cfg.trainer.device)
+    _check_reference_layout(cfg)
     _check_generation_layout(cfg)
     _check_sampling(cfg)
+    _check_algorithm(cfg)
     _check_batches(cfg)
     return cfg
+
+
+# --------------------------------------------------------------------------- with the world outside
+
+def check_runnable(cfg: Config, model: "DecoderConfig") -> None:
+    """ConfigError for what the config and the model's own config.json / the machine cannot run together."""
+    _check_not_built(cfg)
+    for role, (path, par) in engine_roles(cfg).items():
+        if role == "critic" and cfg.algorithm.adv_estimator != "gae":
+            continue  # no critic in this run
+        role_layout(cfg, role).check_model(path, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+                                          num_layers=model.num_layers, virtual_pp=par.virtual_pp)
+    _check_shares(cfg)
+    if cfg.reward.model_path is not None and not Path(cfg.reward.model_path).exists():
+        raise ConfigError("reward.model_path", f"reward model path does not exist: {cfg.reward.model_path}")
+    if cfg.critic.model_path is not None and not Path(cfg.critic.model_path).exists():
+        raise ConfigError("critic.model_path", f"critic model path does not exist: {cfg.critic.model_path}")
+    # In-process and torchrun workers run here; Ray workers may sit on other nodes (their pools check).
+    if cfg.trainer.device == "cuda" and not uses_ray(cfg):
+        import torch
+
+        if not torch.cuda.is_available():
+            why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise ConfigError("trainer.device", f"'cuda' but {why} (torch {torch.__version__}); use cpu")

@@ -24,7 +24,7 @@ concatenates what the ranks return, field by field: tensors with
 `torch.cat`, lists and tuples joined, anything else (floats, strings, 0-d
 tensors) gathered into one list entry per rank. Chunks are views of the
 caller's batch; `RayWorkerGroup` sends each as a numpy view of its own rows
-(no copy on the driver; see `_Array` in worker_group.py).
+(no copy on the driver; see `_Array` in transfer.py).
 """
 from __future__ import annotations
 

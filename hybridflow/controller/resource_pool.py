@@ -3,7 +3,7 @@
 `pools_from_placement(cfg)` turns the `placement:` section into pools. Roles
 listing the same device set share ONE pool, and so one worker group — the
 hybrid layout where actor, rollout and reference live in the same processes;
-different sets are split placement, one group each. Sets may overlap (API.md:
+different sets are split placement, one group each. Sets may overlap (docs/api.md:
 rollout [0, 1], training [0, 1, 2, 3]); then each process on a shared device
 asks for its share of it (1/k for k pools), so all of them fit.
 
@@ -23,11 +23,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import Config
-from hybridflow.config.validate import devices_for
+from hybridflow.config.validate import ROLES, devices_for
 
-ROLES = ("rollout", "reward", "training", "reference", "critic")  # the fields of PlacementConfig
 PLACEMENT_TIMEOUT_S = 60.0
 
 
@@ -119,33 +117,15 @@ class ResourcePool:
         return f"ResourcePool(devices={self.devices}, device={self.device!r})"
 
 
-def check_placement(cfg: Config, roles: Sequence[str] = ROLES) -> dict[str, list[int]]:
-    """Each role's device list, or ConfigError naming the placement key to fix."""
-    n = cfg.trainer.n_devices
-    if n < 1:
-        raise ConfigError("trainer.n_devices", f"must be >= 1, got {n}")
-    placed = {}
-    for role in roles:
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}; placement roles are {list(ROLES)}")
-        devices = devices_for(cfg, role)
-        if len(set(devices)) != len(devices):
-            raise ConfigError(f"placement.{role}", f"lists a device twice: {devices}")
-        bad = [d for d in devices if not 0 <= d < n]
-        if bad:
-            raise ConfigError(f"placement.{role}", f"device(s) {bad} do not exist: trainer.n_devices is {n} "
-                              f"(valid indices 0..{n - 1})")
-        placed[role] = devices
-    return placed
-
-
 def pools_from_placement(cfg: Config, roles: Sequence[str] = ROLES) -> dict[str, ResourcePool]:
     """role -> pool; roles with the same device set get the same pool object.
 
-    An empty placement list means every device (`devices_for`). Call
-    `release()` on any pool at the end of a GPU job to return the GPUs.
+    An empty placement list means every device (`devices_for`); the
+    placement itself was checked when the config was loaded
+    (`config/validate.py`). Call `release()` on any pool at the end of a GPU
+    job to return the GPUs.
     """
-    placed = check_placement(cfg, roles)
+    placed = {role: devices_for(cfg, role) for role in roles}
     device_sets = sorted({tuple(sorted(devices)) for devices in placed.values()})
     share: dict[int, int] = {}
     for devices in device_sets:

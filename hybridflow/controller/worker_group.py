@@ -10,16 +10,19 @@
             return {"y": batch["x"] * self.scale}
 
     group = RayWorkerGroup(Doubler, ResourcePool([0, 1], "cpu"), 2)
-    out = group.forward({"x": torch.arange(8)})   # chunks out, results concatenated back
+    out = group.call(Doubler.forward, {"x": torch.arange(8)})   # chunks out, results concatenated back
     group.shutdown()
 
 `Worker` is a plain class. Before its `__init__` runs, the group hands it a
 `WorkerContext` (rank, world size, master address and port) and exports it as
 RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, with
-CUDA_VISIBLE_DEVICES="" on CPU, so `init_process_group()` — or megatron-core
-through `hybridflow.engine.distributed` — forms the group's process group
-(gloo on CPU, NCCL on GPU). Methods tagged `@register(mode)` become methods of
-the group that dispatch per `hybridflow.controller.dispatch`.
+CUDA_VISIBLE_DEVICES="" on CPU, so `init_process_group()`
+(`hybridflow.parallel.process_group`, which the engine uses too) forms the
+group's process group (gloo on CPU, NCCL on GPU). Methods tagged `@register(mode)` are what
+`group.call(Worker.method, ...)` may run; it dispatches per
+`hybridflow.controller.dispatch`. A `RoleGroup` subclass names the methods a
+controller calls as typed attributes (`forward = remote(Doubler.forward)`),
+so `update_actor` can be followed from the trainer to the worker.
 
 Two groups with one interface (pick one when the flow is built):
 
@@ -53,12 +56,13 @@ Two groups with one interface (pick one when the flow is built):
 """
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Concatenate, Optional, ParamSpec, TypeVar
 
 from hybridflow.controller.dispatch import Dispatch, PerRank, collect, dispatch, registered_methods
 from hybridflow.controller.resource_pool import ResourcePool
@@ -129,7 +133,7 @@ class Worker:
         """Join this group's torch.distributed world (idempotent); returns the WORLD group."""
         import torch.distributed as dist
 
-        from hybridflow.engine.distributed import init_process_group
+        from hybridflow.parallel.process_group import init_process_group
 
         init_process_group(self.context.device)
         return dist.group.WORLD
@@ -154,21 +158,8 @@ def _flatten(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
     return tuple(kwargs), (*args, *kwargs.values())
 
 
-class _BoundMethod:
-    """`group.<name>`: calls `name` on the workers under its dispatch mode."""
-
-    def __init__(self, group: "_WorkerGroup", name: str, mode: Dispatch, doc: Optional[str]):
-        self._group, self.name, self.mode, self.__doc__ = group, name, mode, doc
-
-    def __call__(self, *args, **kwargs):
-        return self._group._call(self.name, self.mode, args, kwargs)
-
-    def __repr__(self) -> str:
-        return f"<{self.mode.name} method {self.name} of {self._group!r}>"
-
-
 class _WorkerGroup:
-    """What both groups share: exposing registered methods under their dispatch modes."""
+    """What both groups share: calling registered worker methods under their dispatch modes."""
 
     world_size: int
 
@@ -177,17 +168,77 @@ class _WorkerGroup:
             raise TypeError(f"worker groups run subclasses of Worker, got {worker_cls!r}")
         self.worker_cls, self.pool = worker_cls, pool
         self.world_size = pool.world_size
-        for name, mode in registered_methods(worker_cls).items():
-            if hasattr(type(self), name) or name in vars(self):
-                raise TypeError(f"{worker_cls.__name__}.{name} is registered, but worker groups already have an "
-                                f"attribute {name!r}; rename the method")
-            setattr(self, name, _BoundMethod(self, name, mode, getattr(worker_cls, name).__doc__))
+        self._modes = registered_methods(worker_cls)
+
+    def call(self, method: Callable | str, *args, **kwargs) -> Any:
+        """Run a `@register`-ed worker method on every rank, dispatched by its mode.
+
+        `method` is the worker class's function (`group.call(Doubler.forward,
+        batch)`: a reader and an IDE follow it to the code that runs) or its
+        name.
+        """
+        name = method if isinstance(method, str) else method.__name__
+        mode = self._modes.get(name)
+        if mode is None:
+            raise AttributeError(f"{self.worker_cls.__name__}.{name} is not a method registered with "
+                                 f"@register(...); registered: {sorted(self._modes)}")
+        if not isinstance(method, str) and getattr(self.worker_cls, name, None) is not method:
+            raise TypeError(f"{method.__qualname__} is not a method of {self.worker_cls.__name__}")
+        return self._call(name, mode, args, kwargs)
 
     def _call(self, name: str, mode: Dispatch, args: tuple, kwargs: dict) -> Any:
-        raise NotImplementedError
+        raise NotImplementedError  # each transport implements it
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.worker_cls.__name__}, {self.pool!r})"
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class remote:  # noqa: N801 - used like a decorator-style descriptor, as `property` is
+    """A worker method exposed on a typed group facade (`RoleGroup` subclass).
+
+        class DoublerGroup(RoleGroup):
+            forward = remote(Doubler.forward)
+
+        DoublerGroup(RayWorkerGroup(Doubler, pool)).forward(batch)
+
+    Calling it on a facade runs `group.call(Doubler.forward, ...)`; the facade
+    lists, in one place a reader can see, which worker methods the
+    controller calls, and `remote` keeps their signatures and docstrings.
+    """
+
+    def __init__(self, fn: Callable[Concatenate[Any, P], R]):
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        if name != self.fn.__name__:
+            raise TypeError(f"{owner.__name__}.{name} exposes {self.fn.__qualname__}: use the same name")
+
+    def __get__(self, facade: Optional["RoleGroup"], owner: type) -> Callable[P, Any]:
+        if facade is None:
+            return self  # type: ignore[return-value]
+        return functools.partial(facade.group.call, self.fn)
+
+
+class RoleGroup:
+    """A typed view of one worker group: subclasses declare the methods the controller calls (`remote`)."""
+
+    def __init__(self, group: _WorkerGroup):
+        self.group = group
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.group!r})"
 
 
 # --------------------------------------------------------------------------- Ray
@@ -475,7 +526,7 @@ class LocalWorkerGroup(_WorkerGroup):
         if self.world_size > 1:  # results are all-gathered over the job's world
             import torch.distributed as dist
 
-            from hybridflow.engine.distributed import init_process_group
+            from hybridflow.parallel.process_group import init_process_group
 
             self._owns_process_group = not dist.is_initialized()
             init_process_group(pool.device)

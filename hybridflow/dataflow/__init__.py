@@ -19,7 +19,8 @@ are recorded in `FlowResult.rejected`, not lost.
 node in its own Ray worker on its `placement` device (`remote.py`).
 """
 from hybridflow.dataflow.execute import FlowResult, NodeStats
-from hybridflow.dataflow.flow import DataFlow, DataFlowError, Plan
+from hybridflow.dataflow.flow import DataFlow
+from hybridflow.dataflow.plan import DataFlowError, Plan
 from hybridflow.dataflow.node import Node, NodeError
 
 __all__ = ["DataFlow", "DataFlowError", "FlowResult", "Node", "NodeError", "NodeStats", "Plan"]

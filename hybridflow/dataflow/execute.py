@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hybridflow.dataflow.flow import DataFlowError, Plan
+from hybridflow.dataflow.plan import DataFlowError, Plan
 from hybridflow.dataflow.node import Node, NodeError
 
 __all__ = ["FlowResult", "NodeStats", "run_async", "run_sync"]

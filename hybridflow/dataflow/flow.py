@@ -21,10 +21,10 @@ their items zipped into tuples, in the order the edges were declared.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from hybridflow.dataflow.node import Node
+from hybridflow.dataflow.plan import DataFlowError, Plan
 from hybridflow.utils import nearest_name
 
 __all__ = ["DataFlow", "DataFlowError", "Plan"]
@@ -32,21 +32,6 @@ __all__ = ["DataFlow", "DataFlowError", "Plan"]
 logger = logging.getLogger("hybridflow.dataflow")
 
 NodeRef = Union[Node, str]
-
-
-class DataFlowError(ValueError):
-    """The flow's nodes or edges do not form a runnable DataFlow."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What runs: the node order and each node's effective inputs and outputs."""
-    order: tuple[str, ...]                   # topological; ties keep the order nodes were added
-    source: str
-    sinks: tuple[str, ...]
-    inputs: dict[str, tuple[str, ...]]       # node -> upstream nodes, in declaration order
-    outputs: dict[str, tuple[str, ...]]      # node -> downstream nodes
-    superseded: tuple[tuple[str, str], ...]  # declared shortcut edges left out
 
 
 class DataFlow:
@@ -136,8 +121,6 @@ class DataFlow:
             self._plan = self._build_plan()
         return self._plan
 
-    validate = plan
-
     def _effective_inputs(self) -> tuple[dict[str, tuple[str, ...]], list[tuple[str, str]]]:
         inputs, superseded = {}, []
         for b in self.nodes:
@@ -192,8 +175,9 @@ class DataFlow:
         chunk as soon as its upstream finishes it, each node on its own
         thread; results are re-assembled in input order (identical to sync
         when forward_fn treats items independently). `min_batch=0` runs sync.
-        `DataflowConfig` maps onto this as
-        `run(inputs, cfg.async_execution, cfg.min_batch_for_reward)`.
+        (The trainer cuts a step's prompts into chunks of
+        `dataflow.min_batch_for_reward` responses itself and passes each chunk
+        as one item with `min_batch=1`.)
         `launcher="ray"` runs every node in its own Ray worker process
         (`hybridflow.dataflow.remote`) for this run; "local" runs them here.
         """

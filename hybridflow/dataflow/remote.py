@@ -27,7 +27,7 @@ class NodeWorker(Worker):
         self.node = Node(name, model=model, forward_fn=forward_fn, batch_size=batch_size)
 
     @register(Dispatch.RANK_ZERO)
-    def call(self, items: list) -> list:
+    def run(self, items: list) -> list:
         return self.node(items)
 
 
@@ -42,7 +42,7 @@ class RemoteNode(Node):
                                     node.forward_fn, node.batch_size)
 
     def __call__(self, items: list) -> list:
-        return self.group.call(items)
+        return self.group.call(NodeWorker.run, items)
 
     def shutdown(self) -> None:
         self.group.shutdown()

@@ -1,4 +1,4 @@
-"""The one place megatron-core is adapted to a CPU-only PyTorch (DESIGN §4).
+"""The one place megatron-core is adapted to a CPU-only PyTorch (docs/design.md §4, docs/megatron-on-cpu.md).
 
 megatron-core assumes CUDA in a handful of spots a CPU run reaches:
 

@@ -1,22 +1,21 @@
-"""Process-group and Megatron parallel-state set-up for one SPMD process.
+"""Megatron parallel-state set-up for one SPMD process.
 
-A process joins `torch.distributed` (gloo on CPU, NCCL on GPU) from the
-usual torchrun / controller environment (`RANK`, `WORLD_SIZE`,
-`MASTER_ADDR`, `MASTER_PORT`), or as a world of one when none is set, and
-then initialises megatron-core's model-parallel groups for a layout. Nothing
-here assumes a world of one: the rank and sizes always come from the
-process group.
+The process joins `torch.distributed` (`hybridflow.parallel.process_group`)
+and then initialises megatron-core's model-parallel groups for a layout.
+Nothing here assumes a world of one: the rank and sizes always come from the
+process group. The layout was checked against the device count and the
+model when the config was validated (`config/validate.py`).
 """
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from hybridflow.config.schema import ParallelConfig
+from hybridflow.parallel.process_group import init_process_group
+
+__all__ = ["Layout", "destroy", "init_model_parallel", "init_process_group"]
 
 
 @dataclass(frozen=True)
@@ -34,27 +33,6 @@ class Layout:
     dp_rank: int
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_process_group(device: str = "cpu") -> None:
-    """Join the job's process group once (idempotent)."""
-    if dist.is_initialized():
-        return
-    backend = "nccl" if device == "cuda" else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
-        return
-    # A single process run directly (demo, tests): a world of one. The
-    # address is not exported, so child processes cannot collide with it.
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-
-
 def init_model_parallel(parallel: ParallelConfig, device: str = "cpu") -> Layout:
     """Initialise megatron-core's TP/PP/CP/DP groups for `parallel` (idempotent per layout)."""
     from megatron.core import parallel_state as ps
@@ -64,8 +42,6 @@ def init_model_parallel(parallel: ParallelConfig, device: str = "cpu") -> Layout
     size = parallel.tp * parallel.pp * parallel.cp
     if world % size:
         raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {size}")
-    if parallel.sequence_parallel and device == "cpu":
-        raise ValueError("sequence_parallel is not supported on CPU (see DESIGN.md §4)")
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                 ps.get_context_parallel_world_size())

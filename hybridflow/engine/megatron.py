@@ -4,7 +4,7 @@
 (local layer spec, so it runs without Transformer Engine), Megatron DDP and
 its (distributed) optimizer with an LR schedule. Roles (actor, critic,
 reference in `hybridflow.workers`) hand it micro-batches and a loss
-function; it never knows which algorithm runs (STYLE rule 6).
+function; it never knows which algorithm runs (rule 6, docs/conventions.md).
 
 Batches are RL sequences: a left-padded prompt followed by a right-padded
 response, so real tokens are one contiguous run per row. Megatron's GPTModel
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hybridflow.config.schema import OptimConfig, ParallelConfig
+from hybridflow.data import fields as F
 from hybridflow.engine.distributed import Layout, init_model_parallel
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.checkpoint import resolve_dtype
@@ -66,9 +67,8 @@ class ValueHead(nn.Module):
 
 @dataclass
 class StepStats:
-    grad_norm: float
+    grad_norm: float  # NaN when the optimizer skipped the step
     lr: float
-    update_ok: bool
 
 
 def transformer_config(cfg: DecoderConfig, parallel: ParallelConfig, dtype: torch.dtype, device: str):
@@ -225,8 +225,8 @@ class MegatronEngine:
     # -- compute --------------------------------------------------------------
     def _forward_step(self, step_fn: StepFn, data_iterator, model):
         batch = next(data_iterator)
-        idx = left_align_index(batch["attention_mask"])
-        ids = batch["input_ids"].gather(1, idx).to(self._torch_device())
+        idx = left_align_index(batch[F.ATTENTION_MASK])
+        ids = batch[F.INPUT_IDS].gather(1, idx).to(self._torch_device())
         s = ids.shape[1]
         positions = torch.arange(s, device=ids.device)[None].expand_as(ids)
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
@@ -244,7 +244,7 @@ class MegatronEngine:
             forward_only: bool = False) -> list[dict[str, Any]]:
         """Forward (and backward) over micro-batches; returns what each step_fn reported.
 
-        Each micro-batch holds at least "input_ids" and "attention_mask" [b, S].
+        Each micro-batch holds at least INPUT_IDS and ATTENTION_MASK [b, S] (`data.fields`).
         Megatron divides each loss by len(micro_batches), so a step_fn that
         returns its micro-batch's share of the mini-batch loss times
         len(micro_batches) gives exactly the mini-batch gradient.
@@ -258,8 +258,8 @@ class MegatronEngine:
             return get_forward_backward_func()(
                 forward_step_func=functools.partial(self._forward_step, step_fn),
                 data_iterator=iter(micro_batches), model=[self.model],
-                num_microbatches=len(micro_batches), seq_length=micro_batches[0]["input_ids"].shape[1],
-                micro_batch_size=micro_batches[0]["input_ids"].shape[0], forward_only=forward_only)
+                num_microbatches=len(micro_batches), seq_length=micro_batches[0][F.INPUT_IDS].shape[1],
+                micro_batch_size=micro_batches[0][F.INPUT_IDS].shape[0], forward_only=forward_only)
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -267,11 +267,10 @@ class MegatronEngine:
 
     def step(self) -> StepStats:
         """Apply accumulated gradients (clip, Adam, LR schedule)."""
-        ok, grad_norm, _ = self.optimizer.step()
+        _, grad_norm, _ = self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step(increment=1)
-        return StepStats(grad_norm=float("nan") if grad_norm is None else float(grad_norm), lr=lr,
-                         update_ok=bool(ok))
+        return StepStats(grad_norm=float("nan") if grad_norm is None else float(grad_norm), lr=lr)
 
     # -- checkpoints (this rank's shard) --------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The 3D-HybridEngine: the actor's weights in the generation layout (DESIGN §3).
+"""The 3D-HybridEngine: the actor's weights in the generation layout (docs/design.md §3).
 
 At tp = pp = 1 the generation model's parameters are views of the training
 engine's parameters: no copy, no communication, and every optimizer step is

@@ -1,4 +1,4 @@
-"""Fast, memory-lean kernels, each beside its plain-PyTorch reference (STYLE rule 10)."""
+"""Fast, memory-lean kernels, each beside its plain-PyTorch reference (rule 10, docs/conventions.md)."""
 from hybridflow.kernels.backend import BACKENDS, BackendUnavailable, cpu_extension
 from hybridflow.kernels.fused_linear import fused_linear_logprob_entropy, fused_linear_reference
 from hybridflow.kernels.gae import discounted_returns, gae, gae_reference

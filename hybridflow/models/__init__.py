@@ -1,7 +1,7 @@
 """Plain decoder models (Llama/Qwen2/Mistral), HF checkpoints and the HF/Megatron bridge.
 
 Nothing in this package imports torch.distributed: parallelism is applied to
-these models from outside (STYLE rule 1).
+these models from outside (rule 1, docs/conventions.md).
 """
 from hybridflow.models.bridge import BRIDGES, LlamaBridge, ParamEntry, get_bridge
 from hybridflow.models.checkpoint import (

@@ -10,7 +10,7 @@ layout of megatron-core rather than HF's separate projections:
 
 With the same layout, the generation weights can be views of the training
 engine's parameters (no copy), which is what the 3D-HybridEngine builds on.
-Nothing here knows about processes or parallelism (STYLE rule 1).
+Nothing here knows about processes or parallelism (rule 1, docs/conventions.md).
 """
 from __future__ import annotations
 

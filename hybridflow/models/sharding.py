@@ -1,4 +1,4 @@
-"""The tensor-parallel sharding plan, as data (STYLE rule 2).
+"""The tensor-parallel sharding plan, as data (rule 2, docs/conventions.md).
 
 One table says how each megatron-core parameter is split across a TP group;
 training, the 3D-HybridEngine and the reshard tool all read it. Splitting and

@@ -1,44 +1,21 @@
 """The stages of one RL iteration as small functions on a batch dict (fields in `data.fields`).
 
-rollout -> score -> [reference log-probs] -> old log-probs -> [KL in reward]
--> [values] -> advantages; the trainer picks which stages run when it is
-built (STYLE rule 7), so none of these branch on the config.
+score -> [reference log-probs] -> old log-probs -> [KL in reward] -> [values]
+-> advantages (the rollout batch itself is assembled by `roles.rollout`);
+the trainer picks which stages run when it is built (rule 7, docs/conventions.md), so none
+of these branch on the config.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from hybridflow.algos import AdvantageInputs, apply_kl_penalty, compute_advantages, group_stats
 from hybridflow.data import fields as F
-from hybridflow.rollout import GenerationOutput
 
 Batch = dict[str, Any]
-
-
-def repeat_rows(values: Sequence[Any], n: int) -> list[Any]:
-    """Prompt-major repeat, matching the generator's row order."""
-    return [v for v in values for _ in range(n)]
-
-
-def assemble_rollout(prompts: Batch, out: GenerationOutput, n: int, tokenizer) -> Batch:
-    """The training batch for B prompts x n samples: ids [B*n, T+R] and per-row lists."""
-    batch: Batch = {
-        F.PROMPTS: out.prompts,
-        F.RESPONSES: out.responses,
-        F.RESPONSE_MASK: out.response_mask,
-        F.ROLLOUT_LOG_PROBS: out.log_probs,
-        F.INPUT_IDS: torch.cat([out.prompts, out.responses], dim=1),
-        F.ATTENTION_MASK: torch.cat([out.prompt_mask, out.response_mask], dim=1),
-        F.RESPONSE_TEXT: [tokenizer.decode(r[m.bool()].tolist()) for r, m in
-                          zip(out.responses, out.response_mask)],
-        F.UID: repeat_rows([str(i) for i in prompts[F.INDEX]], n),
-    }
-    for key in (F.DATA_SOURCE, F.GROUND_TRUTH, F.EXTRA_INFO, F.INDEX, F.PROMPT_TEXT):
-        batch[key] = repeat_rows(prompts[key], n)
-    return batch
 
 
 def score(batch: Batch, reward_fn: Callable) -> Tensor:
@@ -74,11 +51,6 @@ def nonuniform_rows(batch: Batch) -> Tensor:
     return stats.std > 1e-6
 
 
-def tensor_fields(batch: Batch) -> dict[str, Tensor]:
-    """The per-row tensors of a batch: what the workers need (lists stay on the controller)."""
-    return {k: v for k, v in batch.items() if isinstance(v, Tensor)}
-
-
 def fill_to_multiple(batch: Batch, world: int) -> Batch:
     """Repeat the last rows with zero advantage until the rows split evenly over `world` ranks.
 
@@ -90,7 +62,7 @@ def fill_to_multiple(batch: Batch, world: int) -> Batch:
     if extra == 0 or rows == 0:
         return batch
     idx = torch.cat([torch.arange(rows), torch.full((extra,), rows - 1)])
-    out = select_rows({k: v for k, v in batch.items() if k != "metrics"}, idx, by_index=True)
+    out = select_rows(batch, idx, by_index=True)
     out[F.ADVANTAGES][rows:] = 0.0
     return out
 
@@ -117,6 +89,3 @@ def rollout_metrics(batch: Batch, prefix: str = "") -> dict[str, float]:
 def real_tokens(batch: Batch) -> int:
     return int(batch[F.ATTENTION_MASK].sum())
 
-
-def maybe(value: Optional[float]) -> float:
-    return float("nan") if value is None else float(value)

@@ -1,38 +1,39 @@
 """The PPO/GRPO trainer: the single controller's loop, as the algorithm reads.
 
     for step in steps:
-        batch = rollout(prompts)      # actor in the generation layout (views of its weights)
-        batch = prepare(batch)        # scores, reference/old log-probs, KL, values, advantages
-        stats = update(batch)         # critic and actor PPO epochs
+        batch, metrics, flow = prepare(step)   # DataFlow per prompt chunk: rollout -> reward ->
+                                               #   [reference] -> old log-probs -> [values];
+                                               # then the whole batch: [KL in reward] -> advantages
+                                               #   -> [drop uniform groups]
+        stats = update(batch, step)            # critic, then actor PPO epochs
 
-The models live in worker groups (`hybridflow.workers.rl_workers`): the
-actor, its rollout and the reference share one group (the hybrid layout);
-the critic has its own. Rollout may instead have a group of its own
-(placement.rollout != placement.training): it then generates from a copy of
-the actor's weights that the actor group publishes to the object store after
-each update. A group is Ray actors on the devices `placement`
-gives the role, or in-process (`trainer.launcher`). Which preparation
-stages run is decided once, when the trainer is built. Checkpoints hold each
-engine's shard (weights, Adam state, LR schedule) and the step; data order
-and sampling seeds are functions of (seed, step), so a resumed run repeats an
-uninterrupted one exactly.
+The models live in worker groups (`hybridflow.workers.rl_workers`, built by
+`trainer/build.py`): the actor, its rollout and the reference share one
+group (the hybrid layout); the critic has its own. Rollout may instead have
+a group of its own (placement.rollout != placement.training): it then
+generates from a copy of the actor's weights that the actor group publishes
+to the object store after each update. A group is Ray actors on the devices
+`placement` gives the role, or in-process (`trainer.launcher`). Which
+preparation stages run is decided once, when the trainer is built.
+Checkpoints hold each engine's shard (weights, Adam state, LR schedule) and
+the step; data order and sampling seeds are functions of (seed, step), so a
+resumed run repeats an uninterrupted one exactly.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
 from hybridflow.algos import build_kl_controller
-from hybridflow.config.loader import ConfigError
+from hybridflow.config.errors import ConfigError
 from hybridflow.config.schema import Config
+from hybridflow.config.validate import check_runnable, chunk_prompts, prompt_multiple, role_layout
 from hybridflow.controller.dispatch import concat_batches
 from hybridflow.controller.worker_group import LocalWorkerGroup, WorkerError
 from hybridflow.dataflow import DataFlow, Node, NodeError
@@ -40,76 +41,20 @@ from hybridflow.data import fields as F
 from hybridflow.data.dataset import PromptDataset, batches_per_epoch, iterate_batches
 from hybridflow.rewards.registry import get_reward_fn
 from hybridflow.trainer import rl_steps as S
+from hybridflow.trainer.build import build_groups, needs_reference
 from hybridflow.trainer.checkpointing import CheckpointManager, atomic_write_json
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
-from hybridflow.workers.rl_workers import (ActorRolloutRefWorker, CriticWorker, RewardModelWorker,
-                                           RolloutWorker, load_model_config, load_tokenizer, needs_reference)
+from hybridflow.utils import mix_seed
+from hybridflow.workers.rl_workers import load_model_config, load_tokenizer
+
+Metrics = dict[str, float]
 
 log = logging.getLogger(__name__)
 
 
 class TrainingError(RuntimeError):
     """The run stopped; the message names the step, the cause and the last good checkpoint."""
-
-
-def check_buildable(cfg: Config) -> None:
-    """Fail before any worker starts on settings the config accepts but this trainer cannot run yet."""
-    a = cfg.actor.parallel
-    if a.tp > 1 or a.pp > 1:
-        key = "actor.parallel.tp" if a.tp > 1 else "actor.parallel.pp"
-        raise ConfigError(key, f"rollout needs the actor's weights in the generation layout; from a tp={a.tp}, "
-                          f"pp={a.pp} actor that is the 3D-HybridEngine's reshard, which is not built yet: "
-                          "train the actor data-parallel (tp=pp=1) for now")
-    if cfg.rollout.engine != "builtin":
-        raise ConfigError("rollout.engine", f"{cfg.rollout.engine!r} is not wired into the trainer yet; it "
-                          "generates with the built-in engine ('builtin')")
-    # In-process and torchrun workers run here; Ray workers may sit on other nodes (their pools check).
-    if cfg.trainer.device == "cuda" and not use_ray(cfg) and not torch.cuda.is_available():
-        why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
-        raise ConfigError("trainer.device", f"'cuda' but {why} (torch {torch.__version__}); use cpu")
-
-
-def use_ray(cfg: Config) -> bool:
-    t = cfg.trainer
-    if t.launcher != "auto":
-        return t.launcher == "ray"
-    if "WORLD_SIZE" in os.environ:  # launched by torchrun: every rank drives its own share
-        return False
-    return t.n_devices > 1 or t.ray_address is not None
-
-
-@dataclass
-class Groups:
-    """The worker groups of a run; None where the role is not used or shares the actor's group."""
-
-    actor_rollout: Any              # actor + reference, and rollout unless `rollout` is set
-    critic: Optional[Any] = None
-    reward_model: Optional[Any] = None
-    rollout: Optional[Any] = None   # rollout on devices apart from training
-
-
-def build_groups(cfg: Config) -> Groups:
-    critic = cfg.algorithm.adv_estimator == "gae"
-    reward_model = cfg.reward.model_path is not None
-    if not use_ray(cfg):
-        return Groups(LocalWorkerGroup(ActorRolloutRefWorker, None, cfg),
-                      LocalWorkerGroup(CriticWorker, None, cfg) if critic else None,
-                      LocalWorkerGroup(RewardModelWorker, None, cfg) if reward_model else None)
-    from hybridflow.controller.ray_setup import init_ray
-    from hybridflow.controller.resource_pool import pools_from_placement
-    from hybridflow.controller.worker_group import RayWorkerGroup
-
-    init_ray(address=cfg.trainer.ray_address)
-    pools = pools_from_placement(cfg)
-    if pools["reference"] is not pools["training"]:
-        raise ConfigError("placement.reference", "must equal placement.training: the reference shares the "
-                          "actor's processes; rollout, critic and reward may be placed apart")
-    apart = pools["rollout"] is not pools["training"]
-    return Groups(RayWorkerGroup(ActorRolloutRefWorker, pools["training"], cfg),
-                  RayWorkerGroup(CriticWorker, pools["critic"], cfg) if critic else None,
-                  RayWorkerGroup(RewardModelWorker, pools["reward"], cfg) if reward_model else None,
-                  RayWorkerGroup(RolloutWorker, pools["rollout"], cfg) if apart else None)
 
 
 def mean_of_ranks(metrics: dict[str, Any]) -> dict[str, float]:
@@ -128,56 +73,35 @@ class RLTrainer:
         t = cfg.trainer
         self.run_dir = Path(t.output_dir) / t.experiment
         self.model_cfg = load_model_config(cfg.model.path, "model.path")
-        self.tokenizer = load_tokenizer(cfg, self.model_cfg)
+        check_runnable(cfg, self.model_cfg)  # the last config checks, before any worker starts
+        self.tokenizer = load_tokenizer(cfg.model, self.model_cfg)
         self.train_set = PromptDataset(cfg.data, self.tokenizer, cfg.data.train_files)
         self.val_set = PromptDataset(cfg.data, self.tokenizer, cfg.data.val_files) if cfg.data.val_files else None
         self.steps_per_epoch = batches_per_epoch(len(self.train_set), cfg.data.train_batch_size)
-        if self.steps_per_epoch == 0:
+        if self.steps_per_epoch == 0:  # depends on the data, so it is checked once the data is read
             raise ConfigError("data.train_batch_size", f"{cfg.data.train_batch_size} is larger than the "
                               f"{len(self.train_set)} usable training prompts")
-        if cfg.algorithm.adv_estimator == "remax":
-            raise ConfigError("algorithm.adv_estimator", "remax needs a greedy baseline rollout, which this "
-                              "trainer does not run yet; use grpo, rloo, reinforce_plus_plus(_baseline) or gae")
-        check_buildable(cfg)
         self.reward_fn = get_reward_fn(cfg.reward.function)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                            cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self.needs_ref = needs_reference(cfg)
-        if cfg.reward.model_path is not None and not Path(cfg.reward.model_path).exists():
-            raise ConfigError("reward.model_path", f"reward model path does not exist: {cfg.reward.model_path}")
+        # Prompts are split over the rollout ranks and rows over the actor's data-parallel replicas.
+        self.prompt_multiple = prompt_multiple(cfg)
+        self.chunk_prompts = chunk_prompts(cfg)
+        self.actor_replicas = role_layout(cfg, "training").dp
         groups = build_groups(cfg)
-        self.actor_rollout, self.critic, self.reward_model = groups.actor_rollout, groups.critic, groups.reward_model
+        self.actor, self.critic, self.reward_model = groups.actor, groups.critic, groups.reward_model
         # Rollout apart from training (groups.rollout) works on a copy of the
         # actor's weights, refreshed before the first rollout after each update.
         self.separate_rollout = groups.rollout
-        self.rollout_group = groups.rollout or self.actor_rollout
+        self.rollout_group = groups.generation
         self.rollout_weights_stale = False
-        self.world = self.actor_rollout.world_size
-        # Prompts are split over the rollout ranks and rows over the actor's.
-        self.prompt_multiple = math.lcm(self.world, self.rollout_group.world_size)
         # Launched by torchrun: every rank runs this loop over its LocalWorkerGroup share.
-        self.spmd_driver = isinstance(self.actor_rollout, LocalWorkerGroup) and self.world > 1
+        self.spmd_driver = isinstance(self.actor.group, LocalWorkerGroup) and self.actor.world_size > 1
         self.is_main = not self.spmd_driver or int(os.environ.get("RANK", "0")) == 0
-        if cfg.data.train_batch_size % self.prompt_multiple:
-            raise ConfigError("data.train_batch_size", f"{cfg.data.train_batch_size} prompts do not split over "
-                              f"the actor's {self.world} data-parallel ranks and the "
-                              f"{self.rollout_group.world_size} rollout ranks")
-        self.chunk_prompts = self._chunk_size()
         self.flow = self._build_flow()
         self.batch_stages = self._build_batch_stages()
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", t.keep_last)
-
-    def _chunk_size(self) -> int:
-        """Prompts per rollout chunk: dataflow.min_batch_for_reward responses, or the whole batch."""
-        cfg = self.cfg
-        size, want = cfg.data.train_batch_size, cfg.dataflow.min_batch_for_reward
-        if want > 0:
-            per_prompt = -(-want // cfg.rollout.n)
-            size = -(-per_prompt // self.prompt_multiple) * self.prompt_multiple  # equal shares for the ranks
-            if cfg.data.train_batch_size % size:
-                raise ConfigError("dataflow.min_batch_for_reward", f"{want} responses make chunks of {size} "
-                                  f"prompts, which do not divide data.train_batch_size={cfg.data.train_batch_size}")
-        return size
 
     def _build_flow(self) -> DataFlow:
         """Per-chunk preparation as a DataFlow: rollout -> reward -> [reference] -> old log-probs -> [values].
@@ -187,17 +111,20 @@ class RLTrainer:
         Sampling noise is keyed by (step, prompt, sample), so chunking, async
         execution and the number of ranks do not change the samples.
         """
-        stages = [("rollout", self.actor_rollout, self._rollout_chunk), ("reward", self.reward_fn, self._score)]
+        stages = [("rollout", self.actor, self._rollout_chunk), ("reward", self.reward_fn, self._score)]
         if self.needs_ref:
-            stages.append(("reference", self.actor_rollout, self._ref_log_probs))
-        stages.append(("old_log_probs", self.actor_rollout, self._old_log_probs))
+            stages.append(("reference", self.actor, self._ref_log_probs))
+        stages.append(("old_log_probs", self.actor, self._old_log_probs))
         if self.critic is not None:
             stages.append(("values", self.critic, self._values))
         nodes = [Node(name, model=model, forward_fn=_per_item(fn)) for name, model, fn in stages]
         return DataFlow(nodes, list(zip(nodes, nodes[1:])))
 
-    def _build_batch_stages(self) -> list[Callable[[dict], dict]]:
-        """What needs the whole batch: the KL controller, advantages, group filtering."""
+    def _build_batch_stages(self) -> list[Callable[[dict, Metrics], dict]]:
+        """What needs the whole batch: the KL controller, advantages, group filtering.
+
+        Each stage takes (batch, metrics), returns the batch and adds its figures to metrics.
+        """
         stages = []
         if self.cfg.algorithm.use_kl_in_reward:
             stages.append(self._kl_in_reward)
@@ -217,16 +144,19 @@ class RLTrainer:
 
     def rollout(self, prompts: dict[str, Any], seed: int, validation: bool = False, pad: bool = False) -> dict[str, Any]:
         if self.rollout_weights_stale:  # actor group -> object store -> rollout group; a handle via here
-            self.rollout_group.load_weights(self.actor_rollout.publish_weights())
+            self.rollout_group.load_weights(self.actor.publish_weights())
             self.rollout_weights_stale = False
         return self.rollout_group.generate(prompts, seed, validation, pad)
 
-    def prepare(self, step: int) -> tuple[dict[str, Any], Any]:
-        """Prompts of `step` through the flow, chunk by chunk; the gathered batch and the flow's result."""
+    def prepare(self, step: int) -> tuple[dict[str, Any], Metrics, Any]:
+        """Prompts of `step` through the flow, chunk by chunk, then the whole-batch stages.
+
+        Returns the batch, its metrics and the flow's result (timings).
+        """
         prompts = self.prompts(step)
         rows, size = len(prompts[F.INPUT_IDS]), self.chunk_prompts
-        base = self.cfg.trainer.seed * 1_000_003 + step
-        chunks = [(base, {k: v[start:start + size] for k, v in prompts.items()}) for start in range(0, rows, size)]
+        seed = mix_seed(self.cfg.trainer.seed, step)
+        chunks = [(seed, {k: v[start:start + size] for k, v in prompts.items()}) for start in range(0, rows, size)]
         try:
             result = self.flow.run(chunks, async_execution=self.cfg.dataflow.async_execution, min_batch=1)
         except NodeError as exc:  # a worker failed inside a stage: report the worker's error itself
@@ -234,20 +164,20 @@ class RLTrainer:
                 raise exc.__cause__ from None
             raise
         batch = concat_batches(result.final) if len(result.final) > 1 else result.final[0]
-        batch["metrics"] = self._rollout_metrics(batch)
-        batch["metrics"]["batch/tokens"] = float(S.real_tokens(batch))
+        metrics = self._rollout_metrics(batch)
+        metrics["batch/tokens"] = float(S.real_tokens(batch))
         for stage in self.batch_stages:
-            batch = stage(batch)
-        return batch, result
+            batch = stage(batch, metrics)
+        return batch, metrics, result
 
     def update(self, batch: dict[str, Any], step: int) -> dict[str, float]:
         if len(batch[F.INPUT_IDS]) == 0:
             return {"actor/skipped": 1.0}
-        batch = S.fill_to_multiple(batch, self.world)
+        batch = S.fill_to_multiple(batch, self.actor_replicas)
         stats = {}
         if self.critic is not None:
-            stats.update(mean_of_ranks(self.critic.update_critic(S.tensor_fields(batch), step)))
-        stats.update(mean_of_ranks(self.actor_rollout.update_actor(S.tensor_fields(batch), step)))
+            stats.update(mean_of_ranks(self.critic.update_critic(F.tensor_fields(batch), step)))
+        stats.update(mean_of_ranks(self.actor.update_actor(F.tensor_fields(batch), step)))
         self.rollout_weights_stale = self.separate_rollout is not None
         return stats
 
@@ -261,33 +191,32 @@ class RLTrainer:
         r = self.cfg.reward
         batch[F.SCORES] = r.rule_weight * S.score(batch, self.reward_fn)
         if self.reward_model is not None:
-            pairs = {"prompt": batch[F.PROMPT_TEXT], "response": batch[F.RESPONSE_TEXT]}
-            model_scores = self._reward_model_scores(pairs)
-            batch[F.SCORES] = batch[F.SCORES] + r.model_weight * model_scores
+            pairs = {F.PROMPT_TEXT: batch[F.PROMPT_TEXT], F.RESPONSE_TEXT: batch[F.RESPONSE_TEXT]}
+            batch[F.SCORES] = batch[F.SCORES] + r.model_weight * self._reward_model_scores(pairs)
         batch[F.TOKEN_SCORES] = S.token_scores(batch[F.SCORES], batch[F.RESPONSE_MASK])
         batch[F.TOKEN_REWARDS] = batch[F.TOKEN_SCORES]
         return batch
 
     def _reward_model_scores(self, pairs: dict[str, list]) -> torch.Tensor:
-        rows = len(pairs["prompt"])
+        rows = len(pairs[F.PROMPT_TEXT])
         extra = -rows % self.reward_model.world_size  # equal shares for the ranks
         padded = {k: v + v[-1:] * extra for k, v in pairs.items()}
-        return self.reward_model.score(padded)["score"][:rows]
+        return self.reward_model.score(padded)[F.SCORES][:rows]
 
     def _ref_log_probs(self, batch):
-        batch.update(self.actor_rollout.compute_ref_log_probs(S.tensor_fields(batch)))
+        batch.update(self.actor.compute_ref_log_probs(F.tensor_fields(batch)))
         return batch
 
     def _old_log_probs(self, batch):
-        batch.update(self.actor_rollout.compute_log_probs(S.tensor_fields(batch)))
+        batch.update(self.actor.compute_log_probs(F.tensor_fields(batch)))
         return batch
 
     def _values(self, batch):
-        batch.update(self.critic.compute_values(S.tensor_fields(batch)))
+        batch.update(self.critic.compute_values(F.tensor_fields(batch)))
         return batch
 
     # -- preparation stages (whole batch) ---------------------------------------
-    def _rollout_metrics(self, batch) -> dict[str, float]:
+    def _rollout_metrics(self, batch) -> Metrics:
         metrics = S.rollout_metrics(batch)
         mask = batch[F.RESPONSE_MASK].bool()
         metrics["actor/entropy"] = batch[F.ENTROPY][mask].mean().item()
@@ -295,26 +224,23 @@ class RLTrainer:
             metrics["actor/kl"] = (batch[F.OLD_LOG_PROBS] - batch[F.REF_LOG_PROBS])[mask].mean().item()
         return metrics
 
-    def _kl_in_reward(self, batch):
+    def _kl_in_reward(self, batch, metrics: Metrics):
         a = self.cfg.algorithm
         batch[F.TOKEN_REWARDS], kl = S.kl_in_reward(batch, self.kl_ctrl.value, a.kl_penalty)
-        batch["metrics"].update({"actor/kl_in_reward": kl, "actor/kl_coef": self.kl_ctrl.value})
+        metrics.update({"actor/kl_in_reward": kl, "actor/kl_coef": self.kl_ctrl.value})
         self.kl_ctrl.update(kl, n_steps=len(batch[F.SCORES]))
         return batch
 
-    def _advantages(self, batch):
+    def _advantages(self, batch, metrics: Metrics):
         a = self.cfg.algorithm
         batch[F.ADVANTAGES], batch[F.RETURNS] = S.advantages(batch, a.adv_estimator, a.gamma, a.lam,
                                                              a.norm_adv_by_std_in_grpo)
         return batch
 
-    def _drop_uniform_groups(self, batch):
+    def _drop_uniform_groups(self, batch, metrics: Metrics):
         keep = S.nonuniform_rows(batch)
-        batch["metrics"]["batch/kept_fraction"] = keep.float().mean().item()
-        metrics = batch.pop("metrics")
-        batch = S.select_rows(batch, keep)
-        batch["metrics"] = metrics
-        return batch
+        metrics["batch/kept_fraction"] = keep.float().mean().item()
+        return S.select_rows(batch, keep)
 
     # -- validation -----------------------------------------------------------
     @torch.no_grad()
@@ -338,7 +264,7 @@ class RLTrainer:
 
     # -- checkpoints ----------------------------------------------------------
     def _groups(self) -> list:
-        return [g for g in (self.actor_rollout, self.critic) if g is not None]  # the ones with checkpoints
+        return [g for g in (self.actor, self.critic) if g is not None]  # the ones with checkpoints
 
     def _write_checkpoint(self, step: int, directory: Path) -> None:
         for group in self._groups():
@@ -381,22 +307,19 @@ class RLTrainer:
         return step
 
     def export_hf(self) -> Path:
-        return Path(self.actor_rollout.export_hf(str(self.run_dir / "hf_actor")))
+        return Path(self.actor.export_hf(str(self.run_dir / "hf_actor")))
 
     def shutdown(self) -> None:
         for group in (*self._groups(), self.reward_model, self.separate_rollout):
-            if group is None:
-                continue
-            if hasattr(group, "shutdown"):
+            if group is not None:
                 group.shutdown()
 
     # -- the loop -------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
-        batch, flow = self.prepare(step)
+        batch, metrics, flow = self.prepare(step)
         prepared = time.perf_counter()
-        stats = self.update(batch, step)
-        metrics = {**batch.pop("metrics"), **stats}
+        metrics.update(self.update(batch, step))
         metrics.update({f"timing/{name}_s": seconds for name, seconds in flow.timings.items()})
         metrics["timing/prepare_wall_s"] = prepared - start
         metrics["timing/overlap_s"] = flow.overlap_s

@@ -1,6 +1,6 @@
 """Small helpers shared across layers.
 
-`load_hf_model` (in `hybridflow.utils.hf`) is imported on first use, so the
+`load_hf_model` (in `hybridflow.models.hf`) is imported on first use, so the
 config and registry modules that need only `nearest_name` do not pay for torch.
 """
 from __future__ import annotations
@@ -9,16 +9,16 @@ import difflib
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 if TYPE_CHECKING:
-    from hybridflow.utils.hf import CausalLM, HFModel, RewardModel, load_hf_model
+    from hybridflow.models.hf import CausalLM, HFModel, RewardModel, load_hf_model
 
-__all__ = ["CausalLM", "HFModel", "RewardModel", "load_hf_model", "nearest_name"]
+__all__ = ["CausalLM", "HFModel", "RewardModel", "SEED_STRIDE", "load_hf_model", "mix_seed", "nearest_name"]
 
 _LAZY = {"CausalLM", "HFModel", "RewardModel", "load_hf_model"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from hybridflow.utils import hf
+        from hybridflow.models import hf
         return getattr(hf, name)
     raise AttributeError(f"module 'hybridflow.utils' has no attribute {name!r}")
 
@@ -33,3 +33,15 @@ def nearest_name(name: str, choices: Iterable[str], cutoff: float = 0.5,
         return lowered[match[0]] if match else None
     match = difflib.get_close_matches(name, choices, n=1, cutoff=cutoff)
     return match[0] if match else None
+
+
+SEED_STRIDE = 1_000_003  # a prime above any step count or dataset row a run reaches
+
+
+def mix_seed(seed: Any, key: Any) -> Any:
+    """A derived seed from a base seed and a key (a step, or dataset rows as a LongTensor).
+
+    Distinct (seed, key) pairs give distinct seeds while key < SEED_STRIDE;
+    every place that derives a per-step or per-row seed uses this one rule.
+    """
+    return seed * SEED_STRIDE + key

@@ -1,14 +1,7 @@
-"""One class per role; each is handed its engine (STYLE rule 6).
+"""The SPMD process shells of a PPO/GRPO job: one `Worker` class per process role.
 
-- `Actor`: old log-probs and the policy update (PPO-family losses by name);
-- `Critic`: values and the value update;
-- `Reference`: frozen log-probs for KL.
-
-Worker groups (SPMD processes) host these roles; the roles themselves only
-see a batch and an engine.
+`rl_workers.py` holds the workers (what runs in each process of a worker
+group, and which role objects from `hybridflow.roles` it hosts), the typed
+group views the trainer calls them through, and `specs.py` the parts of the
+config each worker is handed.
 """
-from hybridflow.workers.actor import Actor
-from hybridflow.workers.critic import Critic
-from hybridflow.workers.reference import Reference
-
-__all__ = ["Actor", "Critic", "Reference"]

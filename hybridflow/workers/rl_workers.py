@@ -10,34 +10,34 @@
 - `CriticWorker`: the value model, colocated with the actor or on its own devices.
 
 Each runs inside a worker group (`hybridflow.controller`): a Ray actor per
-device, or in-process (`LocalWorkerGroup`). Methods take this rank's share of
-a batch (`DP_SPLIT`) and return per-row fields or per-rank metrics; the
-controller never writes communication code.
+device, or in-process (`LocalWorkerGroup`), and is handed only its spec
+(`workers/specs.py`). Methods take this rank's share of a batch (`DP_SPLIT`)
+and return per-row fields or per-rank metrics; the controller never writes
+communication code. The `*Group` classes at the end are the typed views the
+trainer calls them through: each lists the methods the controller uses.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from hybridflow.config.loader import ConfigError
-from hybridflow.config.schema import Config
+from hybridflow.config.errors import ConfigError
+from hybridflow.config.schema import ModelConfig, OptimConfig, ParallelConfig, RewardConfig
 from hybridflow.controller.dispatch import Dispatch, register
 from hybridflow.controller.transfer import ObjectHandle
-from hybridflow.controller.worker_group import Worker
+from hybridflow.controller.worker_group import RoleGroup, Worker, remote
 from hybridflow.data import fields as F
 from hybridflow.data.tokenizer import Tokenizer
 from hybridflow.engine import MegatronEngine
 from hybridflow.hybrid_engine import generation_model
 from hybridflow.models.checkpoint import load_decoder, load_hf_state_dict, save_hf_checkpoint
 from hybridflow.models.config import DecoderConfig
+from hybridflow.roles import Actor, Critic, Reference, Rollout
 from hybridflow.rollout import Generator
-from hybridflow.workers.actor import Actor
-from hybridflow.workers.critic import Critic
-from hybridflow.workers.reference import Reference
-from hybridflow.workers.rollout import Rollout
+from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutWorkerSpec, Run
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
@@ -54,31 +54,25 @@ def load_model_config(path: str, key: str) -> DecoderConfig:
         raise ConfigError(key, str(exc)) from exc
 
 
-def load_tokenizer(cfg: Config, model_cfg: DecoderConfig) -> Tokenizer:
-    path = cfg.model.tokenizer_path or cfg.model.path
+def load_tokenizer(model: ModelConfig, model_cfg: DecoderConfig) -> Tokenizer:
+    """The run's tokenizer (model.tokenizer_path, else model.path); it must fit the model's vocabulary."""
+    path = model.tokenizer_path or model.path
     if not Path(path).exists():
         raise ConfigError("model.tokenizer_path", f"tokenizer path does not exist: {path}")
     tok = Tokenizer.from_path(path)
     if tok.vocab_size > model_cfg.vocab_size:
         raise ConfigError("model.tokenizer_path", f"tokenizer at {path} has {tok.vocab_size} tokens but "
-                          f"the model at {cfg.model.path} has vocab_size {model_cfg.vocab_size}")
+                          f"the model at {model.path} has vocab_size {model_cfg.vocab_size}")
     return tok
 
 
-def needs_reference(cfg: Config) -> bool:
-    return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
-
-
-def build_engine(cfg: Config, path: str, optim, parallel, value_head: bool = False) -> MegatronEngine:
-    """An engine loaded from the HF checkpoint at `path`; its LR schedule spans the run."""
-    a = cfg.actor
-    rows = cfg.data.train_batch_size * cfg.rollout.n
-    steps = cfg.trainer.total_steps * a.ppo_epochs * -(-rows // max(1, a.ppo_mini_batch_size * cfg.rollout.n))
+def build_engine(run: Run, model: ModelConfig, path: str, optim: Optional[OptimConfig], parallel: ParallelConfig,
+                 optimizer_steps: int = 1, value_head: bool = False) -> MegatronEngine:
+    """An engine loaded from the HF checkpoint at `path`; its LR schedule spans `optimizer_steps`."""
     engine = MegatronEngine(
         load_model_config(path, "critic.model_path" if value_head else "model.path"), parallel, optim,
-        device=cfg.trainer.device, dtype=cfg.model.dtype,
-        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, value_head=value_head,
-        total_steps=steps, seed=cfg.trainer.seed)
+        device=run.device, dtype=model.dtype, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
+        value_head=value_head, total_steps=optimizer_steps, seed=run.seed)
     engine.load_hf_state_dict(load_hf_state_dict(path))
     return engine
 
@@ -114,36 +108,40 @@ class EngineWorker(Worker):
         self.engine.load(Path(directory) / self.CHECKPOINT_NAME)
 
 
-class ActorRolloutRefWorker(EngineWorker):
-    """Actor training, rollout from views of its weights, and the reference policy: one process."""
+class _Generates(Worker):
+    """A worker whose `self.rollout` generates this rank's share of the prompts."""
 
-    CHECKPOINT_NAME = "actor"
-
-    def __init__(self, cfg: Config):
-        self.init_process_group()
-        prepare_process(self)
-        torch.manual_seed(cfg.trainer.seed)
-        self.cfg = cfg
-        self.model_cfg = load_model_config(cfg.model.path, "model.path")
-        self.tokenizer = load_tokenizer(cfg, self.model_cfg)
-        self.engine = build_engine(cfg, cfg.model.path, cfg.actor.optim, cfg.actor.parallel)
-        self.actor = Actor(cfg.actor, self.engine, samples_per_prompt=cfg.rollout.n,
-                           temperature=cfg.rollout.temperature, seed=cfg.trainer.seed)
-        self.reference = None
-        if needs_reference(cfg):
-            if not cfg.reference.enabled:
-                raise ConfigError("reference.enabled", "KL (algorithm.use_kl_in_reward or "
-                                  "actor.use_kl_loss) needs the reference policy")
-            self.reference = Reference(cfg.reference, build_engine(cfg, cfg.model.path, None, cfg.reference.parallel),
-                                       temperature=cfg.rollout.temperature)
-        generator = Generator(generation_model(self.engine), self.tokenizer.pad_token_id, self.tokenizer)
-        self.rollout = Rollout(cfg, generator, self.tokenizer, self.world_size)
+    rollout: Rollout
 
     @register(Dispatch.DP_SPLIT)
     def generate(self, prompts: dict[str, Any], seed: int, validation: bool = False,
                  pad: bool = False) -> dict[str, Any]:
-        """This rank's prompts -> the rollout batch (fields in `data.fields`), from views of the actor."""
+        """This rank's prompts -> the rollout batch (fields in `data.fields`)."""
         return self.rollout.generate(prompts, seed, validation, pad)
+
+
+class ActorRolloutRefWorker(EngineWorker, _Generates):
+    """Actor training, rollout from views of its weights, and the reference policy: one process."""
+
+    CHECKPOINT_NAME = "actor"
+
+    def __init__(self, spec: ActorWorkerSpec):
+        self.init_process_group()
+        prepare_process(self)
+        torch.manual_seed(spec.run.seed)
+        self.spec = spec
+        self.model_cfg = load_model_config(spec.model.path, "model.path")
+        self.tokenizer = load_tokenizer(spec.model, self.model_cfg)
+        self.engine = build_engine(spec.run, spec.model, spec.model.path, spec.actor.optim, spec.actor.parallel,
+                                   spec.optimizer_steps)
+        self.actor = Actor(spec.actor, self.engine, samples_per_prompt=spec.rollout.n,
+                           temperature=spec.rollout.temperature, seed=spec.run.seed)
+        self.reference = None
+        if spec.reference is not None:
+            engine = build_engine(spec.run, spec.model, spec.model.path, None, spec.reference.parallel)
+            self.reference = Reference(spec.reference, engine, temperature=spec.rollout.temperature)
+        generator = Generator(generation_model(self.engine), self.tokenizer.pad_token_id, self.tokenizer)
+        self.rollout = Rollout(spec.rollout, spec.max_response_length, generator, self.tokenizer, self.world_size)
 
     @register(Dispatch.RANK_ZERO)
     def publish_weights(self) -> ObjectHandle:
@@ -159,7 +157,7 @@ class ActorRolloutRefWorker(EngineWorker):
 
     @register(Dispatch.DP_SPLIT)
     def compute_log_probs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return self.actor.compute_log_probs(batch, self.cfg.rollout.log_prob_micro_batch_size)
+        return self.actor.compute_log_probs(batch, self.spec.rollout.log_prob_micro_batch_size)
 
     @register(Dispatch.DP_SPLIT)
     def compute_ref_log_probs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -175,14 +173,15 @@ class ActorRolloutRefWorker(EngineWorker):
         weights = self.engine.hf_state_dict()
         if self.rank != 0:
             return path
-        tok_dir = Path(self.cfg.model.tokenizer_path or self.cfg.model.path)
+        model = self.spec.model
+        tok_dir = Path(model.tokenizer_path or model.path)
         extra = tuple(tok_dir / f for f in TOKENIZER_FILES if (tok_dir / f).is_file())
         hf_config = self.model_cfg.to_hf_dict()
-        hf_config["torch_dtype"] = self.cfg.model.dtype
+        hf_config["torch_dtype"] = model.dtype
         return str(save_hf_checkpoint(weights, hf_config, path, extra_files=extra))
 
 
-class RolloutWorker(Worker):
+class RolloutWorker(_Generates):
     """Rollout on devices of its own (placement.rollout apart from placement.training).
 
     It holds a copy of the actor in the generation layout, loaded from
@@ -191,14 +190,13 @@ class RolloutWorker(Worker):
     no process group.
     """
 
-    def __init__(self, cfg: Config):
+    def __init__(self, spec: RolloutWorkerSpec):
         prepare_process(self)
-        self.cfg = cfg
-        model_cfg = load_model_config(cfg.model.path, "model.path")
-        self.tokenizer = load_tokenizer(cfg, model_cfg)
-        self.model = load_decoder(cfg.model.path, cfg.model.dtype).to(cfg.trainer.device).eval()
+        model_cfg = load_model_config(spec.model.path, "model.path")
+        self.tokenizer = load_tokenizer(spec.model, model_cfg)
+        self.model = load_decoder(spec.model.path, spec.model.dtype).to(spec.run.device).eval()
         generator = Generator(self.model, self.tokenizer.pad_token_id, self.tokenizer)
-        self.rollout = Rollout(cfg, generator, self.tokenizer, self.world_size)
+        self.rollout = Rollout(spec.rollout, spec.max_response_length, generator, self.tokenizer, self.world_size)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, handle: ObjectHandle) -> None:
@@ -210,25 +208,19 @@ class RolloutWorker(Worker):
                 raise KeyError(f"actor weights do not fit the rollout model: missing {missing[:3]}, "
                                f"unexpected {unexpected[:3]}")
 
-    @register(Dispatch.DP_SPLIT)
-    def generate(self, prompts: dict[str, Any], seed: int, validation: bool = False,
-                 pad: bool = False) -> dict[str, Any]:
-        return self.rollout.generate(prompts, seed, validation, pad)
-
 
 class CriticWorker(EngineWorker):
     """The value model: per-token values and the clipped value update."""
 
     CHECKPOINT_NAME = "critic"
 
-    def __init__(self, cfg: Config):
+    def __init__(self, spec: CriticWorkerSpec):
         self.init_process_group()
         prepare_process(self)
-        torch.manual_seed(cfg.trainer.seed)
-        path = cfg.critic.model_path or cfg.model.path
-        self.engine = build_engine(cfg, path, cfg.critic.optim, cfg.critic.parallel, value_head=True)
-        self.critic = Critic(cfg.critic, self.engine, mini_batch_size=cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
-                             seed=cfg.trainer.seed)
+        torch.manual_seed(spec.run.seed)
+        self.engine = build_engine(spec.run, spec.model, spec.path, spec.critic.optim, spec.critic.parallel,
+                                   spec.optimizer_steps, value_head=True)
+        self.critic = Critic(spec.critic, self.engine, mini_batch_size=spec.mini_batch_size, seed=spec.run.seed)
 
     @register(Dispatch.DP_SPLIT)
     def compute_values(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -242,15 +234,49 @@ class CriticWorker(EngineWorker):
 class RewardModelWorker(Worker):
     """An HF sequence classifier scoring (prompt, response) pairs, on the devices of placement.reward."""
 
-    def __init__(self, cfg: Config):
-        from hybridflow.utils import load_hf_model
+    def __init__(self, cfg: RewardConfig):
+        from hybridflow.models.hf import load_hf_model
 
         prepare_process(self)
-        self.cfg = cfg.reward
-        self.model = load_hf_model(cfg.reward.model_path, device_map="auto")
+        self.cfg = cfg
+        self.model = load_hf_model(cfg.model_path, device_map="auto")
 
     @register(Dispatch.DP_SPLIT)
     def score(self, pairs: dict[str, list]) -> dict[str, torch.Tensor]:
-        """{"prompt": [...], "response": [...]} -> {"score": FloatTensor[rows]}."""
-        scores = self.model.score(list(zip(pairs["prompt"], pairs["response"])), batch_size=self.cfg.micro_batch_size)
-        return {"score": torch.tensor(scores, dtype=torch.float32)}
+        """{PROMPT_TEXT: [...], RESPONSE_TEXT: [...]} -> {SCORES: FloatTensor[rows]}."""
+        pairs = list(zip(pairs[F.PROMPT_TEXT], pairs[F.RESPONSE_TEXT]))
+        scores = self.model.score(pairs, batch_size=self.cfg.micro_batch_size)
+        return {F.SCORES: torch.tensor(scores, dtype=torch.float32)}
+
+
+# --------------------------------------------------------------------------- typed group views
+
+class ActorGroup(RoleGroup):
+    """The actor/rollout/reference group, as the trainer calls it."""
+
+    generate = remote(ActorRolloutRefWorker.generate)
+    publish_weights = remote(ActorRolloutRefWorker.publish_weights)
+    compute_log_probs = remote(ActorRolloutRefWorker.compute_log_probs)
+    compute_ref_log_probs = remote(ActorRolloutRefWorker.compute_ref_log_probs)
+    update_actor = remote(ActorRolloutRefWorker.update_actor)
+    export_hf = remote(ActorRolloutRefWorker.export_hf)
+    save = remote(ActorRolloutRefWorker.save)
+    load = remote(ActorRolloutRefWorker.load)
+
+
+class RolloutGroup(RoleGroup):
+    """Rollout apart from training."""
+
+    generate = remote(RolloutWorker.generate)
+    load_weights = remote(RolloutWorker.load_weights)
+
+
+class CriticGroup(RoleGroup):
+    compute_values = remote(CriticWorker.compute_values)
+    update_critic = remote(CriticWorker.update_critic)
+    save = remote(CriticWorker.save)
+    load = remote(CriticWorker.load)
+
+
+class RewardModelGroup(RoleGroup):
+    score = remote(RewardModelWorker.score)

@@ -296,8 +296,6 @@ def test_registry_entries_call_the_functions():
     want, _ = grpo(scores=x.scores, mask=x.mask, group_ids=x.group_ids, norm_by_std=False)
     unnormed = AdvantageInputs(**{**x.__dict__, "norm_by_std": False})
     assert torch.equal(compute_advantages("grpo", unnormed)[0], want)
-    want, _ = remax(scores=x.scores, baseline_scores=x.baseline_scores, mask=x.mask)
-    assert torch.equal(compute_advantages("remax", x)[0], want)
 
 
 def test_outcome_scores_default_to_sum_of_token_rewards():

@@ -87,6 +87,10 @@ def test_unknown_key_in_yaml_file(tmp_path):
     (BASE + ["rollout.top_p=0"], "rollout.top_p", "(0, 1]"),
     (BASE + ["actor.parallel.sequence_parallel=true"], "actor.parallel.sequence_parallel", "CPU"),
     (BASE + ["dataflow.min_batch_for_reward=1000"], "dataflow.min_batch_for_reward", "exceeds"),
+    (BASE + ["trainer.n_devices=2", "reference.parallel.tp=2"], "reference.parallel.tp",
+     "must equal actor.parallel.tp=1"),
+    (BASE + ["algorithm.adv_estimator=remax"], "algorithm.adv_estimator", "unknown advantage estimator"),
+    (BASE + ["actor.policy_loss=ppo2"], "actor.policy_loss", "unknown policy loss"),
 ])
 def test_impossible_combinations_fail_early(overrides, path, fragment):
     with pytest.raises(ConfigError) as err:
@@ -112,8 +116,21 @@ def test_missing_or_malformed_config_file(tmp_path):
 
 
 def test_components_take_only_their_section():
-    """STYLE rule 5: each component's constructor receives its own section, never Config."""
+    """rule 5, docs/conventions.md: each component's constructor receives its own section, never Config."""
     from hybridflow.data import PromptDataset
 
     params = list(inspect.signature(PromptDataset).parameters.values())
     assert params[0].annotation in (DataConfig, "DataConfig")
+
+
+def test_roles_and_workers_never_receive_the_whole_config():
+    """Workers get a spec of the sections they use (workers/specs.py); roles get their own section."""
+    from hybridflow.config.schema import Config
+    from hybridflow.roles import Actor, Critic, Reference, Rollout
+    from hybridflow.workers import rl_workers
+
+    classes = [Actor, Critic, Reference, Rollout, rl_workers.ActorRolloutRefWorker, rl_workers.RolloutWorker,
+               rl_workers.CriticWorker, rl_workers.RewardModelWorker]
+    for cls in classes:
+        for param in inspect.signature(cls).parameters.values():
+            assert param.annotation not in (Config, "Config"), f"{cls.__name__}({param.name}: Config)"

@@ -1,13 +1,14 @@
 """Placement -> resource pools: colocated roles share a pool, split roles do not, bad placements fail."""
 import pytest
 
-from hybridflow.config.loader import ConfigError
+from hybridflow.config import ConfigError, validate
 from hybridflow.config.schema import Config
 from hybridflow.controller import ResourcePool, pools_from_placement
 
 
 def _cfg(n_devices=4, **placement) -> Config:
     cfg = Config()
+    cfg.model.path = "model"
     cfg.trainer.n_devices = n_devices
     for role, devices in placement.items():
         setattr(cfg.placement, role, devices)
@@ -39,8 +40,9 @@ def test_split_roles_get_their_own_pools_and_share_overlapping_devices():
     (0, {}, "trainer.n_devices", "must be >= 1"),
 ])
 def test_bad_placement_names_the_key(n_devices, placement, path, message):
+    """Checked once, when the config is loaded: the pools trust a validated placement."""
     with pytest.raises(ConfigError) as err:
-        pools_from_placement(_cfg(n_devices, **placement))
+        validate(_cfg(n_devices, **placement))
     assert err.value.path == path and message in str(err.value)
 
 

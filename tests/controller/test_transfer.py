@@ -18,10 +18,10 @@ def test_handle_passes_between_groups_without_the_value_on_the_driver(ray_cluste
     sink = RayWorkerGroup(Receiver, ResourcePool([1, 0], "cpu"))
     try:
         rows = 256  # 1 MiB of float32
-        handle = source.publish(rows)
+        handle = source.call(Publisher.publish, rows)
         assert handle.in_object_store
         assert len(pickle.dumps(handle)) < 1024  # what the driver holds and forwards is a reference
-        results = sink.checksum(handle)
+        results = sink.call(Receiver.checksum, handle)
         want = float(torch.arange(rows * 1024, dtype=torch.float32).sum())
         assert [total for _, total in results] == [want, want]
         assert all(pid != os.getpid() for pid, _ in results)
@@ -77,7 +77,7 @@ def test_a_fresh_worker_gets_bfloat16_as_bfloat16(ray_cluster):
     """The first thing a new worker process does is unpack its arguments (nothing packed there yet)."""
     group = RayWorkerGroup(Receiver, ResourcePool([0], "cpu"))
     try:
-        got = group.dtypes({"bf": torch.ones(2, 3, dtype=torch.bfloat16), "ids": torch.arange(6).view(2, 3),
+        got = group.call(Receiver.dtypes, {"bf": torch.ones(2, 3, dtype=torch.bfloat16), "ids": torch.arange(6).view(2, 3),
                             "flag": torch.ones(2, dtype=torch.bool), "neg": torch.ones(2, 2).neg().conj()})
         assert got == [{"bf": "torch.bfloat16", "ids": "torch.int64", "flag": "torch.bool", "neg": "torch.float32"}]
     finally:

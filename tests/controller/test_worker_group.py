@@ -26,7 +26,7 @@ def _batch(n=8):
 
 
 def test_workers_get_their_context_before_init(echo_group):
-    infos = echo_group.whoami()
+    infos = echo_group.call(Echo.whoami)
     assert [i["rank"] for i in infos] == [0, 1] and [i["init_rank"] for i in infos] == [0, 1]
     assert all(i["world"] == 2 and i["offset"] == 7 for i in infos)
     env0, env1 = infos[0]["env"], infos[1]["env"]
@@ -38,36 +38,36 @@ def test_workers_get_their_context_before_init(echo_group):
 
 def test_gloo_group_all_reduce(echo_group):
     # rank r contributes 3 * (r + 1): 3 + 6
-    assert echo_group.all_reduce(3.0) == [9.0, 9.0]
-    assert echo_group.gather_ranks() == [[0, 1], [0, 1]]
+    assert echo_group.call(Echo.all_reduce, 3.0) == [9.0, 9.0]
+    assert echo_group.call(Echo.gather_ranks) == [[0, 1], [0, 1]]
 
 
 def test_dp_split_round_trip_in_order(echo_group):
     batch = _batch()
-    out = echo_group.double(batch, extra=1)
+    out = echo_group.call(Echo.double, batch, extra=1)
     want = double_batch(batch)
     assert torch.equal(out["x"], want["x"] + 1) and out["names"] == want["names"]
     assert out["rank"] == [0] * 4 + [1] * 4
 
 
 def test_one_to_all_rank_zero_all_to_all(echo_group):
-    assert echo_group.tag() == "rank0"
-    assert echo_group.add([1, 2], b=[10, 20]) == [11, 122]
+    assert echo_group.call(Echo.tag) == "rank0"
+    assert echo_group.call(Echo.add, [1, 2], b=[10, 20]) == [11, 122]
     with pytest.raises(ValueError, match="one value per rank"):
-        echo_group.add([1, 2, 3])
+        echo_group.call(Echo.add, [1, 2, 3])
     assert echo_group.alive  # a bad call on the controller side does not touch the workers
 
 
 def test_worker_exception_surfaces_with_rank_method_and_traceback(ray_cluster):
     group = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu"))
     with pytest.raises(WorkerError) as err:
-        group.fail_on(1)
+        group.call(Echo.fail_on, 1)
     text = str(err.value)
     assert err.value.rank == 1 and err.value.method == "fail_on"
     assert "ValueError: bad value on rank 1" in text and "_raise_from_worker" in text
     assert not group.alive
     with pytest.raises(WorkerError, match="shut down after that failure"):
-        group.tag()
+        group.call(Echo.tag)
 
 
 def test_worker_init_failure_surfaces(ray_cluster):
@@ -81,7 +81,7 @@ def test_worker_exiting_mid_collective_is_reported_without_hang(ray_cluster):
     group = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu"))
     start = time.monotonic()
     with pytest.raises(WorkerError) as err:
-        group.exit_on(1)  # rank 0 is left waiting in a barrier
+        group.call(Echo.exit_on, 1)  # rank 0 is left waiting in a barrier
     assert err.value.rank == 1 and "died" in str(err.value)
     assert time.monotonic() - start < 60 and not group.alive
 
@@ -94,7 +94,7 @@ def test_worker_killed_mid_call_is_reported_within_timeout(ray_cluster):
     killer.start()
     start = time.monotonic()
     with pytest.raises(WorkerError, match="rank 1 failed in sleep"):
-        group.sleep(60)
+        group.call(Echo.sleep, 60)
     killer.join()
     assert time.monotonic() - start < 45
 
@@ -103,22 +103,15 @@ def test_call_timeout_tears_down_a_hung_group(ray_cluster):
     group = RayWorkerGroup(Echo, ResourcePool([0], "cpu"))
     group.call_timeout = 1.0
     with pytest.raises(WorkerError, match=r"rank\(s\) \[0\] did not answer within 1.0s"):
-        group.sleep(30)
+        group.call(Echo.sleep, 30)
     assert not group.alive
 
 
-def test_group_rejects_non_workers_and_clashing_names(ray_cluster):
+def test_group_rejects_non_workers_and_oversized_pools(ray_cluster):
     class Plain:
         pass
 
-    class Clash(Worker):
-        @register(Dispatch.ONE_TO_ALL)
-        def shutdown(self):
-            return None
-
     with pytest.raises(TypeError, match="subclasses of Worker"):
         RayWorkerGroup(Plain, ResourcePool([0]))
-    with pytest.raises(TypeError, match="already have an attribute 'shutdown'"):
-        RayWorkerGroup(Clash, ResourcePool([0]))
     with pytest.raises(RuntimeError, match="needs 20 logical CPUs but the Ray cluster has 8"):
         RayWorkerGroup(Echo, ResourcePool(list(range(20))))

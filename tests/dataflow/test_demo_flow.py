@@ -1,4 +1,4 @@
-"""The API.md flow on the shipped models: sync == async, and examples/my_rl_flow.py end to end."""
+"""The docs/api.md flow on the shipped models: sync == async, and examples/my_rl_flow.py end to end."""
 import re
 import subprocess
 import sys

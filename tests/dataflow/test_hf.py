@@ -9,7 +9,7 @@ import torch
 
 from hybridflow import Node
 from hybridflow.utils import CausalLM, RewardModel, load_hf_model
-from hybridflow.utils.hf import resolve_device
+from hybridflow.models.hf import resolve_device
 from tests.dataflow.conftest import DEMO, TINY_RM
 
 PROMPTS = ["042+917=", "123+456=", "999+001=", "500+500=", "07+5="]
@@ -52,7 +52,7 @@ def test_causal_lm_samples_n_per_prompt_reproducibly(actor):
 
 def test_vllm_missing_warns_and_falls_back(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
-    with caplog.at_level(logging.WARNING, logger="hybridflow.utils.hf"):
+    with caplog.at_level(logging.WARNING, logger="hybridflow.models.hf"):
         with pytest.warns(RuntimeWarning, match="vLLM is not installed.*built-in engine"):
             model = load_hf_model(DEMO, engine="vllm")
     assert model.engine == "builtin" and "vLLM is not installed" in caplog.text

@@ -15,7 +15,7 @@ def main(out: str) -> None:
     from hybridflow.config.schema import ActorConfig, OptimConfig, ParallelConfig
     from hybridflow.data import fields as F
     from hybridflow.engine import MegatronEngine
-    from hybridflow.workers import Actor
+    from hybridflow.roles import Actor
     from tests.engine.conftest import dp_case
 
     cfg, hf, batch, optim, actor_cfg = dp_case()

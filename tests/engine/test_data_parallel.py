@@ -9,7 +9,7 @@ import torch
 
 from hybridflow.config.schema import ParallelConfig
 from hybridflow.engine import MegatronEngine
-from hybridflow.workers import Actor
+from hybridflow.roles import Actor
 from tests.engine.conftest import dp_case
 
 pytestmark = pytest.mark.usefixtures("megatron_world")

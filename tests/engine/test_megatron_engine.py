@@ -10,7 +10,7 @@ from hybridflow.engine import MegatronEngine, left_align_index, unalign
 from hybridflow.kernels import logprob_entropy_reference
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.decoder import Decoder
-from hybridflow.workers import Actor, Reference
+from hybridflow.roles import Actor, Reference
 from tests.engine.conftest import rl_batch, tiny_model
 
 pytestmark = pytest.mark.usefixtures("megatron_world")

@@ -8,7 +8,7 @@ from hybridflow.engine import MegatronEngine
 from hybridflow.hybrid_engine import bind_parameters, generation_model
 from hybridflow.models.decoder import Decoder
 from hybridflow.rollout import Generator, SamplingParams
-from hybridflow.workers import Actor
+from hybridflow.roles import Actor
 from tests.engine.conftest import tiny_model
 
 pytestmark = pytest.mark.usefixtures("megatron_world")

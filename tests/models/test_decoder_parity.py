@@ -100,7 +100,7 @@ def test_missing_checkpoint_files_name_the_path(tmp_path):
 
 
 def test_decoder_has_no_distributed_imports():
-    """STYLE rule 1: parallelism is applied to plain models from outside."""
+    """rule 1, docs/conventions.md: parallelism is applied to plain models from outside."""
     import pathlib
     import re
 

@@ -100,12 +100,11 @@ def test_grpo_rollout_apart_from_training_matches_the_single_process_run(tmp_pat
         assert learned(again)[3][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
-def test_reference_apart_from_training_is_rejected(tmp_path):
-    cfg = in_repo(load_config(ROOT / "configs/tiny-grpo.yaml", [
-        f"trainer.output_dir={tmp_path}", "trainer.n_devices=2", "trainer.launcher=ray",
-        "placement.training=[0]", "placement.rollout=[0]", "placement.reference=[1]"]))
+def test_reference_apart_from_training_is_rejected_when_the_config_loads(tmp_path):
     with pytest.raises(ConfigError, match="placement.reference: must equal placement.training"):
-        RLTrainer(cfg)
+        load_config(ROOT / "configs/tiny-grpo.yaml", [
+            f"trainer.output_dir={tmp_path}", "trainer.n_devices=2", "trainer.launcher=ray",
+            "placement.training=[0]", "placement.rollout=[0]", "placement.reference=[1]"])
 
 
 def test_torchrun_local_mode_matches_ray(tmp_path):
@@ -161,7 +160,7 @@ def test_killed_worker_stops_the_step_with_its_rank_named(tmp_path):
     trainer = RLTrainer(cfg)
     try:
         trainer.train_step(1)  # warm: the next step's timing is known to be > 0.2 s
-        victim = trainer.actor_rollout.pids()[1]
+        victim = trainer.actor.group.pids()[1]
         threading.Timer(0.2, os.kill, (victim, signal.SIGKILL)).start()  # rollout or update, whichever runs
         with pytest.raises(WorkerError, match=r"rank [01] failed in \w+"):
             for step in range(2, 20):
@@ -171,7 +170,7 @@ def test_killed_worker_stops_the_step_with_its_rank_named(tmp_path):
 
 
 def test_api_md_placement_runs_as_written(tmp_path):
-    """../shared/API.md's placement: rollout [0, 1], reward [2], training [0, 1, 2, 3] (seven Ray
+    """docs/api.md's placement: rollout [0, 1], reward [2], training [0, 1, 2, 3] (seven Ray
     processes: actor DP=4, a rollout group of two on part of its devices, the reward model on its
     own). Same metrics as one process with the same reward model, up to summation order."""
     from tests.trainer.test_trainer import learned

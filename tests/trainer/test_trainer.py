@@ -111,7 +111,7 @@ def test_dataset_without_usable_prompts(tmp_path):
 def test_nan_loss_stops_with_step_and_metric_and_keeps_last_checkpoint(tmp_path, monkeypatch):
     cfg = in_repo(config("tiny-grpo.yaml", tmp_path, "trainer.save_every=1"))
     trainer = RLTrainer(cfg)
-    actor = trainer.actor_rollout._worker.actor  # in-process group (trainer.launcher auto, 1 device)
+    actor = trainer.actor.group._worker.actor  # in-process group (trainer.launcher auto, 1 device)
     real = actor.policy_loss
 
     def poisoned(*args, **kwargs):
@@ -179,7 +179,7 @@ def test_reward_model_combined_with_rule_reward(tmp_path):
     cfg = in_repo(config("tiny-grpo.yaml", tmp_path, f"reward.model_path={rm_path}", "reward.rule_weight=2.0",
                          "reward.model_weight=0.5"))
     trainer = RLTrainer(cfg)
-    batch, _ = trainer.prepare(1)
+    batch, _, _ = trainer.prepare(1)
     rule = rl_steps.score(batch, trainer.reward_fn)
     model = load_hf_model(rm_path).score(list(zip(batch[F.PROMPT_TEXT], batch[F.RESPONSE_TEXT])))
     torch.testing.assert_close(batch[F.SCORES], 2.0 * rule + 0.5 * torch.tensor(model), atol=1e-5, rtol=1e-5)
@@ -240,8 +240,11 @@ def test_cuda_device_without_cuda_is_a_config_error(tmp_path):
 
 
 def test_gpu_scale_configs_stop_early_on_the_missing_reshard():
-    for name in ("qwen2.5-0.5b-grpo-gsm8k.yaml", "qwen2.5-7b-ppo-gsm8k.yaml"):
-        from hybridflow.trainer.trainer import check_buildable
+    from hybridflow.config import check_runnable
+    from hybridflow.models import DecoderConfig
 
+    model = DecoderConfig(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                          num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64)
+    for name in ("qwen2.5-0.5b-grpo-gsm8k.yaml", "qwen2.5-7b-ppo-gsm8k.yaml"):
         with pytest.raises(ConfigError, match="actor.parallel.tp: .*3D-HybridEngine's reshard"):
-            check_buildable(load_config(ROOT / "configs" / name))
+            check_runnable(load_config(ROOT / "configs" / name), model)

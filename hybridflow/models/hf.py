@@ -28,7 +28,7 @@ import torch
 
 __all__ = ["CausalLM", "HFModel", "RewardModel", "load_hf_model", "resolve_device"]
 
-logger = logging.getLogger("hybridflow.utils.hf")
+logger = logging.getLogger("hybridflow.models.hf")
 
 ENGINES = ("builtin", "vllm")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

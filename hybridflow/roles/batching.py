@@ -1,4 +1,5 @@
-"""Splitting RL batches into mini- and micro-batches, and response-token views of model outputs.
+"""Splitting RL batches into mini- and micro-batches, one optimizer step on a mini-batch,
+and response-token views of model outputs: what the actor, critic and reference share.
 
 A training batch holds INPUT_IDS / ATTENTION_MASK [B, T + R] (prompt then
 response) and RESPONSES / RESPONSE_MASK [B, R] plus per-token fields [B, R].
@@ -6,17 +7,32 @@ The model output at column `T - 1 + j` predicts response token `j`.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from hybridflow.data import fields as F
+from hybridflow.data.fields import tensor_fields
+
+# A role's loss on one micro-batch: (model output [b, S, ...], micro-batch, the
+# global mini-batch denominator) -> (its share of the mini-batch loss, metrics).
+LossFn = Callable[[Tensor, dict[str, Tensor], Tensor], tuple[Tensor, dict[str, Any]]]
 
 
-def tensor_fields(batch: dict[str, Any]) -> dict[str, Tensor]:
-    return {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+class NonFiniteError(FloatingPointError):
+    """A loss or gradient norm became NaN/inf; names the metric."""
+
+    def __init__(self, metric: str, value: float):
+        super().__init__(f"{metric} is {value}")
+        self.metric, self.value = metric, value
+
+
+def check_finite(metric: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise NonFiniteError(metric, value)
 
 
 def split(batch: dict[str, Tensor], size: int) -> list[dict[str, Tensor]]:
@@ -31,6 +47,53 @@ def shuffled(batch: dict[str, Tensor], generator: Optional[torch.Generator]) -> 
     n = len(batch[F.INPUT_IDS])
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
     return {k: v[order] for k, v in batch.items()}
+
+
+def mini_batches(data: dict[str, Tensor], size: int, epochs: int,
+                 generator: Optional[torch.Generator]) -> Iterator[dict[str, Tensor]]:
+    """`epochs` passes over `data`, each reshuffled, cut into mini-batches of `size` rows."""
+    for _ in range(epochs):
+        yield from split(shuffled(data, generator), size)
+
+
+def forward_only(engine, batch: dict[str, Any], micro_batch_size: int, collect) -> dict[str, Tensor]:
+    """Run `collect(output, micro_batch) -> {field: tensor}` over micro-batches, concatenated."""
+    micro = split(tensor_fields(batch), micro_batch_size)
+    reports = engine.run(micro, lambda out, mb: (out.new_zeros(()), collect(out, mb)), forward_only=True)
+    return {k: torch.cat([r[k] for r in reports]) for k in reports[0]} if reports else {}
+
+
+def train_mini_batch(engine, mini: dict[str, Tensor], micro_batch_size: int, loss_agg_mode: str,
+                     loss_fn: LossFn, prefix: str, summed: tuple[str, ...] = ()) -> dict[str, float]:
+    """One optimizer step whose gradient is that of the global (all DP ranks') mini-batch loss.
+
+    Metrics are averaged over micro-batches, except the `summed` ones (loss
+    shares: summed over micro-batches and DP ranks); `{prefix}/grad_norm` and
+    `{prefix}/lr` come from the step.
+    """
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group()
+    denom = global_count(mini[F.RESPONSE_MASK], loss_agg_mode, group)
+    micro = split(mini, micro_batch_size)
+    # Megatron divides by the number of micro-batches and DDP averages over
+    # DP ranks; both are undone so the gradient is that of the global mean.
+    scale = len(micro) * engine.layout.dp
+
+    def step_fn(out: Tensor, mb: dict[str, Tensor]):
+        loss, metrics = loss_fn(out, mb, denom)
+        return loss * scale, metrics
+
+    engine.zero_grad()
+    reports = engine.run(micro, step_fn)
+    stats = engine.step()
+    check_finite(f"{prefix}/grad_norm", stats.grad_norm)
+    out = mean_metrics(reports)
+    for key in summed:
+        if key in out:
+            out[key] = summed_share(reports, key, group)
+    out.update({f"{prefix}/grad_norm": stats.grad_norm, f"{prefix}/lr": stats.lr})
+    return out
 
 
 def response_slice(output: Tensor, batch: dict[str, Tensor]) -> Tensor:
@@ -68,8 +131,8 @@ def mean_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in out.items()}
 
 
-def response_log_probs(output: Tensor, batch: dict[str, Tensor], engine, temperature: float = 1.0,
-                       backend: str = "auto") -> tuple[Tensor, Tensor]:
+def response_log_probs(output: Tensor, batch: dict[str, Tensor], engine,
+                       temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """log p(response token) and entropy [B, R] from the engine's (vocab-sharded) logits.
 
     Megatron pads the vocabulary; padded columns get a huge negative logit so
@@ -85,7 +148,7 @@ def response_log_probs(output: Tensor, batch: dict[str, Tensor], engine, tempera
     labels = batch[F.RESPONSES]
     vocab, tp = engine.cfg.vocab_size, engine.layout.tp
     if tp == 1:
-        return logprob_entropy(logits[..., :vocab], labels, backend=backend)
+        return logprob_entropy(logits[..., :vocab], labels)
     width = logits.shape[-1]
     start = engine.layout.tp_rank * width
     padded = torch.arange(start, start + width, device=logits.device) >= vocab

@@ -8,21 +8,20 @@ from torch import Tensor
 
 from hybridflow.config.schema import ReferenceConfig
 from hybridflow.data import fields as F
-from hybridflow.workers.actor import forward_only
-from hybridflow.workers.batching import response_log_probs
+from hybridflow.roles.batching import forward_only, response_log_probs
 
 
 class Reference:
-    def __init__(self, cfg: ReferenceConfig, engine, *, temperature: float = 1.0, kernel_backend: str = "auto"):
+    def __init__(self, cfg: ReferenceConfig, engine, *, temperature: float = 1.0):
         if engine.optimizer is not None:
             raise ValueError("the reference policy needs a frozen engine (built with optim=None)")
         self.cfg, self.engine = cfg, engine
-        self.temperature, self.backend = temperature, kernel_backend
+        self.temperature = temperature
 
     @torch.no_grad()
     def compute_ref_log_probs(self, batch: dict[str, Any]) -> dict[str, Tensor]:
         """REF_LOG_PROBS [B, R]."""
         def collect(out, mb):
-            logp, _ = response_log_probs(out, mb, self.engine, self.temperature, self.backend)
+            logp, _ = response_log_probs(out, mb, self.engine, self.temperature)
             return {F.REF_LOG_PROBS: logp.float()}
         return forward_only(self.engine, batch, self.cfg.log_prob_micro_batch_size, collect)

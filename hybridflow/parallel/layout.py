@@ -1,0 +1,164 @@
+"""A training layout `p-t-d` (plus `c`) as plain data: degrees, rank <-> coordinates, named groups.
+
+Ranks are ordered as megatron-core orders them by default ("tp-cp-ep-dp-pp",
+expert parallelism being 1 here): tensor-parallel peers are consecutive
+ranks, then context, then data parallel, and pipeline stages are farthest
+apart:
+
+    rank = tp + t * (cp + c * (dp + d * pp))
+
+So with t=2, p=2, d=2 the TP groups are [0,1] [2,3] [4,5] [6,7], the DP
+groups [0,2] [1,3] [4,6] [5,7] and the pipelines [0,4] [1,5] [2,6] [3,7].
+
+A `ParallelDims` is built once per role from its config section and the
+number of processes the role runs on, and is passed to whatever needs
+groups (the engine, layout-aware dispatch, the 3D-HybridEngine's plan);
+nothing recomputes rank arithmetic elsewhere. It is pure Python, imports
+no torch.distributed and is tested without processes.
+
+Group names (`GROUPS`): "tp", "cp", "dp", "pp", and "mp" (model parallel:
+the tp x cp x pp ranks that together hold one replica). The generation
+layout of the 3D-HybridEngine adds its own (generation TP, micro-DP) on top
+of these coordinates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from hybridflow.config.errors import ConfigError
+
+DIMS = ("tp", "cp", "dp", "pp")  # fastest-varying first
+GROUPS: dict[str, tuple[str, ...]] = {
+    "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "mp": ("tp", "cp", "pp"),
+}
+
+
+@dataclass(frozen=True)
+class Coord:
+    """Where one rank sits in a layout."""
+
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of a layout; `world_size = tp * cp * dp * pp`."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+
+    def __post_init__(self):
+        for name in DIMS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+    @classmethod
+    def for_world(cls, world: int, *, tp: int = 1, pp: int = 1, cp: int = 1, key: str = "") -> "ParallelDims":
+        """The layout of `world` processes at the given model-parallel degrees; dp is what is left.
+
+        key: the config section the degrees come from, named in the error.
+        """
+        model_parallel = tp * pp * cp
+        if model_parallel < 1 or world % model_parallel:
+            raise ConfigError(key, f"tp*pp*cp = {tp}*{pp}*{cp} = {model_parallel} does not divide the "
+                              f"{world} device(s) this role runs on")
+        return cls(tp=tp, pp=pp, dp=world // model_parallel, cp=cp)
+
+    # -- sizes and coordinates ------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.cp * self.pp
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size} ({self})")
+
+    def coord(self, rank: int) -> Coord:
+        self._check_rank(rank)
+        tp, rest = rank % self.tp, rank // self.tp
+        cp, rest = rest % self.cp, rest // self.cp
+        dp, pp = rest % self.dp, rest // self.dp
+        return Coord(tp=tp, cp=cp, dp=dp, pp=pp)
+
+    def rank(self, coord: Coord) -> int:
+        for name in DIMS:
+            if not 0 <= getattr(coord, name) < getattr(self, name):
+                raise ValueError(f"{coord} is outside {self}")
+        return coord.tp + self.tp * (coord.cp + self.cp * (coord.dp + self.dp * coord.pp))
+
+    # -- groups ---------------------------------------------------------------
+    def group(self, name: str, rank: int) -> list[int]:
+        """The ranks of `rank`'s group `name` (see GROUPS), in rank order."""
+        dims = _dims_of(name)
+        here = self.coord(rank)
+        return [r for r in range(self.world_size)
+                if all(getattr(self.coord(r), d) == getattr(here, d) for d in DIMS if d not in dims)]
+
+    def groups(self, name: str) -> list[list[int]]:
+        """Every group `name` of the layout; together they partition the world."""
+        seen: set[int] = set()
+        out = []
+        for rank in range(self.world_size):
+            if rank not in seen:
+                members = self.group(name, rank)
+                seen.update(members)
+                out.append(members)
+        return out
+
+    # -- one answer per data-parallel replica ----------------------------------
+    def answers_for_replica(self, rank: int) -> bool:
+        """Whether `rank` answers for its DP replica: the last pipeline stage, TP and CP rank 0.
+
+        That rank holds the replica's outputs (logits, values, losses) after
+        the forward pass; its TP, CP and earlier-stage peers hold copies or
+        nothing.
+        """
+        c = self.coord(rank)
+        return c.tp == 0 and c.cp == 0 and c.pp == self.pp - 1
+
+    def replica_ranks(self) -> list[int]:
+        """The answering rank of each DP replica, in DP order."""
+        last = self.pp - 1
+        return [self.rank(Coord(tp=0, cp=0, dp=d, pp=last)) for d in range(self.dp)]
+
+    # -- the model must split this way -----------------------------------------
+    def check_model(self, key: str, *, num_heads: int, num_kv_heads: int, num_layers: int,
+                    virtual_pp: Optional[int] = None) -> None:
+        """ConfigError naming `key`.tp / .pp / .cp where the model cannot be split at these degrees.
+
+        TP splits whole attention heads and whole KV-head groups (Megatron's
+        grouped QKV keeps each group on one rank), so it divides both; PP
+        splits whole layers, evenly (and `virtual_pp` chunks per stage). The
+        vocabulary is padded to a multiple of `make_vocab_size_divisible_by *
+        tp`, so it always splits.
+        """
+        if num_heads % self.tp:
+            raise ConfigError(f"{key}.tp", f"{self.tp} does not divide the model's {num_heads} attention heads")
+        if num_kv_heads % self.tp:
+            raise ConfigError(f"{key}.tp", f"{self.tp} does not divide the model's {num_kv_heads} KV heads "
+                              "(each rank holds whole query groups)")
+        chunks = self.pp * (virtual_pp or 1)
+        if num_layers % chunks:
+            what = f"pp*virtual_pp = {self.pp}*{virtual_pp}" if virtual_pp else f"pp = {self.pp}"
+            raise ConfigError(f"{key}.pp", f"{what} does not divide the model's {num_layers} layers")
+
+    def __str__(self) -> str:
+        text = f"p{self.pp}-t{self.tp}-d{self.dp}"
+        return text + (f"-c{self.cp}" if self.cp > 1 else "")
+
+
+def _dims_of(name: str) -> tuple[str, ...]:
+    if name not in GROUPS:
+        raise KeyError(f"unknown group {name!r}; groups are {sorted(GROUPS)}")
+    return GROUPS[name]

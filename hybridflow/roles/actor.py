@@ -1,0 +1,74 @@
+"""The actor role: log-probs of the current policy and the PPO-family update."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hybridflow.algos import aggregate_loss, get_policy_loss, kl_loss, masked_mean
+from hybridflow.config.schema import ActorConfig
+from hybridflow.data import fields as F
+from hybridflow.roles.batching import (check_finite, forward_only, mean_metrics, mini_batches, response_log_probs,
+                                       train_mini_batch)
+from hybridflow.utils import mix_seed
+
+_TRAIN_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.OLD_LOG_PROBS, F.ADVANTAGES)
+
+
+class Actor:
+    """Policy log-probs and updates on a training engine; the loss is chosen by name."""
+
+    def __init__(self, cfg: ActorConfig, engine, *, samples_per_prompt: int = 1, temperature: float = 1.0,
+                 seed: int = 0):
+        self.cfg, self.engine = cfg, engine
+        self.policy_loss = get_policy_loss(cfg.policy_loss)
+        self.samples_per_prompt = samples_per_prompt
+        self.temperature, self.seed = temperature, seed
+
+    def log_probs(self, output: Tensor, mb: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        return response_log_probs(output, mb, self.engine, self.temperature)
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: dict[str, Any], micro_batch_size: int) -> dict[str, Tensor]:
+        """OLD_LOG_PROBS and ENTROPY [B, R] under the current weights."""
+        def collect(out, mb):
+            logp, ent = self.log_probs(out, mb)
+            return {F.OLD_LOG_PROBS: logp.float(), F.ENTROPY: ent.float()}
+        return forward_only(self.engine, batch, micro_batch_size, collect)
+
+    def _mini_batch_size(self, rows: int) -> int:
+        dp = self.engine.layout.dp
+        size = self.cfg.ppo_mini_batch_size * self.samples_per_prompt // dp
+        return max(1, min(size, rows))
+
+    def update(self, batch: dict[str, Any], step: int) -> dict[str, float]:
+        """PPO epochs over mini-batches (one optimizer step each) of this rank's rows."""
+        fields = _TRAIN_FIELDS + ((F.REF_LOG_PROBS,) if self.cfg.use_kl_loss else ())
+        data = {k: batch[k] for k in fields}
+        gen = torch.Generator().manual_seed(mix_seed(self.seed, step))
+        size = self._mini_batch_size(len(data[F.INPUT_IDS]))
+        cfg = self.cfg
+        reports = [train_mini_batch(self.engine, mini, cfg.ppo_micro_batch_size, cfg.loss_agg_mode, self._loss,
+                                    "actor", summed=("actor/pg_loss", "actor/kl_loss"))
+                   for mini in mini_batches(data, size, cfg.ppo_epochs, gen)]
+        return mean_metrics(reports)
+
+    def _loss(self, out: Tensor, mb: dict[str, Tensor], denom: Tensor) -> tuple[Tensor, dict[str, Any]]:
+        """One micro-batch's share of the mini-batch loss: policy loss, - entropy bonus, + KL loss."""
+        cfg, mask = self.cfg, mb[F.RESPONSE_MASK]
+        logp, ent = self.log_probs(out, mb)
+        pg = self.policy_loss(logp, mb[F.OLD_LOG_PROBS], mb[F.ADVANTAGES], mask,
+                              clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+                              clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, denominator=denom)
+        loss, metrics = pg.loss, dict(pg.metrics)
+        metrics["actor/entropy"] = masked_mean(ent, mask).item()
+        if cfg.entropy_coeff:
+            loss = loss - cfg.entropy_coeff * aggregate_loss(ent, mask, cfg.loss_agg_mode, denom)
+        if cfg.use_kl_loss:
+            kl = kl_loss(logp, mb[F.REF_LOG_PROBS], mask, cfg.kl_loss_type, cfg.loss_agg_mode, denom)
+            loss = loss + cfg.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.item()
+        metrics["actor/pg_loss"] = pg.loss.item()
+        check_finite("actor/pg_loss", metrics["actor/pg_loss"])
+        return loss, metrics

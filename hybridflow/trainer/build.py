@@ -1,0 +1,91 @@
+"""Building a run's worker groups from the config: the one place its sections are handed out.
+
+Each worker gets a spec holding only the sections it uses
+(`hybridflow.workers.specs`); numbers several sections decide together are
+computed here once. Which groups exist follows from the config: a critic
+only for GAE, a reward-model group only with `reward.model_path`, a rollout
+group only when `placement.rollout` differs from `placement.training` under
+Ray. Checks of the config itself live in `config/validate.py` and have run
+before this.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from hybridflow.config.schema import Config
+from hybridflow.config.validate import reference_parallel, rollout_apart, uses_ray
+from hybridflow.controller.worker_group import LocalWorkerGroup
+from hybridflow.workers.rl_workers import (ActorGroup, ActorRolloutRefWorker, CriticGroup, CriticWorker,
+                                           RewardModelGroup, RewardModelWorker, RolloutGroup, RolloutWorker)
+from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutWorkerSpec, Run
+
+
+def needs_reference(cfg: Config) -> bool:
+    """KL against the initial policy, in the reward or as a loss."""
+    return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
+
+
+def optimizer_steps(cfg: Config) -> int:
+    """Optimizer steps of the whole run: the LR schedule's length."""
+    a, n = cfg.actor, cfg.rollout.n
+    rows = cfg.data.train_batch_size * n
+    return cfg.trainer.total_steps * a.ppo_epochs * -(-rows // max(1, a.ppo_mini_batch_size * n))
+
+
+def _run(cfg: Config) -> Run:
+    return Run(device=cfg.trainer.device, seed=cfg.trainer.seed)
+
+
+def actor_spec(cfg: Config) -> ActorWorkerSpec:
+    reference = dataclasses.replace(cfg.reference, parallel=reference_parallel(cfg))
+    return ActorWorkerSpec(run=_run(cfg), model=cfg.model, actor=cfg.actor, rollout=cfg.rollout,
+                           reference=reference if needs_reference(cfg) else None,
+                           max_response_length=cfg.data.max_response_length, optimizer_steps=optimizer_steps(cfg))
+
+
+def rollout_spec(cfg: Config) -> RolloutWorkerSpec:
+    return RolloutWorkerSpec(run=_run(cfg), model=cfg.model, rollout=cfg.rollout,
+                             max_response_length=cfg.data.max_response_length)
+
+
+def critic_spec(cfg: Config) -> CriticWorkerSpec:
+    return CriticWorkerSpec(run=_run(cfg), model=cfg.model, path=cfg.critic.model_path or cfg.model.path,
+                            critic=cfg.critic, mini_batch_size=cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
+                            optimizer_steps=optimizer_steps(cfg))
+
+
+@dataclass
+class Groups:
+    """The worker groups of a run; None where the role is not used or shares the actor's group."""
+
+    actor: ActorGroup                              # actor + reference, and rollout unless `rollout` is set
+    critic: Optional[CriticGroup] = None
+    reward_model: Optional[RewardModelGroup] = None
+    rollout: Optional[RolloutGroup] = None         # rollout on devices apart from training
+
+    @property
+    def generation(self) -> Union[ActorGroup, RolloutGroup]:
+        """The group that generates: the separate rollout group, or the actor's."""
+        return self.rollout or self.actor
+
+
+def build_groups(cfg: Config) -> Groups:
+    critic = cfg.algorithm.adv_estimator == "gae"
+    reward_model = cfg.reward.model_path is not None
+    if not uses_ray(cfg):
+        return Groups(ActorGroup(LocalWorkerGroup(ActorRolloutRefWorker, None, actor_spec(cfg))),
+                      CriticGroup(LocalWorkerGroup(CriticWorker, None, critic_spec(cfg))) if critic else None,
+                      RewardModelGroup(LocalWorkerGroup(RewardModelWorker, None, cfg.reward)) if reward_model else None)
+    from hybridflow.controller.ray_setup import init_ray
+    from hybridflow.controller.resource_pool import pools_from_placement
+    from hybridflow.controller.worker_group import RayWorkerGroup
+
+    init_ray(address=cfg.trainer.ray_address)
+    pools = pools_from_placement(cfg)
+    return Groups(
+        ActorGroup(RayWorkerGroup(ActorRolloutRefWorker, pools["training"], actor_spec(cfg))),
+        CriticGroup(RayWorkerGroup(CriticWorker, pools["critic"], critic_spec(cfg))) if critic else None,
+        RewardModelGroup(RayWorkerGroup(RewardModelWorker, pools["reward"], cfg.reward)) if reward_model else None,
+        RolloutGroup(RayWorkerGroup(RolloutWorker, pools["rollout"], rollout_spec(cfg))) if rollout_apart(cfg) else None)

@@ -1,0 +1,54 @@
+"""The parts of the config each worker is handed (rule 5, docs/conventions.md: each component gets only its part).
+
+The trainer builds these from the whole `Config` (`trainer/build.py`); a
+worker never sees sections it does not use. Values several sections decide
+together (the LR schedule's length, the critic's mini-batch in responses)
+are computed once there and arrive here as plain numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from hybridflow.config.schema import ActorConfig, CriticConfig, ModelConfig, ReferenceConfig, RolloutConfig
+
+
+@dataclass(frozen=True)
+class Run:
+    """What every worker of a run shares."""
+
+    device: str  # "cpu" | "cuda"
+    seed: int
+
+
+@dataclass(frozen=True)
+class ActorWorkerSpec:
+    """The actor, its rollout and (when KL is used) the reference, in one process."""
+
+    run: Run
+    model: ModelConfig
+    actor: ActorConfig
+    rollout: RolloutConfig
+    reference: Optional[ReferenceConfig]  # None: no KL term, so no reference engine; its `parallel` is resolved
+    max_response_length: int  # data.max_response_length: new tokens per response
+    optimizer_steps: int  # the LR schedule's length
+
+
+@dataclass(frozen=True)
+class RolloutWorkerSpec:
+    """Rollout on devices apart from training."""
+
+    run: Run
+    model: ModelConfig
+    rollout: RolloutConfig
+    max_response_length: int
+
+
+@dataclass(frozen=True)
+class CriticWorkerSpec:
+    run: Run
+    model: ModelConfig  # dtype and vocabulary padding of the actor's model
+    path: str  # critic.model_path, or the actor's model.path
+    critic: CriticConfig
+    mini_batch_size: int  # responses per optimizer step (actor.ppo_mini_batch_size * rollout.n)
+    optimizer_steps: int

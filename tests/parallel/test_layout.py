@@ -1,0 +1,72 @@
+"""ParallelDims: ranks <-> coordinates and named groups, checked against megatron-core's own RankGenerator."""
+import itertools
+
+import pytest
+
+from hybridflow.config.errors import ConfigError
+from hybridflow.parallel import Coord, ParallelDims
+
+LAYOUTS = [ParallelDims(tp=t, pp=p, dp=d, cp=c)
+           for t, p, d, c in itertools.product((1, 2, 4), (1, 2, 3), (1, 2), (1, 2)) if t * p * d * c <= 32]
+
+
+@pytest.mark.parametrize("dims", LAYOUTS, ids=str)
+def test_coordinates_round_trip(dims):
+    coords = [dims.coord(r) for r in range(dims.world_size)]
+    assert len(set(coords)) == dims.world_size
+    assert [dims.rank(c) for c in coords] == list(range(dims.world_size))
+
+
+@pytest.mark.parametrize("dims", LAYOUTS, ids=str)
+def test_groups_match_megatron(dims):
+    from megatron.core.parallel_state import RankGenerator
+
+    gen = RankGenerator(tp=dims.tp, ep=1, dp=dims.dp, pp=dims.pp, cp=dims.cp, order="tp-cp-ep-dp-pp")
+    for name, token in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("mp", "tp-cp-pp")):
+        want = sorted(sorted(g) for g in gen.get_ranks(token))
+        got = sorted(dims.groups(name))
+        assert got == want, name
+        assert sorted(r for g in got for r in g) == list(range(dims.world_size))  # a partition
+
+
+def test_paper_example_8_ranks():
+    dims = ParallelDims(tp=4, pp=1, dp=2)
+    assert dims.groups("tp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dims.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    dims = ParallelDims(tp=2, pp=2, dp=2)
+    assert dims.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.coord(5) == Coord(tp=1, cp=0, dp=0, pp=1)
+
+
+def test_replica_answers_come_from_the_last_stage_tp0():
+    dims = ParallelDims(tp=2, pp=2, dp=2)
+    assert dims.replica_ranks() == [4, 6]
+    assert [r for r in range(8) if dims.answers_for_replica(r)] == [4, 6]
+
+
+def test_for_world_and_errors():
+    assert ParallelDims.for_world(8, tp=2, pp=2) == ParallelDims(tp=2, pp=2, dp=2)
+    with pytest.raises(ConfigError, match=r"critic.parallel: tp\*pp\*cp = 4\*1\*1 = 4 does not divide the 6"):
+        ParallelDims.for_world(6, tp=4, key="critic.parallel")
+    with pytest.raises(ValueError, match="tp must be an int >= 1"):
+        ParallelDims(tp=0)
+    with pytest.raises(ValueError, match="outside a world of 4"):
+        ParallelDims(tp=2, dp=2).coord(4)
+    with pytest.raises(KeyError, match="unknown group 'ep'"):
+        ParallelDims().groups("ep")
+
+
+@pytest.mark.parametrize("dims, model, key", [
+    (ParallelDims(tp=3), dict(num_heads=4, num_kv_heads=2, num_layers=2), "actor.parallel.tp"),
+    (ParallelDims(tp=4), dict(num_heads=8, num_kv_heads=2, num_layers=2), "actor.parallel.tp"),
+    (ParallelDims(pp=3), dict(num_heads=4, num_kv_heads=2, num_layers=4), "actor.parallel.pp"),
+])
+def test_check_model_names_the_key(dims, model, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        dims.check_model("actor.parallel", **model)
+
+
+def test_check_model_virtual_pipeline():
+    ParallelDims(pp=2).check_model("actor.parallel", num_heads=4, num_kv_heads=2, num_layers=4, virtual_pp=2)
+    with pytest.raises(ConfigError, match=r"pp\*virtual_pp = 2\*3 does not divide the model's 4 layers"):
+        ParallelDims(pp=2).check_model("actor.parallel", num_heads=4, num_kv_heads=2, num_layers=4, virtual_pp=3)
