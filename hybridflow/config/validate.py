@@ -99,12 +99,23 @@ def rollout_apart(cfg: Config) -> bool:
     return sorted(devices_for(cfg, "rollout")) != sorted(devices_for(cfg, "training")) and uses_ray(cfg)
 
 
+def uses_critic(cfg: Config) -> bool:
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def row_multiple(cfg: Config) -> int:
+    """Training rows must come in multiples of this: equal shares for the actor's and critic's DP replicas."""
+    import math
+
+    return math.lcm(role_layout(cfg, "training").dp, role_layout(cfg, "critic").dp if uses_critic(cfg) else 1)
+
+
 def prompt_multiple(cfg: Config) -> int:
-    """Prompts must come in multiples of this: equal shares for the actor's DP replicas and the rollout ranks."""
+    """Prompts must come in multiples of this: equal shares for the rollout ranks and every DP replica."""
     import math
 
     rollout_ranks = role_world(cfg, "rollout") if rollout_apart(cfg) else role_world(cfg, "training")
-    return math.lcm(role_layout(cfg, "training").dp, rollout_ranks)
+    return math.lcm(row_multiple(cfg), rollout_ranks)
 
 
 def chunk_prompts(cfg: Config) -> int:
@@ -170,12 +181,17 @@ def _check_generation_layout(cfg: Config) -> None:
 
 def _check_not_built(cfg: Config) -> None:
     """Settings the schema accepts but this trainer cannot run yet."""
-    a = cfg.actor.parallel
-    if a.tp > 1 or a.pp > 1:
-        key = "actor.parallel.tp" if a.tp > 1 else "actor.parallel.pp"
-        raise ConfigError(key, f"rollout needs the actor's weights in the generation layout; from a tp={a.tp}, "
-                          f"pp={a.pp} actor that is the 3D-HybridEngine's reshard, which is not built yet: "
-                          "train the actor data-parallel (tp=pp=1) for now")
+    for key, value in (("rollout.tg", cfg.rollout.tg), ("rollout.pg", cfg.rollout.pg)):
+        if value > 1:
+            raise ConfigError(key, f"{value}: generating in a model-parallel layout needs the 3D-HybridEngine's "
+                              "reshard, which is not built yet; the actor generates at tg = pg = 1 (every rank "
+                              "gathers the whole model after each update)")
+    for path, par in engine_roles(cfg).values():
+        if par.virtual_pp is not None:
+            raise ConfigError(f"{path}.virtual_pp", "the interleaved pipeline schedule is not built yet")
+        if par.cp > 1:
+            raise ConfigError(f"{path}.cp", "context parallelism needs Transformer Engine's attention, which "
+                              "the engine's local layer spec does not use")
     if cfg.rollout.engine != "builtin":
         raise ConfigError("rollout.engine", f"{cfg.rollout.engine!r} is not wired into the trainer yet; it "
                           "generates with the built-in engine ('builtin')")
@@ -247,8 +263,8 @@ def _check_shares(cfg: Config) -> None:
     multiple, batch = prompt_multiple(cfg), cfg.data.train_batch_size
     if batch % multiple:
         rollout = role_world(cfg, "rollout") if rollout_apart(cfg) else role_world(cfg, "training")
-        raise ConfigError("data.train_batch_size", f"{batch} prompts do not split over the actor's "
-                          f"{role_layout(cfg, 'training').dp} data-parallel replicas and the {rollout} rollout ranks")
+        raise ConfigError("data.train_batch_size", f"{batch} prompts do not split evenly over the {rollout} "
+                          f"rollout ranks and the data-parallel replicas (need a multiple of {multiple})")
     size = chunk_prompts(cfg)
     if batch % size:
         raise ConfigError("dataflow.min_batch_for_reward", f"{cfg.dataflow.min_batch_for_reward} responses make "
@@ -276,7 +292,7 @@ def check_runnable(cfg: Config, model: "DecoderConfig") -> None:
     """ConfigError for what the config and the model's own config.json / the machine cannot run together."""
     _check_not_built(cfg)
     for role, (path, par) in engine_roles(cfg).items():
-        if role == "critic" and cfg.algorithm.adv_estimator != "gae":
+        if role == "critic" and not uses_critic(cfg):
             continue  # no critic in this run
         role_layout(cfg, role).check_model(path, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
                                           num_layers=model.num_layers, virtual_pp=par.virtual_pp)

@@ -16,6 +16,16 @@ The modes, all defined in `_MODES` below:
 `RANK_ZERO` still runs every rank, since SPMD methods meet in collectives;
 only rank 0's answer is returned (e.g. metrics already all-reduced).
 
+**Meshes.** With tensor or pipeline parallelism, several ranks together hold
+one model replica and must see the *same* rows. A `DP_SPLIT` method
+registered with `mesh="actor"` is split over the data-parallel replicas of
+that mesh, not over ranks: a worker registers its coordinates in each mesh it
+serves (`Worker.register_mesh(name, dims)`, one `MeshCoord` per rank); chunk
+d of the batch goes to every rank of replica d, and the caller gets one
+answer per replica, from the rank that `answers` for it (last pipeline stage,
+TP rank 0), concatenated in replica order. A method with no mesh treats every
+rank as its own replica.
+
 A *batch* is a dict whose values are tensors (rows along dim 0) or
 lists/tuples (one item per row) — the shape of the RL batches in
 `hybridflow.data.fields` — or a bare tensor or list. `DP_SPLIT` cuts it into
@@ -30,12 +40,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 _ATTR = "__hybridflow_dispatch__"
+_MESH_ATTR = "__hybridflow_mesh__"
 
 PerRank = list[tuple[tuple, dict]]  # (args, kwargs) for each rank, rank order
 
@@ -47,15 +58,53 @@ class Dispatch(enum.Enum):
     ALL_TO_ALL = "all_to_all"
 
 
-def register(mode: Dispatch | str) -> Callable:
-    """Tag a worker method with its dispatch mode; the group exposes tagged methods only."""
+@dataclass(frozen=True)
+class MeshCoord:
+    """Where one rank sits in a data-parallel mesh: the replica it serves, and whether it answers for it."""
+
+    dp_rank: int
+    dp_size: int
+    answers: bool
+
+
+def flat_mesh(world: int) -> list[MeshCoord]:
+    """Every rank its own replica (no model parallelism)."""
+    return [MeshCoord(rank, world, True) for rank in range(world)]
+
+
+def check_mesh(name: str, coords: Sequence[MeshCoord]) -> None:
+    """Each replica has at least one rank and exactly one that answers."""
+    sizes = {c.dp_size for c in coords}
+    if len(sizes) != 1:
+        raise ValueError(f"mesh {name!r}: ranks disagree on the number of replicas: {sorted(sizes)}")
+    size = sizes.pop()
+    answering = sorted(c.dp_rank for c in coords if c.answers)
+    if answering != list(range(size)) or any(not 0 <= c.dp_rank < size for c in coords):
+        raise ValueError(f"mesh {name!r}: each of the {size} replicas needs exactly one answering rank; "
+                         f"got {list(coords)}")
+
+
+def register(mode: Dispatch | str, mesh: Optional[str] = None) -> Callable:
+    """Tag a worker method with its dispatch mode; the group runs tagged methods only.
+
+    mesh: for DP_SPLIT, the name of the data-parallel mesh the batch is split
+        over (see the module docstring); None splits over every rank.
+    """
     mode = _as_mode(mode)
+    if mesh is not None and mode is not Dispatch.DP_SPLIT:
+        raise ValueError(f"a mesh only applies to DP_SPLIT methods, not {mode.name}")
 
     def tag(fn: Callable) -> Callable:
         setattr(fn, _ATTR, mode)
+        setattr(fn, _MESH_ATTR, mesh)
         return fn
 
     return tag
+
+
+def method_mesh(fn: Callable) -> Optional[str]:
+    """The mesh a registered method's DP_SPLIT runs over (None: every rank)."""
+    return getattr(fn, _MESH_ATTR, None)
 
 
 def registered_methods(cls: type) -> dict[str, Dispatch]:
@@ -150,11 +199,17 @@ def _same_for_all(world: int, args: tuple, kwargs: dict) -> PerRank:
     return [(args, kwargs)] * world
 
 
-def _dp_split(world: int, args: tuple, kwargs: dict) -> PerRank:
+def _dp_split(world: int, args: tuple, kwargs: dict, mesh: Sequence[MeshCoord]) -> PerRank:
     if not args:
         raise TypeError("DP_SPLIT methods take the batch as their first positional argument")
-    chunks = split_batch(args[0], world)
-    return [((chunk, *args[1:]), kwargs) for chunk in chunks]
+    chunks = split_batch(args[0], mesh[0].dp_size)
+    return [((chunks[coord.dp_rank], *args[1:]), kwargs) for coord in mesh]
+
+
+def answering(results: list, mesh: Sequence[MeshCoord]) -> list:
+    """The results of the ranks that answer for their replica, in replica order."""
+    return [results[rank] for rank, _ in sorted(((r, c) for r, c in enumerate(mesh) if c.answers),
+                                                key=lambda rc: rc[1].dp_rank)]
 
 
 def _all_to_all(world: int, args: tuple, kwargs: dict) -> PerRank:
@@ -168,23 +223,24 @@ def _all_to_all(world: int, args: tuple, kwargs: dict) -> PerRank:
 
 @dataclass(frozen=True)
 class _Rule:
-    split: Callable[[int, tuple, dict], PerRank]
-    collect: Callable[[list], Any]
+    split: Callable[[int, tuple, dict, Sequence[MeshCoord]], PerRank]
+    collect: Callable[[list, Sequence[MeshCoord]], Any]
 
 
 _MODES: dict[Dispatch, _Rule] = {
-    Dispatch.ONE_TO_ALL: _Rule(_same_for_all, list),
-    Dispatch.RANK_ZERO: _Rule(_same_for_all, lambda results: results[0]),
-    Dispatch.DP_SPLIT: _Rule(_dp_split, concat_batches),
-    Dispatch.ALL_TO_ALL: _Rule(_all_to_all, list),
+    Dispatch.ONE_TO_ALL: _Rule(lambda w, a, k, m: _same_for_all(w, a, k), lambda results, m: results),
+    Dispatch.RANK_ZERO: _Rule(lambda w, a, k, m: _same_for_all(w, a, k), lambda results, m: results[0]),
+    Dispatch.DP_SPLIT: _Rule(_dp_split, lambda results, m: concat_batches(answering(results, m))),
+    Dispatch.ALL_TO_ALL: _Rule(lambda w, a, k, m: _all_to_all(w, a, k), lambda results, m: results),
 }
 
 
-def dispatch(mode: Dispatch, world: int, args: tuple, kwargs: dict) -> PerRank:
-    """(args, kwargs) for each of `world` ranks."""
-    return _MODES[mode].split(world, tuple(args), dict(kwargs))
+def dispatch(mode: Dispatch, world: int, args: tuple, kwargs: dict,
+             mesh: Optional[Sequence[MeshCoord]] = None) -> PerRank:
+    """(args, kwargs) for each of `world` ranks; DP_SPLIT follows `mesh` (default: every rank a replica)."""
+    return _MODES[mode].split(world, tuple(args), dict(kwargs), mesh or flat_mesh(world))
 
 
-def collect(mode: Dispatch, results: list) -> Any:
-    """What the caller gets from the ranks' results (rank order)."""
-    return _MODES[mode].collect(list(results))
+def collect(mode: Dispatch, results: list, mesh: Optional[Sequence[MeshCoord]] = None) -> Any:
+    """What the caller gets from the ranks' results (rank order); DP_SPLIT keeps the answering ranks'."""
+    return _MODES[mode].collect(list(results), mesh or flat_mesh(len(results)))

@@ -64,7 +64,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Concatenate, Optional, ParamSpec, TypeVar
 
-from hybridflow.controller.dispatch import Dispatch, PerRank, collect, dispatch, registered_methods
+from hybridflow.controller.dispatch import (Dispatch, MeshCoord, PerRank, answering, check_mesh, collect, dispatch,
+                                            flat_mesh, method_mesh, registered_methods)
 from hybridflow.controller.resource_pool import ResourcePool
 from hybridflow.controller.transfer import pack, unpack, unpack_rows
 
@@ -113,6 +114,7 @@ class Worker:
     """
 
     _context: Optional[WorkerContext] = None
+    _meshes: Optional[dict[str, MeshCoord]] = None
 
     @property
     def context(self) -> WorkerContext:
@@ -128,6 +130,24 @@ class Worker:
     @property
     def world_size(self) -> int:
         return self.context.world_size
+
+    def register_mesh(self, name: str, dims: Any) -> None:
+        """Serve DP_SPLIT methods registered with `mesh=name` as this rank's place in layout `dims`.
+
+        dims: a `hybridflow.parallel.ParallelDims` over this group's ranks;
+        the rank gets the rows of its data-parallel replica, and the replica's
+        last-stage TP-rank-0 answers for it.
+        """
+        if dims.world_size != self.world_size:
+            raise ValueError(f"mesh {name!r}: layout {dims} has {dims.world_size} ranks, this group "
+                             f"{self.world_size}")
+        if self._meshes is None:
+            self._meshes = {}
+        coord = dims.coord(self.rank)
+        self._meshes[name] = MeshCoord(coord.dp, dims.dp, dims.answers_for_replica(self.rank))
+
+    def mesh_coords(self) -> dict[str, MeshCoord]:
+        return dict(self._meshes or {})
 
     def init_process_group(self):
         """Join this group's torch.distributed world (idempotent); returns the WORLD group."""
@@ -169,6 +189,28 @@ class _WorkerGroup:
         self.worker_cls, self.pool = worker_cls, pool
         self.world_size = pool.world_size
         self._modes = registered_methods(worker_cls)
+        self._meshes: dict[str, list[MeshCoord]] = {}
+
+    def _set_meshes(self, per_rank: list[dict[str, MeshCoord]]) -> None:
+        """Every rank's registered mesh coordinates (rank order), checked to form whole replicas."""
+        names = {name for coords in per_rank for name in coords}
+        for name in names:
+            missing = [rank for rank, coords in enumerate(per_rank) if name not in coords]
+            if missing:
+                raise ValueError(f"{self.worker_cls.__name__}: rank(s) {missing} did not register mesh {name!r}")
+            check_mesh(name, [coords[name] for coords in per_rank])
+        self._meshes = {name: [coords[name] for coords in per_rank] for name in names}
+
+    def mesh(self, name: str) -> list[MeshCoord]:
+        """The ranks' coordinates in a registered mesh, in rank order."""
+        if name not in self._meshes:
+            raise KeyError(f"{self.worker_cls.__name__} registered no mesh {name!r} (has {sorted(self._meshes)}); "
+                           "call self.register_mesh(name, dims) in its __init__")
+        return self._meshes[name]
+
+    def _mesh_of(self, name: str, mode: Dispatch) -> list[MeshCoord]:
+        mesh = method_mesh(getattr(self.worker_cls, name))
+        return self.mesh(mesh) if mode is Dispatch.DP_SPLIT and mesh is not None else flat_mesh(self.world_size)
 
     def call(self, method: Callable | str, *args, **kwargs) -> Any:
         """Run a `@register`-ed worker method on every rank, dispatched by its mode.
@@ -282,12 +324,17 @@ class _Host:
             return _Failure(exc)
         return None
 
-    def call(self, name: str, kw_names: tuple, *values):
+    def meshes(self) -> dict:
+        return self.worker.mesh_coords()
+
+    def call(self, name: str, reply: bool, kw_names: tuple, *values):
+        """Run the method; a rank whose result the caller drops (a TP or earlier-stage peer) sends None."""
         args, kwargs = _split_kw(kw_names, unpack(values))
         try:
-            return pack(getattr(self.worker, name)(*args, **kwargs))
+            out = getattr(self.worker, name)(*args, **kwargs)
         except Exception as exc:
             return _Failure(exc)
+        return pack(out) if reply else None
 
 
 def _local_ranks(ips: list[str]) -> list[int]:
@@ -347,6 +394,7 @@ class RayWorkerGroup(_WorkerGroup):
             kw_names, values = _flatten(*self._put_once(self._pack_args([(args, kwargs)] * self.world_size))[0])
             self._gather([h.setup.remote(ctx, blob, kw_names, *values) for h, ctx in zip(self._hosts, contexts)],
                          "__init__", STARTUP_TIMEOUT_S)
+            self._set_meshes(self._gather([h.meshes.remote() for h in self._hosts], "__init__", STARTUP_TIMEOUT_S))
         except BaseException:
             self.shutdown()
             raise
@@ -361,14 +409,16 @@ class RayWorkerGroup(_WorkerGroup):
 
     def _call(self, name: str, mode: Dispatch, args: tuple, kwargs: dict) -> Any:
         hosts = self._live_hosts()
-        per_rank = self._put_once(self._pack_args(dispatch(mode, self.world_size, args, kwargs)))
+        mesh = self._mesh_of(name, mode)
+        per_rank = self._put_once(self._pack_args(dispatch(mode, self.world_size, args, kwargs, mesh)))
         futures = []
-        for host, (rank_args, rank_kwargs) in zip(hosts, per_rank):
+        for host, coord, (rank_args, rank_kwargs) in zip(hosts, mesh, per_rank):
             kw_names, values = _flatten(rank_args, rank_kwargs)
-            futures.append(host.call.remote(name, kw_names, *values))
+            reply = coord.answers or mode is not Dispatch.DP_SPLIT
+            futures.append(host.call.remote(name, reply, kw_names, *values))
         results = self._gather(futures, name, self.call_timeout)
         if mode is Dispatch.DP_SPLIT:
-            return collect(mode, unpack_rows(results))
+            return collect(mode, unpack_rows(answering(results, mesh)), flat_mesh(mesh[0].dp_size))
         return collect(mode, [unpack(out) for out in results])
 
     def _live_hosts(self) -> list:
@@ -532,6 +582,7 @@ class LocalWorkerGroup(_WorkerGroup):
             init_process_group(pool.device)
             self._process_group = dist.group.WORLD
         self._worker = self._run("__init__", lambda: _construct(worker_cls, self._context, args, kwargs))
+        self._set_meshes(self._all_ranks(self._worker.mesh_coords()))
 
     @property
     def rank(self) -> int:
@@ -547,18 +598,25 @@ class LocalWorkerGroup(_WorkerGroup):
         except Exception as exc:
             raise WorkerError(self.rank, name, f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
 
-    def _call(self, name: str, mode: Dispatch, args: tuple, kwargs: dict) -> Any:
-        if self._worker is None:
-            raise RuntimeError(f"{self!r} has been shut down")
-        rank_args, rank_kwargs = dispatch(mode, self.world_size, args, kwargs)[self.rank]
-        out = self._run(name, lambda: getattr(self._worker, name)(*rank_args, **rank_kwargs))
+    def _all_ranks(self, value: Any) -> list:
+        """`value` from every rank of the job, in rank order (a world of one: just this one)."""
         if self._process_group is None:
-            return collect(mode, [out])
+            return [value]
         import torch.distributed as dist
 
         results: list[Any] = [None] * self.world_size
-        dist.all_gather_object(results, out, group=self._process_group)
-        return collect(mode, results)
+        dist.all_gather_object(results, value, group=self._process_group)
+        return results
+
+    def _call(self, name: str, mode: Dispatch, args: tuple, kwargs: dict) -> Any:
+        if self._worker is None:
+            raise RuntimeError(f"{self!r} has been shut down")
+        mesh = self._mesh_of(name, mode)
+        rank_args, rank_kwargs = dispatch(mode, self.world_size, args, kwargs, mesh)[self.rank]
+        out = self._run(name, lambda: getattr(self._worker, name)(*rank_args, **rank_kwargs))
+        if mode is Dispatch.DP_SPLIT and not mesh[self.rank].answers:
+            out = None  # a peer of the answering rank: its copy is not sent
+        return collect(mode, self._all_ranks(out), mesh)
 
     def shutdown(self) -> None:
         """Drop the worker; tear down the process group if this group created it.

@@ -6,7 +6,8 @@ megatron-core assumes CUDA in a handful of spots a CPU run reaches:
   tensors and for DDP's contiguous param/grad buffers;
 - the CUDA RNG tracker (`get_cuda_rng_tracker().fork()` wraps attention
   dropout even at p=0);
-- `param.type() == "torch.cuda.FloatTensor"` checks in the optimizer.
+- `param.type() == "torch.cuda.FloatTensor"` checks in the optimizer;
+- `tensor.cuda()` on the tied embedding's last-stage copy at pp > 1.
 
 Rather than editing megatron-core, `apply()` gives each loaded
 `megatron.core` module a view of `torch` (`_CpuTorch`) whose factory
@@ -137,6 +138,21 @@ def _patch_tensor_type() -> None:
     torch.Tensor.type = type_
 
 
+def _patch_tensor_cuda() -> None:
+    """`t.cuda()` keeps a CPU tensor where it is, for megatron callers only.
+
+    GPTModel at pp > 1 with tied embeddings moves the last stage's copy of the
+    embedding with `.data.cuda()` before all-reducing it with the first stage.
+    """
+    original = torch.Tensor.cuda
+
+    def cuda(self, *args, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        return self if caller.startswith("megatron.") else original(self, *args, **kwargs)
+
+    torch.Tensor.cuda = cuda
+
+
 def _megatron_modules():
     # Import what the engine uses first, so every module that holds `torch` is patched.
     import megatron.core.distributed  # noqa: F401
@@ -160,4 +176,5 @@ def apply() -> None:
             module.torch = cpu_torch
     _install_cpu_rng_tracker()
     _patch_tensor_type()
+    _patch_tensor_cuda()
     _APPLIED = True

@@ -15,6 +15,7 @@ right padding left, the plain causal mask is exact.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -30,7 +31,9 @@ from hybridflow.models.bridge import get_bridge
 from hybridflow.models.checkpoint import resolve_dtype
 from hybridflow.models.config import DecoderConfig
 from hybridflow.models.decoder import rope_inv_freq
-from hybridflow.models.sharding import shard_tensor, unshard_tensor
+from hybridflow.models.sharding import shard_tensor, spec_for, unshard_tensor
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 # A role's step function: (model output [B, S, ...] in the caller's column order,
 # micro-batch) -> (scalar loss, metrics or outputs to collect).
@@ -54,6 +57,15 @@ def unalign(x: Tensor, idx: Tensor) -> Tensor:
     return torch.empty_like(x).scatter(1, index, x)
 
 
+def pad_rows(batch: dict[str, Any], rows: int) -> dict[str, Any]:
+    """Append all-zero rows (no real tokens, masks 0) to every tensor field until it has `rows` rows."""
+    out = {}
+    for key, value in batch.items():
+        extra = rows - len(value)
+        out[key] = torch.cat([value, value.new_zeros(extra, *value.shape[1:])]) if extra > 0 else value
+    return out
+
+
 class ValueHead(nn.Module):
     """The critic's output layer: hidden -> one value, replicated across TP."""
 
@@ -63,6 +75,18 @@ class ValueHead(nn.Module):
 
     def forward(self, hidden_states: Tensor, weight=None, runtime_gather_output=None):
         return hidden_states @ self.weight.t(), None
+
+
+@dataclass
+class Traffic:
+    """What one rank received in a weight transfer: bytes and collectives."""
+
+    bytes_received: int = 0
+    collectives: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.bytes_received += nbytes
+        self.collectives += 1
 
 
 @dataclass
@@ -88,9 +112,31 @@ def transformer_config(cfg: DecoderConfig, parallel: ParallelConfig, dtype: torc
         persist_layer_norm=False, gradient_accumulation_fusion=False,
         window_size=None if window is None else (window - 1, 0),
         tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+        pipeline_dtype=dtype,
         context_parallel_size=parallel.cp, sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=device == "cpu", perform_initialization=False)
+
+
+def mark_tensor_parallel(model: nn.Module, value_head: bool = False) -> None:
+    """Tag each parameter with megatron-core's TP attributes, from the sharding plan.
+
+    megatron-core 0.16 sets `tensor_model_parallel` on a layer's weight only
+    while initializing it; built with `perform_initialization=False` (weights
+    come from a checkpoint) the weights of its TP layers are left untagged.
+    The optimizer then counts every untagged parameter on TP rank 0 only as a
+    "duplicate", so the gradient norm (and clipping) misses the other ranks'
+    shards: at tp=2 it measured 1.51 where the single-rank norm is 1.91.
+    """
+    from megatron.core.tensor_parallel.layers import (set_defaults_if_not_set_tensor_model_parallel_attributes,
+                                                      set_tensor_model_parallel_attributes)
+
+    for name, param in model.named_parameters():
+        spec = None if value_head and name == "output_layer.weight" else spec_for(name)  # the value head is replicated
+        if spec is not None and spec.dim is not None:
+            set_tensor_model_parallel_attributes(param, True, spec.dim, 1)
+        else:
+            set_defaults_if_not_set_tensor_model_parallel_attributes(param)
 
 
 class MegatronEngine:
@@ -143,6 +189,7 @@ class MegatronEngine:
         if self.value_head and model.post_process:
             model.output_layer = ValueHead(cfg.hidden_size, self.dtype)
         model.to(self._torch_device())
+        mark_tensor_parallel(model, self.value_head)
         if self.dtype != torch.float32:
             from megatron.core.transformer.module import Float16Module
             model = Float16Module(self.tconfig, model)
@@ -178,88 +225,172 @@ class MegatronEngine:
             wd_incr_style="constant")
 
     # -- weights --------------------------------------------------------------
+    def _inner(self) -> nn.Module:
+        return self.module.module if hasattr(self.module, "module") else self.module
+
     def _named_params(self) -> dict[str, Tensor]:
-        inner = self.module.module if hasattr(self.module, "module") else self.module
-        return dict(inner.named_parameters())
+        """This rank's parameters under megatron-core's *local* names (layers numbered per stage)."""
+        return dict(self._inner().named_parameters())
+
+    @property
+    def stage_layers(self) -> range:
+        """Global indices of the decoder layers on this pipeline stage."""
+        layers = self._inner().decoder.layers
+        first = layers[0].layer_number - 1 if len(layers) else 0
+        return range(first, first + len(layers))
+
+    def local_name(self, name: str) -> Optional[str]:
+        """This stage's name for a global megatron name, or None when another stage holds it.
+
+        megatron-core numbers `decoder.layers.N` from 0 on every stage; the
+        bridge and HF checkpoints number layers globally.
+        """
+        match = _LAYER.match(name)
+        if match is None:
+            return name if name in self._named_params() else None
+        index, layers = int(match[1]), self.stage_layers
+        return f"decoder.layers.{index - layers.start}.{match[2]}" if index in layers else None
+
+    def _stage_entries(self) -> list[tuple[Any, str]]:
+        """(bridge entry, local name) of every bridge tensor on this stage."""
+        out = []
+        for entry in self.bridge.entries():
+            if self.value_head and entry.megatron == "output_layer.weight":
+                continue
+            local = self.local_name(entry.megatron)
+            if local is not None:
+                out.append((entry, local))
+        return out
+
+    def _tied_output_copy(self) -> bool:
+        """The last stage's copy of a tied embedding (pp > 1): loaded from the embedding, never exported."""
+        return (self.cfg.tie_word_embeddings and not self.value_head and self.parallel.pp > 1
+                and "output_layer.weight" in self._named_params())
 
     def load_hf_state_dict(self, hf: dict[str, Tensor]) -> None:
         """Copy full HF tensors into this rank's shards, in place (DDP buffers keep their storage)."""
         full = self.bridge.hf_to_megatron(hf)
         params = self._named_params()
+        tp_rank, tp = self.layout.tp_rank, self.layout.tp
         with torch.no_grad():
-            for entry in self.bridge.entries():
-                if self.value_head and entry.megatron == "output_layer.weight":
-                    continue
-                if entry.megatron not in params:
-                    continue  # lives on another pipeline stage
-                piece = shard_tensor(full[entry.megatron], entry.shard, self.layout.tp_rank, self.layout.tp)
-                params[entry.megatron].copy_(piece)
+            for entry, local in self._stage_entries():
+                params[local].copy_(shard_tensor(full[entry.megatron], entry.shard, tp_rank, tp))
+            if self._tied_output_copy():
+                embedding = full["embedding.word_embeddings.weight"]
+                params["output_layer.weight"].copy_(shard_tensor(embedding, spec_for("output_layer.weight"),
+                                                                 tp_rank, tp))
         if self.optimizer is not None:
             self.optimizer.reload_model_params()
 
-    def hf_state_dict(self) -> dict[str, Tensor]:
-        """The full model in HF names and layout, gathered over TP (pp=1)."""
+    def stage_state(self, traffic: Optional["Traffic"] = None) -> dict[str, Tensor]:
+        """This stage's tensors, gathered over TP, under global megatron names (each its own copy)."""
         from megatron.core import parallel_state as ps
 
-        if self.parallel.pp > 1:
-            raise NotImplementedError("HF export from pipeline-parallel engines is not built yet (needs a "
-                                      "gather across stages)")
+        params, out = self._named_params(), {}
+        for entry, local in self._stage_entries():
+            tensor = params[local].detach()
+            if self.layout.tp > 1 and entry.shard.dim is not None:
+                pieces = [torch.empty_like(tensor) for _ in range(self.layout.tp)]
+                dist.all_gather(pieces, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
+                if traffic is not None:
+                    traffic.add(tensor.numel() * tensor.element_size() * (self.layout.tp - 1))
+                tensor = unshard_tensor(pieces, entry.shard)
+            out[entry.megatron] = tensor.clone()
+        return out
+
+    def full_state(self, traffic: Optional["Traffic"] = None) -> dict[str, Tensor]:
+        """The whole model on every rank (global megatron names): TP all-gathers, then one broadcast
+        per pipeline stage over the pipeline group; `traffic` counts what this rank received.
+
+        This is the plain full gather (DeepSpeed-Chat style), one collective per
+        tensor: the baseline the 3D-HybridEngine's grouped gather replaces.
+        """
+        from megatron.core import parallel_state as ps
+
+        state = self.stage_state(traffic)
+        if self.parallel.pp == 1:
+            return state
+        group = ps.get_pipeline_model_parallel_group()
+        full: dict[str, Tensor] = {}
+        for stage, src in enumerate(dist.get_process_group_ranks(group)):
+            box = [state if stage == self.layout.pp_rank else None]
+            dist.broadcast_object_list(box, src=src, group=group)
+            if traffic is not None:  # a rank counts every collective it joins, bytes only when it receives
+                mine = stage == self.layout.pp_rank
+                traffic.add(0 if mine else sum(t.numel() * t.element_size() for t in box[0].values()))
+            full.update(box[0])
+        return full
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """The full model in HF names and layout (gathered over TP, then stage by stage over PP)."""
         if self.value_head:
             raise NotImplementedError("a critic is not an HF causal LM; save it with state_dict()")
-        params, full = self._named_params(), {}
-        for entry in self.bridge.entries():
-            local = params[entry.megatron].detach()
-            if self.layout.tp > 1 and entry.shard.dim is not None:
-                pieces = [torch.empty_like(local) for _ in range(self.layout.tp)]
-                dist.all_gather(pieces, local.contiguous(), group=ps.get_tensor_model_parallel_group())
-                local = unshard_tensor(pieces, entry.shard)
-            full[entry.megatron] = local.clone()
-        return self.bridge.megatron_to_hf(full)
+        return self.bridge.megatron_to_hf(self.full_state())
 
     def generation_state(self) -> dict[str, Tensor]:
-        """Generation-layout names -> *views* of this rank's parameters (tp=pp=1: the whole model)."""
+        """Generation-layout names -> *views* of this rank's parameters (tp = pp = 1: the whole model)."""
         if self.layout.tp > 1 or self.parallel.pp > 1:
-            raise NotImplementedError("views of a sharded engine need the 3D-HybridEngine's reshard")
+            raise NotImplementedError("a sharded engine has no whole-model views; gather it (full_state)")
         return self.bridge.megatron_to_generation(self._named_params())
 
     # -- compute --------------------------------------------------------------
     def _forward_step(self, step_fn: StepFn, data_iterator, model):
-        batch = next(data_iterator)
+        batch, rows = next(data_iterator)
         idx = left_align_index(batch[F.ATTENTION_MASK])
         ids = batch[F.INPUT_IDS].gather(1, idx).to(self._torch_device())
         s = ids.shape[1]
         positions = torch.arange(s, device=ids.device)[None].expand_as(ids)
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
         output = model(ids, positions, causal)
-        return output, functools.partial(self._loss, step_fn, batch, idx)
+        return output, functools.partial(self._loss, step_fn, batch, idx, rows)
 
     @staticmethod
-    def _loss(step_fn: StepFn, batch: dict[str, Any], idx: Tensor, output: Tensor):
+    def _loss(step_fn: StepFn, batch: dict[str, Any], idx: Tensor, rows: int, output: Tensor):
         output = unalign(output, idx.to(output.device))
         if output.shape[-1] == 1:
             output = output.squeeze(-1)
+        if rows < len(output):  # rows added only to give every pipeline micro-batch one shape
+            output, batch = output[:rows], {k: v[:rows] for k, v in batch.items()}
         return step_fn(output, batch)
 
     def run(self, micro_batches: list[dict[str, Any]], step_fn: StepFn,
             forward_only: bool = False) -> list[dict[str, Any]]:
-        """Forward (and backward) over micro-batches; returns what each step_fn reported.
+        """Forward (and backward) over micro-batches; returns what each step_fn reported, on every rank.
 
         Each micro-batch holds at least INPUT_IDS and ATTENTION_MASK [b, S] (`data.fields`).
         Megatron divides each loss by len(micro_batches), so a step_fn that
         returns its micro-batch's share of the mini-batch loss times
-        len(micro_batches) gives exactly the mini-batch gradient.
+        len(micro_batches) gives exactly the mini-batch gradient. At pp > 1
+        micro-batches are padded with empty rows to one shape (the pipeline
+        sends fixed-shape activations; step_fn never sees the padding), and
+        the reports, which only the last stage computes, are broadcast to the
+        pipeline's other stages.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not forward_only and self.optimizer is None:
             raise RuntimeError("this engine is frozen (built without an optimizer)")
+        rows = [len(mb[F.INPUT_IDS]) for mb in micro_batches]
+        size = max(rows)
+        data = [(pad_rows(mb, size) if self.parallel.pp > 1 else mb, n) for mb, n in zip(micro_batches, rows)]
         self.model.train(not forward_only)
         with torch.set_grad_enabled(not forward_only):
-            return get_forward_backward_func()(
+            reports = get_forward_backward_func()(
                 forward_step_func=functools.partial(self._forward_step, step_fn),
-                data_iterator=iter(micro_batches), model=[self.model],
-                num_microbatches=len(micro_batches), seq_length=micro_batches[0][F.INPUT_IDS].shape[1],
-                micro_batch_size=micro_batches[0][F.INPUT_IDS].shape[0], forward_only=forward_only)
+                data_iterator=iter(data), model=[self.model],
+                num_microbatches=len(data), seq_length=data[0][0][F.INPUT_IDS].shape[1],
+                micro_batch_size=data[0][0][F.INPUT_IDS].shape[0], forward_only=forward_only)
+        return self._from_last_stage(reports)
+
+    def _from_last_stage(self, reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if self.parallel.pp == 1:
+            return reports
+        from megatron.core import parallel_state as ps
+
+        box = [reports if ps.is_pipeline_last_stage() else None]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        return box[0]
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()

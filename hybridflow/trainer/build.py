@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from hybridflow.config.schema import Config
-from hybridflow.config.validate import reference_parallel, rollout_apart, uses_ray
+from hybridflow.config.validate import reference_parallel, role_layout, rollout_apart, uses_critic, uses_ray
 from hybridflow.controller.worker_group import LocalWorkerGroup
 from hybridflow.workers.rl_workers import (ActorGroup, ActorRolloutRefWorker, CriticGroup, CriticWorker,
                                            RewardModelGroup, RewardModelWorker, RolloutGroup, RolloutWorker)
@@ -42,7 +42,8 @@ def actor_spec(cfg: Config) -> ActorWorkerSpec:
     reference = dataclasses.replace(cfg.reference, parallel=reference_parallel(cfg))
     return ActorWorkerSpec(run=_run(cfg), model=cfg.model, actor=cfg.actor, rollout=cfg.rollout,
                            reference=reference if needs_reference(cfg) else None,
-                           max_response_length=cfg.data.max_response_length, optimizer_steps=optimizer_steps(cfg))
+                           max_response_length=cfg.data.max_response_length, optimizer_steps=optimizer_steps(cfg),
+                           layout=role_layout(cfg, "training"))
 
 
 def rollout_spec(cfg: Config) -> RolloutWorkerSpec:
@@ -53,7 +54,7 @@ def rollout_spec(cfg: Config) -> RolloutWorkerSpec:
 def critic_spec(cfg: Config) -> CriticWorkerSpec:
     return CriticWorkerSpec(run=_run(cfg), model=cfg.model, path=cfg.critic.model_path or cfg.model.path,
                             critic=cfg.critic, mini_batch_size=cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
-                            optimizer_steps=optimizer_steps(cfg))
+                            optimizer_steps=optimizer_steps(cfg), layout=role_layout(cfg, "critic"))
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Groups:
 
 
 def build_groups(cfg: Config) -> Groups:
-    critic = cfg.algorithm.adv_estimator == "gae"
+    critic = uses_critic(cfg)
     reward_model = cfg.reward.model_path is not None
     if not uses_ray(cfg):
         return Groups(ActorGroup(LocalWorkerGroup(ActorRolloutRefWorker, None, actor_spec(cfg))),

@@ -33,7 +33,7 @@ import torch
 from hybridflow.algos import build_kl_controller
 from hybridflow.config.errors import ConfigError
 from hybridflow.config.schema import Config
-from hybridflow.config.validate import check_runnable, chunk_prompts, prompt_multiple, role_layout
+from hybridflow.config.validate import check_runnable, chunk_prompts, prompt_multiple, row_multiple
 from hybridflow.controller.dispatch import concat_batches
 from hybridflow.controller.worker_group import LocalWorkerGroup, WorkerError
 from hybridflow.dataflow import DataFlow, Node, NodeError
@@ -85,10 +85,10 @@ class RLTrainer:
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                            cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self.needs_ref = needs_reference(cfg)
-        # Prompts are split over the rollout ranks and rows over the actor's data-parallel replicas.
+        # Prompts are split over the rollout ranks, rows over the actor's and critic's DP replicas.
         self.prompt_multiple = prompt_multiple(cfg)
         self.chunk_prompts = chunk_prompts(cfg)
-        self.actor_replicas = role_layout(cfg, "training").dp
+        self.row_multiple = row_multiple(cfg)
         groups = build_groups(cfg)
         self.actor, self.critic, self.reward_model = groups.actor, groups.critic, groups.reward_model
         # Rollout apart from training (groups.rollout) works on a copy of the
@@ -173,11 +173,17 @@ class RLTrainer:
     def update(self, batch: dict[str, Any], step: int) -> dict[str, float]:
         if len(batch[F.INPUT_IDS]) == 0:
             return {"actor/skipped": 1.0}
-        batch = S.fill_to_multiple(batch, self.actor_replicas)
+        batch = S.fill_to_multiple(batch, self.row_multiple)
         stats = {}
         if self.critic is not None:
             stats.update(mean_of_ranks(self.critic.update_critic(F.tensor_fields(batch), step)))
         stats.update(mean_of_ranks(self.actor.update_actor(F.tensor_fields(batch), step)))
+        stats.update(self.transition())
+        return stats
+
+    def transition(self) -> Metrics:
+        """Bring generation up to the trained actor: its own weights, and a separate rollout group's."""
+        stats = self.actor.refresh_generation()
         self.rollout_weights_stale = self.separate_rollout is not None
         return stats
 
@@ -300,7 +306,7 @@ class RLTrainer:
         step, directory = found
         for group in self._groups():
             group.load(str(directory))
-        self.rollout_weights_stale = self.separate_rollout is not None
+        self.transition()
         state = json.loads((directory / "trainer.json").read_text())
         self.kl_ctrl.value = state["kl_coef"]
         log.info("resumed from %s (step %d)", directory, step)

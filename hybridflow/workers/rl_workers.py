@@ -32,7 +32,7 @@ from hybridflow.controller.worker_group import RoleGroup, Worker, remote
 from hybridflow.data import fields as F
 from hybridflow.data.tokenizer import Tokenizer
 from hybridflow.engine import MegatronEngine
-from hybridflow.hybrid_engine import generation_model
+from hybridflow.hybrid_engine import generation_weights
 from hybridflow.models.checkpoint import load_decoder, load_hf_state_dict, save_hf_checkpoint
 from hybridflow.models.config import DecoderConfig
 from hybridflow.roles import Actor, Critic, Reference, Rollout
@@ -134,36 +134,45 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         self.tokenizer = load_tokenizer(spec.model, self.model_cfg)
         self.engine = build_engine(spec.run, spec.model, spec.model.path, spec.actor.optim, spec.actor.parallel,
                                    spec.optimizer_steps)
+        self.register_mesh("actor", spec.layout)
         self.actor = Actor(spec.actor, self.engine, samples_per_prompt=spec.rollout.n,
                            temperature=spec.rollout.temperature, seed=spec.run.seed)
         self.reference = None
         if spec.reference is not None:
             engine = build_engine(spec.run, spec.model, spec.model.path, None, spec.reference.parallel)
             self.reference = Reference(spec.reference, engine, temperature=spec.rollout.temperature)
-        generator = Generator(generation_model(self.engine), self.tokenizer.pad_token_id, self.tokenizer)
+        # Generation at tg = 1: views of the engine, or (tp/pp > 1) a whole model gathered after each update.
+        self.generation = generation_weights(self.engine)
+        generator = Generator(self.generation.model, self.tokenizer.pad_token_id, self.tokenizer)
         self.rollout = Rollout(spec.rollout, spec.max_response_length, generator, self.tokenizer, self.world_size)
+
+    @register(Dispatch.RANK_ZERO)
+    def refresh_generation(self) -> dict[str, float]:
+        """Bring the generation weights up to the trained ones; the transition's `reshard/*` figures."""
+        return self.generation.refresh()
 
     @register(Dispatch.RANK_ZERO)
     def publish_weights(self) -> ObjectHandle:
         """The actor's weights in the generation layout, left in the object store for a rollout group.
 
-        Every rank holds the whole model (tp = pp = 1), so rank 0's copy is
-        the one published; only the handle reaches the controller.
+        At tg = 1 every rank's generation model is the whole model (views at
+        tp = pp = 1, else gathered by `refresh_generation`), so rank 0's copy
+        is the one published; only the handle reaches the controller.
         """
         if self.rank != 0:
             return None
         # Under Ray the tensors are written into the object store once: a snapshot.
-        return ObjectHandle({name: t.detach().cpu() for name, t in self.engine.generation_state().items()})
+        return ObjectHandle({name: t.detach().cpu() for name, t in self.generation.model.state_dict().items()})
 
-    @register(Dispatch.DP_SPLIT)
+    @register(Dispatch.DP_SPLIT, mesh="actor")
     def compute_log_probs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         return self.actor.compute_log_probs(batch, self.spec.rollout.log_prob_micro_batch_size)
 
-    @register(Dispatch.DP_SPLIT)
+    @register(Dispatch.DP_SPLIT, mesh="actor")
     def compute_ref_log_probs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         return self.reference.compute_ref_log_probs(batch)
 
-    @register(Dispatch.DP_SPLIT)
+    @register(Dispatch.DP_SPLIT, mesh="actor")
     def update_actor(self, batch: dict[str, Any], step: int) -> dict[str, float]:
         return self.actor.update(batch, step)
 
@@ -220,13 +229,14 @@ class CriticWorker(EngineWorker):
         torch.manual_seed(spec.run.seed)
         self.engine = build_engine(spec.run, spec.model, spec.path, spec.critic.optim, spec.critic.parallel,
                                    spec.optimizer_steps, value_head=True)
+        self.register_mesh("critic", spec.layout)
         self.critic = Critic(spec.critic, self.engine, mini_batch_size=spec.mini_batch_size, seed=spec.run.seed)
 
-    @register(Dispatch.DP_SPLIT)
+    @register(Dispatch.DP_SPLIT, mesh="critic")
     def compute_values(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         return self.critic.compute_values(batch)
 
-    @register(Dispatch.DP_SPLIT)
+    @register(Dispatch.DP_SPLIT, mesh="critic")
     def update_critic(self, batch: dict[str, Any], step: int) -> dict[str, float]:
         return self.critic.update(batch, step)
 
@@ -255,6 +265,7 @@ class ActorGroup(RoleGroup):
     """The actor/rollout/reference group, as the trainer calls it."""
 
     generate = remote(ActorRolloutRefWorker.generate)
+    refresh_generation = remote(ActorRolloutRefWorker.refresh_generation)
     publish_weights = remote(ActorRolloutRefWorker.publish_weights)
     compute_log_probs = remote(ActorRolloutRefWorker.compute_log_probs)
     compute_ref_log_probs = remote(ActorRolloutRefWorker.compute_ref_log_probs)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hybridflow.config.schema import ActorConfig, CriticConfig, ModelConfig, ReferenceConfig, RolloutConfig
+from hybridflow.parallel.layout import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class ActorWorkerSpec:
     reference: Optional[ReferenceConfig]  # None: no KL term, so no reference engine; its `parallel` is resolved
     max_response_length: int  # data.max_response_length: new tokens per response
     optimizer_steps: int  # the LR schedule's length
+    layout: ParallelDims  # the actor's (and reference's) p-t-d layout over the group
 
 
 @dataclass(frozen=True)
@@ -52,3 +54,4 @@ class CriticWorkerSpec:
     critic: CriticConfig
     mini_batch_size: int  # responses per optimizer step (actor.ppo_mini_batch_size * rollout.n)
     optimizer_steps: int
+    layout: ParallelDims

@@ -73,3 +73,49 @@ def test_register_marks_methods_and_overrides_without_tag_hide_them():
     assert registered_methods(Child) == {"forward": Dispatch.DP_SPLIT}
     with pytest.raises(ValueError, match="unknown dispatch mode 'dp_slpit'"):
         register("dp_slpit")
+
+
+def _mesh(dims):
+    from hybridflow.controller.dispatch import MeshCoord
+
+    return [MeshCoord(dims.coord(r).dp, dims.dp, dims.answers_for_replica(r)) for r in range(dims.world_size)]
+
+
+def test_dp_split_over_a_mesh_sends_a_replica_the_same_rows_and_keeps_one_answer_each():
+    """TP x PP peers of one replica see the same rows; the result is one answer per replica."""
+    from hybridflow.controller.dispatch import Dispatch, collect, dispatch
+    from hybridflow.parallel import ParallelDims
+
+    dims = ParallelDims(tp=2, pp=2, dp=2)  # 8 ranks; replica 0 = ranks 0,1,4,5; replica 1 = 2,3,6,7
+    mesh = _mesh(dims)
+    batch = {"x": torch.arange(6)}
+    per_rank = dispatch(Dispatch.DP_SPLIT, 8, (batch, 7), {}, mesh)
+    rows = [args[0]["x"].tolist() for args, _ in per_rank]
+    assert rows == [[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]] * 2
+    assert all(args[1] == 7 for args, _ in per_rank)
+    # Only ranks 4 (replica 0) and 6 (replica 1) answer: the last stage, TP rank 0.
+    results = [{"y": torch.full((3,), float(rank))} for rank in range(8)]
+    assert collect(Dispatch.DP_SPLIT, results, mesh)["y"].tolist() == [4.0] * 3 + [6.0] * 3
+
+
+def test_a_flat_split_over_tp_peers_is_what_mixed_rows_before_meshes():
+    """Without a mesh, two TP peers got different rows (the critic tp=2 bug): meshes exist to stop that."""
+    from hybridflow.controller.dispatch import Dispatch, dispatch
+    from hybridflow.parallel import ParallelDims
+
+    batch = {"x": torch.arange(4)}
+    flat = [a[0]["x"].tolist() for a, _ in dispatch(Dispatch.DP_SPLIT, 2, (batch,), {})]
+    assert flat == [[0, 1], [2, 3]]
+    meshed = [a[0]["x"].tolist() for a, _ in dispatch(Dispatch.DP_SPLIT, 2, (batch,), {}, _mesh(ParallelDims(tp=2)))]
+    assert meshed == [[0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+def test_meshes_are_checked():
+    from hybridflow.controller.dispatch import MeshCoord, check_mesh, register
+
+    with pytest.raises(ValueError, match="exactly one answering rank"):
+        check_mesh("actor", [MeshCoord(0, 1, True), MeshCoord(0, 1, True)])
+    with pytest.raises(ValueError, match="disagree on the number of replicas"):
+        check_mesh("actor", [MeshCoord(0, 1, True), MeshCoord(1, 2, True)])
+    with pytest.raises(ValueError, match="only applies to DP_SPLIT"):
+        register("one_to_all", mesh="actor")

@@ -222,12 +222,12 @@ def test_a_worker_failing_inside_a_flow_stage_surfaces_as_worker_error(tmp_path,
 
 
 @pytest.mark.parametrize("override, message", [
-    ("actor.parallel.tp=2", "actor.parallel.tp: rollout needs the actor's weights in the generation layout; "
-                            "from a tp=2, pp=1 actor that is the 3D-HybridEngine's reshard, which is not built"),
+    ("actor.parallel.tp=2 rollout.tg=2", "rollout.tg: 2: generating in a model-parallel layout needs the "
+                                         "3D-HybridEngine's reshard, which is not built yet"),
     ("rollout.engine=vllm", "rollout.engine: 'vllm' is not wired into the trainer yet"),
 ])
 def test_settings_not_built_yet_stop_before_any_worker_starts(tmp_path, override, message):
-    cfg = in_repo(config("tiny-grpo.yaml", tmp_path, "trainer.n_devices=2", override))
+    cfg = in_repo(config("tiny-grpo.yaml", tmp_path, "trainer.n_devices=2", *override.split()))
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         RLTrainer(cfg)
 
@@ -239,12 +239,19 @@ def test_cuda_device_without_cuda_is_a_config_error(tmp_path):
         RLTrainer(cfg)
 
 
-def test_gpu_scale_configs_stop_early_on_the_missing_reshard():
+def test_gpu_scale_configs_against_their_model_shapes():
     from hybridflow.config import check_runnable
     from hybridflow.models import DecoderConfig
 
-    model = DecoderConfig(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                          num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64)
-    for name in ("qwen2.5-0.5b-grpo-gsm8k.yaml", "qwen2.5-7b-ppo-gsm8k.yaml"):
-        with pytest.raises(ConfigError, match="actor.parallel.tp: .*3D-HybridEngine's reshard"):
-            check_runnable(load_config(ROOT / "configs" / name), model)
+    qwen_05b = DecoderConfig(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                             num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64)
+    cfg = load_config(ROOT / "configs" / "qwen2.5-0.5b-grpo-gsm8k.yaml", ["trainer.device=cpu"])
+    check_runnable(cfg, qwen_05b)  # tp=2 over 8 devices: runnable now
+    cfg.actor.parallel.tp = 4  # 14 heads do not split 4 ways
+    with pytest.raises(ConfigError, match="actor.parallel.tp: 4 does not divide the model.s 14 attention heads"):
+        check_runnable(cfg, qwen_05b)
+    qwen_7b = DecoderConfig(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                            num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128)
+    cfg = load_config(ROOT / "configs" / "qwen2.5-7b-ppo-gsm8k.yaml", ["trainer.device=cpu"])
+    with pytest.raises(ConfigError, match="rollout.tg: 2: generating in a model-parallel layout needs the 3D-Hybrid"):
+        check_runnable(cfg, qwen_7b)
