@@ -132,6 +132,8 @@ def mark_tensor_parallel(model: nn.Module, value_head: bool = False) -> None:
                                                       set_tensor_model_parallel_attributes)
 
     for name, param in model.named_parameters():
+        if hasattr(param, "tensor_model_parallel"):  # megatron-core tagged it (biases are)
+            continue
         spec = None if value_head and name == "output_layer.weight" else spec_for(name)  # the value head is replicated
         if spec is not None and spec.dim is not None:
             set_tensor_model_parallel_attributes(param, True, spec.dim, 1)
@@ -281,6 +283,24 @@ class MegatronEngine:
                                                                  tp_rank, tp))
         if self.optimizer is not None:
             self.optimizer.reload_model_params()
+
+    def load_hf_checkpoint(self, path: str | Path) -> int:
+        """Load this rank's shards from an HF safetensors checkpoint, reading only its own slices
+        (`safe_open(...).get_slice`): no rank loads the whole model. Returns the bytes read."""
+        from hybridflow.models.checkpoint import SafetensorsReader
+
+        params = self._named_params()
+        tp_rank, tp = self.layout.tp_rank, self.layout.tp
+        with SafetensorsReader(path) as read, torch.no_grad():
+            self.bridge.check_hf_names(read.keys())
+            for entry, local in self._stage_entries():
+                params[local].copy_(self.bridge.read_shard(entry, read, tp_rank, tp))
+            if self._tied_output_copy():
+                embedding = next(e for e in self.bridge.entries() if e.megatron == "embedding.word_embeddings.weight")
+                params["output_layer.weight"].copy_(self.bridge.read_shard(embedding, read, tp_rank, tp))
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
+        return read.bytes_read
 
     def stage_state(self, traffic: Optional["Traffic"] = None) -> dict[str, Tensor]:
         """This stage's tensors, gathered over TP, under global megatron names (each its own copy)."""

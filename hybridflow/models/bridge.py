@@ -15,8 +15,9 @@ checkpoints, the reshard tool and weight sync all go through it.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, Optional, Protocol
 
 import torch
 
@@ -56,6 +57,14 @@ def split_qkv(qkv: torch.Tensor, cfg: DecoderConfig) -> tuple[torch.Tensor, ...]
     q, k, v = grouped.split([hpg * hd, hd, hd], dim=1)
     return (q.reshape(g * hpg * hd, *rest).contiguous(), k.reshape(g * hd, *rest).contiguous(),
             v.reshape(g * hd, *rest).contiguous())
+
+
+class SliceReader(Protocol):
+    """Reads (parts of) HF tensors by name: a checkpoint on disk, or a dict in memory."""
+
+    def __call__(self, name: str, rows: Optional[slice] = None, cols: Optional[slice] = None) -> torch.Tensor: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
 
 
 class LlamaBridge:
@@ -115,20 +124,60 @@ class LlamaBridge:
         extra = self.padded_vocab - t.shape[0]
         return torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) if extra else t
 
+    # -- one rank's slice, read from a checkpoint -----------------------------
+    def read_shard(self, e: ParamEntry, read: SliceReader, tp_rank: int, tp: int) -> torch.Tensor:
+        """TP rank `tp_rank`'s piece of Megatron tensor `e`, reading only the HF rows/columns it needs.
+
+        read(name, rows=None, cols=None): the HF tensor `name`, or the `slice`
+        of its rows / columns (`models.checkpoint.SafetensorsReader` reads
+        them with `safe_open(...).get_slice`). Equals
+        `shard_tensor(hf_to_megatron(hf)[e.megatron], e.shard, tp_rank, tp)`.
+        """
+        cfg, spec = self.cfg, e.shard
+        if spec.dim is None or tp == 1:
+            t = self._fuse(e, [read(n) for n in e.hf])
+            return self._pad_vocab(t) if e.vocab else t
+        if e.vocab:  # rows [start, stop) of the padded vocabulary
+            per = self.padded_vocab // tp
+            start, stop = tp_rank * per, (tp_rank + 1) * per
+            real = read(e.hf[0], rows=slice(min(start, cfg.vocab_size), min(stop, cfg.vocab_size)))
+            return torch.cat([real, real.new_zeros(stop - start - len(real), *real.shape[1:])])
+        if spec.dim == 1:  # ROW: input features
+            per = read.shape(e.hf[0])[1] // tp
+            return read(e.hf[0], cols=slice(tp_rank * per, (tp_rank + 1) * per))
+        if e.fuse == "qkv":  # whole query groups: rank r holds groups [r*G/tp, (r+1)*G/tp)
+            groups = cfg.num_kv_heads // tp
+            g0, g1 = tp_rank * groups, (tp_rank + 1) * groups
+            q_rows = slice(g0 * cfg.heads_per_group * cfg.head_dim, g1 * cfg.heads_per_group * cfg.head_dim)
+            kv_rows = slice(g0 * cfg.head_dim, g1 * cfg.head_dim)
+            q, k, v = (read(n, rows=r) for n, r in zip(e.hf, (q_rows, kv_rows, kv_rows)))
+            local = dataclasses.replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=groups)
+            return fuse_qkv(q, k, v, local)
+        # COLUMN blocks ([gate; up]) or a plain COLUMN tensor: the same rows of each block
+        parts = []
+        for name in e.hf:
+            per = read.shape(name)[0] // tp
+            parts.append(read(name, rows=slice(tp_rank * per, (tp_rank + 1) * per)))
+        return torch.cat(parts)
+
+    def check_hf_names(self, names) -> None:
+        """KeyError unless an HF checkpoint with these tensor names is a model of this config."""
+        required = {n for e in self.entries() for n in e.hf}
+        # Some tied checkpoints still store lm_head; it is the embedding again.
+        allowed = required | ({"lm_head.weight"} if self.cfg.tie_word_embeddings else set())
+        missing = sorted(required - set(names))
+        if missing:
+            raise KeyError(f"HF checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+        unexpected = sorted(n for n in names if n not in allowed and not n.endswith(_IGNORED_HF_SUFFIXES))
+        if unexpected:
+            raise KeyError(f"HF checkpoint has {len(unexpected)} unexpected tensor(s), e.g. "
+                           f"{unexpected[:3]}: not a {self.cfg.model_type} model of this config?")
+
     # -- whole state dicts --------------------------------------------------
     def _from_hf(self, hf: dict[str, torch.Tensor], name: Callable[[ParamEntry], str],
                  pad: bool) -> dict[str, torch.Tensor]:
         entries = self.entries()
-        required = {n for e in entries for n in e.hf}
-        # Some tied checkpoints still store lm_head; it is the embedding again.
-        allowed = required | ({"lm_head.weight"} if self.cfg.tie_word_embeddings else set())
-        missing = sorted(required - hf.keys())
-        if missing:
-            raise KeyError(f"HF checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
-        unexpected = sorted(n for n in hf if n not in allowed and not n.endswith(_IGNORED_HF_SUFFIXES))
-        if unexpected:
-            raise KeyError(f"HF checkpoint has {len(unexpected)} unexpected tensor(s), e.g. "
-                           f"{unexpected[:3]}: not a {self.cfg.model_type} model of this config?")
+        self.check_hf_names(hf.keys())
         out = {}
         for e in entries:
             t = self._fuse(e, [hf[n] for n in e.hf])

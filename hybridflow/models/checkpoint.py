@@ -63,6 +63,56 @@ def load_hf_state_dict(path: str | Path, dtype: Optional[torch.dtype] = None) ->
     return out
 
 
+class SafetensorsReader:
+    """Slices of the tensors of an HF safetensors checkpoint, read without loading whole tensors.
+
+    `reader(name, rows=slice(a, b))` reads only those rows (`cols` likewise);
+    `bytes_read` counts what was read, so a test can check that a rank read
+    only its shard. Use as a context manager (it keeps the files open).
+    """
+
+    def __init__(self, path: str | Path):
+        self.files = _weight_files(Path(path))
+        self.bytes_read = 0
+        self._open: dict[str, object] = {}
+        self._where: dict[str, object] = {}
+
+    def __enter__(self) -> "SafetensorsReader":
+        for file in self.files:
+            handle = safe_open(str(file), framework="pt").__enter__()
+            self._open[str(file)] = handle
+            for name in handle.keys():
+                self._where[name] = handle
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._open.values():
+            handle.__exit__(None, None, None)
+        self._open.clear()
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def _slice(self, name: str):
+        if name not in self._where:
+            raise KeyError(f"HF checkpoint {self.files[0].parent} has no tensor {name!r}")
+        return self._where[name].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def __call__(self, name: str, rows: Optional[slice] = None, cols: Optional[slice] = None) -> torch.Tensor:
+        part = self._slice(name)
+        if rows is None and cols is None:
+            t = part[:]
+        elif cols is None:
+            t = part[rows]
+        else:
+            t = part[rows or slice(None), cols]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+
 def _shards(sd: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

@@ -33,7 +33,7 @@ from hybridflow.data import fields as F
 from hybridflow.data.tokenizer import Tokenizer
 from hybridflow.engine import MegatronEngine
 from hybridflow.hybrid_engine import generation_weights
-from hybridflow.models.checkpoint import load_decoder, load_hf_state_dict, save_hf_checkpoint
+from hybridflow.models.checkpoint import load_decoder, save_hf_checkpoint
 from hybridflow.models.config import DecoderConfig
 from hybridflow.roles import Actor, Critic, Reference, Rollout
 from hybridflow.rollout import Generator
@@ -73,7 +73,7 @@ def build_engine(run: Run, model: ModelConfig, path: str, optim: Optional[OptimC
         load_model_config(path, "critic.model_path" if value_head else "model.path"), parallel, optim,
         device=run.device, dtype=model.dtype, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
         value_head=value_head, total_steps=optimizer_steps, seed=run.seed)
-    engine.load_hf_state_dict(load_hf_state_dict(path))
+    engine.load_hf_checkpoint(path)  # this rank's slices only
     return engine
 
 
