@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING
 
 from hybridflow.config.errors import ConfigError
 from hybridflow.config.schema import Config, ParallelConfig, PlacementConfig
-from hybridflow.parallel.layout import ParallelDims
+# A module reference, not the class: `parallel.layout` imports ConfigError from this package, so
+# importing `hybridflow.parallel` first must find this module importable while layout is half-done.
+from hybridflow.parallel import layout as _layout
 
 if TYPE_CHECKING:
     from hybridflow.models.config import DecoderConfig
@@ -88,10 +90,10 @@ def reference_parallel(cfg: Config) -> ParallelConfig:
     return cfg.reference.parallel or cfg.actor.parallel
 
 
-def role_layout(cfg: Config, role: str) -> ParallelDims:
+def role_layout(cfg: Config, role: str) -> "_layout.ParallelDims":
     """The p-t-d(-c) layout of an engine role ("training", "critic" or "reference")."""
     path, par = engine_roles(cfg)[role]
-    return ParallelDims.for_world(role_world(cfg, role), tp=par.tp, pp=par.pp, cp=par.cp, key=path)
+    return _layout.ParallelDims.for_world(role_world(cfg, role), tp=par.tp, pp=par.pp, cp=par.cp, key=path)
 
 
 def rollout_apart(cfg: Config) -> bool:
@@ -151,7 +153,7 @@ def _check_layout(par: ParallelConfig, n: int, path: str, device: str) -> None:
     for key, value in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp)):
         if value < 1:
             raise ConfigError(f"{path}.{key}", f"must be >= 1, got {value}")
-    ParallelDims.for_world(n, tp=par.tp, pp=par.pp, cp=par.cp, key=path)
+    _layout.ParallelDims.for_world(n, tp=par.tp, pp=par.pp, cp=par.cp, key=path)
     if par.virtual_pp is not None and (par.pp < 2 or par.virtual_pp < 1):
         raise ConfigError(f"{path}.virtual_pp", "needs pp >= 2 and a value >= 1")
     if par.sequence_parallel and device == "cpu":

@@ -51,3 +51,33 @@ def dp_case():
     # Two prompts' worth per mini-batch, so the global batch is one mini-batch.
     actor_cfg = ActorConfig(optim=optim, ppo_mini_batch_size=4, ppo_micro_batch_size=1)
     return cfg, hf, batch, optim, actor_cfg
+
+
+def write_layout_model(path):
+    """The tiny model with tied embeddings (a last-stage copy at pp > 1) as an HF checkpoint at `path`."""
+    from hybridflow.models.checkpoint import save_hf_checkpoint
+
+    cfg, _, hf = tiny_model(tie_word_embeddings=True)
+    save_hf_checkpoint(hf, cfg.to_hf_dict(), path)
+    return path
+
+
+def layout_case(path):
+    """Model, batch and optimizer shared by the layout tests: the one-rank run and the 4-rank launch."""
+    from types import SimpleNamespace
+
+    from hybridflow.config.schema import ActorConfig, OptimConfig
+    from hybridflow.data import fields as F
+
+    cfg = DecoderConfig.from_pretrained(path)
+    batch = rl_batch(cfg.vocab_size)
+    g = torch.Generator().manual_seed(7)
+    batch[F.OLD_LOG_PROBS] = -2.0 + 0.3 * torch.randn(batch["responses"].shape, generator=g)
+    batch[F.ADVANTAGES] = torch.randn(batch["responses"].shape, generator=g) * batch["response_mask"]
+    # Adam with a large eps moves each weight in proportion to its gradient, so the updated weights
+    # compare tightly; clipping at 0.5 is active (the norm is ~2) and so tests the gradient norm.
+    optim = OptimConfig(lr=1e-2, eps=1.0, grad_clip=0.5)
+    actor_cfg = ActorConfig(optim=optim, ppo_mini_batch_size=4, ppo_micro_batch_size=1)
+    value_head = 0.1 * torch.randn(1, cfg.hidden_size, generator=g)
+    return SimpleNamespace(cfg=cfg, path=str(path), batch=batch, optim=optim, actor_cfg=actor_cfg,
+                           value_head=value_head)

@@ -1,0 +1,106 @@
+"""Run by test_layouts.py under `torchrun --nproc-per-node 4`: the engine at several layouts in one launch.
+
+For each layout (TP2xPP2, TP2xDP2, PP2xDP2) the ranks rebuild megatron-core's
+parallel state and, from the same HF checkpoint (read slice by slice):
+
+- log-probs and entropy of the actor, values of a critic, on the whole batch;
+- one actor update, each DP replica on its share of the batch, then the
+  weights gathered back to HF layout;
+- the full-gather generation model: stale after the update until refreshed,
+  then equal to the trained weights (the invariant of weights shared between
+  training and generation);
+- at TP2xPP2: a checkpoint of the shard resumes exactly (a second update from
+  the restored engine equals the second update of the original).
+
+Rank 0 writes everything to argv[1] for the test to compare with one rank;
+argv[2] is the HF checkpoint the test wrote (`conftest.write_layout_model`).
+"""
+import os
+import sys
+
+
+def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from hybridflow.config.schema import CriticConfig, OptimConfig, ParallelConfig
+    from hybridflow.engine import MegatronEngine
+    from hybridflow.hybrid_engine import GatheredWeights
+    from hybridflow.roles import Actor, Critic
+    from tests.engine.conftest import layout_case
+
+    case = layout_case(hf_path)
+    parallel = ParallelConfig(tp=tp, pp=pp)
+    actor_engine = MegatronEngine(case.cfg, parallel, case.optim, total_steps=10)
+    read = actor_engine.load_hf_checkpoint(case.path)
+    actor = Actor(case.actor_cfg, actor_engine)
+    out = {"bytes_read": read}
+    out.update(actor.compute_log_probs(case.batch, 3))
+    critic_engine = MegatronEngine(case.cfg, parallel, OptimConfig(lr=1e-2), total_steps=10, value_head=True)
+    critic_engine.load_hf_checkpoint(case.path)
+    if ps.is_pipeline_last_stage():  # a non-zero value head, so the values say something
+        critic_engine._named_params()["output_layer.weight"].data.copy_(case.value_head)
+    out.update(Critic(CriticConfig(ppo_micro_batch_size=3), critic_engine, mini_batch_size=4).compute_values(
+        case.batch))
+
+    generation = GatheredWeights(actor_engine)
+    layout = actor_engine.layout
+    rows = len(case.batch["input_ids"]) // layout.dp
+    mine = {k: v[layout.dp_rank * rows:(layout.dp_rank + 1) * rows] for k, v in case.batch.items()}
+    out["metrics"] = actor.update(mine, step=0)
+    out["weights"] = actor_engine.hf_state_dict()
+    gen = dict(generation.model.named_parameters())
+    trained = actor_engine.bridge.megatron_to_generation(actor_engine.full_state())
+    out["stale_before_refresh"] = any(not torch.equal(gen[k], trained[k]) for k in trained)
+    out["transition"] = generation.refresh()
+    out["fresh_after_refresh"] = all(torch.equal(gen[k], trained[k]) for k in trained)
+
+    if tp == 2 and pp == 2:
+        actor_engine.save(ckpt_dir)
+        again = actor.update(mine, step=1)
+        restored = MegatronEngine(case.cfg, parallel, case.optim, total_steps=10)
+        restored.load(ckpt_dir)
+        resumed = Actor(case.actor_cfg, restored).update(mine, step=1)
+        out["resume_metrics_equal"] = again == resumed
+        out["resume_weights_equal"] = all(torch.equal(a, b) for a, b in zip(
+            actor_engine.hf_state_dict().values(), restored.hf_state_dict().values()))
+    out["metrics_keys_same_on_all_ranks"] = _same_everywhere(sorted(out["metrics"]))
+    dist.barrier()
+    return out
+
+
+def _same_everywhere(value) -> bool:
+    import torch.distributed as dist
+
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return all(v == everyone[0] for v in everyone)
+
+
+def main(out_path: str, hf_path: str) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from hybridflow.parallel import init_process_group
+
+    init_process_group("cpu")
+    results = {}
+    ckpt_dir = tempfile.mkdtemp() if dist.get_rank() == 0 else None
+    box = [ckpt_dir]
+    dist.broadcast_object_list(box, src=0)
+    for tp, pp in ((2, 2), (2, 1), (1, 2)):
+        results[f"tp{tp}_pp{pp}"] = run_layout(tp, pp, hf_path, box[0])
+        ps.destroy_model_parallel()
+    if dist.get_rank() == 0:
+        torch.save(results, out_path)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
