@@ -1,0 +1,129 @@
+"""The reshard plan as data, with no processes: groups, containment, coverage, bytes and fused re-laying."""
+import itertools
+from fractions import Fraction
+
+import pytest
+import torch
+
+from hybridflow.hybrid_engine.plan import GenLayout, ParamInfo, bridge_params, plan_reshard
+from hybridflow.models import DecoderConfig, get_bridge, shard_tensor
+from hybridflow.parallel import ParallelDims
+
+H = 48  # divisible by every t * blocks * d used below
+
+
+def uniform_params(layers: int = 4) -> list[ParamInfo]:
+    """Only TP-sharded layer weights, equal on every stage: the setting the paper's formulas assume."""
+    out = []
+    for i in range(layers):
+        pre = f"decoder.layers.{i}."
+        out += [ParamInfo(pre + "self_attention.linear_qkv.weight", (3 * H, H)),
+                ParamInfo(pre + "self_attention.linear_proj.weight", (H, H)),
+                ParamInfo(pre + "mlp.linear_fc1.weight", (4 * H, H)),
+                ParamInfo(pre + "mlp.linear_fc2.weight", (H, 2 * H))]
+    return out
+
+
+CASES = [(t, p, d, tg, pg) for t, p, d in itertools.product((1, 2, 4), (1, 2), (1, 2))
+         for tg in (1, 2, 4) for pg in (1, 2) if t % tg == 0 and p % pg == 0]
+
+
+def ids(case):
+    return "t{}p{}d{}-tg{}pg{}".format(*case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=ids)
+@pytest.mark.parametrize("grouping", ["hybridflow", "vanilla", "full"])
+def test_groups_partition_the_world(case, grouping):
+    t, p, d, tg, pg = case
+    plan = plan_reshard(uniform_params(), ParallelDims(tp=t, pp=p, dp=d), GenLayout(tg, pg), grouping)
+    for groups, size in ((plan.gen_tp_groups, tg), (plan.micro_dp_groups, t * p // (tg * pg))):
+        assert sorted(r for g in groups for r in g) == list(range(t * p * d))
+        assert {len(g) for g in groups} == {size}
+
+
+@pytest.mark.parametrize("case", CASES, ids=ids)
+def test_hybridflow_generation_shard_contains_the_training_shard(case):
+    t, p, d, tg, pg = case
+    plan = plan_reshard(uniform_params(), ParallelDims(tp=t, pp=p, dp=d), GenLayout(tg, pg), "hybridflow")
+    for rank in range(t * p * d):
+        assert plan.held[rank] <= plan.needed[rank], rank
+
+
+def test_vanilla_generation_shard_does_not_contain_the_training_shard():
+    """The negative case: consecutive generation TP groups break containment (paper figure 8: t=4, tg=2)."""
+    plan = plan_reshard(uniform_params(), ParallelDims(tp=4, dp=2), GenLayout(tg=2), "vanilla")
+    assert any(not plan.held[r] <= plan.needed[r] for r in range(8))
+    paper = plan_reshard(uniform_params(), ParallelDims(tp=4, dp=2), GenLayout(tg=2), "hybridflow")
+    assert paper.gen_tp_groups == [(0, 2), (1, 3), (4, 6), (5, 7)]  # [G1,G3],[G2,G4],[G5,G7],[G6,G8]
+    assert paper.micro_dp_groups == [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=ids)
+@pytest.mark.parametrize("grouping", ["hybridflow", "vanilla", "full"])
+def test_bytes_per_rank_equal_the_formulas(case, grouping):
+    t, p, d, tg, pg = case
+    params = uniform_params()
+    m = sum(x.nbytes for x in params)
+    plan = plan_reshard(params, ParallelDims(tp=t, pp=p, dp=d), GenLayout(tg, pg), grouping)
+    want = {"hybridflow": Fraction(t * p - tg * pg, tg * pg * t * p), "vanilla": Fraction(t * p - 1, t * p),
+            "full": Fraction(t * p * d - 1, t * p * d)}[grouping] * m
+    for rank in range(t * p * d):
+        assert plan.bytes_received(rank) == want, (rank, plan.bytes_received(rank), want)
+    assert sum(x.nbytes for x in plan.transfers) == sum(plan.bytes_sent(r) for r in range(t * p * d))
+
+
+@pytest.mark.parametrize("case", CASES, ids=ids)
+def test_every_tensor_is_covered_once_by_each_generation_tp_group(case):
+    t, p, d, tg, pg = case
+    params = uniform_params()
+    plan = plan_reshard(params, ParallelDims(tp=t, pp=p, dp=d), GenLayout(tg, pg), "hybridflow")
+    for replica in range(d):
+        for micro in range(t * p // (tg * pg)):
+            ranks = [r for r, g in enumerate(plan.gen_coords) if g.replica == replica and g.micro_dp_rank == micro]
+            pieces = [piece for r in ranks for piece in plan.needed[r]]
+            assert len(pieces) == len(set(pieces))  # once
+            every = {(x.name, r, b) for x in params for r in range(t) for b in range(x.spec.blocks)}
+            assert set(pieces) == every  # and all of them, over the group's stages
+
+
+@pytest.mark.parametrize("t, tg", [(4, 2), (4, 1), (2, 1), (4, 4)])
+def test_fused_tensors_are_re_laid_from_training_pieces(t, tg):
+    """A generation shard assembled block by block from the plan's pieces equals sharding the full tensor
+    at tg: grouped-query QKV (whole query groups) and SwiGLU [gate; up] (two blocks)."""
+    cfg = DecoderConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
+                        num_heads=8, num_kv_heads=4, head_dim=8)
+    bridge = get_bridge(cfg, 16, t)
+    g = torch.Generator().manual_seed(0)
+    full = {n: torch.randn(s, generator=g) for n, s in bridge.megatron_shapes().items()}
+    plan = plan_reshard(bridge_params(bridge), ParallelDims(tp=t), GenLayout(tg), "hybridflow")
+    for rank in range(t):
+        j = plan.gen_coords[rank].tg_rank
+        for entry in bridge.entries():
+            spec = entry.shard
+            if spec.dim is None:
+                continue
+            train_shards = {r: shard_tensor(full[entry.megatron], spec, r, t) for r in range(t)}
+            mine = sorted((r, b) for n, r, b in plan.needed[rank] if n == entry.megatron)
+            blocks = [torch.cat([train_shards[r].chunk(spec.blocks, spec.dim)[b] for r, bb in mine if bb == b],
+                                spec.dim) for b in range(spec.blocks)]
+            assembled = torch.cat(blocks, spec.dim)
+            assert torch.equal(assembled, shard_tensor(full[entry.megatron], spec, j, tg)), (entry.megatron, rank)
+
+
+def test_real_model_shapes_plan_and_norms_are_never_sent_within_a_stage():
+    cfg = DecoderConfig(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                        num_layers=4, num_heads=14, num_kv_heads=2, head_dim=64, qkv_bias=True,
+                        tie_word_embeddings=True)
+    plan = plan_reshard(bridge_params(get_bridge(cfg, 128, 2)), ParallelDims(tp=2, pp=2), GenLayout(tg=1), "hybridflow")
+    for rank in range(4):
+        assert plan.held[rank] <= plan.needed[rank]
+    assert not [x for x in plan.transfers if "layernorm" in x.param and
+                plan.train.coord(x.src).pp == plan.train.coord(x.dst).pp]
+
+
+def test_bad_layouts_are_refused():
+    with pytest.raises(ValueError, match="tg=3 must divide t=4"):
+        plan_reshard(uniform_params(), ParallelDims(tp=4), GenLayout(tg=3))
+    with pytest.raises(ValueError, match="grouping must be one of"):
+        plan_reshard(uniform_params(), ParallelDims(tp=2), GenLayout(tg=1), "ring")
