@@ -10,12 +10,19 @@ layout of megatron-core rather than HF's separate projections:
 
 With the same layout, the generation weights can be views of the training
 engine's parameters (no copy), which is what the 3D-HybridEngine builds on.
-Nothing here knows about processes or parallelism (rule 1, docs/conventions.md).
+
+Tensor parallelism is injected, not built in (rule 1, docs/conventions.md):
+`Decoder(cfg, parallel)` takes a `TensorParallel` context, `NO_PARALLEL` by
+default. With a group of `size > 1` the model holds rank `rank`'s shard of
+each weight (whole query groups, `[gate_r; up_r]`, a slice of the padded
+vocabulary), and the context's two collectives do the rest: a sum after the
+row-parallel projections and the vocab-parallel embedding, and a gather of
+the vocabulary slices of the logits. Nothing here imports torch.distributed.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +30,49 @@ from torch import nn
 
 from hybridflow.models.config import DecoderConfig
 from hybridflow.models.kv_cache import KVCache
+
+
+class TensorParallel(Protocol):
+    """Where a model sits in a tensor-parallel group, and the group's two collectives."""
+
+    rank: int
+    size: int
+    padded_vocab: int  # vocabulary rows over the whole group (a multiple of size)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over the group (in place allowed)."""
+
+    def gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's last-dim slices of `x`, concatenated in rank order."""
+
+
+class _NoParallel:
+    """A group of one: every collective is the identity."""
+
+    rank, size, padded_vocab = 0, 1, 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+NO_PARALLEL = _NoParallel()
+
+
+def local_config(cfg: DecoderConfig, size: int) -> DecoderConfig:
+    """The shapes one rank of a `size`-way TP group holds: its heads, KV heads and MLP slice."""
+    if size == 1:
+        return cfg
+    import dataclasses
+
+    for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
+                    ("MLP features", cfg.intermediate_size)):
+        if n % size:
+            raise ValueError(f"a {size}-way tensor-parallel group cannot split {n} {what}")
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=cfg.num_kv_heads // size,
+                               intermediate_size=cfg.intermediate_size // size)
 
 
 class RMSNorm(nn.Module):
@@ -74,9 +124,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer: int):
+    """Self-attention over this rank's query groups (cfg: the local config)."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int, parallel: TensorParallel = NO_PARALLEL):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.parallel = cfg, parallel
         self.layer = layer  # its slot in a KVCache
         self.qkv = nn.Linear(cfg.hidden_size, cfg.qkv_size, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
@@ -96,30 +148,33 @@ class Attention(nn.Module):
             # One query per head (a decode step): a group's heads are the query
             # rows of its one kv head, so keys are never expanded or copied.
             out = F.scaled_dot_product_attention(qk[:, 0, :, :hpg], k, v, attn_mask=mask)
-            return self.proj(out.reshape(b, 1, -1))
+            return self.parallel.all_reduce(self.proj(out.reshape(b, 1, -1)))
         q = qk[:, :, :, :hpg].reshape(b, t, -1, hd).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hpg > 1)
-        return self.proj(out.transpose(1, 2).reshape(b, t, -1))
+        return self.parallel.all_reduce(self.proj(out.transpose(1, 2).reshape(b, t, -1)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    """SwiGLU over this rank's slice of the hidden features (cfg: the local config)."""
+
+    def __init__(self, cfg: DecoderConfig, parallel: TensorParallel = NO_PARALLEL):
         super().__init__()
+        self.parallel = parallel
         self.fc1 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # [gate; up]
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fc1(x).chunk(2, dim=-1)
-        return self.fc2(F.silu(gate) * up)
+        return self.parallel.all_reduce(self.fc2(F.silu(gate) * up))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer: int):
+    def __init__(self, cfg: DecoderConfig, layer: int, parallel: TensorParallel = NO_PARALLEL):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer)
+        self.attn = Attention(cfg, layer, parallel)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, parallel)
 
     def forward(self, x, cos, sin, mask, cache: Optional[KVCache] = None):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
@@ -149,16 +204,23 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class Decoder(nn.Module):
-    """Llama-family causal LM. `forward(input_ids[B,T]) -> logits[B,T,V]`."""
+    """Llama-family causal LM. `forward(input_ids[B,T]) -> logits[B,T,V]`.
 
-    def __init__(self, cfg: DecoderConfig):
+    parallel: a tensor-parallel context (`NO_PARALLEL`: the whole model).
+    `cfg` is then this rank's local config (its heads, KV heads, MLP slice;
+    a KVCache built from it holds its KV heads); `full_cfg` the model's.
+    Logits are always the whole, unpadded vocabulary, on every rank.
+    """
+
+    def __init__(self, cfg: DecoderConfig, parallel: TensorParallel = NO_PARALLEL):
         super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.full_cfg, self.parallel = cfg, parallel
+        self.cfg = local_config(cfg, parallel.size)
+        rows = cfg.vocab_size if parallel.size == 1 else parallel.padded_vocab // parallel.size
+        self.embed = nn.Embedding(rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(self.cfg, i, parallel) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @property
@@ -183,16 +245,32 @@ class Decoder(nn.Module):
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
-        x = self.embed(input_ids)
+        x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
         masks = {w: build_attention_mask(attention_mask, w) for w in set(self.cfg.layer_windows)}
         for layer, window in zip(self.layers, self.cfg.layer_windows):
             x = layer(x, cos, sin, masks[window])
         return self.norm(x)
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; with TP, each rank looks up the ids in its vocabulary slice and the group sums."""
+        if self.parallel.size == 1:
+            return self.embed(input_ids)
+        rows = self.embed.num_embeddings
+        local = input_ids - self.parallel.rank * rows
+        outside = (local < 0) | (local >= rows)
+        x = self.embed(local.masked_fill(outside, 0)).masked_fill(outside[..., None], 0.0)
+        return self.parallel.all_reduce(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The output layer: [.., hidden] -> [.., vocab], gathered over the TP group, padding dropped."""
+        out = F.linear(h, self.output_weight)
+        if self.parallel.size == 1:
+            return out
+        return self.parallel.gather_vocab(out)[..., :self.full_cfg.vocab_size]
+
     def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-        h = self.hidden_states(input_ids, attention_mask, position_ids)
-        return F.linear(h, self.output_weight)
+        return self.logits(self.hidden_states(input_ids, attention_mask, position_ids))
 
     def forward_cached(self, input_ids, cache: KVCache, attention_mask=None,
                        last_only: bool = False) -> torch.Tensor:
@@ -204,7 +282,7 @@ class Decoder(nn.Module):
         (prefill a prompt once for several rows, see `KVCache.append`).
         """
         position_ids = cache.append(input_ids.shape[1], attention_mask)
-        x = self.embed(input_ids)
+        x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
         windows = set(self.cfg.layer_windows)
         if cache.start == 0:  # nothing cached before: attend among the new tokens only
@@ -216,4 +294,4 @@ class Decoder(nn.Module):
         for layer, window in zip(self.layers, self.cfg.layer_windows):
             x = layer(x, cos, sin, masks[window], cache)
         h = self.norm(x[:, -1:] if last_only else x)
-        return F.linear(h, self.output_weight)
+        return self.logits(h)
