@@ -1,9 +1,4 @@
 """Data parallelism is not hard-coded away: DP=2 over gloo gives the DP=1 update."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -11,20 +6,15 @@ from hybridflow.config.schema import ParallelConfig
 from hybridflow.engine import MegatronEngine
 from hybridflow.roles import Actor
 from tests.engine.conftest import dp_case
+from tests.torchrun import torchrun
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(240)
 def test_dp2_update_equals_dp1_update(tmp_path):
     out = tmp_path / "dp2.pt"
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(REPO / "tests/engine/dp_step.py"), str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun("tests/engine/dp_step.py", 2, out, timeout=200)
     dp2 = torch.load(out)
 
     cfg, hf, batch, optim, actor_cfg = dp_case()

@@ -1,9 +1,4 @@
 """The engine at TP2xPP2, TP2xDP2 and PP2xDP2 (4 gloo processes, one launch) equals the one-rank engine."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -11,9 +6,9 @@ from hybridflow.config.schema import CriticConfig, OptimConfig, ParallelConfig
 from hybridflow.engine import MegatronEngine
 from hybridflow.roles import Actor, Critic
 from tests.engine.conftest import layout_case, write_layout_model
+from tests.torchrun import torchrun
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
-REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = ("tp2_pp2", "tp2_pp1", "tp1_pp2")
 
 
@@ -23,12 +18,7 @@ def launched(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layouts")
     hf_path = write_layout_model(tmp / "hf")
     out = tmp / "layouts.pt"
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         str(REPO / "tests/engine/layouts_check.py"), str(out), str(hf_path)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun("tests/engine/layouts_check.py", 4, out, hf_path, timeout=420)
     return torch.load(out), reference(hf_path)
 
 

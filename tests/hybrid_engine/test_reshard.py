@@ -1,15 +1,10 @@
 """The grouped switch to generation on 4 gloo processes: fresh weights, the plan's bytes, few collectives."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from tests.engine.conftest import tiny_model
+from tests.torchrun import torchrun
 
-REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = ("t4p1-tg2", "t4p1-tg1", "t2p2-tg2")
 
 
@@ -20,12 +15,7 @@ def launched(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reshard")
     cfg, _, hf = tiny_model(num_key_value_heads=4, tie_word_embeddings=True)  # 4 KV heads: TP up to 4
     save_hf_checkpoint(hf, cfg.to_hf_dict(), tmp / "hf")
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         str(REPO / "tests/hybrid_engine/reshard_check.py"), str(tmp / "out.pt"), str(tmp / "hf")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun("tests/hybrid_engine/reshard_check.py", 4, tmp / "out.pt", tmp / "hf")
     return torch.load(tmp / "out.pt")
 
 

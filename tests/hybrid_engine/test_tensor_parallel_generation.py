@@ -1,17 +1,12 @@
 """The built-in generator at tg = 2 (two gloo processes) equals the whole model on one rank:
 logits, greedy tokens, keyed samples and their log-probs."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from hybridflow.models import Decoder, DecoderConfig, get_bridge
 from hybridflow.rollout import Generator, SamplingParams
+from tests.torchrun import torchrun
 
-REPO = Path(__file__).resolve().parents[2]
 PAD = 0
 
 
@@ -48,12 +43,7 @@ def generate_all(model: Decoder, gen: Generator, batch: dict) -> dict:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_generate") / "out.pt"
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(REPO / "tests/hybrid_engine/tp_generate_check.py"), str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun("tests/hybrid_engine/tp_generate_check.py", 2, out, timeout=240)
     return torch.load(out)
 
 
