@@ -341,6 +341,25 @@ class MegatronEngine:
             full.update(box[0])
         return full
 
+    def hf_stage_parts(self):
+        """The model in HF names, one pipeline stage at a time (a generator every rank must run through).
+
+        Each stage's tensors, gathered over TP, are broadcast over the pipeline
+        group in turn, so a rank holds at most its own stage and one other:
+        what a streamed export writes as it goes.
+        """
+        from megatron.core import parallel_state as ps
+
+        state = self.stage_state()
+        if self.parallel.pp == 1:
+            yield self.bridge.megatron_to_hf(state)
+            return
+        group = ps.get_pipeline_model_parallel_group()
+        for stage, src in enumerate(dist.get_process_group_ranks(group)):
+            box = [state if stage == self.layout.pp_rank else None]
+            dist.broadcast_object_list(box, src=src, group=group)
+            yield self.bridge.megatron_to_hf(box[0], partial=True)
+
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The full model in HF names and layout (gathered over TP, then stage by stage over PP)."""
         if self.value_head:

@@ -184,10 +184,13 @@ class LlamaBridge:
             out[name(e)] = self._pad_vocab(t) if (pad and e.vocab) else t
         return out
 
-    def _to_hf(self, sd: dict[str, torch.Tensor], name: Callable[[ParamEntry], str]) -> dict[str, torch.Tensor]:
+    def _to_hf(self, sd: dict[str, torch.Tensor], name: Callable[[ParamEntry], str],
+               partial: bool = False) -> dict[str, torch.Tensor]:
         out = {}
         for e in self.entries():
             if name(e) not in sd:
+                if partial:  # a part of the model (one pipeline stage)
+                    continue
                 raise KeyError(f"state dict is missing {name(e)!r}")
             t = sd[name(e)]
             if e.vocab:
@@ -198,8 +201,9 @@ class LlamaBridge:
     def hf_to_megatron(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self._from_hf(hf, lambda e: e.megatron, pad=True)
 
-    def megatron_to_hf(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self._to_hf(sd, lambda e: e.megatron)
+    def megatron_to_hf(self, sd: dict[str, torch.Tensor], partial: bool = False) -> dict[str, torch.Tensor]:
+        """HF tensors of `sd`; `partial`: convert only the entries present (one pipeline stage's)."""
+        return self._to_hf(sd, lambda e: e.megatron, partial)
 
     def hf_to_generation(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self._from_hf(hf, lambda e: e.generation, pad=False)

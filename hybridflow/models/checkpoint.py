@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from safetensors import safe_open
@@ -141,6 +141,25 @@ def _write_weights(sd: dict[str, torch.Tensor], out: Path, max_shard_bytes: int)
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
+def _write_parts(parts: Iterable[dict[str, torch.Tensor]], count: int, out: Path) -> None:
+    """One safetensors file per part, written as each part arrives, and the index."""
+    weight_map, total = {}, 0
+    for i, part in enumerate(parts, start=1):
+        name = f"model-{i:05d}-of-{count:05d}.safetensors"
+        save_file({k: t.contiguous() for k, t in part.items()}, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in part})
+        total += sum(t.numel() * t.element_size() for t in part.values())
+    with open(out / INDEX_FILE, "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def save_hf_checkpoint_parts(parts: Iterable[dict[str, torch.Tensor]], count: int, hf_config: dict,
+                             path: str | Path, extra_files: tuple[Path, ...] = ()) -> Path:
+    """`save_hf_checkpoint` for a model that arrives in `count` parts (e.g. pipeline stages),
+    streamed: each part is written when it arrives, so no more than one is held at a time."""
+    return _atomic_checkpoint(lambda tmp: _write_parts(parts, count, tmp), hf_config, path, extra_files)
+
+
 def save_hf_checkpoint(sd: dict[str, torch.Tensor], hf_config: dict, path: str | Path,
                        max_shard_bytes: int = 5 * 2**30, extra_files: tuple[Path, ...] = ()) -> Path:
     """Write config.json + safetensors (sharded past `max_shard_bytes`) atomically.
@@ -148,11 +167,15 @@ def save_hf_checkpoint(sd: dict[str, torch.Tensor], hf_config: dict, path: str |
     `extra_files` (tokenizer files, ...) are copied alongside. An existing
     checkpoint at `path` is replaced only after the new one is complete.
     """
+    return _atomic_checkpoint(lambda tmp: _write_weights(sd, tmp, max_shard_bytes), hf_config, path, extra_files)
+
+
+def _atomic_checkpoint(write_weights, hf_config: dict, path: str | Path, extra_files: tuple[Path, ...]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        _write_weights(sd, tmp, max_shard_bytes)
+        write_weights(tmp)
         with open(tmp / "config.json", "w") as f:
             json.dump(hf_config, f, indent=2)
         for file in extra_files:

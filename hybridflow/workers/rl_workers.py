@@ -33,7 +33,7 @@ from hybridflow.data import fields as F
 from hybridflow.data.tokenizer import Tokenizer
 from hybridflow.engine import MegatronEngine
 from hybridflow.hybrid_engine import generation_weights
-from hybridflow.models.checkpoint import load_decoder, save_hf_checkpoint
+from hybridflow.models.checkpoint import load_decoder, save_hf_checkpoint, save_hf_checkpoint_parts
 from hybridflow.models.config import DecoderConfig
 from hybridflow.roles import Actor, Critic, Reference, Rollout
 from hybridflow.rollout import Generator
@@ -178,16 +178,21 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
 
     @register(Dispatch.RANK_ZERO)
     def export_hf(self, path: str) -> str:
-        """The actor as an HF checkpoint (every rank gathers; rank 0 writes)."""
-        weights = self.engine.hf_state_dict()
+        """The actor as an HF checkpoint, streamed stage by stage (every rank gathers; rank 0 writes)."""
+        parts = self.engine.hf_stage_parts()
         if self.rank != 0:
+            for _ in parts:  # take part in each stage's gather
+                pass
             return path
         model = self.spec.model
         tok_dir = Path(model.tokenizer_path or model.path)
         extra = tuple(tok_dir / f for f in TOKENIZER_FILES if (tok_dir / f).is_file())
         hf_config = self.model_cfg.to_hf_dict()
         hf_config["torch_dtype"] = model.dtype
-        return str(save_hf_checkpoint(weights, hf_config, path, extra_files=extra))
+        stages = self.engine.parallel.pp
+        if stages == 1:
+            return str(save_hf_checkpoint(next(parts), hf_config, path, extra_files=extra))
+        return str(save_hf_checkpoint_parts(parts, stages, hf_config, path, extra_files=extra))
 
 
 class RolloutWorker(_Generates):

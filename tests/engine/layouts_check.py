@@ -57,6 +57,18 @@ def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str) -> dict:
     out["fresh_after_refresh"] = all(torch.equal(gen[k], trained[k]) for k in trained)
 
     if tp == 2 and pp == 2:
+        import torch.distributed as dist
+
+        from hybridflow.models.checkpoint import save_hf_checkpoint_parts
+
+        export = os.path.join(ckpt_dir, "hf_export")
+        parts = actor_engine.hf_stage_parts()
+        if dist.get_rank() == 0:
+            save_hf_checkpoint_parts(parts, pp, case.cfg.to_hf_dict(), export)
+        else:
+            for _ in parts:
+                pass
+        out["export_dir"] = export
         actor_engine.save(ckpt_dir)
         again = actor.update(mine, step=1)
         restored = MegatronEngine(case.cfg, parallel, case.optim, total_steps=10)

@@ -79,6 +79,21 @@ def test_each_rank_reads_only_its_slices(launched):
 
 
 @pytest.mark.timeout(600)
+def test_tp2_pp2_hf_export_is_streamed_stage_by_stage_and_exact(launched):
+    from pathlib import Path
+
+    from hybridflow.models.checkpoint import load_hf_state_dict
+
+    got = launched[0]["tp2_pp2"]
+    files = sorted(p.name for p in Path(got["export_dir"]).glob("*.safetensors"))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]  # one per stage
+    exported = load_hf_state_dict(got["export_dir"])
+    assert exported.keys() == got["weights"].keys()
+    for name, value in got["weights"].items():
+        assert torch.equal(exported[name], value), name
+
+
+@pytest.mark.timeout(600)
 def test_tp2_pp2_checkpoint_resumes_exactly(launched):
     got = launched[0]["tp2_pp2"]
     assert got["resume_metrics_equal"] and got["resume_weights_equal"]
