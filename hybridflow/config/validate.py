@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from hybridflow.config.errors import ConfigError
 from hybridflow.config.schema import Config, ParallelConfig, PlacementConfig
@@ -260,6 +260,30 @@ def _check_batches(cfg: Config) -> None:
         raise ConfigError("actor.clip_ratio_c", f"dual-clip bound must be > 1, got {actor.clip_ratio_c}")
 
 
+def _check_one_process_layout(cfg: Config) -> None:
+    """Without Ray the actor's and critic's groups live in the same processes, which hold one megatron-core layout."""
+    if uses_ray(cfg) or not uses_critic(cfg):
+        return
+    a, c = cfg.actor.parallel, cfg.critic.parallel
+    for key, mine, actor in (("tp", c.tp, a.tp), ("pp", c.pp, a.pp), ("cp", c.cp, a.cp)):
+        if mine != actor:
+            raise ConfigError(f"critic.parallel.{key}", f"must equal actor.parallel.{key}={actor} without Ray "
+                              f"(trainer.launcher=local or torchrun): the critic then shares the actor's processes "
+                              f"and their megatron-core layout; got {mine}")
+
+
+def _check_mini_batches(cfg: Config) -> None:
+    """A mini-batch (in responses) splits evenly over the DP replicas that each take a share of it."""
+    responses = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+    roles = [("training", "actor")] + ([("critic", "critic")] if uses_critic(cfg) else [])
+    for role, name in roles:
+        dp = role_layout(cfg, role).dp
+        if responses % dp:
+            raise ConfigError("actor.ppo_mini_batch_size", f"{cfg.actor.ppo_mini_batch_size} prompts x rollout.n="
+                              f"{cfg.rollout.n} = {responses} responses per mini-batch do not split over the "
+                              f"{name}'s {dp} data-parallel replicas")
+
+
 def _check_shares(cfg: Config) -> None:
     """Prompts split evenly over the ranks: per step and per rollout chunk."""
     multiple, batch = prompt_multiple(cfg), cfg.data.train_batch_size
@@ -279,7 +303,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("model.path", "is required: a directory holding an HF config.json and weights")
     _check_placement(cfg)
     for role, (path, par) in engine_roles(cfg).items():
-        _check_layout(par, len(devices_for(cfg, role)), path, cfg.trainer.device)
+        _check_layout(par, role_world(cfg, role), path, cfg.trainer.device)
     _check_reference_layout(cfg)
     _check_generation_layout(cfg)
     _check_sampling(cfg)
@@ -290,15 +314,22 @@ def validate(cfg: Config) -> Config:
 
 # --------------------------------------------------------------------------- with the world outside
 
-def check_runnable(cfg: Config, model: "DecoderConfig") -> None:
-    """ConfigError for what the config and the model's own config.json / the machine cannot run together."""
+def check_runnable(cfg: Config, model: "DecoderConfig", critic_model: Optional["DecoderConfig"] = None) -> None:
+    """ConfigError for what the config and the models' own config.json / the machine cannot run together.
+
+    critic_model: the config.json at critic.model_path, when one is given (else the actor's model).
+    """
     _check_not_built(cfg)
     for role, (path, par) in engine_roles(cfg).items():
         if role == "critic" and not uses_critic(cfg):
             continue  # no critic in this run
-        role_layout(cfg, role).check_model(path, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-                                          num_layers=model.num_layers, virtual_pp=par.virtual_pp)
+        shape = critic_model if role == "critic" and critic_model is not None else model
+        role_layout(cfg, role).check_model(path, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                                          num_layers=shape.num_layers, ffn_size=shape.intermediate_size,
+                                          virtual_pp=par.virtual_pp)
+    _check_one_process_layout(cfg)
     _check_shares(cfg)
+    _check_mini_batches(cfg)
     if cfg.reward.model_path is not None and not Path(cfg.reward.model_path).exists():
         raise ConfigError("reward.model_path", f"reward model path does not exist: {cfg.reward.model_path}")
     if cfg.critic.model_path is not None and not Path(cfg.critic.model_path).exists():

@@ -57,6 +57,22 @@ def unalign(x: Tensor, idx: Tensor) -> Tensor:
     return torch.empty_like(x).scatter(1, index, x)
 
 
+def to_cpu(value: Any) -> Any:
+    """`value` with every tensor in it on the CPU: what an object collective may send.
+
+    `broadcast_object_list` rebuilds a CUDA tensor on the *sender's* device
+    index, so under torchrun (one process per GPU) a receiver would fill
+    another rank's GPU; a CPU copy lands where the receiver puts it.
+    """
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
 def pad_rows(batch: dict[str, Any], rows: int) -> dict[str, Any]:
     """Append all-zero rows (no real tokens, masks 0) to every tensor field until it has `rows` rows."""
     out = {}
@@ -333,7 +349,7 @@ class MegatronEngine:
         group = ps.get_pipeline_model_parallel_group()
         full: dict[str, Tensor] = {}
         for stage, src in enumerate(dist.get_process_group_ranks(group)):
-            box = [state if stage == self.layout.pp_rank else None]
+            box = [to_cpu(state) if stage == self.layout.pp_rank else None]
             dist.broadcast_object_list(box, src=src, group=group)
             if traffic is not None:  # a rank counts every collective it joins, bytes only when it receives
                 mine = stage == self.layout.pp_rank
@@ -356,7 +372,7 @@ class MegatronEngine:
             return
         group = ps.get_pipeline_model_parallel_group()
         for stage, src in enumerate(dist.get_process_group_ranks(group)):
-            box = [state if stage == self.layout.pp_rank else None]
+            box = [to_cpu(state) if stage == self.layout.pp_rank else None]
             dist.broadcast_object_list(box, src=src, group=group)
             yield self.bridge.megatron_to_hf(box[0], partial=True)
 
@@ -426,10 +442,11 @@ class MegatronEngine:
             return reports
         from megatron.core import parallel_state as ps
 
-        box = [reports if ps.is_pipeline_last_stage() else None]
+        last = ps.is_pipeline_last_stage()
+        box = [to_cpu(reports) if last else None]
         dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
                                    group=ps.get_pipeline_model_parallel_group())
-        return box[0]
+        return reports if last else box[0]
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()

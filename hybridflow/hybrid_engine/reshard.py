@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hybridflow.engine.megatron import MegatronEngine, Traffic
+from hybridflow.engine.megatron import MegatronEngine, Traffic, to_cpu
 from hybridflow.hybrid_engine.plan import GenLayout, bridge_params, plan_reshard
 from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel
 from hybridflow.models.decoder import Decoder
@@ -119,7 +119,7 @@ class GroupedWeights:
             group, mine = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_rank()
             full: dict[str, torch.Tensor] = {}
             for stage, src in enumerate(dist.get_process_group_ranks(group)):
-                box = [shard if stage == mine else None]
+                box = [to_cpu(shard) if stage == mine else None]
                 dist.broadcast_object_list(box, src=src, group=group)
                 traffic.add(0 if stage == mine else sum(t.numel() * t.element_size() for t in box[0].values()))
                 full.update(box[0])

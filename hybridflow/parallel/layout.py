@@ -134,7 +134,7 @@ class ParallelDims:
 
     # -- the model must split this way -----------------------------------------
     def check_model(self, key: str, *, num_heads: int, num_kv_heads: int, num_layers: int,
-                    virtual_pp: Optional[int] = None) -> None:
+                    ffn_size: Optional[int] = None, virtual_pp: Optional[int] = None) -> None:
         """ConfigError naming `key`.tp / .pp / .cp where the model cannot be split at these degrees.
 
         TP splits whole attention heads and whole KV-head groups (Megatron's
@@ -148,6 +148,8 @@ class ParallelDims:
         if num_kv_heads % self.tp:
             raise ConfigError(f"{key}.tp", f"{self.tp} does not divide the model's {num_kv_heads} KV heads "
                               "(each rank holds whole query groups)")
+        if ffn_size is not None and ffn_size % self.tp:
+            raise ConfigError(f"{key}.tp", f"{self.tp} does not divide the model's {ffn_size} MLP features")
         chunks = self.pp * (virtual_pp or 1)
         if num_layers % chunks:
             what = f"pp*virtual_pp = {self.pp}*{virtual_pp}" if virtual_pp else f"pp = {self.pp}"

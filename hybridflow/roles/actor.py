@@ -9,8 +9,7 @@ from torch import Tensor
 from hybridflow.algos import aggregate_loss, get_policy_loss, kl_loss, masked_mean
 from hybridflow.config.schema import ActorConfig
 from hybridflow.data import fields as F
-from hybridflow.roles.batching import (check_finite, forward_only, mean_metrics, mini_batches, response_log_probs,
-                                       train_mini_batch)
+from hybridflow.roles.batching import forward_only, mean_metrics, mini_batches, response_log_probs, train_mini_batch
 from hybridflow.utils import mix_seed
 
 _TRAIN_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.OLD_LOG_PROBS, F.ADVANTAGES)
@@ -69,6 +68,5 @@ class Actor:
             kl = kl_loss(logp, mb[F.REF_LOG_PROBS], mask, cfg.kl_loss_type, cfg.loss_agg_mode, denom)
             loss = loss + cfg.kl_loss_coef * kl
             metrics["actor/kl_loss"] = kl.item()
-        metrics["actor/pg_loss"] = pg.loss.item()
-        check_finite("actor/pg_loss", metrics["actor/pg_loss"])
+        metrics["actor/pg_loss"] = pg.loss.item()  # checked to be finite after the pass (train_mini_batch)
         return loss, metrics

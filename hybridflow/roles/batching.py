@@ -63,13 +63,30 @@ def forward_only(engine, batch: dict[str, Any], micro_batch_size: int, collect) 
     return {k: torch.cat([r[k] for r in reports]) for k in reports[0]} if reports else {}
 
 
+def check_reports_finite(reports: list[dict[str, Any]], keys: tuple[str, ...], group=None) -> None:
+    """NonFiniteError on every rank when any rank's reports hold a NaN/inf under `keys`.
+
+    Checked after the pass, not inside the loss: at pp > 1 only the last stage
+    computes the loss, and a rank raising alone would leave its pipeline and
+    data-parallel peers waiting in a collective. The reports are on every
+    stage (`MegatronEngine.run`), and the verdict is agreed over `group`.
+    """
+    bad = [(k, float(r[k])) for r in reports for k in keys if k in r and not math.isfinite(float(r[k]))]
+    flag = torch.tensor([1.0 if bad else 0.0], dtype=torch.float64)
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item():
+        key, value = bad[0] if bad else (keys[0], float("nan"))  # a peer's value: reported as NaN here
+        raise NonFiniteError(key, value)
+
+
 def train_mini_batch(engine, mini: dict[str, Tensor], micro_batch_size: int, loss_agg_mode: str,
                      loss_fn: LossFn, prefix: str, summed: tuple[str, ...] = ()) -> dict[str, float]:
     """One optimizer step whose gradient is that of the global (all DP ranks') mini-batch loss.
 
     Metrics are averaged over micro-batches, except the `summed` ones (loss
-    shares: summed over micro-batches and DP ranks); `{prefix}/grad_norm` and
-    `{prefix}/lr` come from the step.
+    shares: summed over micro-batches and DP ranks, and checked to be finite
+    before the step); `{prefix}/grad_norm` and `{prefix}/lr` come from the step.
     """
     from megatron.core import parallel_state as ps
 
@@ -86,6 +103,7 @@ def train_mini_batch(engine, mini: dict[str, Tensor], micro_batch_size: int, los
 
     engine.zero_grad()
     reports = engine.run(micro, step_fn)
+    check_reports_finite(reports, summed, group)
     stats = engine.step()
     check_finite(f"{prefix}/grad_norm", stats.grad_norm)
     out = mean_metrics(reports)

@@ -9,8 +9,7 @@ from torch import Tensor
 from hybridflow.algos import value_loss
 from hybridflow.config.schema import CriticConfig
 from hybridflow.data import fields as F
-from hybridflow.roles.batching import (check_finite, forward_only, mean_metrics, mini_batches, response_slice,
-                                       train_mini_batch)
+from hybridflow.roles.batching import forward_only, mean_metrics, mini_batches, response_slice, train_mini_batch
 from hybridflow.utils import mix_seed
 
 _TRAIN_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.VALUES, F.RETURNS)
@@ -49,5 +48,4 @@ class Critic:
         vl = value_loss(values, mb[F.VALUES], mb[F.RETURNS], mb[F.RESPONSE_MASK],
                         cliprange_value=self.cfg.cliprange_value, loss_agg_mode=self.cfg.loss_agg_mode,
                         denominator=denom)
-        check_finite("critic/vf_loss", vl.loss.item())
-        return vl.loss, dict(vl.metrics)
+        return vl.loss, dict(vl.metrics)  # critic/vf_loss is checked to be finite after the pass

@@ -73,7 +73,8 @@ class RLTrainer:
         t = cfg.trainer
         self.run_dir = Path(t.output_dir) / t.experiment
         self.model_cfg = load_model_config(cfg.model.path, "model.path")
-        check_runnable(cfg, self.model_cfg)  # the last config checks, before any worker starts
+        critic_cfg = load_model_config(cfg.critic.model_path, "critic.model_path") if cfg.critic.model_path else None
+        check_runnable(cfg, self.model_cfg, critic_cfg)  # the last config checks, before any worker starts
         self.tokenizer = load_tokenizer(cfg.model, self.model_cfg)
         self.train_set = PromptDataset(cfg.data, self.tokenizer, cfg.data.train_files)
         self.val_set = PromptDataset(cfg.data, self.tokenizer, cfg.data.val_files) if cfg.data.val_files else None

@@ -134,3 +134,50 @@ def test_roles_and_workers_never_receive_the_whole_config():
     for cls in classes:
         for param in inspect.signature(cls).parameters.values():
             assert param.annotation not in (Config, "Config"), f"{cls.__name__}({param.name}: Config)"
+
+
+def _model(**overrides):
+    from hybridflow.models import DecoderConfig
+
+    shape = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=4,
+                 num_heads=4, num_kv_heads=2, head_dim=16)
+    return DecoderConfig(**{**shape, **overrides})
+
+
+@pytest.mark.parametrize("overrides, path, fragment", [
+    # 2 prompts x n=1 responses cannot split over 4 data-parallel replicas
+    (["trainer.n_devices=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2"],
+     "actor.ppo_mini_batch_size", "do not split over the actor's 4 data-parallel replicas"),
+    (["trainer.n_devices=4", "actor.parallel.tp=4"], "actor.parallel.tp", "does not divide the model's 2 KV heads"),
+])
+def test_checks_that_need_the_model_or_the_launcher(overrides, path, fragment):
+    from hybridflow.config import check_runnable
+
+    cfg = load_config(None, BASE + overrides)
+    with pytest.raises(ConfigError) as err:
+        check_runnable(cfg, _model())
+    assert err.value.path == path and fragment in str(err.value)
+
+
+def test_the_critic_layout_is_checked_against_the_critics_own_model():
+    from hybridflow.config import check_runnable
+
+    cfg = load_config(None, BASE + ["algorithm.adv_estimator=gae", "trainer.n_devices=2", "critic.parallel.tp=2",
+                                    "data.train_batch_size=4", "actor.ppo_mini_batch_size=2"])
+    check_runnable(cfg, _model())  # the actor's model splits 2 ways
+    with pytest.raises(ConfigError, match="critic.parallel.tp: 2 does not divide the model's 3 attention heads"):
+        check_runnable(cfg, _model(), critic_model=_model(num_heads=3, num_kv_heads=1))
+    with pytest.raises(ConfigError, match="critic.parallel.tp: 2 does not divide the model's 95 MLP features"):
+        check_runnable(cfg, _model(), critic_model=_model(intermediate_size=95))
+
+
+def test_under_torchrun_layouts_follow_the_processes_and_the_critic_shares_the_actors(monkeypatch):
+    """torchrun sets WORLD_SIZE: layouts are checked against it, not trainer.n_devices; and without Ray the
+    critic lives in the actor's processes, which hold one megatron-core layout."""
+    from hybridflow.config import check_runnable
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    load_config(None, BASE + ["actor.parallel.tp=2"])  # 2 processes, though trainer.n_devices is 1
+    cfg = load_config(None, BASE + ["algorithm.adv_estimator=gae", "critic.parallel.tp=2"])
+    with pytest.raises(ConfigError, match="critic.parallel.tp: must equal actor.parallel.tp=1 without Ray"):
+        check_runnable(cfg, _model())
