@@ -31,7 +31,7 @@ from hybridflow.models.bridge import get_bridge
 from hybridflow.models.checkpoint import resolve_dtype
 from hybridflow.models.config import DecoderConfig
 from hybridflow.models.decoder import rope_inv_freq
-from hybridflow.models.sharding import shard_tensor, spec_for, unshard_tensor
+from hybridflow.models.sharding import spec_for, unshard_tensor
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
@@ -257,25 +257,22 @@ class MegatronEngine:
         first = layers[0].layer_number - 1 if len(layers) else 0
         return range(first, first + len(layers))
 
-    def local_name(self, name: str) -> Optional[str]:
-        """This stage's name for a global megatron name, or None when another stage holds it.
+    def _stage_entries(self) -> list[tuple[Any, str]]:
+        """(bridge entry, local name) of every bridge tensor on this stage.
 
         megatron-core numbers `decoder.layers.N` from 0 on every stage; the
         bridge and HF checkpoints number layers globally.
         """
-        match = _LAYER.match(name)
-        if match is None:
-            return name if name in self._named_params() else None
-        index, layers = int(match[1]), self.stage_layers
-        return f"decoder.layers.{index - layers.start}.{match[2]}" if index in layers else None
-
-    def _stage_entries(self) -> list[tuple[Any, str]]:
-        """(bridge entry, local name) of every bridge tensor on this stage."""
-        out = []
+        names, layers, out = self._named_params().keys(), self.stage_layers, []
         for entry in self.bridge.entries():
             if self.value_head and entry.megatron == "output_layer.weight":
                 continue
-            local = self.local_name(entry.megatron)
+            match = _LAYER.match(entry.megatron)
+            if match is None:
+                local = entry.megatron if entry.megatron in names else None
+            else:
+                index = int(match[1])
+                local = f"decoder.layers.{index - layers.start}.{match[2]}" if index in layers else None
             if local is not None:
                 out.append((entry, local))
         return out
@@ -286,37 +283,34 @@ class MegatronEngine:
                 and "output_layer.weight" in self._named_params())
 
     def load_hf_state_dict(self, hf: dict[str, Tensor]) -> None:
-        """Copy full HF tensors into this rank's shards, in place (DDP buffers keep their storage)."""
-        full = self.bridge.hf_to_megatron(hf)
-        params = self._named_params()
-        tp_rank, tp = self.layout.tp_rank, self.layout.tp
-        with torch.no_grad():
-            for entry, local in self._stage_entries():
-                params[local].copy_(shard_tensor(full[entry.megatron], entry.shard, tp_rank, tp))
-            if self._tied_output_copy():
-                embedding = full["embedding.word_embeddings.weight"]
-                params["output_layer.weight"].copy_(shard_tensor(embedding, spec_for("output_layer.weight"),
-                                                                 tp_rank, tp))
-        if self.optimizer is not None:
-            self.optimizer.reload_model_params()
+        """Copy full HF tensors (in memory) into this rank's shards, in place."""
+        from hybridflow.models.checkpoint import TensorsReader
+
+        self._load(TensorsReader(hf))
 
     def load_hf_checkpoint(self, path: str | Path) -> int:
         """Load this rank's shards from an HF safetensors checkpoint, reading only its own slices
         (`safe_open(...).get_slice`): no rank loads the whole model. Returns the bytes read."""
         from hybridflow.models.checkpoint import SafetensorsReader
 
+        with SafetensorsReader(path) as read:
+            self._load(read)
+        return read.bytes_read
+
+    @torch.no_grad()
+    def _load(self, read) -> None:
+        """Copy this rank's slices, as `read` (a `bridge.SliceReader`) gives them, into its parameters in
+        place (DDP buffers keep their storage)."""
         params = self._named_params()
         tp_rank, tp = self.layout.tp_rank, self.layout.tp
-        with SafetensorsReader(path) as read, torch.no_grad():
-            self.bridge.check_hf_names(read.keys())
-            for entry, local in self._stage_entries():
-                params[local].copy_(self.bridge.read_shard(entry, read, tp_rank, tp))
-            if self._tied_output_copy():
-                embedding = next(e for e in self.bridge.entries() if e.megatron == "embedding.word_embeddings.weight")
-                params["output_layer.weight"].copy_(self.bridge.read_shard(embedding, read, tp_rank, tp))
+        self.bridge.check_hf_names(read.keys())
+        for entry, local in self._stage_entries():
+            params[local].copy_(self.bridge.read_shard(entry, read, tp_rank, tp))
+        if self._tied_output_copy():
+            embedding = next(e for e in self.bridge.entries() if e.megatron == "embedding.word_embeddings.weight")
+            params["output_layer.weight"].copy_(self.bridge.read_shard(embedding, read, tp_rank, tp))
         if self.optimizer is not None:
             self.optimizer.reload_model_params()
-        return read.bytes_read
 
     def stage_state(self, traffic: Optional["Traffic"] = None) -> dict[str, Tensor]:
         """This stage's tensors, gathered over TP, under global megatron names (each its own copy)."""
@@ -341,40 +335,37 @@ class MegatronEngine:
         This is the plain full gather (DeepSpeed-Chat style), one collective per
         tensor: the baseline the 3D-HybridEngine's grouped gather replaces.
         """
-        from megatron.core import parallel_state as ps
-
-        state = self.stage_state(traffic)
-        if self.parallel.pp == 1:
-            return state
-        group = ps.get_pipeline_model_parallel_group()
         full: dict[str, Tensor] = {}
-        for stage, src in enumerate(dist.get_process_group_ranks(group)):
-            box = [to_cpu(state) if stage == self.layout.pp_rank else None]
-            dist.broadcast_object_list(box, src=src, group=group)
-            if traffic is not None:  # a rank counts every collective it joins, bytes only when it receives
-                mine = stage == self.layout.pp_rank
-                traffic.add(0 if mine else sum(t.numel() * t.element_size() for t in box[0].values()))
-            full.update(box[0])
+        for part in self.each_stage(self.stage_state(traffic), traffic):
+            full.update(part)
         return full
 
-    def hf_stage_parts(self):
-        """The model in HF names, one pipeline stage at a time (a generator every rank must run through).
+    def each_stage(self, mine: dict[str, Tensor], traffic: Optional["Traffic"] = None):
+        """Every pipeline stage's `mine`, in stage order (a generator every rank of the pipeline runs through).
 
-        Each stage's tensors, gathered over TP, are broadcast over the pipeline
-        group in turn, so a rank holds at most its own stage and one other:
-        what a streamed export writes as it goes.
+        Each stage broadcasts its dict over the pipeline group in turn, so a
+        rank holds at most its own and one other stage's; `traffic` counts
+        every broadcast a rank joins, and the bytes of the ones it receives.
         """
+        if self.parallel.pp == 1:
+            yield mine
+            return
         from megatron.core import parallel_state as ps
 
-        state = self.stage_state()
-        if self.parallel.pp == 1:
-            yield self.bridge.megatron_to_hf(state)
-            return
         group = ps.get_pipeline_model_parallel_group()
         for stage, src in enumerate(dist.get_process_group_ranks(group)):
-            box = [to_cpu(state) if stage == self.layout.pp_rank else None]
+            own = stage == self.layout.pp_rank
+            box = [to_cpu(mine) if own else None]
             dist.broadcast_object_list(box, src=src, group=group)
-            yield self.bridge.megatron_to_hf(box[0], partial=True)
+            if traffic is not None:
+                traffic.add(0 if own else sum(t.numel() * t.element_size() for t in box[0].values()))
+            yield box[0]
+
+    def hf_stage_parts(self):
+        """The model in HF names, one pipeline stage at a time (a generator every rank must run through):
+        what a streamed export writes as it goes."""
+        for part in self.each_stage(self.stage_state()):
+            yield self.bridge.megatron_to_hf(part, partial=self.parallel.pp > 1)
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The full model in HF names and layout (gathered over TP, then stage by stage over PP)."""

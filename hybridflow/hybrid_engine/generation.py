@@ -27,8 +27,15 @@ from hybridflow.hybrid_engine.views import generation_model
 from hybridflow.models.decoder import Decoder
 
 
-def _bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def transition_metrics(traffic: Traffic, model: nn.Module, seconds: float) -> dict[str, float]:
+    """The `reshard/*` figures of one switch to generation: what this rank received, the collectives it
+    joined, the generation weights it holds, and the wall time."""
+    return {"reshard/bytes_received": float(traffic.bytes_received), "reshard/collectives": float(traffic.collectives),
+            "reshard/peak_bytes": float(nbytes(model.parameters())), "reshard/time_s": seconds}
 
 
 class ViewWeights:
@@ -39,8 +46,7 @@ class ViewWeights:
 
     def refresh(self) -> dict[str, float]:
         """Nothing to move: the views already hold the trained weights."""
-        return {"reshard/bytes_received": 0.0, "reshard/collectives": 0.0,
-                "reshard/peak_bytes": float(_bytes(self.model)), "reshard/time_s": 0.0}
+        return transition_metrics(Traffic(), self.model, 0.0)
 
 
 class GatheredWeights:
@@ -60,10 +66,7 @@ class GatheredWeights:
         weights = self.engine.bridge.megatron_to_generation(self.engine.full_state(traffic))
         for name, param in self.model.named_parameters():
             param.copy_(weights[name])
-        return {"reshard/bytes_received": float(traffic.bytes_received),
-                "reshard/collectives": float(traffic.collectives),
-                "reshard/peak_bytes": float(_bytes(self.model)),
-                "reshard/time_s": time.perf_counter() - start}
+        return transition_metrics(traffic, self.model, time.perf_counter() - start)
 
 
 def generation_weights(engine: MegatronEngine) -> ViewWeights | GatheredWeights:

@@ -32,7 +32,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from hybridflow.engine.megatron import MegatronEngine, Traffic, to_cpu
+from hybridflow.engine.megatron import MegatronEngine, Traffic
+from hybridflow.hybrid_engine.generation import nbytes, transition_metrics
 from hybridflow.hybrid_engine.plan import GenLayout, bridge_params, plan_reshard
 from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel
 from hybridflow.models.decoder import Decoder
@@ -111,28 +112,16 @@ class GroupedWeights:
     @torch.no_grad()
     def refresh(self) -> dict[str, float]:
         """Copy the engine's current weights into the generation shard; the transition's figures."""
-        from megatron.core import parallel_state as ps
-
         start, traffic = time.perf_counter(), Traffic()
-        shard = self._stage_shard(traffic)
-        if self.dims.pp > 1:
-            group, mine = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_rank()
-            full: dict[str, torch.Tensor] = {}
-            for stage, src in enumerate(dist.get_process_group_ranks(group)):
-                box = [to_cpu(shard) if stage == mine else None]
-                dist.broadcast_object_list(box, src=src, group=group)
-                traffic.add(0 if stage == mine else sum(t.numel() * t.element_size() for t in box[0].values()))
-                full.update(box[0])
-            shard = full
+        shard: dict[str, torch.Tensor] = {}
+        for part in self.engine.each_stage(self._stage_shard(traffic), traffic):  # generation runs at pg = 1
+            shard.update(part)
         if self.tg == 1:  # the whole model: drop the vocabulary padding, as the one-rank generator has none
             vocab = {e.generation for e in self.engine.bridge.entries() if e.vocab}
             shard = {name: t[: self.engine.cfg.vocab_size] if name in vocab else t for name, t in shard.items()}
         params = dict(self.model.named_parameters())
         for name, value in shard.items():
             params[name].copy_(value)
-        own = sum(p.numel() * p.element_size() for p in self.engine._named_params().values())
-        return {"reshard/bytes_received": float(traffic.bytes_received),
-                "reshard/collectives": float(traffic.collectives),
-                "reshard/peak_bytes": float(sum(p.numel() * p.element_size() for p in self.model.parameters())),
-                "reshard/own_shard_bytes": float(own),
-                "reshard/time_s": time.perf_counter() - start}
+        metrics = transition_metrics(traffic, self.model, time.perf_counter() - start)
+        metrics["reshard/own_shard_bytes"] = float(nbytes(self.engine._named_params().values()))
+        return metrics

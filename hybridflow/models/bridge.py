@@ -66,6 +66,8 @@ class SliceReader(Protocol):
 
     def shape(self, name: str) -> tuple[int, ...]: ...
 
+    def keys(self) -> list[str]: ...
+
 
 class LlamaBridge:
     """Llama, Qwen2 and Mistral share HF names; their differences are in `cfg`."""

@@ -63,6 +63,23 @@ def load_hf_state_dict(path: str | Path, dtype: Optional[torch.dtype] = None) ->
     return out
 
 
+class TensorsReader:
+    """HF tensors already in memory, read by name and slice like a checkpoint (`bridge.SliceReader`)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def __call__(self, name: str, rows: Optional[slice] = None, cols: Optional[slice] = None) -> torch.Tensor:
+        t = self.tensors[name]
+        return t[rows or slice(None)] if cols is None else t[rows or slice(None), cols]
+
+
 class SafetensorsReader:
     """Slices of the tensors of an HF safetensors checkpoint, read without loading whole tensors.
 
