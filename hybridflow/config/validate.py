@@ -23,6 +23,7 @@ processes and data-parallel replicas each role has (`role_layout`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -107,17 +108,17 @@ def uses_critic(cfg: Config) -> bool:
 
 def row_multiple(cfg: Config) -> int:
     """Training rows must come in multiples of this: equal shares for the actor's and critic's DP replicas."""
-    import math
-
     return math.lcm(role_layout(cfg, "training").dp, role_layout(cfg, "critic").dp if uses_critic(cfg) else 1)
+
+
+def rollout_ranks(cfg: Config) -> int:
+    """Processes that generate: the rollout group's when it is apart, else the actor's."""
+    return role_world(cfg, "rollout") if rollout_apart(cfg) else role_world(cfg, "training")
 
 
 def prompt_multiple(cfg: Config) -> int:
     """Prompts must come in multiples of this: equal shares for the rollout ranks and every DP replica."""
-    import math
-
-    rollout_ranks = role_world(cfg, "rollout") if rollout_apart(cfg) else role_world(cfg, "training")
-    return math.lcm(row_multiple(cfg), rollout_ranks)
+    return math.lcm(row_multiple(cfg), rollout_ranks(cfg))
 
 
 def chunk_prompts(cfg: Config) -> int:
@@ -288,8 +289,7 @@ def _check_shares(cfg: Config) -> None:
     """Prompts split evenly over the ranks: per step and per rollout chunk."""
     multiple, batch = prompt_multiple(cfg), cfg.data.train_batch_size
     if batch % multiple:
-        rollout = role_world(cfg, "rollout") if rollout_apart(cfg) else role_world(cfg, "training")
-        raise ConfigError("data.train_batch_size", f"{batch} prompts do not split evenly over the {rollout} "
+        raise ConfigError("data.train_batch_size", f"{batch} prompts do not split evenly over the {rollout_ranks(cfg)} "
                           f"rollout ranks and the data-parallel replicas (need a multiple of {multiple})")
     size = chunk_prompts(cfg)
     if batch % size:

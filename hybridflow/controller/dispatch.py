@@ -195,7 +195,7 @@ def concat_batches(parts: Sequence[Any]) -> Any:
 
 # --------------------------------------------------------------------------- modes
 
-def _same_for_all(world: int, args: tuple, kwargs: dict) -> PerRank:
+def _same_for_all(world: int, args: tuple, kwargs: dict, mesh: Sequence[MeshCoord]) -> PerRank:
     return [(args, kwargs)] * world
 
 
@@ -212,7 +212,7 @@ def answering(results: list, mesh: Sequence[MeshCoord]) -> list:
                                                 key=lambda rc: rc[1].dp_rank)]
 
 
-def _all_to_all(world: int, args: tuple, kwargs: dict) -> PerRank:
+def _all_to_all(world: int, args: tuple, kwargs: dict, mesh: Sequence[MeshCoord]) -> PerRank:
     named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"argument {k!r}", v) for k, v in kwargs.items()]
     for what, value in named:
         if not isinstance(value, (list, tuple)) or len(value) != world:
@@ -228,10 +228,10 @@ class _Rule:
 
 
 _MODES: dict[Dispatch, _Rule] = {
-    Dispatch.ONE_TO_ALL: _Rule(lambda w, a, k, m: _same_for_all(w, a, k), lambda results, m: results),
-    Dispatch.RANK_ZERO: _Rule(lambda w, a, k, m: _same_for_all(w, a, k), lambda results, m: results[0]),
-    Dispatch.DP_SPLIT: _Rule(_dp_split, lambda results, m: concat_batches(answering(results, m))),
-    Dispatch.ALL_TO_ALL: _Rule(lambda w, a, k, m: _all_to_all(w, a, k), lambda results, m: results),
+    Dispatch.ONE_TO_ALL: _Rule(_same_for_all, lambda results, mesh: results),
+    Dispatch.RANK_ZERO: _Rule(_same_for_all, lambda results, mesh: results[0]),
+    Dispatch.DP_SPLIT: _Rule(_dp_split, lambda results, mesh: concat_batches(answering(results, mesh))),
+    Dispatch.ALL_TO_ALL: _Rule(_all_to_all, lambda results, mesh: results),
 }
 
 

@@ -209,6 +209,7 @@ class _WorkerGroup:
         return self._meshes[name]
 
     def _mesh_of(self, name: str, mode: Dispatch) -> list[MeshCoord]:
+        """The mesh a call follows: the method's, for DP_SPLIT; else every rank answers."""
         mesh = method_mesh(getattr(self.worker_cls, name))
         return self.mesh(mesh) if mode is Dispatch.DP_SPLIT and mesh is not None else flat_mesh(self.world_size)
 
@@ -414,8 +415,7 @@ class RayWorkerGroup(_WorkerGroup):
         futures = []
         for host, coord, (rank_args, rank_kwargs) in zip(hosts, mesh, per_rank):
             kw_names, values = _flatten(rank_args, rank_kwargs)
-            reply = coord.answers or mode is not Dispatch.DP_SPLIT
-            futures.append(host.call.remote(name, reply, kw_names, *values))
+            futures.append(host.call.remote(name, coord.answers, kw_names, *values))
         results = self._gather(futures, name, self.call_timeout)
         if mode is Dispatch.DP_SPLIT:
             return collect(mode, unpack_rows(answering(results, mesh)), flat_mesh(mesh[0].dp_size))
@@ -614,7 +614,7 @@ class LocalWorkerGroup(_WorkerGroup):
         mesh = self._mesh_of(name, mode)
         rank_args, rank_kwargs = dispatch(mode, self.world_size, args, kwargs, mesh)[self.rank]
         out = self._run(name, lambda: getattr(self._worker, name)(*rank_args, **rank_kwargs))
-        if mode is Dispatch.DP_SPLIT and not mesh[self.rank].answers:
+        if not mesh[self.rank].answers:
             out = None  # a peer of the answering rank: its copy is not sent
         return collect(mode, self._all_ranks(out), mesh)
 
