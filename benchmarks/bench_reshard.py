@@ -1,22 +1,24 @@
-"""Switching the actor to generation: the 3D-HybridEngine's grouped gather against the full gather.
+"""Switching the actor to generation: the 3D-HybridEngine's three groupings side by side.
 
     python benchmarks/bench_reshard.py [--quick] [--repeats N] [--bucket-mb MB]
     hybridflow bench reshard
 
 Starts 4 CPU processes (gloo) itself. A Llama-shaped model of about 100M
 parameters is sharded at t = 4 (p = 1, d = 1); for each generation layout
-(tg = 2, tg = 1) both transitions run on the same engine, alternating, and
-the median of `--repeats` is reported:
+(tg = 2, tg = 1) the three executors of `reshard.GroupedWeights` run on the
+same engine, in turn, and the median of `--repeats` is reported:
 
-- `hybridflow`: `GroupedWeights`, the paper's grouping. All-gathers inside
-  each micro-DP group, in buckets of `--bucket-mb`, into a tg-way generator.
-- `full`: `GatheredWeights`, today's tg = 1 baseline: every rank gathers the
-  whole model, one collective per tensor (as verl's per-tensor gather does).
+- `hybridflow`: the paper's grouping. All-gathers inside each micro-DP
+  group, in buckets of `--bucket-mb`, straight into the generation shard.
+- `vanilla`: HybridFlow-V. The same buckets over the whole TP group, then
+  each rank cuts its (consecutive-grouping) shard out.
+- `full`: every rank gathers the whole model, one collective per tensor (as
+  verl's per-tensor gather does), then cuts its shard out.
 
 Bytes and collectives are what rank 0 received and joined, counted by the
 executors (and checked against the plan in tests/hybrid_engine); peak is the
-generation weights held. `vanilla`'s bytes come from the plan alone: its
-executor is not built. Ratios are against `full` in the same run.
+most generation-weight bytes held at once. Ratios are against `full` in the
+same run.
 """
 from __future__ import annotations
 
@@ -64,10 +66,9 @@ def run(args) -> None:
 
     from hybridflow.config.schema import ParallelConfig
     from hybridflow.engine import MegatronEngine
-    from hybridflow.hybrid_engine import GenLayout, bridge_params, plan_reshard
-    from hybridflow.hybrid_engine.generation import GatheredWeights
+    from hybridflow.hybrid_engine import GROUPINGS, bridge_params
     from hybridflow.hybrid_engine.reshard import GroupedWeights
-    from hybridflow.parallel import ParallelDims, init_process_group
+    from hybridflow.parallel import init_process_group
 
     init_process_group("cpu")
     torch.set_num_threads(1)
@@ -77,23 +78,18 @@ def run(args) -> None:
         for p in engine._named_params().values():
             p.normal_(0, 0.02)
     m = sum(p.nbytes for p in bridge_params(engine.bridge))
-    full = GatheredWeights(engine)
     rows = []
     for tg in (2, 1):
-        grouped = GroupedWeights(engine, tg, bucket_bytes=int(args.bucket_mb * 2**20))
-        plan = {g: plan_reshard(bridge_params(engine.bridge), ParallelDims(tp=WORLD), GenLayout(tg), g)
-                for g in ("hybridflow", "vanilla")}
-        # alternate the two, so drift on a shared machine hits both
-        t_full, t_grouped, stats_full, stats_grouped = [], [], {}, {}
-        for _ in range(args.repeats):
-            ms, stats_grouped = _median_ms(grouped.refresh, 1)
-            t_grouped.append(ms)
-            ms, stats_full = _median_ms(full.refresh, 1)
-            t_full.append(ms)
-        rows.append((tg, "hybridflow", statistics.median(t_grouped), stats_grouped, plan["hybridflow"]))
-        rows.append((tg, "vanilla (plan only)", None, None, plan["vanilla"]))
-        rows.append((tg, "full", statistics.median(t_full), stats_full, None))
-        del grouped
+        switches = {g: GroupedWeights(engine, tg, g, bucket_bytes=int(args.bucket_mb * 2**20)) for g in GROUPINGS}
+        times: dict[str, list[float]] = {g: [] for g in GROUPINGS}
+        stats: dict[str, dict] = {}
+        for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits every grouping
+            for g, switch in switches.items():
+                ms, stats[g] = _median_ms(switch.refresh, 1)
+                times[g].append(ms)
+        for g, switch in switches.items():
+            rows.append((tg, g, statistics.median(times[g]), stats[g], switch.plan))
+        del switches
     if dist.get_rank() == 0:
         _print(cfg, m, args, rows)
     ps.destroy_model_parallel()
@@ -104,15 +100,14 @@ def _print(cfg, m: int, args, rows) -> None:
     params = m // 4
     print(f"model: {params / 1e6:.0f}M parameters ({m / 2**20:.0f} MiB fp32), t={WORLD} -> tg, "
           f"{WORLD} CPU processes, bucket {args.bucket_mb} MiB, median of {args.repeats}")
-    print(f"{'tg':>3} {'grouping':<20} {'time ms':>9} {'vs full':>8} {'MiB recv':>9} {'of M':>6} "
+    print(f"{'tg':>3} {'grouping':<11} {'time ms':>9} {'vs full':>8} {'MiB recv':>9} {'of M':>6} {'= plan':>6} "
           f"{'collect.':>8} {'peak MiB':>9}")
     base = {tg: ms for tg, name, ms, _, _ in rows if name == "full"}
     for tg, name, ms, stats, plan in rows:
-        recv = stats["reshard/bytes_received"] if stats else plan.bytes_received(0)
-        coll = f"{stats['reshard/collectives']:.0f}" if stats else "-"
-        peak = f"{stats['reshard/peak_bytes'] / 2**20:.0f}" if stats else "-"
-        timing = f"{ms:9.1f} {base[tg] / ms:7.2f}x" if ms is not None else f"{'-':>9} {'-':>8}"
-        print(f"{tg:>3} {name:<20} {timing} {recv / 2**20:9.1f} {recv / m:6.3f} {coll:>8} {peak:>9}")
+        recv = stats["reshard/bytes_received"]
+        same = "yes" if recv == plan.bytes_received(0) else "NO"
+        print(f"{tg:>3} {name:<11} {ms:9.1f} {base[tg] / ms:7.2f}x {recv / 2**20:9.1f} {recv / m:6.3f} {same:>6} "
+              f"{stats['reshard/collectives']:8.0f} {stats['reshard/peak_bytes'] / 2**20:9.0f}")
 
 
 def main() -> int:

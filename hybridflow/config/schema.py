@@ -74,7 +74,10 @@ class RolloutConfig:
     do_sample: bool = True
     stop: list[str] = field(default_factory=list)
     tg: int = 1  # generation tensor parallel size; must divide actor.parallel.tp
-    pg: int = 1  # generation pipeline size; must divide actor.parallel.pp
+    pg: int = 1  # generation pipeline size; must divide actor.parallel.pp (only 1 is built)
+    # How the 3D-HybridEngine regroups training shards into generation shards (docs/design.md §3):
+    # "hybridflow" (the paper's micro-DP gather), "vanilla" (HybridFlow-V) or "full" (gather everything).
+    grouping: Literal["hybridflow", "vanilla", "full"] = "hybridflow"
     batch_size_per_device: Optional[int] = None
     pad_to_max_length: bool = False
     log_prob_micro_batch_size: int = 16

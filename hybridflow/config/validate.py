@@ -111,14 +111,17 @@ def row_multiple(cfg: Config) -> int:
     return math.lcm(role_layout(cfg, "training").dp, role_layout(cfg, "critic").dp if uses_critic(cfg) else 1)
 
 
-def rollout_ranks(cfg: Config) -> int:
-    """Processes that generate: the rollout group's when it is apart, else the actor's."""
-    return role_world(cfg, "rollout") if rollout_apart(cfg) else role_world(cfg, "training")
+def rollout_replicas(cfg: Config) -> int:
+    """Generation replicas, each generating its own share of the prompts: the rollout group's processes
+    when it is apart (tg = 1), else the actor's processes over the generation layout's `tg * pg`."""
+    if rollout_apart(cfg):
+        return role_world(cfg, "rollout")
+    return role_world(cfg, "training") // (cfg.rollout.tg * cfg.rollout.pg)
 
 
 def prompt_multiple(cfg: Config) -> int:
-    """Prompts must come in multiples of this: equal shares for the rollout ranks and every DP replica."""
-    return math.lcm(row_multiple(cfg), rollout_ranks(cfg))
+    """Prompts must come in multiples of this: equal shares for the generation and training replicas."""
+    return math.lcm(row_multiple(cfg), rollout_replicas(cfg))
 
 
 def chunk_prompts(cfg: Config) -> int:
@@ -184,11 +187,19 @@ def _check_generation_layout(cfg: Config) -> None:
 
 def _check_not_built(cfg: Config) -> None:
     """Settings the schema accepts but this trainer cannot run yet."""
-    for key, value in (("rollout.tg", cfg.rollout.tg), ("rollout.pg", cfg.rollout.pg)):
-        if value > 1:
-            raise ConfigError(key, f"{value}: generating in a model-parallel layout needs the 3D-HybridEngine's "
-                              "reshard, which is not built yet; the actor generates at tg = pg = 1 (every rank "
-                              "gathers the whole model after each update)")
+    ro = cfg.rollout
+    if ro.pg > 1:
+        raise ConfigError("rollout.pg", f"{ro.pg}: generation pipelining is not built yet; the 3D-HybridEngine "
+                          "merges the actor's pipeline stages into one generation stage (pg = 1)")
+    if ro.tg > 1 and rollout_apart(cfg):
+        raise ConfigError("rollout.tg", f"{ro.tg}: a rollout group placed apart from training generates at "
+                          "tg = 1 (each rollout process reassembles the whole model from the actor's shards); "
+                          "tg > 1 is the colocated 3D-HybridEngine layout")
+    train = role_layout(cfg, "training")
+    if ro.grouping == "full" and train.dp > 1 and train.model_parallel_size > 1:
+        raise ConfigError("rollout.grouping", f"'full' (the DeepSpeed-Chat baseline) gathers within one training "
+                          f"replica and is built for one (the actor has {train.dp}); use "
+                          "'hybridflow' or 'vanilla'")
     for path, par in engine_roles(cfg).values():
         if par.virtual_pp is not None:
             raise ConfigError(f"{path}.virtual_pp", "the interleaved pipeline schedule is not built yet")
@@ -289,8 +300,8 @@ def _check_shares(cfg: Config) -> None:
     """Prompts split evenly over the ranks: per step and per rollout chunk."""
     multiple, batch = prompt_multiple(cfg), cfg.data.train_batch_size
     if batch % multiple:
-        raise ConfigError("data.train_batch_size", f"{batch} prompts do not split evenly over the {rollout_ranks(cfg)} "
-                          f"rollout ranks and the data-parallel replicas (need a multiple of {multiple})")
+        raise ConfigError("data.train_batch_size", f"{batch} prompts do not split evenly over the {rollout_replicas(cfg)} "
+                          f"generation replicas and the data-parallel replicas (need a multiple of {multiple})")
     size = chunk_prompts(cfg)
     if batch % size:
         raise ConfigError("dataflow.min_batch_for_reward", f"{cfg.dataflow.min_batch_for_reward} responses make "

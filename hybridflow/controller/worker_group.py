@@ -141,10 +141,14 @@ class Worker:
         if dims.world_size != self.world_size:
             raise ValueError(f"mesh {name!r}: layout {dims} has {dims.world_size} ranks, this group "
                              f"{self.world_size}")
+        self.register_replica(name, dims.coord(self.rank).dp, dims.dp, dims.answers_for_replica(self.rank))
+
+    def register_replica(self, name: str, replica: int, replicas: int, answers: bool) -> None:
+        """Serve mesh `name` as a rank of replica `replica` (of `replicas`), answering for it or not:
+        for meshes that are not a training layout (e.g. the generation layout of the 3D-HybridEngine)."""
         if self._meshes is None:
             self._meshes = {}
-        coord = dims.coord(self.rank)
-        self._meshes[name] = MeshCoord(coord.dp, dims.dp, dims.answers_for_replica(self.rank))
+        self._meshes[name] = MeshCoord(replica, replicas, answers)
 
     def mesh_coords(self) -> dict[str, MeshCoord]:
         return dict(self._meshes or {})

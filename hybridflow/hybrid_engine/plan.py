@@ -5,8 +5,9 @@ parameters' full shapes and sharding rules, the training layout `p-t-d`, the
 generation layout `pg-tg` and a grouping. It returns every rank's groups in
 the generation layout and, per parameter, which piece each rank holds after
 training, which pieces it needs to generate, and which pieces it receives
-from whom, with byte counts. An executor (not built yet) runs it with
-collectives; the planner is tested without processes.
+from whom, with byte counts. `reshard.GroupedWeights` runs it with
+collectives (and is tested to move exactly these bytes); the planner itself
+is tested without processes.
 
 Pieces. A parameter sharded over TP is cut into `t * blocks` pieces: piece
 `(r, b)` is block `b` of training TP rank `r`'s shard (`blocks = 2` for the
@@ -107,12 +108,24 @@ class ReshardPlan:
     held: dict[int, set[tuple[str, int, int]]]  # rank -> (param, tp rank, block) after training
     needed: dict[int, set[tuple[str, int, int]]]  # rank -> pieces of its generation shard
     transfers: list[Transfer] = field(default_factory=list)
+    needed_bytes: dict[int, int] = field(default_factory=dict)  # rank -> bytes of its generation shard
 
     def bytes_received(self, rank: int) -> int:
         return sum(t.nbytes for t in self.transfers if t.dst == rank)
 
     def bytes_sent(self, rank: int) -> int:
         return sum(t.nbytes for t in self.transfers if t.src == rank)
+
+    def generation_replica(self, rank: int) -> tuple[int, int]:
+        """(index, count) of the generation data-parallel replica `rank` serves.
+
+        The ranks of one generation TP group (times its `pg` stages) hold one
+        generation model and must see the same prompts; there are
+        `d * t*p / (tg*pg)` such replicas, numbered training replica first.
+        """
+        per = self.train.tp * self.train.pp // (self.gen.tg * self.gen.pg)
+        g = self.gen_coords[rank]
+        return g.replica * per + g.micro_dp_rank, self.train.dp * per
 
 
 def _layer(name: str) -> Optional[int]:
@@ -184,6 +197,7 @@ def plan_reshard(params: Iterable[ParamInfo], train: ParallelDims, gen: GenLayou
                        micro_dp_groups=_groups(coords, lambda g: (g.replica, g.pg_stage, g.tg_rank)),
                        held=held, needed=needed)
     info = {p.name: p for p in params}
+    plan.needed_bytes = {r: sum(_piece_bytes(info[name], t) for name, _, _ in pieces) for r, pieces in needed.items()}
     plan.transfers = [x for rank in range(world) for x in (
         _full_transfers(plan, info, rank) if grouping == "full" else _gather_transfers(plan, info, rank))]
     return plan

@@ -1,29 +1,38 @@
-"""The 3D-HybridEngine's switch to generation: the paper's grouped gather into a tg-way generator.
+"""The 3D-HybridEngine's switch to generation: the actor's weights into a tg-way generator, per grouping.
 
-`GroupedWeights(engine, tg)` holds a tensor-parallel `Decoder` (this rank's
-generation shard, `tensor_parallel.py`) and refills it from the training
-engine with the `hybridflow` grouping of `plan.py`:
+`GroupedWeights(engine, tg, grouping)` holds a tensor-parallel `Decoder` (this
+rank's generation shard, `tensor_parallel.py`) and refills it from the
+training engine as the reshard plan of `plan.py` lays out:
 
-1. inside each micro-DP group's share of one pipeline stage (the `k = t/tg`
-   consecutive TP ranks whose training shards make up one generation
-   shard), one all-gather per *bucket* of parameters: the local shards are
-   flattened into a buffer of at most `bucket_bytes`, so a model with many
-   tensors costs few collectives;
-2. the pieces are re-laid with the sharding plan's own `unshard_tensor`
-   (whole query groups for QKV, `[gate...; up...]` for SwiGLU);
-3. at pp > 1 (generation runs at pg = 1), each stage's generation shard is
-   broadcast over megatron-core's pipeline group, whose members share the
-   same generation TP rank.
+- `hybridflow` (the paper's grouping, the default): inside each micro-DP
+  group's share of one pipeline stage (the `k = t/tg` consecutive TP ranks
+  whose training shards make up one generation shard), one all-gather per
+  *bucket* of parameters. The local shards are flattened into a buffer of at
+  most `bucket_bytes`, so a model with many tensors costs few collectives;
+  the pieces are re-laid with the sharding plan's own `unshard_tensor`
+  (whole query groups for QKV, `[gate...; up...]` for SwiGLU). A rank
+  receives exactly `(t*p - tg) / (tg * t*p) * M` bytes.
+- `vanilla` (HybridFlow-V): generation TP groups of consecutive ranks, so a
+  rank's generation shard is not made of its micro-DP group's pieces: the
+  replica gathers every TP piece of each stage (the same buckets, over the
+  whole TP group), then each rank cuts its shard out. `(t*p - 1)/(t*p) * M`.
+- `full` (DeepSpeed-Chat): the whole model gathered one collective per
+  tensor (`MegatronEngine.full_state`), then cut. Built for one training
+  replica (d = 1), where its bytes are the plan's `(t*p - 1)/(t*p) * M`; at
+  d > 1 DeepSpeed-Chat spreads the gather over the replicas, which this
+  baseline does not (refused).
 
-A rank receives exactly `(t*p - tg) / (tg * t*p) * M` bytes, what the plan
-counts (tested). The generation buffer is a separate tensor, into which the
-rank's own training shard is copied rather than aliased: megatron-core's DDP
-owns the training storage and may move it, and an alias that silently went
-stale is how verl and Megatron-LM shipped stale-weight bugs. The copy costs
+At pp > 1 (generation runs at pg = 1) each stage's part is then broadcast over
+megatron-core's pipeline group, whose members share a TP rank, hence a
+generation TP rank under `hybridflow`.
+
+The generation buffer is a separate tensor, into which the rank's own
+training shard is copied rather than aliased: megatron-core's DDP owns the
+training storage and may move it, and an alias that silently went stale is
+how verl and Megatron-LM shipped stale-weight bugs. The copy costs
 `M / (t*p)` of memory (`reshard/own_shard_bytes`), no communication.
 
-Not built yet: generation pipelining (pg > 1), and using this in the trainer
-(`rollout.tg > 1` is still refused by the config checks).
+Generation pipelining (pg > 1) is not built: `rollout.pg > 1` is refused by the config checks.
 """
 from __future__ import annotations
 
@@ -33,11 +42,11 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.engine.megatron import MegatronEngine, Traffic
-from hybridflow.hybrid_engine.generation import nbytes, transition_metrics
+from hybridflow.hybrid_engine.generation import ViewWeights, nbytes, transition_metrics
 from hybridflow.hybrid_engine.plan import GenLayout, bridge_params, plan_reshard
 from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel
 from hybridflow.models.decoder import Decoder
-from hybridflow.models.sharding import unshard_tensor
+from hybridflow.models.sharding import shard_tensor, unshard_tensor
 from hybridflow.parallel.layout import Coord, ParallelDims
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
@@ -54,19 +63,28 @@ def _new_groups(groups: list[list[int]]):
 
 
 class GroupedWeights:
-    """A tg-way generation model (pg = 1), refilled from `engine` by micro-DP all-gathers."""
+    """A tg-way generation model (pg = 1), refilled from `engine` by the plan of `grouping`."""
 
-    def __init__(self, engine: MegatronEngine, tg: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, engine: MegatronEngine, tg: int, grouping: str = "hybridflow",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         lay = engine.layout
-        self.engine, self.tg, self.bucket_bytes = engine, tg, bucket_bytes
+        self.engine, self.tg, self.grouping, self.bucket_bytes = engine, tg, grouping, bucket_bytes
         self.dims = ParallelDims(tp=lay.tp, pp=lay.pp, dp=lay.dp)
+        if grouping == "full" and lay.dp > 1:
+            raise ValueError("the 'full' baseline gathers within one training replica; it is built for d = 1, "
+                             f"got d = {lay.dp}")
         element = torch.empty((), dtype=engine.dtype).element_size()
-        self.plan = plan_reshard(bridge_params(engine.bridge, element), self.dims, GenLayout(tg=tg), "hybridflow")
+        self.plan = plan_reshard(bridge_params(engine.bridge, element), self.dims, GenLayout(tg=tg), grouping)
         me = self.plan.gen_coords[lay.rank]
-        self.tg_rank, self.k = me.tg_rank, lay.tp // tg
-        # The k consecutive TP ranks of one stage that gather among themselves, and the generation TP groups.
+        self.tg_rank = me.tg_rank
+        index, count = self.plan.generation_replica(lay.rank)
+        self.mesh = (index, count, me.tg_rank == 0)  # the generation replica this rank serves; who answers
+        self.entries = {e.megatron: e for e in engine.bridge.entries()}
+        # k consecutive TP ranks of one stage gather among themselves: a micro-DP group (hybridflow), or
+        # the whole TP group (vanilla: everything, then cut); `full` uses megatron's TP group per tensor.
+        self.k = lay.tp // tg if grouping == "hybridflow" else lay.tp
         gather = [[self.dims.rank(Coord(tp=j * self.k + i, cp=0, dp=d, pp=s)) for i in range(self.k)]
-                  for d in range(lay.dp) for s in range(lay.pp) for j in range(tg)]
+                  for d in range(lay.dp) for s in range(lay.pp) for j in range(lay.tp // self.k)]
         self.gather_group = _new_groups(gather)[lay.rank]
         gen_tp = _new_groups([list(g) for g in self.plan.gen_tp_groups])[lay.rank]
         parallel = GroupTensorParallel(gen_tp, engine.bridge.padded_vocab) if tg > 1 else None
@@ -87,14 +105,15 @@ class GroupedWeights:
             size += nbytes
         return [b for b in buckets if b]
 
-    def _stage_shard(self, traffic: Traffic) -> dict[str, torch.Tensor]:
-        """This stage's generation shard (generation names): bucketed all-gathers of the TP pieces."""
+    def _gathered(self, traffic: Traffic) -> dict[str, torch.Tensor]:
+        """This stage's tensors (megatron names), each the union of its gather group's TP pieces:
+        bucketed all-gathers, one per bucket."""
         params, out = self.engine._named_params(), {}
         for bucket in self._buckets():
             sharded = [(e, n) for e, n in bucket if e.shard.dim is not None and self.k > 1]
             for e, n in bucket:
                 if (e, n) not in sharded:
-                    out[e.generation] = params[n].detach().clone()  # replicated, or already whole (k = 1)
+                    out[e.megatron] = params[n].detach().clone()  # replicated, or already whole (k = 1)
             if not sharded:
                 continue
             flat = torch.cat([params[n].detach().reshape(-1) for _, n in sharded])
@@ -104,24 +123,45 @@ class GroupedWeights:
             offset = 0
             for e, n in sharded:
                 shape, count = params[n].shape, params[n].numel()
-                pieces = [g[offset:offset + count].view(shape) for g in gathered]
-                out[e.generation] = unshard_tensor(pieces, e.shard)
+                out[e.megatron] = unshard_tensor([g[offset:offset + count].view(shape) for g in gathered], e.shard)
                 offset += count
         return out
 
+    def _generation_part(self, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One stage's gathered tensors -> this rank's generation shard of them (generation names)."""
+        cut = self.grouping != "hybridflow"  # hybridflow's gather already is the generation shard
+        return {self.entries[name].generation: shard_tensor(t, self.entries[name].shard, self.tg_rank, self.tg)
+                if cut else t for name, t in part.items()}
+
     @torch.no_grad()
     def refresh(self) -> dict[str, float]:
-        """Copy the engine's current weights into the generation shard; the transition's figures."""
+        """Copy the engine's current weights into the generation shard; the transition's figures.
+
+        Every rank of the engine must call it. `reshard/peak_bytes` is the most
+        generation-weight bytes held at once: the shard, plus, for `vanilla`
+        and `full`, one whole stage before it is cut.
+        """
         start, traffic = time.perf_counter(), Traffic()
+        mine = self.engine.stage_state(traffic) if self.grouping == "full" else self._gathered(traffic)
         shard: dict[str, torch.Tensor] = {}
-        for part in self.engine.each_stage(self._stage_shard(traffic), traffic):  # generation runs at pg = 1
-            shard.update(part)
+        peak = 0
+        for part in self.engine.each_stage(mine, traffic):  # generation runs at pg = 1
+            peak = max(peak, nbytes(shard.values()) + nbytes(part.values()))
+            shard.update(self._generation_part(part))
         if self.tg == 1:  # the whole model: drop the vocabulary padding, as the one-rank generator has none
-            vocab = {e.generation for e in self.engine.bridge.entries() if e.vocab}
+            vocab = {e.generation for e in self.entries.values() if e.vocab}
             shard = {name: t[: self.engine.cfg.vocab_size] if name in vocab else t for name, t in shard.items()}
         params = dict(self.model.named_parameters())
         for name, value in shard.items():
             params[name].copy_(value)
         metrics = transition_metrics(traffic, self.model, time.perf_counter() - start)
+        metrics["reshard/peak_bytes"] = float(max(peak, metrics["reshard/peak_bytes"]))
         metrics["reshard/own_shard_bytes"] = float(nbytes(self.engine._named_params().values()))
         return metrics
+
+
+def generation_weights(engine: MegatronEngine, tg: int = 1, grouping: str = "hybridflow"):
+    """The actor's generation weights: views at tp = pp = 1, else a `GroupedWeights` at `tg`."""
+    if engine.layout.tp == 1 and engine.parallel.pp == 1:
+        return ViewWeights(engine)
+    return GroupedWeights(engine, tg, grouping)

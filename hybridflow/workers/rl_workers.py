@@ -4,8 +4,8 @@
   generator over views of its weights and (optionally) the frozen reference
   live in one process, so rollout needs no weight transfer (the default).
 - `RolloutWorker`: rollout on devices apart from training, on a copy of the
-  actor's weights that the controller refreshes after each update (the
-  actor group publishes them to the object store; only a handle passes
+  actor's weights that the controller refreshes after each update (each
+  actor rank publishes its own shard to the object store; only handles pass
   through the controller).
 - `CriticWorker`: the value model, colocated with the actor or on its own devices.
 
@@ -33,7 +33,9 @@ from hybridflow.data import fields as F
 from hybridflow.data.tokenizer import Tokenizer
 from hybridflow.engine import MegatronEngine
 from hybridflow.hybrid_engine import generation_weights
+from hybridflow.hybrid_engine.publish import assemble, training_shard
 from hybridflow.models.checkpoint import load_decoder, save_hf_checkpoint, save_hf_checkpoint_parts
+from hybridflow.models.bridge import get_bridge
 from hybridflow.models.config import DecoderConfig
 from hybridflow.roles import Actor, Critic, Reference, Rollout
 from hybridflow.rollout import Generator
@@ -113,10 +115,16 @@ class _Generates(Worker):
 
     rollout: Rollout
 
-    @register(Dispatch.DP_SPLIT)
+    @register(Dispatch.DP_SPLIT, mesh="generation")
     def generate(self, prompts: dict[str, Any], seed: int, validation: bool = False,
                  pad: bool = False) -> dict[str, Any]:
-        """This rank's prompts -> the rollout batch (fields in `data.fields`)."""
+        """This generation replica's prompts -> the rollout batch (fields in `data.fields`).
+
+        The "generation" mesh is the rollout layout: at tg > 1 the ranks of one
+        generation TP group get the same prompts and its TP rank 0 answers, so
+        the controller regroups prompts onto generation replicas and the
+        responses back into one batch, which the training meshes then split.
+        """
         return self.rollout.generate(prompts, seed, validation, pad)
 
 
@@ -141,28 +149,25 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         if spec.reference is not None:
             engine = build_engine(spec.run, spec.model, spec.model.path, None, spec.reference.parallel)
             self.reference = Reference(spec.reference, engine, temperature=spec.rollout.temperature)
-        # Generation at tg = 1: views of the engine, or (tp/pp > 1) a whole model gathered after each update.
-        self.generation = generation_weights(self.engine)
+        # Generation: views of the engine at tp = pp = 1, else a tg-way model the 3D-HybridEngine refills.
+        self.generation = generation_weights(self.engine, spec.rollout.tg, spec.rollout.grouping)
+        replica, replicas, answers = self.generation.mesh
+        self.register_replica("generation", replica, replicas, answers)
         generator = Generator(self.generation.model, self.tokenizer.pad_token_id, self.tokenizer)
-        self.rollout = Rollout(spec.rollout, spec.max_response_length, generator, self.tokenizer, self.world_size)
+        self.rollout = Rollout(spec.rollout, spec.max_response_length, generator, self.tokenizer, replicas)
 
     @register(Dispatch.RANK_ZERO)
     def refresh_generation(self) -> dict[str, float]:
         """Bring the generation weights up to the trained ones; the transition's `reshard/*` figures."""
         return self.generation.refresh()
 
-    @register(Dispatch.RANK_ZERO)
-    def publish_weights(self) -> ObjectHandle:
-        """The actor's weights in the generation layout, left in the object store for a rollout group.
-
-        At tg = 1 every rank's generation model is the whole model (views at
-        tp = pp = 1, else gathered by `refresh_generation`), so rank 0's copy
-        is the one published; only the handle reaches the controller.
-        """
-        if self.rank != 0:
-            return None
+    @register(Dispatch.ONE_TO_ALL)
+    def publish_weights(self) -> Optional[ObjectHandle]:
+        """This rank's training shard, left in the object store for a rollout group apart (None outside
+        the first DP replica): no rank gathers the whole model; only handles reach the controller."""
+        shard = training_shard(self.engine)
         # Under Ray the tensors are written into the object store once: a snapshot.
-        return ObjectHandle({name: t.detach().cpu() for name, t in self.generation.model.state_dict().items()})
+        return None if shard is None else ObjectHandle(shard)
 
     @register(Dispatch.DP_SPLIT, mesh="actor")
     def compute_log_probs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -208,14 +213,17 @@ class RolloutWorker(_Generates):
         prepare_process(self)
         model_cfg = load_model_config(spec.model.path, "model.path")
         self.tokenizer = load_tokenizer(spec.model, model_cfg)
+        self.bridge = get_bridge(model_cfg, spec.model.make_vocab_size_divisible_by)
         self.model = load_decoder(spec.model.path, spec.model.dtype).to(spec.run.device).eval()
+        self.register_replica("generation", self.rank, self.world_size, True)  # tg = 1: every rank a replica
         generator = Generator(self.model, self.tokenizer.pad_token_id, self.tokenizer)
         self.rollout = Rollout(spec.rollout, spec.max_response_length, generator, self.tokenizer, self.world_size)
 
     @register(Dispatch.ONE_TO_ALL)
-    def load_weights(self, handle: ObjectHandle) -> None:
-        """Copy in the actor's generation-layout weights (fetched from the object store)."""
-        state = handle.get()
+    def load_weights(self, handles: list[Optional[ObjectHandle]]) -> None:
+        """Copy in the actor's weights, reassembled from every training rank's shard (fetched from the
+        object store)."""
+        state = assemble((h.get() for h in handles if h is not None), self.bridge)
         with torch.no_grad():
             missing, unexpected = self.model.load_state_dict(state, strict=False)
             if missing or unexpected:

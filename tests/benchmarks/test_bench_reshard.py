@@ -18,5 +18,7 @@ def test_bench_reshard_quick_prints_the_three_groupings():
     assert {name for _, name in rows} == {"hybridflow", "vanilla", "full"}, proc.stdout
     # tg=2 at t=4: each rank receives (t - tg) / (tg * t) = 1/4 of the model, in one bucketed collective
     hybridflow = rows[("2", "hybridflow")]
-    assert hybridflow[5] == "0.250" and hybridflow[6] == "1", proc.stdout
-    assert rows[("2", "full")][5] == "0.750", proc.stdout
+    assert hybridflow[5] == "0.250" and hybridflow[7] == "1", proc.stdout
+    assert rows[("2", "full")][5] == rows[("2", "vanilla")][5] == "0.750", proc.stdout
+    assert all(row[6] == "yes" for row in rows.values()), proc.stdout  # every executor moved the plan's bytes
+    assert int(hybridflow[8]) < int(rows[("2", "vanilla")][8]), proc.stdout  # no whole stage held before a cut

@@ -6,7 +6,7 @@ parallel state and, from the same HF checkpoint (read slice by slice):
 - log-probs and entropy of the actor, values of a critic, on the whole batch;
 - one actor update, each DP replica on its share of the batch, then the
   weights gathered back to HF layout;
-- the full-gather generation model: stale after the update until refreshed,
+- the generation model at tg = 1 (the whole model on every rank): stale after the update until refreshed,
   then equal to the trained weights (the invariant of weights shared between
   training and generation);
 - at TP2xPP2: a checkpoint of the shard resumes exactly (a second update from
@@ -26,7 +26,7 @@ def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str) -> dict:
 
     from hybridflow.config.schema import CriticConfig, OptimConfig, ParallelConfig
     from hybridflow.engine import MegatronEngine
-    from hybridflow.hybrid_engine import GatheredWeights
+    from hybridflow.hybrid_engine import GroupedWeights
     from hybridflow.roles import Actor, Critic
     from tests.engine.conftest import layout_case
 
@@ -44,7 +44,7 @@ def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str) -> dict:
     out.update(Critic(CriticConfig(ppo_micro_batch_size=3), critic_engine, mini_batch_size=4).compute_values(
         case.batch))
 
-    generation = GatheredWeights(actor_engine)
+    generation = GroupedWeights(actor_engine, 1)  # tg = 1: every rank gathers the whole model
     layout = actor_engine.layout
     rows = len(case.batch["input_ids"]) // layout.dp
     mine = {k: v[layout.dp_rank * rows:(layout.dp_rank + 1) * rows] for k, v in case.batch.items()}

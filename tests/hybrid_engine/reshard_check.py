@@ -1,9 +1,10 @@
-"""Run by test_reshard.py under `torchrun --nproc-per-node 4`: the grouped switch to generation.
+"""Run by test_reshard.py under `torchrun --nproc-per-node 4`: the switch to generation, all three groupings.
 
-For t=4 -> tg=2, t=4 -> tg=1 and t=2,p=2 -> tg=2: build the engine, the
-tg-way generation model, take one optimizer step (the generation weights are
-now stale), refresh, and record what the test checks: stale before, equal to
-shard(full weights, tg) after, bytes and collectives against the plan.
+For t=4 -> tg=2, t=4 -> tg=1 and t=2,p=2 -> tg=2: build the engine and one
+tg-way generation model per grouping (`hybridflow`, `vanilla`, `full`), take
+one optimizer step (the generation weights are now stale), refresh, and
+record what the test checks: stale before, equal to shard(full weights, tg)
+after, bytes and collectives against the plan, the peak against the shard.
 """
 import os
 import sys
@@ -15,6 +16,7 @@ def run(tp: int, pp: int, tg: int, hf_path: str) -> dict:
 
     from hybridflow.config.schema import ParallelConfig
     from hybridflow.engine import MegatronEngine
+    from hybridflow.hybrid_engine import GROUPINGS
     from hybridflow.hybrid_engine.reshard import GroupedWeights
     from hybridflow.hybrid_engine.tensor_parallel import generation_shard
     from hybridflow.roles import Actor
@@ -23,19 +25,22 @@ def run(tp: int, pp: int, tg: int, hf_path: str) -> dict:
     case = layout_case(hf_path)
     engine = MegatronEngine(case.cfg, ParallelConfig(tp=tp, pp=pp), case.optim, total_steps=10)
     engine.load_hf_checkpoint(hf_path)
-    weights = GroupedWeights(engine, tg)
-    one_bucket = weights.refresh()
-    weights.bucket_bytes = 4096  # many small buckets: more collectives, the same bytes
-    small_buckets = weights.refresh()
+    rank, out = engine.layout.rank, {}
+    switches = {g: GroupedWeights(engine, tg, g) for g in GROUPINGS}
+    for g, weights in switches.items():
+        out[g] = {"one_bucket": weights.refresh(), "planned_bytes": weights.plan.bytes_received(rank),
+                  "shard_bytes": weights.plan.needed_bytes[rank], "mesh": weights.mesh}
+    hybridflow = switches["hybridflow"]
+    hybridflow.bucket_bytes = 4096  # many small buckets: more collectives, the same bytes
+    out["hybridflow"]["small_buckets"] = hybridflow.refresh()
     Actor(case.actor_cfg, engine).update(case.batch, step=0)
-    want = generation_shard(engine.bridge, engine.full_state(), weights.tg_rank, tg)
-    gen = dict(weights.model.named_parameters())
-    stale = any(not torch.equal(gen[k], want[k]) for k in want)
-    after = weights.refresh()
-    fresh = all(torch.equal(gen[k], want[k]) for k in want) and gen.keys() == want.keys()
-    rank = engine.layout.rank
-    out = {"stale": stale, "fresh": fresh, "one_bucket": one_bucket, "small_buckets": small_buckets,
-           "after": after, "planned_bytes": weights.plan.bytes_received(rank)}
+    full = engine.full_state()
+    for g, weights in switches.items():
+        want = generation_shard(engine.bridge, full, weights.tg_rank, tg)
+        gen = dict(weights.model.named_parameters())
+        out[g]["stale"] = any(not torch.equal(gen[k], want[k]) for k in want)
+        out[g]["after"] = weights.refresh()
+        out[g]["fresh"] = gen.keys() == want.keys() and all(torch.equal(gen[k], want[k]) for k in want)
     ps.destroy_model_parallel()
     return out
 

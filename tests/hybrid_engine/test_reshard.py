@@ -1,11 +1,14 @@
-"""The grouped switch to generation on 4 gloo processes: fresh weights, the plan's bytes, few collectives."""
+"""The switch to generation on 4 gloo processes, all three groupings: fresh weights, the plan's bytes,
+few collectives, the peak the plan predicts (one launch for every case)."""
 import pytest
 import torch
 
+from hybridflow.controller.dispatch import MeshCoord, check_mesh
 from tests.engine.conftest import tiny_model
 from tests.torchrun import torchrun
 
 LAYOUTS = ("t4p1-tg2", "t4p1-tg1", "t2p2-tg2")
+GROUPINGS = ("hybridflow", "vanilla", "full")
 
 
 @pytest.fixture(scope="module")
@@ -20,26 +23,58 @@ def launched(tmp_path_factory):
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("grouping", GROUPINGS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_generation_weights_are_stale_after_a_step_until_refreshed(launched, layout):
+def test_generation_weights_are_stale_after_a_step_until_refreshed(launched, layout, grouping):
     for rank, got in enumerate(launched[layout]):
-        assert got["stale"], rank  # the check below can fail: the step changed the weights
-        assert got["fresh"], rank  # every generation parameter equals shard(full weights, tg)
+        assert got[grouping]["stale"], rank  # the check below can fail: the step changed the weights
+        assert got[grouping]["fresh"], rank  # every generation parameter equals shard(full weights, tg)
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("grouping", GROUPINGS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_bytes_received_are_the_plans(launched, layout):
+def test_bytes_received_are_the_plans(launched, layout, grouping):
     for rank, got in enumerate(launched[layout]):
-        for run in ("one_bucket", "small_buckets", "after"):
-            assert got[run]["reshard/bytes_received"] == got["planned_bytes"], (rank, run)
+        mine = got[grouping]
+        runs = ("one_bucket", "small_buckets", "after") if grouping == "hybridflow" else ("one_bucket", "after")
+        for run in runs:
+            assert mine[run]["reshard/bytes_received"] == mine["planned_bytes"], (rank, run)
 
 
 @pytest.mark.timeout(400)
 def test_buckets_set_the_number_of_collectives(launched):
     t4 = launched["t4p1-tg2"][0]
-    assert t4["one_bucket"]["reshard/collectives"] == 1  # one all-gather for the whole model
-    assert t4["small_buckets"]["reshard/collectives"] > 4
+    assert t4["hybridflow"]["one_bucket"]["reshard/collectives"] == 1  # one all-gather for the whole model
+    assert t4["vanilla"]["one_bucket"]["reshard/collectives"] == 1
+    assert t4["hybridflow"]["small_buckets"]["reshard/collectives"] > 4
+    assert t4["full"]["one_bucket"]["reshard/collectives"] > 4  # one per sharded tensor
     t2p2 = launched["t2p2-tg2"][0]
-    assert t2p2["one_bucket"]["reshard/bytes_received"] > 0  # the other stage's layers arrive
-    assert launched["t4p1-tg1"][0]["one_bucket"]["reshard/peak_bytes"] > t4["one_bucket"]["reshard/peak_bytes"]
+    assert t2p2["hybridflow"]["one_bucket"]["reshard/bytes_received"] > 0  # the other stage's layers arrive
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_peak_is_the_generation_shard_only_under_hybridflow(launched, layout):
+    """hybridflow gathers straight into the generation shard: its peak is the shard's bytes, M/tg plus the
+    replicated norms. vanilla and full hold a whole stage before cutting it (equal only at tg = 1, p = 1)."""
+    for rank, got in enumerate(launched[layout]):
+        shard = got["hybridflow"]["shard_bytes"]
+        assert got["hybridflow"]["after"]["reshard/peak_bytes"] == shard, rank
+        for other in ("vanilla", "full"):
+            peak = got[other]["after"]["reshard/peak_bytes"]
+            assert peak == shard if layout == "t4p1-tg1" else peak > shard, (rank, other)
+
+
+@pytest.mark.timeout(400)
+def test_generation_mesh_groups_the_ranks_of_one_generation_tp_group(launched):
+    """At t=4 -> tg=2 the paper's generation TP groups are {0, 2} and {1, 3} (stride t/tg); vanilla's
+    are consecutive. Each is one generation replica, answered for by its TP rank 0."""
+    want = {"hybridflow": [(0, True), (1, True), (0, False), (1, False)],
+            "vanilla": [(0, True), (0, False), (1, True), (1, False)]}
+    for grouping, expected in want.items():
+        coords = [MeshCoord(*ranks[grouping]["mesh"]) for ranks in launched["t4p1-tg2"]]
+        check_mesh(grouping, coords)
+        assert [(c.dp_rank, c.answers) for c in coords] == expected, grouping
+    tg1 = [MeshCoord(*ranks["hybridflow"]["mesh"]) for ranks in launched["t4p1-tg1"]]
+    assert [(c.dp_rank, c.dp_size, c.answers) for c in tg1] == [(r, 4, True) for r in range(4)]

@@ -222,8 +222,7 @@ def test_a_worker_failing_inside_a_flow_stage_surfaces_as_worker_error(tmp_path,
 
 
 @pytest.mark.parametrize("override, message", [
-    ("actor.parallel.tp=2 rollout.tg=2", "rollout.tg: 2: generating in a model-parallel layout needs the "
-                                         "3D-HybridEngine's reshard, which is not built yet"),
+    ("actor.parallel.pp=2 rollout.pg=2", "rollout.pg: 2: generation pipelining is not built yet"),
     ("rollout.engine=vllm", "rollout.engine: 'vllm' is not wired into the trainer yet"),
 ])
 def test_settings_not_built_yet_stop_before_any_worker_starts(tmp_path, override, message):
@@ -253,5 +252,7 @@ def test_gpu_scale_configs_against_their_model_shapes():
     qwen_7b = DecoderConfig(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                             num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128)
     cfg = load_config(ROOT / "configs" / "qwen2.5-7b-ppo-gsm8k.yaml", ["trainer.device=cpu"])
-    with pytest.raises(ConfigError, match="rollout.tg: 2: generating in a model-parallel layout needs the 3D-Hybrid"):
+    check_runnable(cfg, qwen_7b)  # tp=4 -> tg=2: runnable now
+    cfg.rollout.pg = 2
+    with pytest.raises(ConfigError, match="rollout.pg: 2: generation pipelining is not built yet"):
         check_runnable(cfg, qwen_7b)
