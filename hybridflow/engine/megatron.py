@@ -95,13 +95,22 @@ class ValueHead(nn.Module):
 
 @dataclass
 class Traffic:
-    """What one rank received in a weight transfer: bytes and collectives."""
+    """What one rank sent and received in a weight transfer, and the collectives it joined.
+
+    Bytes are logical: what the collective delivers from this rank to others
+    and from others to it (an all-gather over k ranks sends the own buffer to
+    k - 1 peers; a broadcast's root sends it to every other member),
+    whatever algorithm the backend runs underneath.
+    """
 
     bytes_received: int = 0
+    bytes_sent: int = 0
     collectives: int = 0
 
-    def add(self, nbytes: int) -> None:
-        self.bytes_received += nbytes
+    def add(self, received: int, sent: int = 0) -> None:
+        """One collective this rank joined."""
+        self.bytes_received += received
+        self.bytes_sent += sent
         self.collectives += 1
 
 
@@ -323,7 +332,8 @@ class MegatronEngine:
                 pieces = [torch.empty_like(tensor) for _ in range(self.layout.tp)]
                 dist.all_gather(pieces, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
                 if traffic is not None:
-                    traffic.add(tensor.numel() * tensor.element_size() * (self.layout.tp - 1))
+                    moved = tensor.numel() * tensor.element_size() * (self.layout.tp - 1)
+                    traffic.add(moved, moved)  # an all-gather: as much out to the peers as in from them
                 tensor = unshard_tensor(pieces, entry.shard)
             out[entry.megatron] = tensor.clone()
         return out
@@ -358,7 +368,11 @@ class MegatronEngine:
             box = [to_cpu(mine) if own else None]
             dist.broadcast_object_list(box, src=src, group=group)
             if traffic is not None:
-                traffic.add(0 if own else sum(t.numel() * t.element_size() for t in box[0].values()))
+                size = sum(t.numel() * t.element_size() for t in box[0].values())
+                if own:  # the root sends its stage to every other stage
+                    traffic.add(0, size * (self.parallel.pp - 1))
+                else:
+                    traffic.add(size)
             yield box[0]
 
     def hf_stage_parts(self):

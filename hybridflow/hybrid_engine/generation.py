@@ -21,9 +21,10 @@ def nbytes(tensors) -> int:
 
 
 def transition_metrics(traffic: Traffic, model: nn.Module, seconds: float) -> dict[str, float]:
-    """The `reshard/*` figures of one switch to generation: what this rank received, the collectives it
-    joined, the generation weights it holds, and the wall time."""
-    return {"reshard/bytes_received": float(traffic.bytes_received), "reshard/collectives": float(traffic.collectives),
+    """The `reshard/*` figures of one switch to generation: what this rank received and sent, the
+    collectives it joined, the generation weights it holds, and the wall time."""
+    return {"reshard/bytes_received": float(traffic.bytes_received), "reshard/bytes_sent": float(traffic.bytes_sent),
+            "reshard/collectives": float(traffic.collectives),
             "reshard/peak_bytes": float(nbytes(model.parameters())), "reshard/time_s": seconds}
 
 

@@ -119,7 +119,8 @@ class GroupedWeights:
             flat = torch.cat([params[n].detach().reshape(-1) for _, n in sharded])
             gathered = [torch.empty_like(flat) for _ in range(self.k)]
             dist.all_gather(gathered, flat, group=self.gather_group)
-            traffic.add(flat.numel() * flat.element_size() * (self.k - 1))
+            moved = flat.numel() * flat.element_size() * (self.k - 1)
+            traffic.add(moved, moved)  # the own bucket out to k - 1 peers, theirs in
             offset = 0
             for e, n in sharded:
                 shape, count = params[n].shape, params[n].numel()

@@ -4,7 +4,8 @@ For t=4 -> tg=2, t=4 -> tg=1 and t=2,p=2 -> tg=2: build the engine and one
 tg-way generation model per grouping (`hybridflow`, `vanilla`, `full`), take
 one optimizer step (the generation weights are now stale), refresh, and
 record what the test checks: stale before, equal to shard(full weights, tg)
-after, bytes and collectives against the plan, the peak against the shard.
+after, bytes and collectives against the plan, the peak against the shard;
+and the per-shard weights a rollout group apart reassembles.
 """
 import os
 import sys
@@ -12,11 +13,14 @@ import sys
 
 def run(tp: int, pp: int, tg: int, hf_path: str) -> dict:
     import torch
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from hybridflow.config.schema import ParallelConfig
     from hybridflow.engine import MegatronEngine
-    from hybridflow.hybrid_engine import GROUPINGS
+    from hybridflow.hybrid_engine import GROUPINGS, bridge_params
+    from hybridflow.hybrid_engine.generation import nbytes
+    from hybridflow.hybrid_engine.publish import assemble, training_shard
     from hybridflow.hybrid_engine.reshard import GroupedWeights
     from hybridflow.hybrid_engine.tensor_parallel import generation_shard
     from hybridflow.roles import Actor
@@ -29,6 +33,7 @@ def run(tp: int, pp: int, tg: int, hf_path: str) -> dict:
     switches = {g: GroupedWeights(engine, tg, g) for g in GROUPINGS}
     for g, weights in switches.items():
         out[g] = {"one_bucket": weights.refresh(), "planned_bytes": weights.plan.bytes_received(rank),
+                  "planned_sent": weights.plan.bytes_sent(rank),
                   "shard_bytes": weights.plan.needed_bytes[rank], "mesh": weights.mesh}
     hybridflow = switches["hybridflow"]
     hybridflow.bucket_bytes = 4096  # many small buckets: more collectives, the same bytes
@@ -41,6 +46,15 @@ def run(tp: int, pp: int, tg: int, hf_path: str) -> dict:
         out[g]["stale"] = any(not torch.equal(gen[k], want[k]) for k in want)
         out[g]["after"] = weights.refresh()
         out[g]["fresh"] = gen.keys() == want.keys() and all(torch.equal(gen[k], want[k]) for k in want)
+    # A rollout group apart gets the weights shard by shard: each rank publishes only its own shard.
+    shard = training_shard(engine)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, shard)
+    out["published_bytes"] = 0 if shard is None else nbytes(shard["tensors"].values())
+    out["own_bytes"] = nbytes(engine._named_params().values())
+    whole, want = assemble(everyone, engine.bridge), engine.bridge.megatron_to_generation(full)
+    out["assembled_exact"] = whole.keys() == want.keys() and all(torch.equal(whole[k], want[k]) for k in want)
+    out["model_bytes"] = sum(p.nbytes for p in bridge_params(engine.bridge))
     ps.destroy_model_parallel()
     return out
 

@@ -43,6 +43,20 @@ def test_bytes_received_are_the_plans(launched, layout, grouping):
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("grouping", GROUPINGS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bytes_sent_balance_the_bytes_received(launched, layout, grouping):
+    """What the ranks send adds up to what they receive; at p = 1 each rank sends what the plan says.
+    (At p > 1 a stage's root forwards pieces its TP peers gave it, so the senders differ from the
+    plan's first holders while the totals agree.)"""
+    ranks = [got[grouping]["after"] for got in launched[layout]]
+    assert sum(r["reshard/bytes_sent"] for r in ranks) == sum(r["reshard/bytes_received"] for r in ranks)
+    if layout.startswith("t4p1"):
+        for rank, got in enumerate(launched[layout]):
+            assert got[grouping]["after"]["reshard/bytes_sent"] == got[grouping]["planned_sent"], rank
+
+
+@pytest.mark.timeout(400)
 def test_buckets_set_the_number_of_collectives(launched):
     t4 = launched["t4p1-tg2"][0]
     assert t4["hybridflow"]["one_bucket"]["reshard/collectives"] == 1  # one all-gather for the whole model
@@ -78,3 +92,15 @@ def test_generation_mesh_groups_the_ranks_of_one_generation_tp_group(launched):
         assert [(c.dp_rank, c.answers) for c in coords] == expected, grouping
     tg1 = [MeshCoord(*ranks["hybridflow"]["mesh"]) for ranks in launched["t4p1-tg1"]]
     assert [(c.dp_rank, c.dp_size, c.answers) for c in tg1] == [(r, 4, True) for r in range(4)]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_rollout_group_apart_gets_the_model_shard_by_shard(launched, layout):
+    """No training rank publishes more than its own shard, together they publish the model once, and the
+    reassembled model equals the trained weights."""
+    ranks = launched[layout]
+    for rank, got in enumerate(ranks):
+        assert 0 < got["published_bytes"] <= got["own_bytes"], rank
+        assert got["assembled_exact"], rank
+    assert sum(got["published_bytes"] for got in ranks) == ranks[0]["model_bytes"]

@@ -23,6 +23,23 @@ def run(name: str, tmp_path: Path, *overrides: str):
     return summary, read_metrics(summary["run_dir"] / "metrics.jsonl")
 
 
+THREE_STEPS = ["trainer.total_steps=3", "trainer.save_every=0", "data.val_files=[]"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The one-process run of a config (THREE_STEPS) that the layout tests compare with, run once each."""
+    runs = {}
+
+    def get(name: str, *overrides: str):
+        key = (name, *overrides)
+        if key not in runs:
+            runs[key] = run(name, tmp_path_factory.mktemp("one"), *overrides, *THREE_STEPS)
+        return runs[key]
+
+    return get
+
+
 def test_grpo_colocated_on_two_ray_workers_matches_the_single_process_run(tmp_path):
     """Actor, rollout (views) and DP=2 training share two Ray processes (the hybrid layout).
 
@@ -69,15 +86,16 @@ def test_ppo_split_placement_critic_on_its_own_devices(tmp_path):
 
 
 def test_grpo_rollout_apart_from_training_matches_the_single_process_run(tmp_path):
-    """Rollout on its own device (1 process), the actor DP=2 on two others: each update's weights
-    reach the rollout group through the object store before the next rollout, so the responses and
-    metrics are those of one process (keyed sampling; summation order as above)."""
+    """Rollout on its own device (1 process), the actor at TP2 on two others: after each update each
+    actor rank puts only its own shard into the object store and the rollout process reassembles the
+    model before the next rollout, so the responses and metrics are those of one process (keyed
+    sampling; summation order as above)."""
     from tests.trainer.test_trainer import learned
 
     common = ["trainer.total_steps=3", "trainer.val_every=3", "trainer.save_every=1",
               "actor.ppo_mini_batch_size=8"]
     layout = ["trainer.n_devices=3", "trainer.launcher=ray", "placement.training=[0,1]",
-              "placement.reference=[0,1]", "placement.rollout=[2]"]
+              "placement.reference=[0,1]", "placement.rollout=[2]", "actor.parallel.tp=2"]
     _, records = run("tiny-grpo.yaml", tmp_path / "apart", *layout, *common)
     _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
     apart, one = learned(records), learned(single)
@@ -107,30 +125,27 @@ def test_reference_apart_from_training_is_rejected_when_the_config_loads(tmp_pat
             "placement.training=[0]", "placement.rollout=[0]", "placement.reference=[1]"])
 
 
-def test_torchrun_local_mode_matches_ray(tmp_path):
-    """`torchrun -m hybridflow.cli train`: every rank drives its LocalWorkerGroup share;
-    the metrics equal those of the same layout on Ray workers."""
+def test_torchrun_local_mode_at_tp2_matches_the_single_process_run(tmp_path, single):
+    """`torchrun -m hybridflow.cli train`: every rank drives its LocalWorkerGroup share. The actor trains
+    at TP2 and generates at tg = 1 (t = 2 -> tg = 1: each rank gathers the whole model after an update);
+    three steps' metrics equal one process's."""
     import os
     import subprocess
     import sys
 
-    from tests.trainer.test_trainer import learned
-
-    common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0"]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "hybridflow.cli", "train", "configs/tiny-grpo.yaml", f"trainer.output_dir={tmp_path / 'trun'}",
-         *common], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+         "actor.parallel.tp=2", *THREE_STEPS, "trainer.save_every=3"], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "trun" / "tiny-grpo"
-    assert len(list((run_dir / "checkpoints" / "step_000002" / "actor").glob("engine_*.pt"))) == 2
+    assert len(list((run_dir / "checkpoints" / "step_000003" / "actor").glob("engine_*.pt"))) == 2
     torchrun = read_metrics(run_dir / "metrics.jsonl")
-    _, ray_run = run("tiny-grpo.yaml", tmp_path / "ray", "trainer.n_devices=2", "trainer.launcher=ray", *common)
-    assert [r["step"] for r in torchrun] == [0, 1, 2]
-    want, got = learned(ray_run), learned(torchrun)
-    for step in (1, 2):
-        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
+    assert [r["step"] for r in torchrun] == [0, 1, 2, 3]
+    assert torchrun[1]["reshard/bytes_received"] > 0
+    _assert_same_metrics({"one": single("tiny-grpo.yaml")[1], "torchrun": torchrun}, (1, 2, 3))
 
 
 def test_reward_model_on_its_own_device(tmp_path):
@@ -200,15 +215,16 @@ def _assert_same_metrics(runs: dict, steps, rel=1e-4, abs_=1e-5):
                 assert got[step][key] == pytest.approx(value, rel=rel, abs=abs_), (name, step, key)
 
 
-def test_grpo_at_tp2_pp2_on_four_ray_workers_matches_the_single_process_run(tmp_path):
-    """The actor trains at TP2 x PP2 and generates at tg = 1 from the whole model, gathered after each
-    update: three steps' metrics equal the one-process run's (keyed sampling: the same responses)."""
+def test_grpo_at_tp2_pp2_generating_at_tg2_matches_the_single_process_run(tmp_path, single):
+    """The actor trains at TP2 x PP2 (4 Ray processes) and generates at tg = 2: after each update the
+    3D-HybridEngine merges the two stages and regroups into two generation replicas of two TP ranks,
+    the prompts go to those replicas and the responses come back. Three steps' metrics equal the
+    one-process run's (keyed sampling: the same responses)."""
     from hybridflow.models.checkpoint import load_hf_state_dict
 
-    common = ["trainer.total_steps=3", "trainer.save_every=0", "data.val_files=[]"]
     summary, parallel = run("tiny-grpo.yaml", tmp_path / "tp2pp2", "trainer.n_devices=4", "trainer.launcher=ray",
-                            "actor.parallel.tp=2", "actor.parallel.pp=2", *common)
-    one_summary, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
+                            "actor.parallel.tp=2", "actor.parallel.pp=2", "rollout.tg=2", *THREE_STEPS)
+    one_summary, one = single("tiny-grpo.yaml")
     # The HF export, streamed stage by stage from the TP2 x PP2 actor, holds the one-process weights.
     exported, want = load_hf_state_dict(summary["hf_actor"]), load_hf_state_dict(one_summary["hf_actor"])
     assert exported.keys() == want.keys()
@@ -219,16 +235,32 @@ def test_grpo_at_tp2_pp2_on_four_ray_workers_matches_the_single_process_run(tmp_
         assert diff.max() < 0.2 * 3e-4 and diff.mean() < 1e-7, (name, diff.max(), diff.mean())
     transition = parallel[1]
     assert transition["reshard/bytes_received"] > 0 and transition["reshard/collectives"] > 0
-    assert single[1]["reshard/bytes_received"] == 0  # views at tp = pp = 1: nothing moves
-    _assert_same_metrics({"one": single, "tp2pp2": parallel}, (1, 2, 3))
+    assert one[1]["reshard/bytes_received"] == 0  # views at tp = pp = 1: nothing moves
+    _assert_same_metrics({"one": one, "tp2pp2": parallel}, (1, 2, 3))
 
 
-def test_ppo_with_the_critic_at_tp2_and_the_actor_at_pp2_matches_the_single_process_run(tmp_path):
+def test_grpo_and_ppo_at_tp4_generating_at_tg2_match_the_single_process_runs(tmp_path, single):
+    """t = 4 -> tg = 2 on 4 Ray processes, the paper's grouping: each rank receives a quarter of the model
+    from its micro-DP partner; GRPO, and PPO with the critic at TP4 too, equal one process. (A critic
+    at DP4 would shuffle its mini-batches per replica, a different split from one process's.)
+
+    PPO runs without the KL loss (the reference still feeds the KL in the reward): at step 1 the actor
+    equals the reference and the advantages vanish, so one process's gradient is exactly zero, while a
+    4-way TP sum leaves a ~1e-9 KL gradient that Adam scales up to a full lr-sized step."""
+    for name, extra in (("tiny-grpo.yaml", []), ("tiny-ppo.yaml", ["actor.use_kl_loss=false"])):
+        critic = ["critic.parallel.tp=4"] if name == "tiny-ppo.yaml" else []
+        _, parallel = run(name, tmp_path / name, "trainer.n_devices=4", "trainer.launcher=ray",
+                          "actor.parallel.tp=4", "rollout.tg=2", *critic, *extra, *THREE_STEPS)
+        assert parallel[1]["reshard/collectives"] == 1  # one bucketed all-gather per switch
+        one = single(name, *extra)[1]
+        _assert_same_metrics({"one": one, "t4-tg2": parallel}, (1, 2, 3))
+
+
+def test_ppo_with_the_actor_and_critic_at_tp2_matches_the_single_process_run(tmp_path, single):
     """A critic at TP2 needs both TP ranks to see the same rows (layout-aware DP_SPLIT): before it,
-    DP_SPLIT gave each rank half the batch and the TP all-reduces mixed rows. Three PPO steps (critic,
-    GAE, reference, KL in reward and loss, two mini-batches per epoch) equal one process's."""
-    common = ["trainer.total_steps=3", "trainer.save_every=0", "data.val_files=[]"]
+    DP_SPLIT gave each rank half the batch and the TP all-reduces mixed rows. The actor at TP2 generates
+    at tg = 1 (each rank gathers the whole model). Three PPO steps (critic, GAE, reference, KL in reward
+    and loss, two mini-batches per epoch) equal one process's."""
     _, parallel = run("tiny-ppo.yaml", tmp_path / "mp", "trainer.n_devices=2", "trainer.launcher=ray",
-                      "critic.parallel.tp=2", "actor.parallel.pp=2", *common)
-    _, single = run("tiny-ppo.yaml", tmp_path / "one", *common)
-    _assert_same_metrics({"one": single, "mp": parallel}, (1, 2, 3))
+                      "critic.parallel.tp=2", "actor.parallel.tp=2", *THREE_STEPS)
+    _assert_same_metrics({"one": single("tiny-ppo.yaml")[1], "mp": parallel}, (1, 2, 3))

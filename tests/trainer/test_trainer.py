@@ -223,6 +223,11 @@ def test_a_worker_failing_inside_a_flow_stage_surfaces_as_worker_error(tmp_path,
 
 @pytest.mark.parametrize("override, message", [
     ("actor.parallel.pp=2 rollout.pg=2", "rollout.pg: 2: generation pipelining is not built yet"),
+    ("trainer.n_devices=3 placement.training=[0,1] placement.reference=[0,1] placement.rollout=[2] "
+     "actor.parallel.tp=2 rollout.tg=2", "rollout.tg: 2: a rollout group placed apart from training generates at "
+                                         "tg = 1"),
+    ("trainer.n_devices=4 actor.parallel.tp=2 rollout.grouping=full",
+     "rollout.grouping: 'full' (the DeepSpeed-Chat baseline) gathers within one training replica"),
     ("rollout.engine=vllm", "rollout.engine: 'vllm' is not wired into the trainer yet"),
 ])
 def test_settings_not_built_yet_stop_before_any_worker_starts(tmp_path, override, message):
