@@ -63,7 +63,7 @@ class Rollout:
     """Generation for one rank.
 
     cfg: the `rollout` section; max_new_tokens: `data.max_response_length`;
-    world_size: ranks whose outputs are concatenated (they need one width).
+    world_size: generation replicas whose outputs are concatenated (they need one width).
     """
 
     def __init__(self, cfg: RolloutConfig, max_new_tokens: int, generator: Generator, tokenizer: Tokenizer,
