@@ -35,6 +35,9 @@ class ViewWeights:
         self.model = generation_model(engine)
         self.mesh = (engine.layout.rank, engine.layout.world, True)  # (replica, replicas, answers)
 
+    def release(self) -> None:
+        """Nothing to free: the views are the training weights."""
+
     def refresh(self) -> dict[str, float]:
         """Nothing to move: the views already hold the trained weights."""
         return transition_metrics(Traffic(), self.model, 0.0)

@@ -31,6 +31,8 @@ training shard is copied rather than aliased: megatron-core's DDP owns the
 training storage and may move it, and an alias that silently went stale is
 how verl and Megatron-LM shipped stale-weight bugs. The copy costs
 `M / (t*p)` of memory (`reshard/own_shard_bytes`), no communication.
+Switching back to training frees the generation weights (`release`); the
+next `refresh` allocates them again.
 
 Generation pipelining (pg > 1) is not built: `rollout.pg > 1` is refused by the config checks.
 """
@@ -91,7 +93,20 @@ class GroupedWeights:
         model = Decoder(engine.cfg, parallel) if parallel is not None else Decoder(engine.cfg)
         self.model = model.to(device=engine._torch_device(), dtype=engine.dtype).eval()
         self.model.requires_grad_(False)
+        self.shapes = {name: p.shape for name, p in self.model.named_parameters()}
+        self._released = None  # the forward hook that refuses to generate from released weights
         self.refresh()
+
+    def release(self) -> None:
+        """Switch back to training: free the generation weights until the next `refresh`.
+
+        Generating from released weights raises instead of running on empty tensors.
+        """
+        if self._released is not None:
+            return
+        for p in self.model.parameters():
+            p.data = p.data.new_empty(0)
+        self._released = self.model.register_forward_pre_hook(_refuse_released)
 
     def _buckets(self) -> list[list]:
         """This stage's (entry, local name) pairs in buckets of at most `bucket_bytes` local bytes."""
@@ -153,12 +168,22 @@ class GroupedWeights:
             vocab = {e.generation for e in self.entries.values() if e.vocab}
             shard = {name: t[: self.engine.cfg.vocab_size] if name in vocab else t for name, t in shard.items()}
         params = dict(self.model.named_parameters())
+        if self._released is not None:  # allocate again what `release` freed
+            for name, p in params.items():
+                p.data = p.data.new_empty(self.shapes[name])
+            self._released.remove()
+            self._released = None
         for name, value in shard.items():
             params[name].copy_(value)
         metrics = transition_metrics(traffic, self.model, time.perf_counter() - start)
         metrics["reshard/peak_bytes"] = float(max(peak, metrics["reshard/peak_bytes"]))
         metrics["reshard/own_shard_bytes"] = float(nbytes(self.engine._named_params().values()))
         return metrics
+
+
+def _refuse_released(module, args):
+    raise RuntimeError("the generation weights were released for training: refresh them (the switch to "
+                       "generation, RLTrainer.transition) before generating")
 
 
 def generation_weights(engine: MegatronEngine, tg: int = 1, grouping: str = "hybridflow"):

@@ -43,7 +43,7 @@ def actor_spec(cfg: Config) -> ActorWorkerSpec:
     return ActorWorkerSpec(run=_run(cfg), model=cfg.model, actor=cfg.actor, rollout=cfg.rollout,
                            reference=reference if needs_reference(cfg) else None,
                            max_response_length=cfg.data.max_response_length, optimizer_steps=optimizer_steps(cfg),
-                           layout=role_layout(cfg, "training"))
+                           layout=role_layout(cfg, "training"), generates=not rollout_apart(cfg))
 
 
 def rollout_spec(cfg: Config) -> RolloutWorkerSpec:

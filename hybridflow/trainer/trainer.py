@@ -175,6 +175,7 @@ class RLTrainer:
         if len(batch[F.INPUT_IDS]) == 0:
             return {"actor/skipped": 1.0}
         batch = S.fill_to_multiple(batch, self.row_multiple)
+        self.actor.release_generation()  # switch back to training: the generation weights are freed
         stats = {}
         if self.critic is not None:
             stats.update(mean_of_ranks(self.critic.update_critic(F.tensor_fields(batch), step)))

@@ -149,17 +149,26 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         if spec.reference is not None:
             engine = build_engine(spec.run, spec.model, spec.model.path, None, spec.reference.parallel)
             self.reference = Reference(spec.reference, engine, temperature=spec.rollout.temperature)
-        # Generation: views of the engine at tp = pp = 1, else a tg-way model the 3D-HybridEngine refills.
-        self.generation = generation_weights(self.engine, spec.rollout.tg, spec.rollout.grouping)
-        replica, replicas, answers = self.generation.mesh
-        self.register_replica("generation", replica, replicas, answers)
-        generator = Generator(self.generation.model, self.tokenizer.pad_token_id, self.tokenizer)
-        self.rollout = Rollout(spec.rollout, spec.max_response_length, generator, self.tokenizer, replicas)
+        # Generation: views of the engine at tp = pp = 1, else a tg-way model the 3D-HybridEngine refills;
+        # none when a rollout group apart generates.
+        self.generation = None
+        if spec.generates:
+            self.generation = generation_weights(self.engine, spec.rollout.tg, spec.rollout.grouping)
+            replica, replicas, answers = self.generation.mesh
+            self.register_replica("generation", replica, replicas, answers)
+            generator = Generator(self.generation.model, self.tokenizer.pad_token_id, self.tokenizer)
+            self.rollout = Rollout(spec.rollout, spec.max_response_length, generator, self.tokenizer, replicas)
 
     @register(Dispatch.RANK_ZERO)
     def refresh_generation(self) -> dict[str, float]:
-        """Bring the generation weights up to the trained ones; the transition's `reshard/*` figures."""
-        return self.generation.refresh()
+        """Switch to generation: bring its weights up to the trained ones; the `reshard/*` figures."""
+        return self.generation.refresh() if self.generation is not None else {}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def release_generation(self) -> None:
+        """Switch back to training: free the generation weights (nothing to free for views)."""
+        if self.generation is not None:
+            self.generation.release()
 
     @register(Dispatch.ONE_TO_ALL)
     def publish_weights(self) -> Optional[ObjectHandle]:
@@ -279,6 +288,7 @@ class ActorGroup(RoleGroup):
 
     generate = remote(ActorRolloutRefWorker.generate)
     refresh_generation = remote(ActorRolloutRefWorker.refresh_generation)
+    release_generation = remote(ActorRolloutRefWorker.release_generation)
     publish_weights = remote(ActorRolloutRefWorker.publish_weights)
     compute_log_probs = remote(ActorRolloutRefWorker.compute_log_probs)
     compute_ref_log_probs = remote(ActorRolloutRefWorker.compute_ref_log_probs)

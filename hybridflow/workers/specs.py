@@ -34,6 +34,7 @@ class ActorWorkerSpec:
     max_response_length: int  # data.max_response_length: new tokens per response
     optimizer_steps: int  # the LR schedule's length
     layout: ParallelDims  # the actor's (and reference's) p-t-d layout over the group
+    generates: bool = True  # False when a rollout group apart generates: no generation weights here
 
 
 @dataclass(frozen=True)

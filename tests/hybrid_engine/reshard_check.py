@@ -2,7 +2,8 @@
 
 For t=4 -> tg=2, t=4 -> tg=1 and t=2,p=2 -> tg=2: build the engine and one
 tg-way generation model per grouping (`hybridflow`, `vanilla`, `full`), take
-one optimizer step (the generation weights are now stale), refresh, and
+release the generation weights, take one optimizer step (the generation
+weights are now stale), refresh, and
 record what the test checks: stale before, equal to shard(full weights, tg)
 after, bytes and collectives against the plan, the peak against the shard;
 and the per-shard weights a rollout group apart reassembles.
@@ -38,6 +39,14 @@ def run(tp: int, pp: int, tg: int, hf_path: str) -> dict:
     hybridflow = switches["hybridflow"]
     hybridflow.bucket_bytes = 4096  # many small buckets: more collectives, the same bytes
     out["hybridflow"]["small_buckets"] = hybridflow.refresh()
+    for g, weights in switches.items():  # switch back to training: the generation weights are freed
+        weights.release()
+        out[g]["released_numel"] = sum(p.numel() for p in weights.model.parameters())
+        try:
+            weights.model(None)
+            out[g]["released_refused"] = False
+        except RuntimeError as exc:
+            out[g]["released_refused"] = "released" in str(exc)
     Actor(case.actor_cfg, engine).update(case.batch, step=0)
     full = engine.full_state()
     for g, weights in switches.items():

@@ -34,6 +34,17 @@ def test_generation_weights_are_stale_after_a_step_until_refreshed(launched, lay
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("grouping", GROUPINGS)
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_switching_back_to_training_frees_the_generation_weights(launched, layout, grouping):
+    """While training, the generation buffers hold nothing, and generating from them is refused; the
+    next switch allocates them again (the freshness test above runs after this release)."""
+    for rank, got in enumerate(launched[layout]):
+        assert got[grouping]["released_numel"] == 0, rank
+        assert got[grouping]["released_refused"], rank
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("grouping", GROUPINGS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_bytes_received_are_the_plans(launched, layout, grouping):
     for rank, got in enumerate(launched[layout]):
         mine = got[grouping]

@@ -239,21 +239,26 @@ def test_grpo_at_tp2_pp2_generating_at_tg2_matches_the_single_process_run(tmp_pa
     _assert_same_metrics({"one": one, "tp2pp2": parallel}, (1, 2, 3))
 
 
-def test_grpo_and_ppo_at_tp4_generating_at_tg2_match_the_single_process_runs(tmp_path, single):
-    """t = 4 -> tg = 2 on 4 Ray processes, the paper's grouping: each rank receives a quarter of the model
-    from its micro-DP partner; GRPO, and PPO with the critic at TP4 too, equal one process. (A critic
-    at DP4 would shuffle its mini-batches per replica, a different split from one process's.)
+def test_grpo_and_ppo_generating_at_tg2_on_four_processes_match_the_single_process_runs(tmp_path, single):
+    """GRPO and PPO at t = 4 -> tg = 2 (the paper's grouping: each rank receives a quarter of the model
+    from its micro-DP partner), and PPO at t = 2, p = 2 -> tg = 2, on 4 Ray processes: three steps each
+    equal one process. The critic takes the actor's layout: a critic at DP > 1 shuffles its mini-batches
+    per replica, a different split from one process's.
 
     PPO runs without the KL loss (the reference still feeds the KL in the reward): at step 1 the actor
     equals the reference and the advantages vanish, so one process's gradient is exactly zero, while a
     4-way TP sum leaves a ~1e-9 KL gradient that Adam scales up to a full lr-sized step."""
-    for name, extra in (("tiny-grpo.yaml", []), ("tiny-ppo.yaml", ["actor.use_kl_loss=false"])):
-        critic = ["critic.parallel.tp=4"] if name == "tiny-ppo.yaml" else []
-        _, parallel = run(name, tmp_path / name, "trainer.n_devices=4", "trainer.launcher=ray",
-                          "actor.parallel.tp=4", "rollout.tg=2", *critic, *extra, *THREE_STEPS)
-        assert parallel[1]["reshard/collectives"] == 1  # one bucketed all-gather per switch
-        one = single(name, *extra)[1]
-        _assert_same_metrics({"one": one, "t4-tg2": parallel}, (1, 2, 3))
+    ppo = ["actor.use_kl_loss=false"]
+    cases = {"grpo-t4": ("tiny-grpo.yaml", ["actor.parallel.tp=4"], []),
+             "ppo-t4": ("tiny-ppo.yaml", ["actor.parallel.tp=4", "critic.parallel.tp=4"], ppo),
+             "ppo-t2p2": ("tiny-ppo.yaml", ["actor.parallel.tp=2", "actor.parallel.pp=2", "critic.parallel.tp=2",
+                                            "critic.parallel.pp=2"], ppo)}
+    for case, (name, layout, extra) in cases.items():
+        _, parallel = run(name, tmp_path / case, "trainer.n_devices=4", "trainer.launcher=ray", "rollout.tg=2",
+                          *layout, *extra, *THREE_STEPS)
+        if case.endswith("t4"):
+            assert parallel[1]["reshard/collectives"] == 1, case  # one bucketed all-gather per switch
+        _assert_same_metrics({"one": single(name, *extra)[1], case: parallel}, (1, 2, 3))
 
 
 def test_ppo_with_the_actor_and_critic_at_tp2_matches_the_single_process_run(tmp_path, single):
