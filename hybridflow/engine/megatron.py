@@ -15,6 +15,7 @@ right padding left, the plain causal mask is exact.
 from __future__ import annotations
 
 import functools
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,10 @@ class ValueHead(nn.Module):
 
     def forward(self, hidden_states: Tensor, weight=None, runtime_gather_output=None):
         return hidden_states @ self.weight.t(), None
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint shard that only a full unpickle (which can run code) would read."""
 
 
 @dataclass
@@ -511,8 +516,21 @@ class MegatronEngine:
         torch.save(self.state_dict(), self.shard_path(directory))
 
     def load(self, directory: Path) -> None:
-        """Restore this rank's shard written by `save`."""
-        self.load_state_dict(torch.load(self.shard_path(directory), weights_only=False))
+        """Restore this rank's shard written by `save`.
+
+        Read with `weights_only=True`: tensors and plain containers only. A
+        full unpickle would run whatever code a crafted shard names, on
+        every rank, during `trainer.resume=auto`; such a shard is refused.
+        """
+        path = self.shard_path(directory)
+        try:
+            state = torch.load(path, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            found = next((line.strip() for line in str(exc).splitlines() if "unsupported global" in line.lower()), "")
+            raise UnsafeCheckpointError(f"{path}: refusing to load a checkpoint shard that holds more than "
+                                        f"tensors and plain data (loading it could run code). {found}") from None
+        self.load_state_dict(state)
+
 
 
 def _param_state(opt) -> Optional[dict]:

@@ -136,3 +136,32 @@ def test_engine_checkpoint_roundtrip_restores_optimizer(tmp_path):
     train(b, [2, 3])
     for name, value in a.hf_state_dict().items():
         torch.testing.assert_close(b.hf_state_dict()[name], value, atol=1e-6, rtol=1e-6, msg=name)
+
+
+class _Payload:
+    """What a crafted shard holds: unpickling it calls os.mkdir(target)."""
+
+    def __init__(self, target):
+        self.target = str(target)
+
+    def __reduce__(self):
+        import os
+
+        return os.mkdir, (self.target,)
+
+
+def test_a_crafted_shard_is_refused_and_its_payload_never_runs(tmp_path):
+    """`trainer.resume=auto` loads each rank's shard: a full unpickle ran a crafted shard's code."""
+    from hybridflow.engine import UnsafeCheckpointError
+
+    cfg, _, hf = tiny_model()
+    engine = MegatronEngine(cfg, ParallelConfig(), OptimConfig(lr=1e-2), total_steps=10)
+    engine.load_hf_state_dict(hf)
+    engine.save(tmp_path / "ok")
+    engine.load(tmp_path / "ok")  # what `save` writes still loads
+    marker = tmp_path / "payload_ran"
+    (tmp_path / "bad").mkdir()
+    torch.save({"model": _Payload(marker)}, engine.shard_path(tmp_path / "bad"))
+    with pytest.raises(UnsafeCheckpointError, match=r"engine_tp0_pp0_dp0.pt: refusing to load .*posix.mkdir"):
+        engine.load(tmp_path / "bad")
+    assert not marker.exists()
