@@ -132,7 +132,9 @@ class ReferenceConfig:
 class RewardConfig:
     """Rule-based reward functions and an optional reward model."""
 
-    function: str = "default"  # registry name, or "path/to/file.py:function"
+    # A registry name, or "path/to/file.py:function": that file is imported, top-level code included, like
+    # any Python config hook; give only code you trust. No other config key imports or runs code.
+    function: str = "default"
     model_path: Optional[str] = None  # HF sequence-classification checkpoint
     rule_weight: float = 1.0
     model_weight: float = 1.0
