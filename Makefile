@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(VENV)/bin/hybridflow train configs/demo.yaml
+	$(VENV)/bin/hybridflow train configs/demo.yaml trainer.overwrite=true
 
 # The GPU-scale GRPO config on CPU: a random checkpoint with Qwen2.5-0.5B's exact shapes (2 of its
 # 24 layers), GSM8K prompts, the actor at the config's own TP=2 over 2 processes, 2 steps (~3 min).
@@ -31,7 +31,8 @@ SCALE_MODEL := models/qwen2.5-0.5b-shaped
 SCALE_RUN := model.path=$(SCALE_MODEL) model.dtype=float32 trainer.device=cpu trainer.n_devices=2 \
 	data.val_files=[] data.train_batch_size=4 data.max_prompt_length=256 data.max_response_length=32 \
 	rollout.n=2 actor.ppo_mini_batch_size=4 actor.ppo_micro_batch_size=2 rollout.log_prob_micro_batch_size=4 \
-	reference.log_prob_micro_batch_size=4 trainer.total_steps=2 trainer.save_every=0 trainer.output_dir=runs
+	reference.log_prob_micro_batch_size=4 trainer.total_steps=2 trainer.save_every=0 trainer.output_dir=runs \
+	trainer.overwrite=true
 
 test-scale: $(STAMP)
 	test -f $(SCALE_MODEL)/config.json || $(PY) tools/make_qwen_shaped_model.py --out $(SCALE_MODEL) --layers 2

@@ -193,7 +193,10 @@ class TrainerConfig:
     val_every: int = 10
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
-    resume: Literal["disable", "auto"] = "disable"
+    resume: Literal["disable", "auto"] = "disable"  # auto: continue from the newest checkpoint in the run dir
+    # A run directory that holds a previous run is refused unless resume=auto or overwrite=true (start over:
+    # a new metrics file, and the old checkpoints are pruned as new ones are saved).
+    overwrite: bool = False
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     ray_address: Optional[str] = None
     # Where the worker groups run: "ray" (one Ray actor per device), "local"

@@ -42,6 +42,11 @@ ROLES = tuple(f.name for f in dataclasses.fields(PlacementConfig))  # rollout, r
 
 # --------------------------------------------------------------------------- derived
 
+def run_dir(cfg: Config) -> Path:
+    """Where a run writes its metrics, checkpoints and exports: trainer.output_dir / trainer.experiment."""
+    return Path(cfg.trainer.output_dir) / cfg.trainer.experiment
+
+
 def placement(cfg: Config) -> dict[str, list[int]]:
     """role -> its listed devices (an empty list meaning every device)."""
     return dataclasses.asdict(cfg.placement)
@@ -325,6 +330,21 @@ def validate(cfg: Config) -> Config:
 
 # --------------------------------------------------------------------------- with the world outside
 
+def _check_previous_run(cfg: Config) -> None:
+    """Starting afresh where a previous run lives would truncate its metrics and prune its checkpoints."""
+    t, where = cfg.trainer, run_dir(cfg)
+    if t.resume == "auto" or t.overwrite:
+        return
+    metrics = where / "metrics.jsonl"
+    steps = sorted(p.name for p in (where / "checkpoints").glob("step_*")) if (where / "checkpoints").is_dir() else []
+    found = ([f"metrics.jsonl ({metrics.stat().st_size} bytes)"] if metrics.is_file() and metrics.stat().st_size
+             else []) + ([f"checkpoints {steps[0]}..{steps[-1]}"] if steps else [])
+    if found:
+        raise ConfigError("trainer.resume", f"{where} holds a previous run ({', '.join(found)}); set "
+                          "trainer.resume=auto to continue it, or trainer.overwrite=true to start over there "
+                          "(or choose another trainer.output_dir / trainer.experiment)")
+
+
 def check_runnable(cfg: Config, model: "DecoderConfig", critic_model: Optional["DecoderConfig"] = None) -> None:
     """ConfigError for what the config and the models' own config.json / the machine cannot run together.
 
@@ -339,6 +359,7 @@ def check_runnable(cfg: Config, model: "DecoderConfig", critic_model: Optional["
                                           num_layers=shape.num_layers, ffn_size=shape.intermediate_size,
                                           virtual_pp=par.virtual_pp)
     _check_one_process_layout(cfg)
+    _check_previous_run(cfg)
     _check_shares(cfg)
     _check_mini_batches(cfg)
     if cfg.reward.model_path is not None and not Path(cfg.reward.model_path).exists():

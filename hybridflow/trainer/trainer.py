@@ -33,7 +33,7 @@ import torch
 from hybridflow.algos import build_kl_controller
 from hybridflow.config.errors import ConfigError
 from hybridflow.config.schema import Config
-from hybridflow.config.validate import check_runnable, chunk_prompts, prompt_multiple, row_multiple
+from hybridflow.config.validate import check_runnable, chunk_prompts, prompt_multiple, row_multiple, run_dir
 from hybridflow.controller.dispatch import concat_batches
 from hybridflow.controller.worker_group import LocalWorkerGroup, WorkerError
 from hybridflow.dataflow import DataFlow, Node, NodeError
@@ -71,7 +71,7 @@ class RLTrainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         t = cfg.trainer
-        self.run_dir = Path(t.output_dir) / t.experiment
+        self.run_dir = run_dir(cfg)
         self.model_cfg = load_model_config(cfg.model.path, "model.path")
         critic_cfg = load_model_config(cfg.critic.model_path, "critic.model_path") if cfg.critic.model_path else None
         check_runnable(cfg, self.model_cfg, critic_cfg)  # the last config checks, before any worker starts

@@ -199,10 +199,19 @@ def test_batch_size_per_device_splits_generation_without_changing_greedy_results
     assert parts["val/accuracy"] == whole["val/accuracy"] and parts["val/n"] == whole["val/n"] == 1000
 
 
-def test_a_fresh_run_in_an_old_run_directory_starts_new_metrics(tmp_path):
-    for _ in range(2):
-        RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path, "trainer.total_steps=1", "trainer.val_every=0"))).fit()
-    assert [r["step"] for r in read_metrics(tmp_path / "tiny-grpo" / "metrics.jsonl")] == [0, 1]
+def test_a_rerun_in_an_old_run_directory_is_refused_unless_resumed_or_overwritten(tmp_path):
+    """Starting afresh over a previous run used to truncate its metrics and prune its checkpoints."""
+    one_step = ["trainer.total_steps=1", "trainer.val_every=0", "trainer.save_every=1"]
+    RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path, *one_step))).fit()
+    metrics = tmp_path / "tiny-grpo" / "metrics.jsonl"
+    before = metrics.read_bytes()
+    with pytest.raises(ConfigError, match=r"trainer.resume: .*tiny-grpo holds a previous run \(metrics.jsonl "
+                                          r".*checkpoints step_000001..step_000001\); set trainer.resume=auto to "
+                                          r"continue it, or trainer.overwrite=true"):
+        RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path, *one_step)))
+    assert metrics.read_bytes() == before  # nothing was touched
+    RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path, *one_step, "trainer.overwrite=true"))).fit()
+    assert [r["step"] for r in read_metrics(metrics)] == [0, 1]  # started over: a new metrics file
 
 
 def test_a_worker_failing_inside_a_flow_stage_surfaces_as_worker_error(tmp_path, monkeypatch):
@@ -243,20 +252,22 @@ def test_cuda_device_without_cuda_is_a_config_error(tmp_path):
         RLTrainer(cfg)
 
 
-def test_gpu_scale_configs_against_their_model_shapes():
+def test_gpu_scale_configs_against_their_model_shapes(tmp_path):
     from hybridflow.config import check_runnable
     from hybridflow.models import DecoderConfig
 
     qwen_05b = DecoderConfig(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                              num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64)
-    cfg = load_config(ROOT / "configs" / "qwen2.5-0.5b-grpo-gsm8k.yaml", ["trainer.device=cpu"])
+    cfg = load_config(ROOT / "configs" / "qwen2.5-0.5b-grpo-gsm8k.yaml", ["trainer.device=cpu",
+                                                                        f"trainer.output_dir={tmp_path}"])
     check_runnable(cfg, qwen_05b)  # tp=2 over 8 devices: runnable now
     cfg.actor.parallel.tp = 4  # 14 heads do not split 4 ways
     with pytest.raises(ConfigError, match="actor.parallel.tp: 4 does not divide the model.s 14 attention heads"):
         check_runnable(cfg, qwen_05b)
     qwen_7b = DecoderConfig(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                             num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128)
-    cfg = load_config(ROOT / "configs" / "qwen2.5-7b-ppo-gsm8k.yaml", ["trainer.device=cpu"])
+    cfg = load_config(ROOT / "configs" / "qwen2.5-7b-ppo-gsm8k.yaml", ["trainer.device=cpu",
+                                                                     f"trainer.output_dir={tmp_path}"])
     check_runnable(cfg, qwen_7b)  # tp=4 -> tg=2: runnable now
     cfg.rollout.pg = 2
     with pytest.raises(ConfigError, match="rollout.pg: 2: generation pipelining is not built yet"):
