@@ -1,8 +1,9 @@
 """The SPMD workers of a PPO/GRPO job, one class per process role.
 
-- `ActorRolloutRefWorker`: the hybrid layout. The actor's engine, the
-  generator over views of its weights and (optionally) the frozen reference
-  live in one process, so rollout needs no weight transfer (the default).
+- `ActorRolloutRefWorker`: the hybrid layout (the default). The actor's
+  engine, the generator and (optionally) the frozen reference live in one
+  process; the generator's weights are views of the engine's at tp = pp = 1,
+  else the generation shard the 3D-HybridEngine refills after each update.
 - `RolloutWorker`: rollout on devices apart from training, on a copy of the
   actor's weights that the controller refreshes after each update (each
   actor rank publishes its own shard to the object store; only handles pass
