@@ -1,13 +1,16 @@
 """Checkpoint directories that are either complete or absent.
 
     root/step_000010/     one directory per saved step (contents: the trainer's)
+    root/step_000010/manifest.json   every file of the step and its size, written last
     root/latest           "step_000010": the last step saved, written atomically
     root/.tmp-step_000020-<pid>/   a save in progress, or a crashed one
 
 `CheckpointManager.save(step, write)` lets `write` fill a hidden temporary
-directory, fsyncs it, and only then renames it to `step_XXXXXX`, so a crash or
-a full disk mid-save never leaves a half-written step that `latest()` would
-pick. The trainer decides what goes inside (engine shards through
+directory, records its manifest, fsyncs it, and only then renames it to
+`step_XXXXXX`, so a crash or a full disk mid-save never leaves a half-written
+step that `latest()` would pick. A step damaged afterwards (a shard deleted
+or truncated, an emptied directory) fails its manifest check, and `latest()`
+falls back to the newest intact step, with a warning naming what it skipped. The trainer decides what goes inside (engine shards through
 dist_checkpointing, dataloader and RNG state through `atomic_write_json` and
 `atomic_torch_save`). Only the controller (one process) saves into a root.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -22,6 +26,8 @@ from pathlib import Path
 from typing import IO, Any, Callable, Optional
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
+log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PARTIAL = re.compile(r"^\.(tmp|old)-(step_\d+)-(\d+)$")
 
@@ -132,17 +138,47 @@ class CheckpointManager:
         return sorted(steps)
 
     def latest(self) -> Optional[tuple[int, Path]]:
-        """(step, directory) of the last checkpoint saved, or None when there is none.
+        """(step, directory) of the last intact checkpoint saved, or None when there is none.
 
         The `latest` marker decides; if it is missing, unreadable or names a
-        directory that no longer exists, the newest complete step directory
-        is used instead.
+        directory that no longer exists, the newest step directory is used
+        instead. A step that fails its manifest check (`damage`) is skipped,
+        with a warning, for the one saved before it.
         """
-        marked = self._read_marker()
+        marked, steps = self._read_marker(), self.all_steps()
         if marked is not None and self.step_dir(marked).is_dir():
-            return marked, self.step_dir(marked)
-        steps = self.all_steps()
-        return (steps[-1], self.step_dir(steps[-1])) if steps else None
+            candidates = [marked] + [s for s in reversed(steps) if s < marked]
+        else:
+            candidates = list(reversed(steps))
+        for step in candidates:
+            why = self.damage(self.step_dir(step))
+            if why is None:
+                return step, self.step_dir(step)
+            log.warning("skipping checkpoint %s: %s", self.step_dir(step), why)
+        return None
+
+    @staticmethod
+    def damage(directory: Path) -> Optional[str]:
+        """Why a step directory cannot be resumed from, or None when its files match its manifest.
+
+        A non-empty directory without a manifest (saved before manifests) is
+        taken as it is: there is nothing to check it against.
+        """
+        manifest = directory / MANIFEST
+        if not manifest.is_file():
+            return None if any(directory.iterdir()) else "it is empty"
+        try:
+            files = json.loads(manifest.read_text())["files"]
+            expected = {str(name): int(size) for name, size in files.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return f"its {MANIFEST} is unreadable"
+        for name, size in expected.items():
+            path = directory / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != size:
+                return f"{name} has {path.stat().st_size} bytes, {size} were saved"
+        return None
 
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
         """Run `write(tmp_dir)`, then publish tmp_dir as `root/step_XXXXXX` and return it.
@@ -157,6 +193,8 @@ class CheckpointManager:
         tmp.mkdir()
         try:
             write(tmp)
+            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+            atomic_write_json(tmp / MANIFEST, {"step": step, "files": files})
             _fsync_tree(tmp)
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -190,7 +228,7 @@ class CheckpointManager:
     def _read_marker(self) -> Optional[int]:
         try:
             text = (self.root / LATEST).read_text().strip()
-        except OSError:
+        except (OSError, UnicodeDecodeError):  # missing, unreadable, or not text: fall back to the steps
             return None
         match = _STEP_DIR.match(text)
         return int(match.group(1)) if match else None

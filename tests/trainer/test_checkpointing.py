@@ -135,3 +135,35 @@ def test_atomic_file_helpers(tmp_path):
         atomic_torch_save({"x": torch.zeros(1000), "f": lambda: 0}, tmp_path / "rng.pt")
     assert torch.equal(torch.load(tmp_path / "rng.pt")["x"], state["x"])
     assert _hidden(tmp_path) == []
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda d: (d / "model.bin").unlink(), "model.bin is missing"),
+    (lambda d: (d / "model.bin").write_bytes(b"cut"), "model.bin has 3 bytes, 100 were saved"),
+    (lambda d: (d / "sub" / "meta.json").unlink(), "sub/meta.json is missing"),
+    (lambda d: (d / "manifest.json").write_bytes(b"\xff{"), "its manifest.json is unreadable"),
+])
+def test_resume_falls_back_past_a_damaged_step_and_names_it(tmp_path, caplog, damage, why):
+    mgr = CheckpointManager(tmp_path, keep_last=0)
+    mgr.save(10, _writer("a"))
+    newest = mgr.save(20, _writer("b"))
+    damage(newest)
+    with caplog.at_level("WARNING"):
+        assert mgr.latest() == (10, tmp_path / "step_000010")
+    assert f"skipping checkpoint {newest}: {why}" in caplog.text
+
+
+def test_an_emptied_step_and_a_binary_marker_fall_back_too(tmp_path, caplog):
+    mgr = CheckpointManager(tmp_path, keep_last=0)
+    mgr.save(10, _writer("a"))
+    mgr.save(20, _writer("b"))
+    (tmp_path / "step_000030").mkdir()  # an empty step directory, newest of all
+    (tmp_path / "latest").write_bytes(b"\xff\xfe\x00step")  # not UTF-8: used to raise UnicodeDecodeError
+    with caplog.at_level("WARNING"):
+        assert mgr.latest()[0] == 20
+    assert "step_000030: it is empty" in caplog.text
+    for name in ("step_000020", "step_000010"):
+        for f in (tmp_path / name).iterdir():
+            if f.is_file():
+                f.write_bytes(b"")
+    assert mgr.latest() is None  # nothing intact is left: a fresh start, not a crash
