@@ -6,11 +6,12 @@
     hybridflow plot RUN_DIR                         draw RUN_DIR/metrics.jsonl into RUN_DIR/plots/
 
 Later subcommands (`reshard`) hang off the same parser. Errors in user input print one line naming the problem and exit 2,
-instead of a traceback.
+instead of a traceback; any other error prints one line too and exits 1 (`HYBRIDFLOW_TRACEBACK=1` re-raises it).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -27,7 +28,6 @@ def _config(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     import logging
-    import os
 
     from hybridflow.config import load_config
 
@@ -128,6 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DatasetError, FileNotFoundError) as exc:
         print(f"hybridflow: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # anything else still ends in one line; the traceback on request
+        if os.environ.get("HYBRIDFLOW_TRACEBACK"):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]
+        print(f"hybridflow: error: {type(exc).__name__}: {first} (HYBRIDFLOW_TRACEBACK=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -122,7 +122,11 @@ def apply_overrides(data: dict, overrides: typing.Sequence[str], cls: type = Con
                 raise ConfigError(path, f"unknown key{_nearest(key, hints)}")
             tp = hints[key]
             if i == len(keys) - 1:
-                node[key] = raw if _is_str(tp) else yaml.safe_load(raw)
+                try:
+                    node[key] = raw if _is_str(tp) else yaml.safe_load(raw)
+                except yaml.YAMLError as exc:
+                    why = str(getattr(exc, "problem", None) or exc).splitlines()[0]
+                    raise ConfigError(path, f"cannot read the value {raw!r} ({why})") from None
             else:
                 tp = _section_type(tp)
                 if tp is None:

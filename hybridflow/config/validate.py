@@ -345,6 +345,16 @@ def _check_previous_run(cfg: Config) -> None:
                           "(or choose another trainer.output_dir / trainer.experiment)")
 
 
+def _check_output_dir(cfg: Config) -> None:
+    """The run directory can be created and written: its nearest existing ancestor is a writable directory."""
+    where = run_dir(cfg).absolute()
+    existing = next(p for p in (where, *where.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError("trainer.output_dir", f"{existing} is a file, so {where} cannot be created")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError("trainer.output_dir", f"{existing} is not writable, so {where} cannot be created")
+
+
 def check_runnable(cfg: Config, model: "DecoderConfig", critic_model: Optional["DecoderConfig"] = None) -> None:
     """ConfigError for what the config and the models' own config.json / the machine cannot run together.
 
@@ -359,6 +369,7 @@ def check_runnable(cfg: Config, model: "DecoderConfig", critic_model: Optional["
                                           num_layers=shape.num_layers, ffn_size=shape.intermediate_size,
                                           virtual_pp=par.virtual_pp)
     _check_one_process_layout(cfg)
+    _check_output_dir(cfg)
     _check_previous_run(cfg)
     _check_shares(cfg)
     _check_mini_batches(cfg)

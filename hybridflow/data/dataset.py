@@ -90,8 +90,13 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, Any]]:
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(f"{path}:{lineno}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+                                   f"column {exc.start + 1})") from None
             if not line.strip():
                 continue
             try:

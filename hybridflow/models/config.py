@@ -108,8 +108,16 @@ class DecoderConfig:
         file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
         if not file.is_file():
             raise FileNotFoundError(f"model config not found: {file}")
-        with open(file) as f:
-            return cls.from_hf_dict(json.load(f))
+        try:
+            hf = json.loads(file.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+            raise ModelConfigError(f"{file} is not valid JSON: {exc}") from None
+        if not isinstance(hf, dict):
+            raise ModelConfigError(f"{file} holds {type(hf).__name__}, not a JSON object")
+        try:
+            return cls.from_hf_dict(hf)
+        except KeyError as exc:
+            raise ModelConfigError(f"{file} lacks the key {exc.args[0]!r}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The `config.json` an HF loader needs to rebuild this model."""

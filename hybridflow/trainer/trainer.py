@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -82,7 +83,10 @@ class RLTrainer:
         if self.steps_per_epoch == 0:  # depends on the data, so it is checked once the data is read
             raise ConfigError("data.train_batch_size", f"{cfg.data.train_batch_size} is larger than the "
                               f"{len(self.train_set)} usable training prompts")
-        self.reward_fn = get_reward_fn(cfg.reward.function)
+        try:  # a "file.py:fn" spec imports user code, which may fail in any way
+            self.reward_fn = get_reward_fn(cfg.reward.function)
+        except Exception as exc:
+            raise ConfigError("reward.function", f"{cfg.reward.function!r}: {type(exc).__name__}: {exc}") from None
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                            cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self.needs_ref = needs_reference(cfg)
@@ -160,8 +164,8 @@ class RLTrainer:
         chunks = [(seed, {k: v[start:start + size] for k, v in prompts.items()}) for start in range(0, rows, size)]
         try:
             result = self.flow.run(chunks, async_execution=self.cfg.dataflow.async_execution, min_batch=1)
-        except NodeError as exc:  # a worker failed inside a stage: report the worker's error itself
-            if isinstance(exc.__cause__, WorkerError):
+        except NodeError as exc:  # a worker (or the reward function) failed inside a stage: report that error
+            if isinstance(exc.__cause__, (WorkerError, TrainingError)):
                 raise exc.__cause__ from None
             raise
         batch = concat_batches(result.final) if len(result.final) > 1 else result.final[0]
@@ -197,13 +201,23 @@ class RLTrainer:
     def _score(self, batch):
         """SCORES: rule_weight * rule score (+ model_weight * reward-model score)."""
         r = self.cfg.reward
-        batch[F.SCORES] = r.rule_weight * S.score(batch, self.reward_fn)
+        batch[F.SCORES] = r.rule_weight * self._rule_scores(batch)
         if self.reward_model is not None:
             pairs = {F.PROMPT_TEXT: batch[F.PROMPT_TEXT], F.RESPONSE_TEXT: batch[F.RESPONSE_TEXT]}
             batch[F.SCORES] = batch[F.SCORES] + r.model_weight * self._reward_model_scores(pairs)
         batch[F.TOKEN_SCORES] = S.token_scores(batch[F.SCORES], batch[F.RESPONSE_MASK])
         batch[F.TOKEN_REWARDS] = batch[F.TOKEN_SCORES]
         return batch
+
+    def _rule_scores(self, batch) -> torch.Tensor:
+        """The rule-based reward of each response; the reward function's own failure as a TrainingError
+        naming it and the line it failed on (it is user code)."""
+        try:
+            return S.score(batch, self.reward_fn)
+        except Exception as exc:
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            raise TrainingError(f"reward.function {self.cfg.reward.function!r} raised {type(exc).__name__}: "
+                                f"{exc} (at {frame.filename}:{frame.lineno})") from exc
 
     def _reward_model_scores(self, pairs: dict[str, list]) -> torch.Tensor:
         rows = len(pairs[F.PROMPT_TEXT])
@@ -263,7 +277,7 @@ class RLTrainer:
             items += items[-1:] * (-real % self.prompt_multiple)  # equal shares for the ranks
             batch = self.rollout(self.val_set.collate(items), self.cfg.trainer.seed, validation=True)
             batch = S.select_rows(batch, torch.arange(len(items)) < real)
-            batch[F.SCORES] = S.score(batch, self.reward_fn)
+            batch[F.SCORES] = self._rule_scores(batch)
             rows.append(batch)
         scores = torch.cat([b[F.SCORES] for b in rows]).float()
         lengths = torch.cat([b[F.RESPONSE_MASK].sum(-1) for b in rows]).float()

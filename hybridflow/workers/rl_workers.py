@@ -37,7 +37,7 @@ from hybridflow.hybrid_engine import generation_weights
 from hybridflow.hybrid_engine.publish import assemble, training_shard
 from hybridflow.models.checkpoint import load_decoder, save_hf_checkpoint, save_hf_checkpoint_parts
 from hybridflow.models.bridge import get_bridge
-from hybridflow.models.config import DecoderConfig
+from hybridflow.models.config import DecoderConfig, ModelConfigError
 from hybridflow.roles import Actor, Critic, Reference, Rollout
 from hybridflow.rollout import Generator
 from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutWorkerSpec, Run
@@ -53,8 +53,8 @@ def load_model_config(path: str, key: str) -> DecoderConfig:
         raise ConfigError(key, f"model path does not exist: {path}")
     try:
         return DecoderConfig.from_pretrained(path)
-    except FileNotFoundError as exc:
-        raise ConfigError(key, str(exc)) from exc
+    except (FileNotFoundError, ModelConfigError) as exc:
+        raise ConfigError(key, str(exc)) from None
 
 
 def load_tokenizer(model: ModelConfig, model_cfg: DecoderConfig) -> Tokenizer:
@@ -62,7 +62,10 @@ def load_tokenizer(model: ModelConfig, model_cfg: DecoderConfig) -> Tokenizer:
     path = model.tokenizer_path or model.path
     if not Path(path).exists():
         raise ConfigError("model.tokenizer_path", f"tokenizer path does not exist: {path}")
-    tok = Tokenizer.from_path(path)
+    try:
+        tok = Tokenizer.from_path(path)
+    except ValueError as exc:  # a malformed tokenizer.json or tokenizer_config.json
+        raise ConfigError("model.tokenizer_path", str(exc)) from None
     if tok.vocab_size > model_cfg.vocab_size:
         raise ConfigError("model.tokenizer_path", f"tokenizer at {path} has {tok.vocab_size} tokens but "
                           f"the model at {model.path} has vocab_size {model_cfg.vocab_size}")
