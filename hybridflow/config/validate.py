@@ -257,6 +257,10 @@ def _check_batches(cfg: Config) -> None:
                         ("actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
                         ("actor.ppo_micro_batch_size", actor.ppo_micro_batch_size),
                         ("actor.ppo_epochs", actor.ppo_epochs),
+                        ("rollout.log_prob_micro_batch_size", cfg.rollout.log_prob_micro_batch_size),
+                        ("reference.log_prob_micro_batch_size", cfg.reference.log_prob_micro_batch_size),
+                        ("critic.ppo_micro_batch_size", cfg.critic.ppo_micro_batch_size),
+                        ("reward.micro_batch_size", cfg.reward.micro_batch_size),
                         ("trainer.total_steps", cfg.trainer.total_steps)):
         if value < 1:
             raise ConfigError(path, f"must be >= 1, got {value}")
@@ -275,6 +279,21 @@ def _check_batches(cfg: Config) -> None:
             raise ConfigError(path, f"must be >= 0, got {value}")
     if actor.clip_ratio_c <= 1:
         raise ConfigError("actor.clip_ratio_c", f"dual-clip bound must be > 1, got {actor.clip_ratio_c}")
+
+
+def _check_optim(cfg: Config) -> None:
+    """Optimizer values that would otherwise fail (or silently do nothing useful) inside a worker."""
+    for path, optim in (("actor.optim", cfg.actor.optim), ("critic.optim", cfg.critic.optim)):
+        for key, value in (("lr", optim.lr), ("min_lr", optim.min_lr), ("weight_decay", optim.weight_decay),
+                           ("grad_clip", optim.grad_clip)):
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{path}.{key}", f"must be a finite number >= 0, got {value}")
+        if not math.isfinite(optim.eps) or optim.eps <= 0:
+            raise ConfigError(f"{path}.eps", f"must be a finite number > 0, got {optim.eps}")
+        if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
+            raise ConfigError(f"{path}.betas", f"must be two numbers in [0, 1), got {optim.betas}")
+        if optim.warmup_steps < 0:
+            raise ConfigError(f"{path}.warmup_steps", f"must be >= 0, got {optim.warmup_steps}")
 
 
 def _check_one_process_layout(cfg: Config) -> None:
@@ -325,6 +344,7 @@ def validate(cfg: Config) -> Config:
     _check_sampling(cfg)
     _check_algorithm(cfg)
     _check_batches(cfg)
+    _check_optim(cfg)
     return cfg
 
 
@@ -369,6 +389,10 @@ def check_runnable(cfg: Config, model: "DecoderConfig", critic_model: Optional["
                                           num_layers=shape.num_layers, ffn_size=shape.intermediate_size,
                                           virtual_pp=par.virtual_pp)
     _check_one_process_layout(cfg)
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if longest > model.max_position_embeddings:
+        raise ConfigError("data.max_response_length", f"data.max_prompt_length + data.max_response_length = "
+                          f"{longest} exceeds the model's max_position_embeddings ({model.max_position_embeddings})")
     _check_output_dir(cfg)
     _check_previous_run(cfg)
     _check_shares(cfg)

@@ -57,6 +57,16 @@ CASES = {  # name -> (overrides from a tmp dir, exit code, the line's text)
                                 "data.train_files: cannot read the value '[a,b'"),
     "output_dir is a file": (lambda t: [f"trainer.output_dir={_write(t, 'afile', b'x')}"], 2,
                              "trainer.output_dir: {t}/afile is a file, so {t}/afile/tiny-grpo cannot be created"),
+    "lr NaN": (lambda t: ["actor.optim.lr=.nan"], 2, "actor.optim.lr: must be a finite number >= 0, got nan"),
+    "lr negative": (lambda t: ["actor.optim.lr=-0.001"], 2, "actor.optim.lr: must be a finite number >= 0"),
+    "log-prob micro-batch 0": (lambda t: ["rollout.log_prob_micro_batch_size=0"], 2,
+                               "rollout.log_prob_micro_batch_size: must be >= 1, got 0"),
+    "critic micro-batch negative": (lambda t: ["critic.ppo_micro_batch_size=-4"], 2,
+                                    "critic.ppo_micro_batch_size: must be >= 1, got -4"),
+    "responses beyond the model's positions": (
+        lambda t: ["data.max_response_length=60"], 2,
+        "data.max_response_length: data.max_prompt_length + data.max_response_length = 76 exceeds the model's "
+        "max_position_embeddings (64)"),
     "reward raising mid-run": (
         lambda t: [f"reward.function={_write(t, 'r2.py', b'def f(*args):' + chr(10).encode() + b'    1 / 0')}:f"],
         1, "reward.function '{t}/r2.py:f' raised ZeroDivisionError: division by zero (at {t}/r2.py:2)"),
