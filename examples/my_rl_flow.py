@@ -46,11 +46,16 @@ def build_flow(actor_path, rm_path, guard_path=None, max_new_tokens=128) -> Data
 
 
 def parse_prompts(text: str) -> list[str]:
-    prompts = ast.literal_eval(text)
+    try:
+        prompts = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"--prompts must be a Python list of strings, got {text!r}") from None
     if isinstance(prompts, str):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
         raise argparse.ArgumentTypeError(f"--prompts must be a Python list of strings, got {text!r}")
+    if not prompts:
+        raise argparse.ArgumentTypeError("--prompts is empty: give at least one prompt")
     return list(prompts)
 
 

@@ -64,3 +64,21 @@ def test_example_with_safety_scores_only_passing_samples_async():
     scored = re.fullmatch(r"\[Reward\] Scored (\d) samples? in \d+\.\ds", lines[2])
     assert scored and scored.group(1) == passed.group(1)
     assert len(_rewards(lines[3])) == int(passed.group(1))
+
+
+def test_example_prompts_that_do_not_parse_or_are_empty_get_one_line():
+    """A SyntaxError from the --prompts parser used to escape as a traceback, and `[]` ran an empty flow."""
+    import argparse
+
+    import pytest
+
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from my_rl_flow import parse_prompts
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    assert parse_prompts("['1+1=']") == ["1+1="]
+    for text, why in (("['unclosed", "must be a Python list of strings"), ("[]", "is empty"),
+                      ("[1, 2]", "must be a Python list of strings")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            parse_prompts(text)
