@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hybridflow: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # anything else still ends in one line; the traceback on request
-        if os.environ.get("HYBRIDFLOW_TRACEBACK"):
+        if os.environ.get("HYBRIDFLOW_TRACEBACK", "0").strip().lower() not in ("", "0", "false", "no"):
             raise
         first = (str(exc).strip().splitlines() or [""])[0]
         print(f"hybridflow: error: {type(exc).__name__}: {first} (HYBRIDFLOW_TRACEBACK=1 shows the traceback)",

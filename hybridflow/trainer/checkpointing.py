@@ -157,6 +157,17 @@ class CheckpointManager:
             log.warning("skipping checkpoint %s: %s", self.step_dir(step), why)
         return None
 
+    def resume_point(self) -> Optional[tuple[int, Path]]:
+        """`latest()`, for a resume: None only when no step was saved here. When steps exist but none is
+        intact, a CheckpointError: starting over would truncate the run's metrics and prune those steps."""
+        found = self.latest()
+        if found is None and self.all_steps():
+            names = ", ".join(step_dirname(s) for s in self.all_steps())
+            raise CheckpointError(-1, f"trainer.resume=auto: no intact checkpoint under {self.root} ({names}: "
+                                      "see the warnings above); repair or move them, or start over with "
+                                      "trainer.resume=disable trainer.overwrite=true")
+        return found
+
     @staticmethod
     def damage(directory: Path) -> Optional[str]:
         """Why a step directory cannot be resumed from, or None when its files match its manifest.

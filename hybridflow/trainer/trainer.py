@@ -43,7 +43,7 @@ from hybridflow.data.dataset import PromptDataset, batches_per_epoch, iterate_ba
 from hybridflow.rewards.registry import get_reward_fn
 from hybridflow.trainer import rl_steps as S
 from hybridflow.trainer.build import build_groups, needs_reference
-from hybridflow.trainer.checkpointing import CheckpointManager, atomic_write_json
+from hybridflow.trainer.checkpointing import CheckpointError, CheckpointManager, atomic_write_json
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.utils import mix_seed
@@ -215,7 +215,10 @@ class RLTrainer:
         try:
             return S.score(batch, self.reward_fn)
         except Exception as exc:
-            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            frames = traceback.extract_tb(exc.__traceback__)
+            caller = max((i for i, f in enumerate(frames) if f.filename == S.__file__), default=-1)
+            user = frames[caller + 1:] or frames  # from the reward function's own frame down
+            frame = [f for f in user if f.filename == user[0].filename][-1]  # its deepest line in its own file
             raise TrainingError(f"reward.function {self.cfg.reward.function!r} raised {type(exc).__name__}: "
                                 f"{exc} (at {frame.filename}:{frame.lineno})") from exc
 
@@ -316,7 +319,7 @@ class RLTrainer:
         """Load the newest checkpoint when trainer.resume=auto; returns the step to continue after."""
         if self.cfg.trainer.resume != "auto":
             return 0
-        found = self.ckpt.latest()
+        found = self._resume_point()
         if found is None:
             return 0
         step, directory = found
@@ -327,6 +330,25 @@ class RLTrainer:
         self.kl_ctrl.value = state["kl_coef"]
         log.info("resumed from %s (step %d)", directory, step)
         return step
+
+    def _resume_point(self) -> Optional[tuple[int, Path]]:
+        """The checkpoint to resume from; under torchrun rank 0 decides and tells the others, so every
+        rank loads the same step (or all raise the same error)."""
+        if not self.spmd_driver:
+            return self.ckpt.resume_point()
+        import torch.distributed as dist
+
+        box: list = [None]
+        if dist.get_rank() == 0:
+            try:
+                box = [("ok", self.ckpt.resume_point())]
+            except CheckpointError as exc:
+                box = [("error", str(exc))]
+        dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
+        if kind == "error":
+            raise CheckpointError(-1, value)
+        return value
 
     def export_hf(self) -> Path:
         return Path(self.actor.export_hf(str(self.run_dir / "hf_actor")))

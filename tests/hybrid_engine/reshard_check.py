@@ -42,11 +42,15 @@ def run(tp: int, pp: int, tg: int, hf_path: str) -> dict:
     for g, weights in switches.items():  # switch back to training: the generation weights are freed
         weights.release()
         out[g]["released_numel"] = sum(p.numel() for p in weights.model.parameters())
-        try:
-            weights.model(None)
-            out[g]["released_refused"] = False
-        except RuntimeError as exc:
-            out[g]["released_refused"] = "released" in str(exc)
+        refused = []
+        for call in (lambda: weights.model(None), lambda: weights.model.forward_cached(None, None)):
+            try:
+                call()
+                refused.append(False)
+            except RuntimeError as exc:
+                refused.append("released" in str(exc))
+        out[g]["released_refused"] = all(refused)
+        weights.refresh()  # allocated again, holding the weights before the step below
     Actor(case.actor_cfg, engine).update(case.batch, step=0)
     full = engine.full_state()
     for g, weights in switches.items():

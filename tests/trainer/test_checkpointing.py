@@ -166,4 +166,8 @@ def test_an_emptied_step_and_a_binary_marker_fall_back_too(tmp_path, caplog):
         for f in (tmp_path / name).iterdir():
             if f.is_file():
                 f.write_bytes(b"")
-    assert mgr.latest() is None  # nothing intact is left: a fresh start, not a crash
+    assert mgr.latest() is None  # nothing intact is left
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint under .* \(step_000010, step_000020, "
+                                              r"step_000030: see the warnings above\)"):
+        mgr.resume_point()  # a resume does not quietly start over (that would prune these steps)
+    assert CheckpointManager(tmp_path / "new", keep_last=0).resume_point() is None  # never saved: start

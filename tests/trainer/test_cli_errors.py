@@ -57,6 +57,10 @@ CASES = {  # name -> (overrides from a tmp dir, exit code, the line's text)
                                 "data.train_files: cannot read the value '[a,b'"),
     "output_dir is a file": (lambda t: [f"trainer.output_dir={_write(t, 'afile', b'x')}"], 2,
                              "trainer.output_dir: {t}/afile is a file, so {t}/afile/tiny-grpo cannot be created"),
+    "reward failing inside a library call": (
+        lambda t: [f"reward.function={_write(t, 'r3.py', b'import json' + chr(10).encode() + b'def f(*a):' + chr(10).encode() + b'    return json.loads(chr(123))')}:f"],
+        1, "raised JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1) "
+           "(at {t}/r3.py:3)"),
     "lr NaN": (lambda t: ["actor.optim.lr=.nan"], 2, "actor.optim.lr: must be a finite number >= 0, got nan"),
     "lr negative": (lambda t: ["actor.optim.lr=-0.001"], 2, "actor.optim.lr: must be a finite number >= 0"),
     "log-prob micro-batch 0": (lambda t: ["rollout.log_prob_micro_batch_size=0"], 2,
