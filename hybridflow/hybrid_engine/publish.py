@@ -1,7 +1,7 @@
 """The actor's weights for a rollout group placed apart from training: shard by shard, never whole.
 
 Each rank of the first training replica offers only its own training shard
-(`training_shard`: this stage's tensors under generation names, with its TP
+(`training_shard`: this stage's tensors under megatron names, with its TP
 rank; replicated tensors from TP rank 0 alone); the rollout worker, which
 generates at tg = 1, reassembles the whole model from all of them
 (`assemble`). No training rank gathers, or ever holds, more than its shard;
@@ -18,13 +18,13 @@ from hybridflow.models.sharding import unshard_tensor
 
 
 def training_shard(engine) -> Optional[dict[str, Any]]:
-    """{"tp_rank", "tp", "tensors": generation name -> this rank's piece}; None outside replica 0
+    """{"tp_rank", "tp", "tensors": global megatron name -> this rank's piece}; None outside replica 0
     (the other replicas hold the same pieces)."""
     lay = engine.layout
     if lay.dp_rank != 0:
         return None
     params = engine._named_params()
-    tensors = {e.generation: params[local].detach().cpu() for e, local in engine._stage_entries()
+    tensors = {e.megatron: params[local].detach().cpu() for e, local in engine._stage_entries()
                if lay.tp_rank == 0 or e.shard.dim is not None}
     return {"tp_rank": lay.tp_rank, "tp": lay.tp, "tensors": tensors}
 
@@ -39,12 +39,11 @@ def assemble(shards: Iterable[Optional[dict[str, Any]]], bridge: LlamaBridge) ->
         tp = shard["tp"]
         for name, tensor in shard["tensors"].items():
             pieces.setdefault(name, {})[shard["tp_rank"]] = tensor
-    out = {}
+    full = {}
     for e in bridge.entries():
-        got = pieces.get(e.generation, {})
+        got = pieces.get(e.megatron, {})
         want = [0] if e.shard.dim is None else list(range(tp))
         if sorted(got) != want:
-            raise KeyError(f"{e.generation}: shards from TP ranks {sorted(got)} arrived, {want} are needed")
-        full = unshard_tensor([got[r] for r in want], e.shard)
-        out[e.generation] = full[: bridge.cfg.vocab_size] if e.vocab else full
-    return out
+            raise KeyError(f"{e.megatron}: shards from TP ranks {sorted(got)} arrived, {want} are needed")
+        full[e.megatron] = unshard_tensor([got[r] for r in want], e.shard)
+    return bridge.megatron_to_generation(full)

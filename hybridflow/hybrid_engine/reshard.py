@@ -145,10 +145,10 @@ class GroupedWeights:
         return out
 
     def _generation_part(self, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One stage's gathered tensors -> this rank's generation shard of them (generation names)."""
-        cut = self.grouping != "hybridflow"  # hybridflow's gather already is the generation shard
-        return {self.entries[name].generation: shard_tensor(t, self.entries[name].shard, self.tg_rank, self.tg)
-                if cut else t for name, t in part.items()}
+        """One stage's gathered tensors -> this rank's generation shard of them (megatron names)."""
+        if self.grouping == "hybridflow":  # its gather already is the generation shard
+            return part
+        return {name: shard_tensor(t, self.entries[name].shard, self.tg_rank, self.tg) for name, t in part.items()}
 
     @torch.no_grad()
     def refresh(self) -> dict[str, float]:
@@ -165,9 +165,10 @@ class GroupedWeights:
         for part in self.engine.each_stage(mine, traffic):  # generation runs at pg = 1
             peak = max(peak, nbytes(shard.values()) + nbytes(part.values()))
             shard.update(self._generation_part(part))
-        if self.tg == 1:  # the whole model: drop the vocabulary padding, as the one-rank generator has none
-            vocab = {e.generation for e in self.entries.values() if e.vocab}
-            shard = {name: t[: self.engine.cfg.vocab_size] if name in vocab else t for name, t in shard.items()}
+        if self.tg == 1:  # the whole model: the one-rank generator has no vocabulary padding
+            shard = self.engine.bridge.megatron_to_generation(shard)
+        else:
+            shard = {self.entries[name].generation: t for name, t in shard.items()}
         params = dict(self.model.named_parameters())
         if self._released is not None:  # allocate again what `release` freed
             for name, p in params.items():
