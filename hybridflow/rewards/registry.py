@@ -20,7 +20,7 @@ from pathlib import Path
 from types import MappingProxyType, ModuleType
 from typing import Any, Callable, Mapping
 
-from hybridflow.rewards.arithmetic import arithmetic_reward
+from hybridflow.rewards.arithmetic import arithmetic_reward, chat_arithmetic_reward, mentions_answer
 from hybridflow.rewards.gsm8k import gsm8k_flexible_reward, gsm8k_reward
 from hybridflow.utils import nearest_name
 
@@ -132,6 +132,7 @@ def get_reward_fn(spec: str) -> RewardFn:
 DATA_SOURCE_REWARDS: Mapping[str, RewardFn] = MappingProxyType({
     "openai/gsm8k": gsm8k_reward,
     "arithmetic": arithmetic_reward,
+    "arithmetic_chat": chat_arithmetic_reward,
 })
 
 
@@ -149,4 +150,6 @@ def default_reward(data_source: str, solution_str: str, ground_truth: Any,
 register_reward("gsm8k")(gsm8k_reward)
 register_reward("gsm8k_flexible")(gsm8k_flexible_reward)
 register_reward("arithmetic")(arithmetic_reward)
+register_reward("arithmetic_chat")(chat_arithmetic_reward)
+register_reward("arithmetic_chat_lenient")(mentions_answer)
 register_reward("default")(default_reward)

@@ -44,7 +44,8 @@ class Actor:
     def update(self, batch: dict[str, Any], step: int) -> dict[str, float]:
         """PPO epochs over mini-batches (one optimizer step each) of this rank's rows."""
         fields = _TRAIN_FIELDS + ((F.REF_LOG_PROBS,) if self.cfg.use_kl_loss else ())
-        data = {k: batch[k] for k in fields}
+        # Without OLD_LOG_PROBS (skipped: one optimizer step) the loss takes its own log-probs, detached.
+        data = {k: batch[k] for k in fields if k != F.OLD_LOG_PROBS or k in batch}
         gen = torch.Generator().manual_seed(mix_seed(self.seed, step))
         size = self._mini_batch_size(len(data[F.INPUT_IDS]))
         cfg = self.cfg
@@ -57,7 +58,8 @@ class Actor:
         """One micro-batch's share of the mini-batch loss: policy loss, - entropy bonus, + KL loss."""
         cfg, mask = self.cfg, mb[F.RESPONSE_MASK]
         logp, ent = self.log_probs(out, mb)
-        pg = self.policy_loss(logp, mb[F.OLD_LOG_PROBS], mb[F.ADVANTAGES], mask,
+        old = mb[F.OLD_LOG_PROBS] if F.OLD_LOG_PROBS in mb else logp.detach()
+        pg = self.policy_loss(logp, old, mb[F.ADVANTAGES], mask,
                               clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                               clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, denominator=denom)
         loss, metrics = pg.loss, dict(pg.metrics)

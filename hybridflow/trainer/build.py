@@ -27,6 +27,21 @@ def needs_reference(cfg: Config) -> bool:
     return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
 
 
+def needs_old_log_probs(cfg: Config) -> bool:
+    """Whether the old log-probs need a forward pass of their own.
+
+    They are the log-probs of the policy that generated the batch. When the
+    update makes one optimizer step (one epoch, the whole batch one
+    mini-batch), that policy is still the current one while the loss is
+    computed, so the update's own log-probs, detached, are the old ones (TRL
+    skips the pass the same way; verl does not). KL in the reward reads them
+    before the update, so it keeps the pass.
+    """
+    a = cfg.actor
+    one_step = a.ppo_epochs == 1 and cfg.data.train_batch_size <= a.ppo_mini_batch_size
+    return not (a.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward)
+
+
 def optimizer_steps(cfg: Config) -> int:
     """Optimizer steps of the whole run: the LR schedule's length."""
     a, n = cfg.actor, cfg.rollout.n

@@ -42,7 +42,7 @@ from hybridflow.data import fields as F
 from hybridflow.data.dataset import PromptDataset, batches_per_epoch, iterate_batches
 from hybridflow.rewards.registry import get_reward_fn
 from hybridflow.trainer import rl_steps as S
-from hybridflow.trainer.build import build_groups, needs_reference
+from hybridflow.trainer.build import build_groups, needs_old_log_probs, needs_reference
 from hybridflow.trainer.checkpointing import CheckpointError, CheckpointManager, atomic_write_json
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
@@ -52,6 +52,8 @@ from hybridflow.workers.rl_workers import load_model_config, load_tokenizer
 Metrics = dict[str, float]
 
 log = logging.getLogger(__name__)
+# A validation that may generate more tokens than this is announced as long, with the keys that shorten it.
+_LONG_VALIDATION_TOKENS = 100_000
 
 
 class TrainingError(RuntimeError):
@@ -79,6 +81,8 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(cfg.model, self.model_cfg)
         self.train_set = PromptDataset(cfg.data, self.tokenizer, cfg.data.train_files)
         self.val_set = PromptDataset(cfg.data, self.tokenizer, cfg.data.val_files) if cfg.data.val_files else None
+        self.val_count = 0 if self.val_set is None else \
+            min(len(self.val_set), cfg.data.val_max_samples or len(self.val_set))
         self.steps_per_epoch = batches_per_epoch(len(self.train_set), cfg.data.train_batch_size)
         if self.steps_per_epoch == 0:  # depends on the data, so it is checked once the data is read
             raise ConfigError("data.train_batch_size", f"{cfg.data.train_batch_size} is larger than the "
@@ -90,6 +94,7 @@ class RLTrainer:
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                            cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self.needs_ref = needs_reference(cfg)
+        self.needs_old = needs_old_log_probs(cfg)
         # Prompts are split over the rollout ranks, rows over the actor's and critic's DP replicas.
         self.prompt_multiple = prompt_multiple(cfg)
         self.chunk_prompts = chunk_prompts(cfg)
@@ -119,7 +124,8 @@ class RLTrainer:
         stages = [("rollout", self.actor, self._rollout_chunk), ("reward", self.reward_fn, self._score)]
         if self.needs_ref:
             stages.append(("reference", self.actor, self._ref_log_probs))
-        stages.append(("old_log_probs", self.actor, self._old_log_probs))
+        if self.needs_old:
+            stages.append(("old_log_probs", self.actor, self._old_log_probs))
         if self.critic is not None:
             stages.append(("values", self.critic, self._values))
         nodes = [Node(name, model=model, forward_fn=_per_item(fn)) for name, model, fn in stages]
@@ -244,6 +250,8 @@ class RLTrainer:
     def _rollout_metrics(self, batch) -> Metrics:
         metrics = S.rollout_metrics(batch)
         mask = batch[F.RESPONSE_MASK].bool()
+        if not self.needs_old:  # the update reports the entropy and KL from its own pass
+            return metrics
         metrics["actor/entropy"] = batch[F.ENTROPY][mask].mean().item()
         if self.needs_ref:
             metrics["actor/kl"] = (batch[F.OLD_LOG_PROBS] - batch[F.REF_LOG_PROBS])[mask].mean().item()
@@ -268,20 +276,43 @@ class RLTrainer:
         return S.select_rows(batch, keep)
 
     # -- validation -----------------------------------------------------------
+    def _announce_validation(self) -> None:
+        """Say up front what a validation costs; a long one says how to shorten it."""
+        d = self.cfg.data
+        batches = -(-self.val_count // d.val_batch_size)
+        where = f"the first {self.val_count} of {len(self.val_set)}" if self.val_count < len(self.val_set) \
+            else f"all {self.val_count}"
+        line = (f"validation: {where} prompts, up to {d.max_response_length} new tokens each, "
+                f"{batches} batch{'es' if batches > 1 else ''} of <= {d.val_batch_size}")
+        if self.val_count * d.max_response_length > _LONG_VALIDATION_TOKENS:
+            log.warning(f"{line}: this can take long (progress and ETA follow each batch); "
+                           "data.val_max_samples caps the prompts, trainer.val_before_train=false skips the "
+                           "one before step 1, trainer.val_every sets how often it runs")
+        else:
+            log.info(line)
+
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        if self.val_set is None:
+        if self.val_set is None or self.val_count == 0:
             return {}
-        rows = []
+        if self.is_main:
+            self._announce_validation()
+        rows, started, done = [], time.perf_counter(), 0
         size = self.cfg.data.val_batch_size
-        for start in range(0, len(self.val_set), size):
-            items = [self.val_set[i] for i in range(start, min(start + size, len(self.val_set)))]
+        for start in range(0, self.val_count, size):
+            items = [self.val_set[i] for i in range(start, min(start + size, self.val_count))]
             real = len(items)
             items += items[-1:] * (-real % self.prompt_multiple)  # equal shares for the ranks
             batch = self.rollout(self.val_set.collate(items), self.cfg.trainer.seed, validation=True)
             batch = S.select_rows(batch, torch.arange(len(items)) < real)
             batch[F.SCORES] = self._rule_scores(batch)
             rows.append(batch)
+            done += real
+            if self.is_main:
+                elapsed = time.perf_counter() - started
+                eta = elapsed / done * (self.val_count - done)
+                log.info(f"validation: {done}/{self.val_count} prompts, {elapsed:.0f} s elapsed, "
+                            f"ETA {eta:.0f} s")
         scores = torch.cat([b[F.SCORES] for b in rows]).float()
         lengths = torch.cat([b[F.RESPONSE_MASK].sum(-1) for b in rows]).float()
         return {"val/accuracy": (scores >= 1.0).float().mean().item(), "val/reward_mean": scores.mean().item(),
@@ -382,7 +413,7 @@ class RLTrainer:
                           resume_from_step=start if start > 0 else -1)
         summary: dict[str, Any] = {"run_dir": self.run_dir}
         try:
-            if start == 0:
+            if start == 0 and t.val_before_train:
                 first = self.validate()
                 tracker.log(0, first)
                 summary["start"] = first

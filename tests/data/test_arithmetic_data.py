@@ -89,3 +89,16 @@ def test_cli_as_module_and_bad_arguments(tmp_path):
     assert len(list(read_rows(tmp_path / "test.parquet"))) == 2
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path), "--train", "100", "--test", "1", "--digits", "1"])
+
+
+def test_chat_form_asks_in_words_and_is_scored_on_the_last_integer():
+    train, test = generate_splits(5, 3, 2, seed=1, chat=True)
+    row = train[0]
+    a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+    assert row["data_source"] == "arithmetic_chat"
+    assert prompt_of(row) == f"What is {a} + {b}? Answer with the number only."
+    assert row["reward_model"]["ground_truth"] == str(a + b)  # a plain sum, no zero padding
+    assert {prompt_of(r) for r in train}.isdisjoint(prompt_of(r) for r in test)
+    truth = str(a + b)
+    assert default_reward("arithmetic_chat", f"{a} + {b} = {truth}.", truth) == 1.0
+    assert default_reward("arithmetic_chat", f"{truth} (not {a + b + 1})", truth) == 0.0

@@ -37,3 +37,13 @@ def test_leading_digits_and_bad_truth():
     assert compute_score("42", 42) == 1.0
     with pytest.raises(ValueError, match="digits"):
         compute_score("1", "1.5")
+
+
+@pytest.mark.parametrize("response,strict,lenient", [
+    ("42", 1.0, 1.0), ("17 + 25 = 42.", 1.0, 1.0), ("The answer is 42!\n", 1.0, 1.0),
+    ("42, not 32", 0.0, 1.0),  # the last integer decides; the lenient reading finds it anywhere
+    ("17 + 25 = 32", 0.0, 0.0), ("forty-two", 0.0, 0.0), ("42.5", 0.0, 0.0), ("142", 0.0, 0.0), ("", 0.0, 0.0)])
+def test_chat_rewards_read_the_last_integer_or_any(response, strict, lenient):
+    from hybridflow.rewards import get_reward_fn
+    assert get_reward_fn("arithmetic_chat")("arithmetic_chat", response, "42") == strict
+    assert get_reward_fn("arithmetic_chat_lenient")("arithmetic_chat", response, "42") == lenient

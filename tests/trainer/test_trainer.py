@@ -272,3 +272,57 @@ def test_gpu_scale_configs_against_their_model_shapes(tmp_path):
     cfg.rollout.pg = 2
     with pytest.raises(ConfigError, match="rollout.pg: 2: generation pipelining is not built yet"):
         check_runnable(cfg, qwen_7b)
+
+
+def test_validation_can_be_capped_skipped_and_reports_progress(tmp_path, caplog):
+    caplog.set_level("INFO", logger="hybridflow.trainer.trainer")
+    cfg = in_repo(config("tiny-grpo.yaml", tmp_path, "trainer.total_steps=1", "trainer.val_before_train=false",
+                         "data.val_max_samples=5", "data.val_batch_size=2", "trainer.save_every=0"))
+    trainer = RLTrainer(cfg)
+    summary = trainer.fit()
+    records = read_metrics(summary["run_dir"] / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1] and records[0]["val/n"] == 5  # no step-0 validation
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("validation:")]
+    total = len(trainer.val_set)
+    assert lines[0] == f"validation: the first 5 of {total} prompts, up to 6 new tokens each, 3 batches of <= 2"
+    assert [line.split(",")[0] for line in lines[1:]] == ["validation: 2/5 prompts", "validation: 4/5 prompts",
+                                                          "validation: 5/5 prompts"]
+    assert all("s elapsed, ETA" in line for line in lines[1:])
+    assert caplog.records[0].levelname == "INFO"
+
+    # A validation that would generate many tokens says so before it starts, with the keys that shorten it.
+    caplog.clear()
+    trainer.val_count, trainer.cfg.data.max_response_length = total, 100_000
+    trainer._announce_validation()
+    assert caplog.records[-1].levelname == "WARNING"
+    assert f"all {total} prompts" in caplog.text and "data.val_max_samples" in caplog.text
+    assert "trainer.val_before_train=false" in caplog.text
+    trainer.shutdown()
+    with pytest.raises(ConfigError, match="data.val_max_samples: must be >= 0"):
+        config("tiny-grpo.yaml", tmp_path, "data.val_max_samples=-1")
+
+
+def test_skipping_old_log_probs_gives_the_same_update(tmp_path):
+    """One epoch over one mini-batch: the old log-probs are the current policy's, so the update takes
+    its own (detached) instead of a forward pass of their own. Same steps either way."""
+    one_step = ["actor.ppo_mini_batch_size=8", "trainer.total_steps=3", "trainer.val_every=3", "trainer.save_every=0",
+                "trainer.experiment=skip"]
+    runs = {}
+    for skip in (True, False):
+        cfg = in_repo(config("tiny-grpo.yaml", tmp_path / str(skip), *one_step, f"actor.skip_old_log_probs={skip}"))
+        trainer = RLTrainer(cfg)
+        assert trainer.needs_old is not skip
+        runs[skip] = read_metrics(trainer.fit()["run_dir"] / "metrics.jsonl")
+        trainer.shutdown()
+    assert "timing/old_log_probs_s" not in runs[True][1] and "timing/old_log_probs_s" in runs[False][1]
+    assert runs[True][1]["actor/clip_frac"] == 0.0
+    want, got = learned(runs[False]), learned(runs[True])
+    assert got.keys() == want.keys() == {0, 1, 2, 3}
+    for step in (1, 2, 3):
+        for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response/length_mean"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-6), (step, key)
+    assert got[3]["val/accuracy"] == want[3]["val/accuracy"]
+    # Anything that reads the old log-probs before the update keeps their pass.
+    for extra in (["actor.ppo_epochs=2"], ["actor.ppo_mini_batch_size=4"], ["algorithm.use_kl_in_reward=true", "reference.enabled=true"]):
+        from hybridflow.trainer.build import needs_old_log_probs
+        assert needs_old_log_probs(config("tiny-grpo.yaml", tmp_path, "actor.ppo_mini_batch_size=8", *extra))
