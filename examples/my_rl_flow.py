@@ -85,6 +85,7 @@ def main(argv=None) -> None:
     parser.add_argument("--safety", action="store_true", help="add the safety (guard) node")
     parser.add_argument("--guard", default=None, help="guard directory (default: the reward model)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--show", action="store_true", help="print each prompt with its response")
     parser.add_argument("--async", dest="async_execution", action="store_true",
                         help="stream chunks: reward starts before rollout finishes")
     parser.add_argument("--ray", action="store_true",
@@ -107,6 +108,9 @@ def main(argv=None) -> None:
     result = dataflow.run(args.prompts, async_execution=args.async_execution, min_batch=args.min_batch,
                           launcher="ray" if args.ray else "local")
     print(result.report())
+    if args.show:
+        for prompt, response in result.outputs["rollout"]:
+            print(f"--- {prompt}\n{response}")
     print(f"Final rewards: {[round(r, 4) for r in result.final]}")
 
 

@@ -145,3 +145,19 @@ def test_megatron_engine_log_probs_equal_the_plain_decoder(model_dir):
     # logits of magnitude ~40): the engine must be as close to the float64 answer as the decoder is.
     torch.testing.assert_close(ours, plain, atol=5e-4, rtol=0)
     assert (ours - exact).abs().max() <= 3 * (plain - exact).abs().max()
+
+
+def test_dataflow_example_answers_real_prompts_and_the_judge_scores_them(model_dir, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "my_rl_flow.py"
+    spec = importlib.util.spec_from_file_location("my_rl_flow_real", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--model", "smollm2", "--show", "--max-new-tokens", "8",
+                  "--prompts", "['Explain quantum computing in simple terms', 'Write a poem about the ocean']"])
+    out = capsys.readouterr().out
+    assert "--- Explain quantum computing in simple terms\nQuantum computing is a" in out
+    rewards = eval(out.split("Final rewards: ")[1].splitlines()[0])
+    assert len(rewards) == 2 and all(1.0 <= r <= 5.0 for r in rewards)
