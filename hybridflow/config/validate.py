@@ -264,9 +264,10 @@ def _check_batches(cfg: Config) -> None:
                         ("trainer.total_steps", cfg.trainer.total_steps)):
         if value < 1:
             raise ConfigError(path, f"must be >= 1, got {value}")
-    for path, value in (("data.val_max_samples", data.val_max_samples), ("trainer.val_every", cfg.trainer.val_every)):
+    for path, value, zero in (("data.val_max_samples", data.val_max_samples, "all prompts"),
+                              ("trainer.val_every", cfg.trainer.val_every, "never")):
         if value < 0:
-            raise ConfigError(path, f"must be >= 0 (0: {'all prompts' if 'samples' in path else 'never'}), got {value}")
+            raise ConfigError(path, f"must be >= 0 (0: {zero}), got {value}")
     if data.train_batch_size % actor.ppo_mini_batch_size:
         raise ConfigError(
             "actor.ppo_mini_batch_size", f"{actor.ppo_mini_batch_size} does not divide "

@@ -156,7 +156,7 @@ def _tokenizer(reader: Any) -> tuple[Any, dict[str, Any]]:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind in zip(tokens, types) if kind == _CONTROL])
+                            for t, token_type in zip(tokens, types) if token_type == _CONTROL])
 
     def name(key: str) -> str | None:
         index = _field(reader, f"tokenizer.ggml.{key}", None)

@@ -101,6 +101,10 @@ class CausalLM:
             raise ValueError(f"chat=True but the tokenizer at {self.path} has no chat template")
         return chat
 
+    def _as_chat(self, prompts: Sequence[str]) -> list[str]:
+        """Each prompt as one user turn of the chat template, generation prompt appended."""
+        return [self.tokenizer.render_prompt([{"role": "user", "content": p}]) for p in prompts]
+
     def _encode(self, prompts: Sequence[str], chat: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded input_ids and attention_mask [B, T] on the model's device.
 
@@ -109,8 +113,7 @@ class CausalLM:
         special tokens.
         """
         if chat:
-            texts = [self.tokenizer.render_prompt([{"role": "user", "content": p}]) for p in prompts]
-            ids = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+            ids = self.tokenizer.encode_batch(self._as_chat(prompts), add_special_tokens=False)
         else:
             ids = self.tokenizer.encode_batch(list(prompts))
         width = max(len(row) for row in ids)
@@ -145,10 +148,17 @@ class CausalLM:
             return []
         chat = self._wants_chat(chat)
         if self.engine == "vllm":
-            texts = [self.tokenizer.render_prompt([{"role": "user", "content": p}]) for p in prompts] \
-                if chat else prompts
+            texts = self._as_chat(prompts) if chat else prompts
             pairs = self._generate_vllm(texts, max_new_tokens, temperature, n, seed, **sampling)
             return [(prompts[i // n], response) for i, (_, response) in enumerate(pairs)]
+        params = self.sampling_params(max_new_tokens, temperature, n, **sampling)
+        input_ids, mask = self._encode(prompts, chat)
+        rng = torch.Generator(device=self.device).manual_seed(seed)
+        texts = self.complete(input_ids, mask, params, rng)
+        return [(prompts[i // n], text) for i, text in enumerate(texts)]
+
+    def sampling_params(self, max_new_tokens: int, temperature: float = 0.0, n: int = 1, **sampling: Any):
+        """`SamplingParams` with this model's defaults: EOS stops, greedy when temperature is 0."""
         from hybridflow.rollout import SamplingParams
 
         eos = self.tokenizer.eos_token_id
@@ -156,14 +166,16 @@ class CausalLM:
         sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
         sampling["stop"] = tuple(sampling.get("stop", ()))
         sampling.setdefault("do_sample", temperature > 0)
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=n, **sampling)
-        input_ids, mask = self._encode(prompts, chat)
-        rng = torch.Generator(device=self.device).manual_seed(seed)
-        out = self.generator.generate(input_ids, mask, params, generator=rng)
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=n, **sampling)
+
+    @torch.no_grad()
+    def complete(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: Any,
+                 generator: Optional[torch.Generator] = None) -> list[str]:
+        """Responses to left-padded prompt ids [B, T], decoded without special tokens (B * params.n rows)."""
+        out = self.generator.generate(input_ids, attention_mask, params, generator=generator)
         rows = [[t for t, m in zip(r, mk) if m] for r, mk in
                 zip(out.responses.tolist(), out.response_mask.tolist())]
-        texts = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
-        return [(prompts[i // n], text) for i, text in enumerate(texts)]
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
     @torch.no_grad()
     def rate(self, pairs: Sequence[tuple[str, str]], scale: int = 5,

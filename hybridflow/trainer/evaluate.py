@@ -21,7 +21,6 @@ import torch
 from hybridflow.config.schema import DataConfig
 from hybridflow.data.dataset import PromptDataset
 from hybridflow.rewards.registry import get_reward_fn
-from hybridflow.rollout import SamplingParams
 
 __all__ = ["Evaluation", "evaluate", "report"]
 
@@ -47,17 +46,13 @@ def evaluate(model_dir: str | Path, data_files: Sequence[str | Path], rewards: S
     data = PromptDataset(DataConfig(max_prompt_length=1 << 20, apply_chat_template=True), model.tokenizer,
                          list(data_files))
     count = min(len(data), limit or len(data))
-    eos = model.tokenizer.eos_token_id
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, do_sample=False,
-                            stop_token_ids=() if eos is None else (eos,))
+    params = model.sampling_params(max_new_tokens)  # greedy, EOS stops
     fns = {name: get_reward_fn(name) for name in rewards}
     result = Evaluation(str(model_dir), [], [], {name: [] for name in rewards})
     for start in range(0, count, batch_size):
         items = [data[i] for i in range(start, min(start + batch_size, count))]
         batch = data.collate(items)
-        out = model.generator.generate(batch["input_ids"], batch["attention_mask"], params)
-        rows = [[t for t, m in zip(r, mk) if m] for r, mk in zip(out.responses.tolist(), out.response_mask.tolist())]
-        texts = model.tokenizer.batch_decode(rows, skip_special_tokens=True)
+        texts = model.complete(batch["input_ids"], batch["attention_mask"], params)
         for item, text in zip(items, texts):
             result.prompts.append(str(item.messages[-1]["content"]))
             result.responses.append(text)

@@ -286,8 +286,8 @@ class RLTrainer:
                 f"{batches} batch{'es' if batches > 1 else ''} of <= {d.val_batch_size}")
         if self.val_count * d.max_response_length > _LONG_VALIDATION_TOKENS:
             log.warning(f"{line}: this can take long (progress and ETA follow each batch); "
-                           "data.val_max_samples caps the prompts, trainer.val_before_train=false skips the "
-                           "one before step 1, trainer.val_every sets how often it runs")
+                        "data.val_max_samples caps the prompts, trainer.val_before_train=false skips the "
+                        "one before step 1, trainer.val_every sets how often it runs")
         else:
             log.info(line)
 
@@ -312,7 +312,7 @@ class RLTrainer:
                 elapsed = time.perf_counter() - started
                 eta = elapsed / done * (self.val_count - done)
                 log.info(f"validation: {done}/{self.val_count} prompts, {elapsed:.0f} s elapsed, "
-                            f"ETA {eta:.0f} s")
+                         f"ETA {eta:.0f} s")
         scores = torch.cat([b[F.SCORES] for b in rows]).float()
         lengths = torch.cat([b[F.RESPONSE_MASK].sum(-1) for b in rows]).float()
         return {"val/accuracy": (scores >= 1.0).float().mean().item(), "val/reward_mean": scores.mean().item(),
