@@ -412,6 +412,8 @@ class MegatronEngine:
     @staticmethod
     def _loss(step_fn: StepFn, batch: dict[str, Any], idx: Tensor, rows: int, output: Tensor):
         output = unalign(output, idx.to(output.device))
+        # The micro-batch arrives as the controller sent it (CPU); the loss is computed where the model ran.
+        batch = {k: v.to(output.device) if isinstance(v, Tensor) else v for k, v in batch.items()}
         if output.shape[-1] == 1:
             output = output.squeeze(-1)
         if rows < len(output):  # rows added only to give every pipeline micro-batch one shape
@@ -445,7 +447,7 @@ class MegatronEngine:
                 data_iterator=iter(data), model=[self.model],
                 num_microbatches=len(data), seq_length=data[0][0][F.INPUT_IDS].shape[1],
                 micro_batch_size=data[0][0][F.INPUT_IDS].shape[0], forward_only=forward_only)
-        return self._from_last_stage(reports)
+        return self._from_last_stage(to_cpu(reports))  # reports leave the engine as CPU tensors, like batches
 
     def _from_last_stage(self, reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if self.parallel.pp == 1:
@@ -453,7 +455,7 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         last = ps.is_pipeline_last_stage()
-        box = [to_cpu(reports) if last else None]
+        box = [reports if last else None]
         dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
                                    group=ps.get_pipeline_model_parallel_group())
         return reports if last else box[0]

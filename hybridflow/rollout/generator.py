@@ -71,7 +71,10 @@ class Generator:
             raise ValueError("stop strings need a tokenizer: Generator(model, pad_token_id, tokenizer)")
         n, steps = params.n, params.max_new_tokens
         b, t = input_ids.shape
-        rows, device = b * n, input_ids.device
+        # Computed where the model lives, returned where the prompts came from (the
+        # controller's batches are CPU tensors; a CUDA model generates on its GPU).
+        rows, device, home = b * n, self.model.embed.weight.device, input_ids.device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         cache = KVCache(self.model.cfg, rows, t + steps, self.model.embed.weight.dtype, device)
         logits = self.model.forward_cached(input_ids, cache, attention_mask, last_only=True)[:, -1]
         logits = logits.repeat_interleave(n, 0)
@@ -108,11 +111,11 @@ class Generator:
             logits = self.model.forward_cached(token[:, None], cache)[:, -1]
 
         return GenerationOutput(
-            prompts=input_ids.repeat_interleave(n, 0),
-            prompt_mask=attention_mask.long().repeat_interleave(n, 0),
-            responses=tokens[:, :length].contiguous(),
-            response_mask=mask[:, :length].contiguous(),
-            log_probs=log_probs[:, :length].contiguous(),
+            prompts=input_ids.repeat_interleave(n, 0).to(home),
+            prompt_mask=attention_mask.long().repeat_interleave(n, 0).to(home),
+            responses=tokens[:, :length].to(home).contiguous(),
+            response_mask=mask[:, :length].to(home).contiguous(),
+            log_probs=log_probs[:, :length].to(home).contiguous(),
         )
 
     def _completes_stop_string(self, tokens: torch.Tensor, done: torch.Tensor,

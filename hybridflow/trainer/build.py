@@ -11,11 +11,13 @@ before this.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
 from hybridflow.config.schema import Config
 from hybridflow.config.validate import reference_parallel, role_layout, rollout_apart, uses_critic, uses_ray
+from hybridflow.controller.resource_pool import ResourcePool
 from hybridflow.controller.worker_group import LocalWorkerGroup
 from hybridflow.workers.rl_workers import (ActorGroup, ActorRolloutRefWorker, CriticGroup, CriticWorker,
                                            RewardModelGroup, RewardModelWorker, RolloutGroup, RolloutWorker)
@@ -87,13 +89,21 @@ class Groups:
         return self.rollout or self.actor
 
 
+def _local_pool(cfg: Config) -> ResourcePool:
+    """This job's devices without Ray: one per process (torchrun's WORLD_SIZE), of the configured type.
+
+    The pool's type decides the workers' backend (NCCL or gloo) and whether CUDA stays visible to them.
+    """
+    return ResourcePool(list(range(int(os.environ.get("WORLD_SIZE", "1")))), cfg.trainer.device)
+
+
 def build_groups(cfg: Config) -> Groups:
     critic = uses_critic(cfg)
     reward_model = cfg.reward.model_path is not None
     if not uses_ray(cfg):
-        return Groups(ActorGroup(LocalWorkerGroup(ActorRolloutRefWorker, None, actor_spec(cfg))),
-                      CriticGroup(LocalWorkerGroup(CriticWorker, None, critic_spec(cfg))) if critic else None,
-                      RewardModelGroup(LocalWorkerGroup(RewardModelWorker, None, cfg.reward)) if reward_model else None)
+        return Groups(ActorGroup(LocalWorkerGroup(ActorRolloutRefWorker, _local_pool(cfg), actor_spec(cfg))),
+                      CriticGroup(LocalWorkerGroup(CriticWorker, _local_pool(cfg), critic_spec(cfg))) if critic else None,
+                      RewardModelGroup(LocalWorkerGroup(RewardModelWorker, _local_pool(cfg), cfg.reward)) if reward_model else None)
     from hybridflow.controller.ray_setup import init_ray
     from hybridflow.controller.resource_pool import pools_from_placement
     from hybridflow.controller.worker_group import RayWorkerGroup
