@@ -16,6 +16,16 @@ Two ways in:
 Outcome-reward estimators (GRPO, RLOO, REINFORCE++-baseline, ReMax) score a
 whole sequence. Their `returns` equal their advantages: nothing regresses on
 them, they are only logged.
+
+Where the group estimators deliberately differ from verl's (0.9; equal elsewhere):
+- a group of one sample gets advantage 0. verl's GRPO uses mean 0 and std 1
+  there, so the raw score becomes the advantage: a lone sample would be pushed
+  by its absolute reward, with nothing to compare it against;
+- a group whose scores are all equal gets exactly 0, even with eps = 0. verl
+  divides (s - rounded mean) by (0 + eps), which can turn a rounding residue
+  into a large advantage;
+- masked positions are exactly 0 (verl: also 0, by multiplying with the mask;
+  here NaN or inf in a masked position stays out as well).
 """
 from __future__ import annotations
 

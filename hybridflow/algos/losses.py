@@ -101,14 +101,15 @@ def _policy_output(terms: ClipTerms, log_ratio: Tensor, mask: Tensor, loss_agg_m
 @register_policy_loss("ppo")
 def ppo_clip_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, *,
                   clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
-                  clip_ratio_c: Optional[float] = None, loss_agg_mode: str = "token-mean",
+                  clip_ratio_c: Optional[float] = 3.0, loss_agg_mode: str = "token-mean",
                   denominator: Denominator = None) -> LossOutput:
-    """PPO clipped surrogate with asymmetric bounds and optional dual clip.
+    """PPO clipped surrogate with asymmetric bounds and the dual clip.
 
     log_probs (differentiable), old_log_probs, advantages, mask: [B, T].
     Per-token ratio r = exp(logp - old); the clip range is [1 - low, 1 + high]
     (a larger `high`, as in DAPO's clip-higher, leaves room to raise unlikely
-    tokens). clip_ratio_c > 1 enables the dual clip on negative advantages.
+    tokens). clip_ratio_c > 1 is the dual clip on negative advantages; the
+    default 3.0 is `actor.clip_ratio_c`'s (and verl's), and None turns it off.
     Where a clip is active the token's gradient is exactly 0.
     """
     log_ratio = _log_ratio(log_probs, old_log_probs, mask)
@@ -159,9 +160,13 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     if cliprange_value is None:
         loss_mat, clipped_flags = unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
     else:
-        delta = masked_fill_zero(values - old_values, mask).clamp(-cliprange_value, cliprange_value)
-        clipped = masked_fill_zero(old_values + delta - returns, mask) ** 2
-        loss_mat, clipped_flags = torch.maximum(unclipped, clipped), clipped > unclipped
+        # Where |v - old| is inside the range, v_clip is v itself, not old + (v - old): that sum can
+        # round away from v by an ulp and count an unclipped token as clipped.
+        step = masked_fill_zero(values - old_values, mask)
+        outside = step.abs() > cliprange_value
+        v_clip = torch.where(outside, old_values + step.clamp(-cliprange_value, cliprange_value), values)
+        clipped = masked_fill_zero(v_clip - returns, mask) ** 2
+        loss_mat, clipped_flags = torch.maximum(unclipped, clipped), outside & (clipped > unclipped)
     loss = 0.5 * aggregate_loss(loss_mat, mask, loss_agg_mode, denominator)
     with torch.no_grad():
         metrics = {

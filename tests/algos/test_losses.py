@@ -1,4 +1,5 @@
 """Policy and value losses: hand cases, loop references and autograd checks."""
+import inspect
 import math
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 
 from hybridflow.algos import (LOSS_AGG_MODES, POLICY_LOSSES, aggregate_loss, get_policy_loss, gspo_loss,
                               ppo_clip_loss, value_loss)
+from hybridflow.config.schema import ActorConfig
 from tests.algos.helpers import MASK_KINDS, make_mask, poison_padding, valid_positions
 
 
@@ -53,8 +55,11 @@ def test_dual_clip_hand():
     assert out.metrics["actor/dual_clip_frac"] == pytest.approx(1 / 3)
     out.loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, 2 / 3]], dtype=torch.float64))
-    without = ppo_clip_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3))
+    without = ppo_clip_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_ratio_c=None)
     assert without.loss.item() == pytest.approx((5.0 - 1.2 + 2.0) / 3)
+    # The function's default is the config's (actor.clip_ratio_c = 3.0): the dual clip is on.
+    assert ppo_clip_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3)).loss.item() == pytest.approx(out.loss.item())
+    assert inspect.signature(ppo_clip_loss).parameters["clip_ratio_c"].default == ActorConfig().clip_ratio_c
     with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
         ppo_clip_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_ratio_c=0.9)
 
@@ -191,6 +196,22 @@ def test_value_loss_hand():
     torch.testing.assert_close(values.grad, torch.tensor([[0.0, 0.2 / 3, 1 / 3, 0.0]], dtype=torch.float64))
     unclipped = value_loss(values, torch.zeros(1, 4), returns, mask, cliprange_value=None)
     assert unclipped.loss.item() == pytest.approx(0.5 * (1.0 + 0.04 + 1.0) / 3)
+
+
+def test_value_steps_inside_the_range_are_never_counted_as_clipped():
+    """float32 old + (v - old) can round away from v; a step inside the range is not a clip."""
+    g = torch.Generator().manual_seed(0)
+    # Values and old values of different magnitudes: v - old is inexact, then so is old + (v - old).
+    values = torch.randn(64, 256, generator=g) * 0.2
+    old = torch.randn(64, 256, generator=g) * 0.2 * torch.rand(64, 256, generator=g) ** 4
+    old = torch.where((values - old).abs() < 0.5, old, values)  # every step inside the range
+    returns = torch.randn(64, 256, generator=g)
+    mask = torch.ones(64, 256)
+    # The rounding is real: some sums differ from v in float32.
+    assert ((old + (values - old)) != values).any()
+    out = value_loss(values, old, returns, mask, cliprange_value=0.5)
+    assert out.metrics["critic/vf_clip_frac"] == 0.0
+    assert out.loss.item() == value_loss(values, old, returns, mask, cliprange_value=None).loss.item()
 
 
 @pytest.mark.parametrize("kind", MASK_KINDS)
