@@ -48,7 +48,7 @@ class ParallelConfig:
     cp: int = 1
     virtual_pp: Optional[int] = None
     sequence_parallel: bool = False
-    distributed_optimizer: bool = True
+    distributed_optimizer: bool = True  # shard Adam state over DP ranks; applies only where dp > 1
 
 
 @dataclass

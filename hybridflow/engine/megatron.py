@@ -238,7 +238,7 @@ class MegatronEngine:
 
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=self.parallel.distributed_optimizer)
+            use_distributed_optimizer=self.distributed_optimizer)
         self.model = DistributedDataParallel(self.tconfig, ddp_cfg, self.module)
         self.tconfig.no_sync_func = self.model.no_sync
         self.tconfig.finalize_model_grads_func = finalize_model_grads
@@ -246,7 +246,7 @@ class MegatronEngine:
             optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
             adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
             clip_grad=optim.grad_clip, bf16=self.dtype == torch.bfloat16, fp16=False,
-            params_dtype=self.dtype, use_distributed_optimizer=self.parallel.distributed_optimizer)
+            params_dtype=self.dtype, use_distributed_optimizer=self.distributed_optimizer)
         self.optimizer = get_megatron_optimizer(ocfg, [self.model])
         decay = max(1, total_steps)
         self.scheduler = OptimizerParamScheduler(
@@ -255,6 +255,18 @@ class MegatronEngine:
             lr_decay_steps=max(decay, optim.warmup_steps + 1), lr_decay_style=optim.lr_schedule,
             start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay,
             wd_incr_style="constant")
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        """Whether Adam state is sharded over the DP ranks: as configured, and only where dp > 1.
+
+        At dp = 1 it shards nothing, and its parameter all-gather runs on gloo's
+        work thread, whose first ATen op starts a second OpenMP team; libgomp
+        then has more threads than cores and stops spinning, so every later
+        small op of the process pays a futex wake-up (measured: a 16x64 @ 64x128
+        matmul 13 -> 30-50 us, for the rest of the run). docs/megatron-on-cpu.md.
+        """
+        return self.parallel.distributed_optimizer and self.layout.dp > 1
 
     # -- weights --------------------------------------------------------------
     def _inner(self) -> nn.Module:
@@ -485,12 +497,23 @@ class MegatronEngine:
         return any(len(opt.optimizer.state) for opt in self.optimizer.chained_optimizers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.optimizer is not None and "optimizer" in state:
+            self._check_optimizer_kind(state)
         params = self._named_params()
         with torch.no_grad():
             for name, value in state["model"].items():
                 params[name].copy_(value)
         if self.optimizer is not None and "optimizer" in state:
             self._load_optimizer(state)
+
+    def _check_optimizer_kind(self, state: dict[str, Any]) -> None:
+        saved = any(p is not None for p in state["optimizer_params"])
+        if saved != self.distributed_optimizer:
+            raise ValueError(
+                f"this checkpoint's optimizer state was written {'with' if saved else 'without'} the distributed "
+                f"optimizer and this run uses {'it' if self.distributed_optimizer else 'none'} (it is used where the "
+                f"role's parallel.distributed_optimizer is true and dp > 1; dp here is {self.layout.dp}); resume "
+                "with the layout it was saved at, or load the weights alone (the HF export)")
 
     @torch.no_grad()
     def _load_optimizer(self, state: dict[str, Any]) -> None:

@@ -9,8 +9,9 @@ parallel state and, from the same HF checkpoint (read slice by slice):
 - the generation model at tg = 1 (the whole model on every rank): stale after the update until refreshed,
   then equal to the trained weights (the invariant of weights shared between
   training and generation);
-- at TP2xPP2: a checkpoint of the shard resumes exactly (a second update from
-  the restored engine equals the second update of the original).
+- at TP2xPP2 (dp 1: plain Adam) and TP2xDP2 (the distributed optimizer's
+  sharded state): a checkpoint of the shard resumes exactly (a second update
+  from the restored engine equals the second update of the original).
 
 Rank 0 writes everything to argv[1] for the test to compare with one rank;
 argv[2] is the HF checkpoint the test wrote (`conftest.write_layout_model`).
@@ -35,7 +36,7 @@ def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str) -> dict:
     actor_engine = MegatronEngine(case.cfg, parallel, case.optim, total_steps=10)
     read = actor_engine.load_hf_checkpoint(case.path)
     actor = Actor(case.actor_cfg, actor_engine)
-    out = {"bytes_read": read}
+    out = {"bytes_read": read, "distributed_optimizer": actor_engine.distributed_optimizer}
     out.update(actor.compute_log_probs(case.batch, 3))
     critic_engine = MegatronEngine(case.cfg, parallel, OptimConfig(lr=1e-2), total_steps=10, value_head=True)
     critic_engine.load_hf_checkpoint(case.path)
@@ -69,10 +70,12 @@ def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str) -> dict:
             for _ in parts:
                 pass
         out["export_dir"] = export
-        actor_engine.save(ckpt_dir)
+    if (tp, pp) in ((2, 2), (2, 1)):
+        shards = os.path.join(ckpt_dir, f"tp{tp}_pp{pp}")
+        actor_engine.save(shards)
         again = actor.update(mine, step=1)
         restored = MegatronEngine(case.cfg, parallel, case.optim, total_steps=10)
-        restored.load(ckpt_dir)
+        restored.load(shards)
         resumed = Actor(case.actor_cfg, restored).update(mine, step=1)
         out["resume_metrics_equal"] = again == resumed
         out["resume_weights_equal"] = all(torch.equal(a, b) for a, b in zip(

@@ -94,6 +94,8 @@ def test_tp2_pp2_hf_export_is_streamed_stage_by_stage_and_exact(launched):
 
 
 @pytest.mark.timeout(600)
-def test_tp2_pp2_checkpoint_resumes_exactly(launched):
-    got = launched[0]["tp2_pp2"]
-    assert got["resume_metrics_equal"] and got["resume_weights_equal"]
+def test_checkpoints_resume_exactly_with_and_without_the_distributed_optimizer(launched):
+    for layout, sharded in (("tp2_pp2", False), ("tp2_pp1", True)):  # dp 1 and dp 2
+        got = launched[0][layout]
+        assert got["distributed_optimizer"] is sharded, layout
+        assert got["resume_metrics_equal"] and got["resume_weights_equal"], layout

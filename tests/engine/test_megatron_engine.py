@@ -137,6 +137,17 @@ def test_engine_checkpoint_roundtrip_restores_optimizer(tmp_path):
     for name, value in a.hf_state_dict().items():
         torch.testing.assert_close(b.hf_state_dict()[name], value, atol=1e-6, rtol=1e-6, msg=name)
 
+    # dp = 1: plain Adam even though the config asks for the distributed optimizer (it would shard nothing).
+    assert ParallelConfig().distributed_optimizer and not a.distributed_optimizer
+    # A shard written by the other optimizer is refused by name, before anything is loaded.
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    state["optimizer_params"] = [{"sharded": "state"}]
+    before = {k: v.clone() for k, v in b.hf_state_dict().items()}
+    state["model"] = {k: v + 1 for k, v in state["model"].items()}
+    with pytest.raises(ValueError, match="written with the distributed optimizer and this run uses none"):
+        b.load_state_dict(state)
+    assert all(torch.equal(before[k], v) for k, v in b.hf_state_dict().items())
+
 
 class _Payload:
     """What a crafted shard holds: unpickling it calls os.mkdir(target)."""

@@ -1,0 +1,167 @@
+"""End-to-end RL iteration benchmark: where a PPO and a GRPO step on the demo task spend their time.
+
+    hybridflow bench e2e [--steps N] [--warmup W] [--algo grpo,ppo] [--json PATH]
+                         [--baseline REV] [-o KEY=VALUE ...]
+
+Each algorithm runs `configs/demo.yaml` in-process (the local launcher, one
+CPU process) for W warm-up steps and N timed ones, and reports per stage the
+median seconds, its share of the step and the step's tokens/s:
+
+    rollout, reward, reference, old_log_probs, values   the DataFlow nodes
+    advantages (with the KL in the reward and the uniform-group filter)
+    update                                              critic and actor updates
+    transition                                          weights -> generation
+    other                                               the step minus the above
+
+GRPO is the demo as configured; PPO is the same task with GAE, a critic and a
+reference model (KL loss), and no uniform-group filter.
+
+`--baseline REV` runs this same script on a git worktree of REV (a commit or
+branch of this repository) first, in a subprocess whose `hybridflow` is that
+tree's, then here, and prints the two side by side with their ratio: the
+before/after of a change in one run, on the same machine state. Stages the
+baseline did not have (e.g. a skipped pass) show as 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOW_STAGES = ("rollout", "reward", "reference", "old_log_probs", "values")
+STAGES = (*FLOW_STAGES, "advantages", "update", "transition", "other")
+ALGOS = {
+    "grpo": [],
+    "ppo": ["algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=0.95",
+            "algorithm.skip_uniform_groups=false", "critic.optim.lr=1e-3", "critic.ppo_micro_batch_size=256",
+            "reference.enabled=true", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01"],
+}
+
+
+def _timed(fn, sink: list):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sink.append(time.perf_counter() - start)
+    return wrapper
+
+
+def measure(algo: str, steps: int, warmup: int, overrides: list[str]) -> dict:
+    """Median seconds per stage over `steps` demo steps of `algo` (after `warmup`), and tokens/s."""
+    from hybridflow.config import load_config
+    from hybridflow.trainer.trainer import RLTrainer
+
+    run_dir = tempfile.mkdtemp(prefix="bench_e2e_")
+    cfg = load_config(ROOT / "configs" / "demo.yaml", [
+        *ALGOS[algo], f"trainer.total_steps={warmup + steps}", "trainer.val_every=0", "trainer.save_every=0",
+        "trainer.val_before_train=false", f"trainer.output_dir={run_dir}", "trainer.loggers=[]", *overrides])
+    trainer = RLTrainer(cfg)
+    batch_time: list[float] = []
+    transition: list[float] = []
+    trainer.batch_stages = [_timed(stage, batch_time) for stage in trainer.batch_stages]
+    trainer.transition = _timed(trainer.transition, transition)
+    rows = []
+    try:
+        for step in range(1, warmup + steps + 1):
+            batch_time.clear()
+            transition.clear()
+            metrics = trainer.train_step(step)
+            if step <= warmup:
+                continue
+            row = {name: metrics.get(f"timing/{name}_s", 0.0) for name in FLOW_STAGES}
+            row["advantages"] = sum(batch_time)
+            row["transition"] = sum(transition)
+            row["update"] = metrics["timing/update_s"] - row["transition"]
+            row["step"] = metrics["timing/step_s"]
+            row["other"] = row["step"] - sum(row[name] for name in STAGES if name != "other")
+            row["tokens"] = metrics["batch/tokens"]
+            rows.append(row)
+    finally:
+        trainer.shutdown()
+    out = {name: statistics.median(r[name] for r in rows) for name in (*STAGES, "step", "tokens")}
+    out["tokens_per_s"] = statistics.median(r["tokens"] / r["step"] for r in rows)
+    import hybridflow
+    out["code"] = str(Path(hybridflow.__file__).parent)  # which tree was measured
+    return out
+
+
+def table(results: dict, baseline: dict | None, label: str) -> str:
+    lines = []
+    for algo, res in results.items():
+        base = (baseline or {}).get(algo)
+        head = f"{algo} step ({label})"
+        if base:
+            lines.append(f"{head:28s} {'before s':>9s} {'after s':>9s} {'after/before':>12s} {'share':>7s}")
+        else:
+            lines.append(f"{head:28s} {'s':>9s} {'share':>7s}")
+        for name in (*STAGES, "step"):
+            share = res[name] / res["step"] if res["step"] else 0.0
+            if base:
+                ratio = f"{res[name] / base[name]:11.2f}x" if base.get(name) else f"{'-':>12s}"
+                lines.append(f"  {name:26s} {base.get(name, 0.0):9.4f} {res[name]:9.4f} {ratio} {share:7.1%}")
+            else:
+                lines.append(f"  {name:26s} {res[name]:9.4f} {share:7.1%}")
+        if base:
+            lines.append(f"  {'tokens/s':26s} {base['tokens_per_s']:9.0f} {res['tokens_per_s']:9.0f} "
+                         f"{res['tokens_per_s'] / base['tokens_per_s']:11.2f}x")
+        else:
+            lines.append(f"  {'tokens/s':26s} {res['tokens_per_s']:9.0f}")
+    return "\n".join(lines)
+
+
+def run_baseline(rev: str, argv: list[str]) -> dict:
+    """This script's measurement on a worktree of `rev`, in a subprocess importing that tree's hybridflow."""
+    tree = Path(tempfile.mkdtemp(prefix="bench_e2e_base_")) / "tree"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
+    try:
+        out = tree / "baseline.json"
+        env = {**os.environ, "PYTHONPATH": str(tree), "CUDA_VISIBLE_DEVICES": ""}
+        # The script itself is this one (the baseline may predate it); configs and code are the tree's.
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--root", str(tree), *argv,
+                        "--json", str(out)], env=env, check=True, cwd=tree)
+        return json.loads(out.read_text())["results"]
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    global ROOT
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per algorithm (median reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--algo", default="grpo,ppo", help="comma-separated: grpo, ppo")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--baseline", metavar="REV", help="measure git revision REV first, side by side")
+    parser.add_argument("-o", "--override", action="append", default=[], help="a config override, KEY=VALUE")
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)  # the tree whose configs are used
+    args = parser.parse_args(argv)
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # the demo runs on CPU (engine/cpu_compat.py)
+    if args.root:
+        ROOT = args.root.resolve()
+    algos = [a for a in args.algo.split(",") if a]
+    unknown = [a for a in algos if a not in ALGOS]
+    if unknown:
+        parser.error(f"unknown --algo {unknown}; expected some of {sorted(ALGOS)}")
+    common = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--algo", args.algo,
+              *[x for o in args.override for x in ("-o", o)]]
+    baseline = run_baseline(args.baseline, common) if args.baseline else None
+    results = {algo: measure(algo, args.steps, args.warmup, args.override) for algo in algos}
+    label = f"vs {args.baseline}" if args.baseline else "medians"
+    print(table(results, baseline, label), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "baseline": baseline,
+                                         "baseline_rev": args.baseline, "steps": args.steps}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

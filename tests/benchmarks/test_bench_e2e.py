@@ -1,0 +1,25 @@
+"""`hybridflow bench e2e`: one GRPO and one PPO step on the demo, split by stage, with --json."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_e2e  # noqa: E402
+
+
+@pytest.mark.timeout(300)
+def test_bench_e2e_splits_a_grpo_and_a_ppo_step_into_its_stages(tmp_path, capsys):
+    assert bench_e2e.main(["--steps", "1", "--warmup", "1", "--json", str(tmp_path / "e2e.json")]) == 0
+    out = capsys.readouterr().out
+    assert "grpo step" in out and "ppo step" in out and "tokens/s" in out
+    results = json.loads((tmp_path / "e2e.json").read_text())["results"]
+    grpo, ppo = results["grpo"], results["ppo"]
+    for res in (grpo, ppo):
+        assert res["rollout"] > 0 and res["update"] > 0 and res["tokens_per_s"] > 0
+        # The stages add up to the step ("other" is the remainder, small and never hidden work).
+        assert sum(res[name] for name in bench_e2e.STAGES) == pytest.approx(res["step"])
+        assert 0 <= res["other"] < 0.2 * res["step"]
+    assert grpo["values"] == 0 and ppo["values"] > 0 and ppo["reference"] > 0  # PPO has a critic and a reference
+    assert grpo["old_log_probs"] == 0  # one epoch, one mini-batch: skipped (the pass would change nothing)
