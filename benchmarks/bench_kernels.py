@@ -18,6 +18,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from hybridflow.algos.masked import masked_whiten
 from hybridflow.kernels import (
     fused_linear_logprob_entropy, fused_linear_reference, gae, gae_reference, logprob_entropy,
     logprob_entropy_reference)
@@ -68,6 +69,15 @@ def bench_gae(sizes, repeats):
         r, v, m = gae_inputs(t)
         _row(f"gae B=64 T={t} (loop ref vs cpu)", lambda: gae_reference(r, v, m, 0.99, 0.95),
              lambda: gae(r, v, m, 0.99, 0.95, backend="cpu"), repeats, memory=False)
+        # What PPO runs (verl's compute_gae_advantage_return: the loop, then masked_whiten): the
+        # reference that way, against the scan with the whitening fused in, and the scan followed by
+        # masked_whiten (the path before the fusion).
+        whitened_ref = lambda: masked_whiten(gae_reference(r, v, m, 0.99, 0.95)[0], m)  # noqa: E731
+        _row(f"gae+whiten B=64 T={t} (loop+whiten vs fused)", whitened_ref,
+             lambda: gae(r, v, m, 0.99, 0.95, backend="cpu", whiten=True), repeats, memory=False)
+        _row(f"gae+whiten B=64 T={t} (cpu+whiten vs fused)",
+             lambda: masked_whiten(gae(r, v, m, 0.99, 0.95, backend="cpu")[0], m),
+             lambda: gae(r, v, m, 0.99, 0.95, backend="cpu", whiten=True), repeats, memory=False)
 
 
 def logprob_step(fn, logits, labels, backward: bool):
@@ -94,6 +104,61 @@ def bench_logprob(shapes, repeats):
             _row(f"logprob+entropy {n}x{v} {'fwd+bwd' if backward else 'fwd'}",
                  run(logprob_entropy_reference), run(lambda x, y: logprob_entropy(x, y, backend="cpu")),
                  repeats)
+
+
+def _peak_rss_extra_mib(fn) -> float:
+    """Peak resident memory during `fn()` beyond what was resident before it (Linux: VmHWM after
+    resetting it through /proc/self/clear_refs). Counts every allocation, the extensions' too,
+    which the profiler's per-op events do not."""
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = status("VmRSS:")
+    fn()
+    return (status("VmHWM:") - base) / 2**20
+
+
+def bench_logprob_in_place(shapes, hidden: int = 896):
+    """Forward + backward of the C++ kernel with the backward out of place and in place, peak RSS.
+
+    - slice: log-probs of the response columns of a model output [2, n/2 + 1, V] (the actor today).
+      The kernel copies the strided slice either way; in place, the gradient overwrites that copy.
+    - output layer: logits = h @ W^T for the n response positions only, then the kernel, with
+      `inplace_backward` off and on (the caller keeps nothing of the logits).
+    """
+    print(f"\n{'C++ log-prob backward, peak RSS':52s} {'out-of-place MiB':>17s} {'in-place MiB':>13s} "
+          f"{'logits MiB':>11s}")
+    for n, v in shapes:
+        g = torch.Generator().manual_seed(0)
+        out = torch.randn(2, n // 2 + 1, v, generator=g).requires_grad_(True)
+        labels = torch.randint(0, v, (2, n // 2), generator=g)
+
+        def sliced(slice_fn):
+            def go():
+                lp, ent = logprob_entropy(slice_fn(out), labels, backend="cpu")
+                (lp.sum() + ent.sum()).backward()
+                out.grad = None
+            return go
+        before = _peak_rss_extra_mib(sliced(lambda t: t[:, :-1].contiguous()))  # the caller's copy: kept
+        after = _peak_rss_extra_mib(sliced(lambda t: t[:, :-1]))
+        print(f"{f'slice of a model output, {n}x{v}':52s} {before:17.0f} {after:13.0f} {n * v * 4 / 2**20:11.0f}")
+        del out
+        h = torch.randn(n, hidden, generator=g).requires_grad_(True)
+        w = (torch.randn(v, hidden, generator=g) * 0.02).requires_grad_(True)
+
+        def head(inplace):
+            def go():
+                lp, ent = logprob_entropy(h @ w.T, labels.reshape(-1), backend="cpu", inplace_backward=inplace)
+                (lp.sum() + ent.sum()).backward()
+                h.grad = w.grad = None
+            return go
+        head(False)()  # first touch of w.grad's pages etc.
+        before, after = _peak_rss_extra_mib(head(False)), _peak_rss_extra_mib(head(True))
+        print(f"{f'output layer on {n} positions, h={hidden} -> {v}':52s} {before:17.0f} {after:13.0f} "
+              f"{n * v * 4 / 2**20:11.0f}", flush=True)
 
 
 def bench_fused(n, hiddens, vocab, repeats):
@@ -127,12 +192,14 @@ def main() -> None:
     if args.quick:
         bench_gae([128], 2)
         bench_logprob([(256, 4096)], 2)
+        bench_logprob_in_place([(256, 4096)])
         bench_fused(256, [64], 4096, 2)
         return
     if "gae" in only:
         bench_gae([512, 2048, 8192], 3)
     if "logprob" in only:
         bench_logprob([(4096, 32000), (4096, 151936)], 3)
+        bench_logprob_in_place([(4096, 32000), (4096, 151936)])
     if "fused" in only:
         bench_fused(4096, [int(h) for h in args.hidden.split(",")], 151936, 1)
 

@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -154,10 +155,13 @@ std::vector<torch::Tensor> logprob_entropy_forward(torch::Tensor logits, torch::
   return {logp, ent, lse};
 }
 
+// inplace: the gradient overwrites `logits` (each element is read before it is written, row by row),
+// for callers whose logits are needed by nothing after this backward.
 torch::Tensor logprob_entropy_backward(torch::Tensor logits, torch::Tensor labels, torch::Tensor lse,
-                                       torch::Tensor ent, torch::Tensor g_logp, torch::Tensor g_ent) {
+                                       torch::Tensor ent, torch::Tensor g_logp, torch::Tensor g_ent,
+                                       bool inplace) {
   check_logits(logits, labels);
-  auto grad = torch::empty_like(logits);
+  auto grad = inplace ? logits : torch::empty_like(logits);
   auto f = [](const torch::Tensor& t) { return t.to(torch::kFloat).contiguous(); };
   auto lse_f = f(lse), ent_f = f(ent), gl = f(g_logp), ge = f(g_ent);
   AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, logits.scalar_type(), "lp_bwd", [&] {
@@ -167,9 +171,14 @@ torch::Tensor logprob_entropy_backward(torch::Tensor logits, torch::Tensor label
 }
 
 // GAE over each row's valid (mask != 0) steps; masked steps get 0 and are
-// skipped, carrying the next value and advantage across them.
+// skipped, carrying the next value and advantage across them. With `whiten`
+// the advantages are then whitened over all valid steps of the batch, as
+// masked_whiten does ((a - mean) / sqrt(unbiased var + eps)), in two more
+// passes over the rows with double accumulators: the scan also sums each
+// row's advantages, a second pass sums squared deviations from the batch
+// mean, a third normalises. Returns are a + v before whitening.
 std::vector<torch::Tensor> gae_forward(torch::Tensor rewards, torch::Tensor values, torch::Tensor mask,
-                                       double gamma, double lam) {
+                                       double gamma, double lam, bool whiten, double eps) {
   TORCH_CHECK(rewards.sizes() == values.sizes() && rewards.sizes() == mask.sizes() && rewards.dim() == 2,
               "rewards, values and mask must share one [B, T] shape");
   auto r = rewards.to(torch::kFloat).contiguous(), val = values.to(torch::kFloat).contiguous();
@@ -179,9 +188,11 @@ std::vector<torch::Tensor> gae_forward(torch::Tensor rewards, torch::Tensor valu
   const float *pr = r.data_ptr<float>(), *pv = val.data_ptr<float>(), *pm = m.data_ptr<float>();
   float *pa = adv.data_ptr<float>(), *pt = ret.data_ptr<float>();
   const float g = static_cast<float>(gamma), gl = static_cast<float>(gamma * lam);
+  std::vector<double> row_sum(b, 0.0), row_count(b, 0.0);
   at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float next_v = 0.0f, next_a = 0.0f;
+      double sum = 0.0, count = 0.0;
       for (int64_t j = t - 1; j >= 0; --j) {
         const int64_t k = i * t + j;
         if (pm[k] == 0.0f) continue;
@@ -190,7 +201,36 @@ std::vector<torch::Tensor> gae_forward(torch::Tensor rewards, torch::Tensor valu
         pt[k] = a + pv[k];
         next_v = pv[k];
         next_a = a;
+        sum += a;
+        count += 1.0;
       }
+      row_sum[i] = sum;
+      row_count[i] = count;
+    }
+  });
+  if (!whiten) return {adv, ret};
+  double total = 0.0, n = 0.0;
+  for (int64_t i = 0; i < b; ++i) {
+    total += row_sum[i];
+    n += row_count[i];
+  }
+  const double mean = total / std::max(n, 1.0);
+  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      double sq = 0.0;
+      for (int64_t k = i * t; k < (i + 1) * t; ++k) {
+        if (pm[k] != 0.0f) sq += (pa[k] - mean) * (pa[k] - mean);
+      }
+      row_sum[i] = sq;
+    }
+  });
+  double sq = 0.0;
+  for (int64_t i = 0; i < b; ++i) sq += row_sum[i];
+  const double var = sq / std::max(n - 1.0, 1.0);  // unbiased; a single valid step has no spread
+  const float scale = static_cast<float>(1.0 / std::sqrt(var + eps)), shift = static_cast<float>(mean);
+  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin * t; k < end * t; ++k) {
+      if (pm[k] != 0.0f) pa[k] = (pa[k] - shift) * scale;
     }
   });
   return {adv, ret};
@@ -198,6 +238,10 @@ std::vector<torch::Tensor> gae_forward(torch::Tensor rewards, torch::Tensor valu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logprob_entropy_forward", &logprob_entropy_forward, "token log-prob, entropy, logsumexp");
-  m.def("logprob_entropy_backward", &logprob_entropy_backward, "gradient w.r.t. logits");
-  m.def("gae_forward", &gae_forward, "GAE advantages and returns over valid steps");
+  m.def("logprob_entropy_backward", &logprob_entropy_backward, "gradient w.r.t. logits", py::arg("logits"),
+        py::arg("labels"), py::arg("lse"), py::arg("ent"), py::arg("g_logp"), py::arg("g_ent"),
+        py::arg("inplace") = false);
+  m.def("gae_forward", &gae_forward, "GAE advantages (optionally whitened over the batch) and returns",
+        py::arg("rewards"), py::arg("values"), py::arg("mask"), py::arg("gamma"), py::arg("lam"),
+        py::arg("whiten") = false, py::arg("eps") = 1e-8);
 }

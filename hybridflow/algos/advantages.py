@@ -71,7 +71,7 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Ten
 
 
 def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
-        lam: float) -> tuple[Tensor, Tensor]:
+        lam: float, whiten: bool = False) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016).
 
     token_rewards, values, mask: [B, T] -> (advantages[B, T], returns[B, T]).
@@ -80,10 +80,11 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
     after the last one). Masked steps are skipped with the next value and
     advantage carried across them, so holes in the mask (tool tokens) neither
     contribute nor cut the recursion. returns = advantages + values.
-    Advantages are not whitened here; see `masked_whiten`.
+    whiten=True whitens the advantages over the batch's valid tokens
+    (`masked_whiten`; fused into the C++ scan on CPU); returns stay raw.
     """
     # The scan itself lives in kernels/ (C++ on CPU, reference loop elsewhere).
-    return kernels.gae(token_rewards, values, mask, gamma, lam)
+    return kernels.gae(token_rewards, values, mask, gamma, lam, whiten=whiten)
 
 
 # ---------------------------------------------------------------- groups of samples
@@ -276,9 +277,8 @@ def compute_advantages(name: str, inputs: AdvantageInputs) -> tuple[Tensor, Tens
 
 @register_adv_estimator("gae")
 def _gae_entry(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    adv, ret = gae(token_rewards=x.need("token_rewards", "gae"), values=x.need("values", "gae"),
-                   mask=x.mask, gamma=x.gamma, lam=x.lam)
-    return (masked_whiten(adv, x.mask) if x.whiten_advantages else adv), ret
+    return gae(token_rewards=x.need("token_rewards", "gae"), values=x.need("values", "gae"),
+               mask=x.mask, gamma=x.gamma, lam=x.lam, whiten=x.whiten_advantages)
 
 
 @register_adv_estimator("grpo")

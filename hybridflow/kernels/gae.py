@@ -36,19 +36,29 @@ def gae_reference(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tenso
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float,
-        backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        backend: str = "auto", whiten: bool = False, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE on the selected backend; same contract as `gae_reference`.
 
+    whiten: the advantages come back whitened over the batch's valid steps,
+    exactly as `algos.masked_whiten` would do it afterwards (returns are not
+    whitened); the C++ scan does it in the same call (two more passes over
+    the rows), the CUDA and reference backends with masked_whiten.
     The C++ and CUDA scans run in float32; `auto` keeps float64 inputs on the reference.
     """
     if backend == "auto" and rewards.dtype == torch.float64:
         backend = "reference"
     chosen = resolve(backend, rewards.device, ("cpu", "cuda"))
     if chosen == "cpu":
-        return tuple(cpu_extension().gae_forward(rewards, values, mask, gamma, lam))
+        return tuple(cpu_extension().gae_forward(rewards, values, mask, gamma, lam, whiten, eps))
     if chosen == "cuda":
-        return tuple(cuda_extension().gae_forward(rewards, values, mask, gamma, lam))
-    return gae_reference(rewards, values, mask, gamma, lam)
+        adv, ret = cuda_extension().gae_forward(rewards, values, mask, gamma, lam)
+    else:
+        adv, ret = gae_reference(rewards, values, mask, gamma, lam)
+    if whiten:
+        from hybridflow.algos.masked import masked_whiten  # algos imports kernels: import at call time
+
+        adv = masked_whiten(adv, mask, eps=eps)
+    return adv, ret
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float,

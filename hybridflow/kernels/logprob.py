@@ -80,32 +80,58 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
 
 
 class _ExtensionLogProbEntropy(torch.autograd.Function):
-    """The C++ or CUDA kernels; both extensions expose the same two functions."""
+    """The C++ or CUDA kernels; both extensions expose the same two functions.
+
+    inplace (C++ only): the backward writes the gradient into the saved
+    logits' storage instead of a new [tokens, V] tensor, the memory floor of
+    an unfused backward. Only for logits nothing else reads after this
+    backward (the raw-pointer write bumps no version counter).
+    """
 
     @staticmethod
-    def forward(ctx, logits, labels, extension):
+    def forward(ctx, logits, labels, extension, inplace):
         logp, entropy, lse = extension.logprob_entropy_forward(logits, labels)
         ctx.save_for_backward(logits, labels, lse, entropy)
-        ctx.extension = extension
+        ctx.extension, ctx.inplace = extension, inplace
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         logits, labels, lse, entropy = ctx.saved_tensors
         g_logp, g_ent = incoming_grads(g_logp, g_ent, lse)
-        return ctx.extension.logprob_entropy_backward(logits, labels, lse, entropy, g_logp, g_ent), None, None
+        if ctx.inplace:
+            if getattr(ctx, "spent", False):
+                raise RuntimeError("logprob_entropy: its backward ran once already and wrote the gradient over "
+                                   "the saved logits; a second backward (retain_graph=True) needs "
+                                   "inplace_backward=False and logits the kernel does not copy")
+            ctx.spent = True
+            ctx.extension.logprob_entropy_backward(logits, labels, lse, entropy, g_logp, g_ent, inplace=True)
+            return logits.detach(), None, None, None
+        return ctx.extension.logprob_entropy_backward(logits, labels, lse, entropy, g_logp, g_ent), None, None, None
 
 
 def logprob_entropy(logits: torch.Tensor, labels: torch.Tensor, backend: str = "auto",
-                    chunk_size: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(label) and entropy per token; leading dims of `labels` are kept."""
+                    chunk_size: int = DEFAULT_CHUNK,
+                    inplace_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(label) and entropy per token; leading dims of `labels` are kept.
+
+    On the C++ backend the backward writes the logits gradient over the
+    logits themselves when that is safe: always when the kernel works on a
+    private copy (a strided slice, such as the response columns of a model's
+    output, is copied here anyway), and on the caller's own logits when it
+    passes `inplace_backward=True`, promising that nothing reads them after
+    this backward. Either way no second [tokens, V] tensor is allocated.
+    """
     shape = labels.shape
     flat = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1).long()
     chosen = resolve(backend, logits.device, ("cpu", "cuda", "chunked"))
     if chosen in ("cpu", "cuda"):
         extension = cpu_extension() if chosen == "cpu" else cuda_extension()
-        out = _ExtensionLogProbEntropy.apply(flat.contiguous(), flat_labels.contiguous(), extension)
+        flat = flat.contiguous()
+        private = flat.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()
+        inplace = chosen == "cpu" and (private or inplace_backward)
+        out = _ExtensionLogProbEntropy.apply(flat, flat_labels.contiguous(), extension, inplace)
     elif chosen == "chunked":
         out = _ChunkedLogProbEntropy.apply(flat, flat_labels, chunk_size)
     else:

@@ -57,6 +57,25 @@ def test_cpu_backend_matches_reference(b, t):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("b, t", [(1, 1), (2, 1), (7, 33), (64, 300)])
+def test_whitening_fused_into_the_cpu_scan_equals_masked_whiten_afterwards(b, t):
+    from hybridflow.algos.masked import masked_whiten
+
+    r, v, m = _inputs(b, t, seed=b)
+    r, v = r * 3 + 5, v * 2  # a mean and scale far from (0, 1), so whitening has work to do
+    r[m == 0], v[m == 0] = float("nan"), float("inf")  # padding must not leak into the statistics
+    want_adv, want_ret = gae_reference(r, v, m, 0.99, 0.95)
+    want_adv = masked_whiten(want_adv, m)
+    for backend in ("cpu", "reference"):
+        adv, ret = gae(r, v, m, 0.99, 0.95, backend=backend, whiten=True)
+        torch.testing.assert_close(adv, want_adv, rtol=1e-5, atol=1e-5, msg=backend)
+        torch.testing.assert_close(ret, want_ret, rtol=1e-5, atol=1e-5, msg=backend)  # returns are not whitened
+        assert (adv[m == 0] == 0).all()
+    valid = adv[m.bool()].double()
+    if valid.numel() > 1:
+        assert valid.mean().abs() < 1e-5 and (valid.std() - 1).abs() < 1e-4
+
+
 def test_discounted_returns():
     r = torch.tensor([[1.0, 0.0, 2.0, 0.0]])
     m = torch.tensor([[1.0, 1.0, 1.0, 0.0]])

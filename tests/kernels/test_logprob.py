@@ -103,3 +103,65 @@ def test_fused_linear_matches_reference(n, h, v, chunk):
     out = run(lambda a, b, c: fused_linear_logprob_entropy(a, b, c, chunk_size=chunk))
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_backward_on_a_private_copy_equals_the_out_of_place_one(dtype):
+    """A strided slice (the response columns of a model output) is copied for the kernel anyway:
+    the gradient then overwrites that copy, and the caller's tensor is untouched."""
+    base, labels = _inputs(4 * 9, 1000, 3.0, dtype=dtype)
+    base = base.view(4, 9, 1000)
+    labels = labels.view(4, 9)[:, 2:7]
+
+    def grads(inplace_allowed: bool):
+        out = base.clone().requires_grad_(True)
+        sliced = out[:, 2:7]  # not contiguous: logprob_entropy copies it
+        before = out.detach().clone()
+        if inplace_allowed:
+            lp, ent = logprob_entropy(sliced, labels, backend="cpu")
+        else:  # the same values, copied by the caller, so the kernel sees its own tensor (not private)
+            lp, ent = logprob_entropy(sliced.contiguous(), labels, backend="cpu")
+        (lp.sum() + 0.5 * ent.sum()).backward()
+        assert torch.equal(out.detach(), before)  # the model output itself is never overwritten
+        return out.grad
+
+    torch.testing.assert_close(grads(True), grads(False), rtol=0, atol=0)
+
+
+def test_in_place_backward_hands_back_the_kernels_own_copy_as_the_gradient():
+    """No second [tokens, V] tensor: the gradient that reaches the caller's slice is stored in the
+    copy the kernel saved in the forward. Out of place (the caller's own contiguous logits) it is not."""
+    base = torch.randn(2, 9, 500).requires_grad_(True)
+    labels = torch.randint(0, 500, (2, 8))
+    for make_private, expect_shared in ((lambda t: t[:, :-1], True), (lambda t: t[:, :-1].contiguous(), False)):
+        logits = make_private(base)
+        seen = []
+        logits.register_hook(lambda g: seen.append(g.untyped_storage().data_ptr()))
+        lp, ent = logprob_entropy(logits, labels, backend="cpu")
+        node = lp.grad_fn.next_functions[0][0]  # past the reshape to [2, 8]: the kernel's node
+        saved = node.saved_tensors[0].untyped_storage().data_ptr()  # its [tokens, V] input
+        (lp.sum() + ent.sum()).backward()
+        assert (seen[0] == saved) is expect_shared
+
+
+def test_in_place_backward_on_the_callers_logits_needs_permission():
+    logits, labels = _inputs(16, 300, 3.0)
+    x = logits.clone().requires_grad_(True)
+    y = x * 1.0  # the caller's contiguous logits, kept by the caller
+    lp, ent = logprob_entropy(y, labels, backend="cpu")
+    (lp.sum() + ent.sum()).backward()
+    torch.testing.assert_close(y.detach(), logits)  # not allowed: untouched
+    z = x * 1.0
+    lp, ent = logprob_entropy(z, labels, backend="cpu", inplace_backward=True)
+    (lp.sum() + ent.sum()).backward()
+    assert not torch.allclose(z.detach(), logits)  # allowed: the gradient now lives in z's storage
+
+
+def test_a_second_backward_after_an_in_place_one_is_refused():
+    """retain_graph=True would hand the second backward the first one's gradient as logits."""
+    base = torch.randn(2, 9, 300).requires_grad_(True)
+    labels = torch.randint(0, 300, (2, 8))
+    lp, ent = logprob_entropy(base[:, :-1], labels, backend="cpu")
+    (lp.sum() + ent.sum()).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        (lp.sum() + ent.sum()).backward()
