@@ -7,7 +7,7 @@ CORE = [
     "torch>=2.4",
     "megatron-core==0.16.1",
     "psutil>=5.9",
-    "ray[default]>=2.40,<3",
+    "ray[default]>=2.59,<3",
     "safetensors>=0.4",
     "sentencepiece>=0.2",
     "tokenizers>=0.20",

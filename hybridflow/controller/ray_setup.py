@@ -6,15 +6,25 @@ starts a dashboard and asks about usage statistics. `init_ray()` declares
 more logical CPUs than cores (actors here mostly wait on each other in
 collectives), an explicit object store, no dashboard and quiet logging.
 Joining an existing cluster (`address=...`) uses that cluster's resources.
+
+A local cluster is private: every server it starts (GCS, raylet, object
+manager, workers, agents) binds to 127.0.0.1, and its control plane requires
+Ray's token (`RAY_AUTH_MODE=token`; ray.init writes the token to
+~/.ray/auth_token). Loopback comes from Ray's own single-machine mode
+(`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, what Ray does on macOS and Windows):
+the node address is then 127.0.0.1 and Ray binds its servers to it. A
+cluster joined by address keeps its own settings (README: Security).
 """
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Optional
 
 DEFAULT_OBJECT_STORE_BYTES = 256 * 1024 ** 2
 MIN_LOGICAL_CPUS = 8  # so 4 one-CPU actors (plus Ray's own tasks) fit on 2 cores
+LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": the node address is 127.0.0.1
 
 
 def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None,
@@ -25,10 +35,13 @@ def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None,
         local one with `num_cpus` logical CPUs (default max(8, cores)),
         `num_gpus` (default: what Ray detects) and `object_store_memory` bytes.
     """
-    # Before `import ray`: both are read when Ray starts its processes, which
+    # Before `import ray`: these are read when Ray starts its processes, which
     # inherit this environment.
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    imported_before = "ray" in sys.modules
+    if address is None:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        os.environ.setdefault(LOOPBACK_ONLY_ENV, "0")
     import ray
 
     if ray.is_initialized():
@@ -37,5 +50,20 @@ def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None,
     if address is not None:
         ray.init(address=address, **quiet)
         return
+    if imported_before:
+        _reread_settings()
     ray.init(num_cpus=num_cpus or max(MIN_LOGICAL_CPUS, os.cpu_count() or 1), num_gpus=num_gpus,
              object_store_memory=object_store_memory, include_dashboard=False, **quiet)
+
+
+def _reread_settings() -> None:
+    """This process read Ray's settings when `ray` was first imported, which may have been
+    before init_ray (a test session, a user's script); the processes Ray starts read them
+    from the environment set above. Make this process agree: its node address on loopback,
+    its client sending the auth token."""
+    from ray._private import ray_constants
+    from ray._raylet import Config
+
+    if os.environ.get(LOOPBACK_ONLY_ENV) == "0":
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    Config.initialize("")  # re-reads RAY_AUTH_MODE, as ray.init does when it turns token auth on

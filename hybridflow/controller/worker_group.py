@@ -310,9 +310,10 @@ class _Host:
         """This node's IP and a port free on it now (rank 0's becomes the master port)."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        address = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+            s.bind((address, 0))
+            return address, s.getsockname()[1]
 
     def pid(self) -> int:
         return os.getpid()

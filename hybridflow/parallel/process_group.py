@@ -3,21 +3,23 @@
 A process joins from the usual torchrun / worker-group environment (`RANK`,
 `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), or as a world of one when none
 is set. The backend follows the device: gloo on CPU, NCCL on GPU.
+
+Nothing listens beyond the machine unless the job spans machines: a world of
+one keeps its rendezvous in memory (no store socket), and when MASTER_ADDR
+is a loopback address (the local Ray cluster's workers) rank 0's store is
+bound to that address instead of every interface, and gloo's connections
+use the loopback interface. torchrun hosts its own store (`--master-addr`).
 """
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback interface now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_process_group(device: str = "cpu") -> None:
@@ -28,8 +30,50 @@ def init_process_group(device: str = "cpu") -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        addr = os.environ.get("MASTER_ADDR", "")
+        if not is_loopback(addr):
+            dist.init_process_group(backend)
+            return
+        _gloo_on_loopback()
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent already hosts the store
+            dist.init_process_group(backend)
+            return
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = _loopback_store(addr, int(os.environ["MASTER_PORT"]), rank, world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         return
-    # A single process run directly (demo, tests): a world of one. The
-    # address is not exported, so child processes cannot collide with it.
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    # A single process run directly (demo, tests): a world of one, whose
+    # rendezvous needs no socket at all.
+    _gloo_on_loopback()
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _gloo_on_loopback() -> None:
+    """gloo's pairs listen on the address its hostname resolves to unless told an interface;
+    a job on one machine needs none but loopback (a user's GLOO_SOCKET_IFNAME wins)."""
+    if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def _loopback_store(addr: str, port: int, rank: int, world: int) -> dist.TCPStore:
+    """Rank 0 serves the rendezvous store on `addr` alone; a TCPStore left to itself listens on
+    every interface, so it is handed a socket already bound here."""
+    timeout = datetime.timedelta(minutes=30)  # torch's default process-group timeout
+    if rank != 0:
+        return dist.TCPStore(addr, port, world, False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((addr, port))
+    listener.listen(128)
+    # The store's server takes the descriptor over (and closes it with itself).
+    return dist.TCPStore(addr, port, world, True, timeout=timeout, master_listen_fd=listener.detach())

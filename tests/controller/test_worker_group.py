@@ -42,6 +42,53 @@ def test_gloo_group_all_reduce(echo_group):
     assert echo_group.call(Echo.gather_ranks) == [[0, 1], [0, 1]]
 
 
+def _listening_addresses(pids: set[int]) -> list[tuple[int, str, int]]:
+    import psutil
+
+    return [(c.pid, c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids]
+
+
+def _is_loopback(ip: str) -> bool:
+    import ipaddress
+
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def test_nothing_the_run_started_listens_beyond_loopback(echo_group):
+    """#13: the local Ray cluster (GCS, raylet, workers, agents), the workers' gloo group and its store,
+    and this process's own world of one listen on loopback only, while a 2-rank group is alive."""
+    import psutil
+
+    from hybridflow.parallel.process_group import init_process_group
+
+    init_process_group("cpu")
+    assert echo_group.call(Echo.all_reduce, 3.0) == [9.0, 9.0]  # the gloo group is up on both ranks
+    me = psutil.Process()
+    tree = {me.pid} | {p.pid for p in me.children(recursive=True)}
+    workers = set(echo_group.pids())
+    assert workers <= tree  # the actors are in the tree whose sockets are checked
+    listening = _listening_addresses(tree)
+    names = {psutil.Process(pid).name() for pid, _, _ in listening}
+    assert {"gcs_server", "raylet"} <= names and workers & {pid for pid, _, _ in listening}
+    assert [entry for entry in listening if not _is_loopback(entry[1])] == []
+
+
+def test_the_local_cluster_refuses_a_client_without_its_token(ray_cluster):
+    """#13: loopback is not the only guard (another user of the machine reaches it): the local
+    cluster runs with Ray's token auth, so a driver holding a wrong token cannot join."""
+    import subprocess
+    import sys
+
+    gcs = ray_cluster.get_runtime_context().gcs_address
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="not-the-token")
+    out = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={gcs!r})"], env=env,
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode != 0 and "InvalidAuthToken" in out.stderr
+
+
 def test_dp_split_round_trip_in_order(echo_group):
     batch = _batch()
     out = echo_group.call(Echo.double, batch, extra=1)
