@@ -13,8 +13,11 @@ instead of a traceback; any other error prints one line too and exits 1 (`HYBRID
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 
 import yaml
@@ -47,18 +50,35 @@ def _train(args: argparse.Namespace) -> int:
         try:
             summary = trainer.fit()
         finally:
-            trainer.shutdown()
+            with _sigint_ignored():  # shutting down is not interrupted half-way
+                trainer.shutdown()
     except (TrainingError, WorkerError) as exc:
         print(f"hybridflow: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C (or one before training began)
+        print("hybridflow: interrupted: the step in progress was abandoned; checkpoints are as the last save "
+              "left them (continue with trainer.resume=auto)", file=sys.stderr)
+        return 130
     if trainer.is_main:
         _report(summary, time.perf_counter() - start)
-    return 0
+    return 130 if summary.get("interrupted") else 0
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _report(summary: dict, seconds: float) -> None:
     first, last = summary.get("start", {}), summary.get("end", {})
-    lines = [f"done: {summary.get('steps', 0)} steps in {seconds / 60:.1f} min"]
+    done = "stopped by Ctrl-C after" if summary.get("interrupted") else "done:"
+    lines = [f"{done} {summary.get('steps', 0)} steps in {seconds / 60:.1f} min"]
     if "val/accuracy" in first and "val/accuracy" in last:
         lines.append(f"held-out accuracy: {first['val/accuracy']:.1%} -> {last['val/accuracy']:.1%} "
                      f"({int(first.get('val/n', 0))} prompts, greedy)")
@@ -67,7 +87,8 @@ def _report(summary: dict, seconds: float) -> None:
     for plot in summary.get("plots", []):
         lines.append(f"plot:       {plot}")
     if "checkpoint" in summary:
-        lines.append(f"checkpoint: {summary['checkpoint']}")
+        resume = " (continue with trainer.resume=auto)" if summary.get("interrupted") else ""
+        lines.append(f"checkpoint: {summary['checkpoint']}{resume}")
     if "hf_actor" in summary:
         lines.append(f"HF model:   {summary['hf_actor']}")
     print("\n".join(lines))

@@ -14,6 +14,9 @@ Ray's token (`RAY_AUTH_MODE=token`; ray.init writes the token to
 (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, what Ray does on macOS and Windows):
 the node address is then 127.0.0.1 and Ray binds its servers to it. A
 cluster joined by address keeps its own settings (README: Security).
+
+A local cluster is also reaped when this process dies without shutting it
+down (kill -9): see reaper.py.
 """
 from __future__ import annotations
 
@@ -22,8 +25,11 @@ import os
 import sys
 from typing import Optional
 
+from hybridflow.controller import reaper
+
 DEFAULT_OBJECT_STORE_BYTES = 256 * 1024 ** 2
 MIN_LOGICAL_CPUS = 8  # so 4 one-CPU actors (plus Ray's own tasks) fit on 2 cores
+_REAPER = None  # kills what the local cluster leaves behind if this process dies unannounced (reaper.py)
 LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": the node address is 127.0.0.1
 
 
@@ -54,6 +60,9 @@ def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None,
         _reread_settings()
     ray.init(num_cpus=num_cpus or max(MIN_LOGICAL_CPUS, os.cpu_count() or 1), num_gpus=num_gpus,
              object_store_memory=object_store_memory, include_dashboard=False, **quiet)
+    global _REAPER
+    if _REAPER is None or _REAPER.poll() is not None:
+        _REAPER = reaper.start(os.getpid())
 
 
 def _reread_settings() -> None:

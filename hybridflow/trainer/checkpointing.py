@@ -29,7 +29,7 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_PARTIAL = re.compile(r"^\.(tmp|old)-(step_\d+)-(\d+)$")
+_PARTIAL = re.compile(r"^\.(tmp|old|pruned)-(step_\d+)-(\d+)$")
 
 
 class CheckpointError(OSError):
@@ -256,8 +256,19 @@ class CheckpointManager:
         older = [s for s in self.all_steps() if s < saved]
         doomed = older[:max(len(older) - (self.keep_last - 1), 0)]
         doomed += [s for s in self.all_steps() if s > saved]
-        for step in doomed:
-            shutil.rmtree(self.step_dir(step), ignore_errors=True)
+        self._delete(doomed)
+
+    def _delete(self, steps: list[int]) -> None:
+        for step in steps:  # renamed away first (atomic), so an interrupted delete leaves no half step
+            gone = self.root / f".pruned-{self.step_dir(step).name}-{os.getpid()}"
+            os.rename(self.step_dir(step), gone)
+            shutil.rmtree(gone, ignore_errors=True)
+
+    def clear(self) -> None:
+        """Start over (trainer.overwrite): no marker and no step of a previous run is left to resume from."""
+        (self.root / LATEST).unlink(missing_ok=True)
+        _fsync_dir(self.root)
+        self._delete(self.all_steps())
 
     def _recover(self) -> None:
         """Clean up after saves that crashed (their process is gone)."""

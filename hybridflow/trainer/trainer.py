@@ -44,6 +44,7 @@ from hybridflow.rewards.registry import get_reward_fn
 from hybridflow.trainer import rl_steps as S
 from hybridflow.trainer.build import build_groups, needs_old_log_probs, needs_reference
 from hybridflow.trainer.checkpointing import CheckpointError, CheckpointManager, atomic_write_json
+from hybridflow.trainer.interrupt import GracefulInterrupt
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.utils import mix_seed
@@ -403,41 +404,67 @@ class RLTrainer:
         metrics["perf/tokens_per_s"] = metrics["batch/tokens"] / metrics["timing/step_s"]
         return metrics
 
+    def _loop(self, start: int, stop_after: Optional[int], tracker: Tracker, summary: dict[str, Any],
+              interrupt: GracefulInterrupt) -> None:
+        """The steps of `fit`. A first Ctrl-C ends the loop after the step in progress, which is saved."""
+        t = self.cfg.trainer
+        if start == 0 and t.val_before_train:
+            first = self.validate()
+            tracker.log(0, first)
+            summary["start"] = first
+        last = start
+        for step in range(start + 1, t.total_steps + 1):
+            if stop_after is not None and step > start + stop_after:
+                break
+            try:
+                metrics = self.train_step(step)
+            except WorkerError as exc:
+                good = self.ckpt.latest()
+                where = f"the last good checkpoint is {good[1]}" if good else "no checkpoint was saved"
+                reason = exc.reason.removeprefix("NonFiniteError: ")
+                raise TrainingError(f"step {step}: {reason}; stopped, {where}\n{exc}") from exc
+            stopping = self._all_agree_to_stop(interrupt.requested)
+            if not stopping and ((t.val_every and step % t.val_every == 0) or step == t.total_steps):
+                metrics.update(self.validate())
+            tracker.log(step, metrics)
+            if stopping or (t.save_every and step % t.save_every == 0) or step == t.total_steps:
+                with interrupt.critical():
+                    summary["checkpoint"] = self.save_checkpoint(step)
+            last = step
+            summary["end"] = metrics
+            if stopping:
+                summary["interrupted"] = True
+                break
+        summary["steps"] = last
+        if last == t.total_steps:
+            with interrupt.critical():
+                summary["hf_actor"] = self.export_hf()
+
+    def _all_agree_to_stop(self, requested: bool) -> bool:
+        """Under torchrun every rank runs this loop and must stop at the same step (a rank running
+        on alone would wait in a collective until the timeout): the ranks' flags are OR-ed."""
+        if not self.spmd_driver:
+            return requested
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(requested)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def fit(self, stop_after: Optional[int] = None) -> dict[str, Any]:
         """Train to trainer.total_steps (or stop after `stop_after` steps, for tests); returns a summary."""
         t = self.cfg.trainer
         self.run_dir.mkdir(parents=True, exist_ok=True)
         start = self.restore()
+        if start == 0 and t.overwrite and self.is_main:
+            self.ckpt.clear()  # else a crash before the first save would leave the old run to resume
         # A fresh run (start 0) in an existing run directory starts a new metrics file.
         tracker = Tracker(self.run_dir, t.loggers if self.is_main else [], t.total_steps,
                           resume_from_step=start if start > 0 else -1)
         summary: dict[str, Any] = {"run_dir": self.run_dir}
         try:
-            if start == 0 and t.val_before_train:
-                first = self.validate()
-                tracker.log(0, first)
-                summary["start"] = first
-            last = start
-            for step in range(start + 1, t.total_steps + 1):
-                if stop_after is not None and step > start + stop_after:
-                    break
-                try:
-                    metrics = self.train_step(step)
-                except WorkerError as exc:
-                    good = self.ckpt.latest()
-                    where = f"the last good checkpoint is {good[1]}" if good else "no checkpoint was saved"
-                    reason = exc.reason.removeprefix("NonFiniteError: ")
-                    raise TrainingError(f"step {step}: {reason}; stopped, {where}\n{exc}") from exc
-                if (t.val_every and step % t.val_every == 0) or step == t.total_steps:
-                    metrics.update(self.validate())
-                tracker.log(step, metrics)
-                if (t.save_every and step % t.save_every == 0) or step == t.total_steps:
-                    summary["checkpoint"] = self.save_checkpoint(step)
-                last = step
-                summary["end"] = metrics
-            summary["steps"] = last
-            if last == t.total_steps:
-                summary["hf_actor"] = self.export_hf()
+            with GracefulInterrupt() as interrupt:
+                self._loop(start, stop_after, tracker, summary, interrupt)
         finally:
             tracker.close()
         if "jsonl" in t.loggers and self.is_main:

@@ -59,6 +59,36 @@ def test_keep_last_prunes_the_oldest(tmp_path):
     assert keep_all.all_steps() == [15, 20, 25]
 
 
+def test_an_interrupted_prune_leaves_no_half_deleted_step(tmp_path, monkeypatch):
+    """#13: Ctrl-C in the middle of pruning left three step directories at keep_last=2 (one half
+    deleted). A doomed step is renamed away first, so whatever the delete leaves is not a step, and
+    the next manager clears it once this process is gone."""
+    import shutil
+
+    from hybridflow.trainer import checkpointing
+
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    for step in (1, 2):
+        mgr.save(step, _writer(str(step)))
+    real_rmtree = shutil.rmtree
+
+    def interrupted(path, *args, **kwargs):
+        if ".pruned-" in str(path) or "step_000001" in str(path):
+            raise KeyboardInterrupt
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointing.shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(3, _writer("3"))
+    monkeypatch.undo()
+    assert mgr.all_steps() == [2, 3] and mgr.latest()[0] == 3
+    leftover = [p for p in tmp_path.iterdir() if p.name.startswith(".pruned-step_000001-")]
+    assert len(leftover) == 1
+    leftover[0].rename(tmp_path / f".pruned-step_000001-{DEAD_PID}")  # as if this process had died
+    CheckpointManager(tmp_path, keep_last=2)
+    assert _hidden(tmp_path) == [] and mgr.all_steps() == [2, 3]
+
+
 @pytest.mark.parametrize("keep_last, kept", [(2, [10, 12]), (0, [10, 12, 20])])
 def test_a_resumed_run_follows_the_marker_and_prunes_the_abandoned_steps(tmp_path, keep_last,
                                                                           kept):

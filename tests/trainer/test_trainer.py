@@ -8,7 +8,7 @@ import torch
 
 from hybridflow.config import ConfigError, load_config
 from hybridflow.data.dataset import DatasetError
-from hybridflow.trainer import read_metrics
+from hybridflow.trainer import CheckpointManager, read_metrics
 from hybridflow.trainer.checkpointing import CheckpointError
 from hybridflow.trainer.trainer import RLTrainer, TrainingError
 
@@ -210,6 +210,11 @@ def test_a_rerun_in_an_old_run_directory_is_refused_unless_resumed_or_overwritte
                                           r"continue it, or trainer.overwrite=true"):
         RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path, *one_step)))
     assert metrics.read_bytes() == before  # nothing was touched
+    # Overwriting starts over at once: stopped before its first save (a crash), it leaves no step of
+    # the old run for a later resume=auto to pick up as if it were this run's.
+    RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path, *one_step, "trainer.overwrite=true"))).fit(stop_after=0)
+    old = CheckpointManager(tmp_path / "tiny-grpo" / "checkpoints", keep_last=0)
+    assert old.latest() is None and old.all_steps() == []
     RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path, *one_step, "trainer.overwrite=true"))).fit()
     assert [r["step"] for r in read_metrics(metrics)] == [0, 1]  # started over: a new metrics file
 
