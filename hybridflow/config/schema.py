@@ -20,6 +20,10 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # Megatron pads the vocabulary to a multiple of this times TP.
     make_vocab_size_divisible_by: int = 128
+    # The actor's and reference's log-probs straight from the final hidden states (verl's name): the output
+    # layer runs fused with the log-prob on response positions only, never holding [tokens, vocab] logits.
+    # At tp > 1 the vocab-parallel logits path is used whatever this says.
+    use_fused_kernels: bool = True
 
 
 @dataclass

@@ -176,12 +176,17 @@ class MegatronEngine:
 
     optim=None builds a frozen, forward-only engine (the reference policy).
     value_head=True replaces the vocabulary output layer by a scalar head (the critic).
+    fused_output=True (at tp = 1) leaves the output layer to the loss: the model
+    returns its final hidden states [b, s, H] and `output_weight` is the layer's
+    weight, which `roles.batching.response_log_probs` applies on the response
+    positions only, fused with the log-prob (`kernels.fused_linear`), so no
+    [tokens, vocab] logits are ever held. `self.fused_output` says which.
     """
 
     def __init__(self, model_cfg: DecoderConfig, parallel: ParallelConfig,
                  optim: Optional[OptimConfig] = None, *, device: str = "cpu", dtype: str = "float32",
                  make_vocab_size_divisible_by: int = 128, value_head: bool = False,
-                 total_steps: int = 1, seed: int = 0):
+                 total_steps: int = 1, seed: int = 0, fused_output: bool = False):
         if device == "cpu":
             from hybridflow.engine import cpu_compat
             cpu_compat.apply()
@@ -189,6 +194,9 @@ class MegatronEngine:
         self.dtype = resolve_dtype(dtype)
         self.value_head = value_head
         self.layout: Layout = init_model_parallel(parallel, device)
+        # The vocab-parallel (tp > 1) log-prob needs the sharded logits; there the layer stays.
+        self.fused_output = fused_output and not value_head and parallel.tp == 1
+        self.output_weight: Optional[Tensor] = None  # set by each forward when fused_output
         from megatron.core import tensor_parallel
         tensor_parallel.model_parallel_cuda_manual_seed(seed)  # Megatron's named RNG streams
         self.bridge = get_bridge(model_cfg, make_vocab_size_divisible_by, parallel.tp)
@@ -220,12 +228,26 @@ class MegatronEngine:
         model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(self._torch_device())
         if self.value_head and model.post_process:
             model.output_layer = ValueHead(cfg.hidden_size, self.dtype)
+        if self.fused_output and model.post_process:
+            self._defer_output_layer(model.output_layer)
         model.to(self._torch_device())
         mark_tensor_parallel(model, self.value_head)
         if self.dtype != torch.float32:
             from megatron.core.transformer.module import Float16Module
             model = Float16Module(self.tconfig, model)
         return model
+
+    def _defer_output_layer(self, layer: nn.Module) -> None:
+        """The layer hands its input back (and notes the weight it would have used: its own, or the
+        tied embedding that GPTModel passes in). Patched on the instance, so parameter names,
+        checkpoints and the bridge are unchanged."""
+        engine = self
+
+        def hidden_out(input_, weight=None, runtime_gather_output=None, **_):
+            engine.output_weight = layer.weight if weight is None else weight
+            return input_, None
+
+        layer.forward = hidden_out
 
     def _torch_device(self) -> torch.device:
         return torch.device("cpu") if self.device == "cpu" else torch.device("cuda", torch.cuda.current_device())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridflow.kernels.backend import cpu_extension, cuda_extension, resolve
 from hybridflow.kernels.logprob import _chunk_grad, incoming_grads, logprob_entropy
 
 DEFAULT_CHUNK = 512
@@ -34,7 +35,7 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
                 entropy.append(ent)
         logp, entropy = torch.cat(logp), torch.cat(entropy)
         ctx.save_for_backward(hidden, weight, labels, logp, entropy)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.backend = chunk, backend
         return logp, entropy
 
     @staticmethod
@@ -43,13 +44,20 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
         g_logp, g_ent = incoming_grads(g_logp, g_ent, logp)
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        chosen = resolve(ctx.backend, hidden.device, ("cpu", "cuda", "chunked"))
         for s in range(0, hidden.shape[0], ctx.chunk):
             e = s + ctx.chunk
             h, y = hidden[s:e], labels[s:e]
             logits = h @ weight.t()
             # lse = label logit - logp: recovered without storing it per token.
             lse = logits.float().gather(1, y[:, None]).squeeze(1) - logp[s:e]
-            g = _chunk_grad(logits, y, lse, entropy[s:e], g_logp[s:e], g_ent[s:e])
+            if chosen == "cpu":  # the chunk's logits are ours: the gradient overwrites them (no temporaries)
+                g = cpu_extension().logprob_entropy_backward(logits, y, lse, entropy[s:e], g_logp[s:e],
+                                                             g_ent[s:e], inplace=True)
+            elif chosen == "cuda":
+                g = cuda_extension().logprob_entropy_backward(logits, y, lse, entropy[s:e], g_logp[s:e], g_ent[s:e])
+            else:
+                g = _chunk_grad(logits, y, lse, entropy[s:e], g_logp[s:e], g_ent[s:e])
             if grad_h is not None:
                 grad_h[s:e] = (g @ weight).to(hidden.dtype)
             if grad_w is not None:

@@ -158,13 +158,19 @@ def response_log_probs(output: Tensor, batch: dict[str, Tensor], engine,
     """
     from megatron.core import parallel_state as ps
 
-    from hybridflow.kernels import logprob_entropy, vocab_parallel_logprob_entropy
+    from hybridflow.kernels import fused_linear_logprob_entropy, logprob_entropy, vocab_parallel_logprob_entropy
 
+    labels = batch[F.RESPONSES]
+    vocab, tp = engine.cfg.vocab_size, engine.layout.tp
+    if engine.fused_output:  # `output` is hidden states: the output layer runs here, on responses only
+        hidden = response_slice(output, batch)
+        if temperature != 1.0:
+            hidden = hidden / temperature  # (h / T) W^T = (h W^T) / T
+        weight = engine.output_weight[:vocab]  # the padded rows are not part of the distribution
+        return fused_linear_logprob_entropy(hidden, weight, labels)
     logits = response_slice(output, batch)
     if temperature != 1.0:
         logits = logits / temperature
-    labels = batch[F.RESPONSES]
-    vocab, tp = engine.cfg.vocab_size, engine.layout.tp
     if tp == 1:
         return logprob_entropy(logits[..., :vocab], labels)
     width = logits.shape[-1]

@@ -47,6 +47,16 @@ def test_engine_logits_and_log_probs_equal_decoder(overrides):
     mask = batch["response_mask"].bool()
     torch.testing.assert_close(logp[F.REF_LOG_PROBS][mask], ref_lp[mask], atol=2e-5, rtol=1e-5)
 
+    # The fused output layer (the default for the actor and reference): the model hands back hidden
+    # states, never logits, and the log-probs are the same (the tied case uses the embedding weight).
+    fused = MegatronEngine(cfg, ParallelConfig(), None, fused_output=True)
+    fused.load_hf_state_dict(hf)
+    hidden = fused.run([batch], lambda o, mb: (o.new_zeros(()), {"out": o}), forward_only=True)[0]["out"]
+    assert hidden.shape[-1] == cfg.hidden_size != engine.bridge.padded_vocab
+    fused_lp = Reference(ReferenceConfig(log_prob_micro_batch_size=3), fused).compute_ref_log_probs(batch)
+    torch.testing.assert_close(fused_lp[F.REF_LOG_PROBS][mask], ref_lp[mask], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_lp[F.REF_LOG_PROBS], logp[F.REF_LOG_PROBS], atol=1e-5, rtol=0)
+
 
 def _plain_actor_step(dec: Decoder, batch, old_logp, adv, optim: OptimConfig):
     """The same PPO step written with the plain decoder and torch.optim.AdamW."""
@@ -67,11 +77,12 @@ def _plain_actor_step(dec: Decoder, batch, old_logp, adv, optim: OptimConfig):
     return model, grad_norm.item()
 
 
-@pytest.mark.parametrize("micro", [4, 2])
-def test_one_actor_step_matches_plain_pytorch(micro):
-    cfg, dec, hf = tiny_model()
+@pytest.mark.parametrize("micro,fused,tied", [(4, False, False), (2, False, False), (2, True, False),
+                                              (2, True, True)])
+def test_one_actor_step_matches_plain_pytorch(micro, fused, tied):
+    cfg, dec, hf = tiny_model(tie_word_embeddings=tied)
     optim = OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=0.5)
-    engine = MegatronEngine(cfg, ParallelConfig(), optim, total_steps=10)
+    engine = MegatronEngine(cfg, ParallelConfig(), optim, total_steps=10, fused_output=fused)
     engine.load_hf_state_dict(hf)
     actor = Actor(ActorConfig(optim=optim, ppo_mini_batch_size=4, ppo_micro_batch_size=micro), engine)
     batch = rl_batch(cfg.vocab_size)
