@@ -86,6 +86,10 @@ class RolloutConfig:
     batch_size_per_device: Optional[int] = None
     pad_to_max_length: bool = False
     log_prob_micro_batch_size: int = 16
+    # Sequence packing (verl's dynamic batch size): the old log-probs' micro-batches hold up to this many real tokens each,
+    # packed into one row with no padding computed, instead of a fixed number of sequences (pp = 1 only).
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
     val_temperature: float = 0.0  # greedy validation
 
 
@@ -98,6 +102,10 @@ class ActorConfig:
     policy_loss: str = "ppo"  # name in the algorithms registry
     ppo_mini_batch_size: int = 32  # in prompts, as verl counts it
     ppo_micro_batch_size: int = 8  # in sequences, per device
+    # Sequence packing (verl's dynamic batch size): micro-batches hold up to this many real tokens each,
+    # packed into one row with no padding computed, instead of a fixed number of sequences (pp = 1 only).
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1
     # With one epoch over one mini-batch (and no KL in the reward) the old log-probs are the current
     # policy's: the update takes them from its own forward pass (detached) instead of a pass of their own.
@@ -120,6 +128,10 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     ppo_micro_batch_size: int = 8
+    # Sequence packing (verl's dynamic batch size): the critic's micro-batches (values and update) hold up to this many real tokens each,
+    # packed into one row with no padding computed, instead of a fixed number of sequences (pp = 1 only).
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
@@ -131,6 +143,10 @@ class ReferenceConfig:
 
     enabled: bool = True
     log_prob_micro_batch_size: int = 16
+    # Sequence packing (verl's dynamic batch size): micro-batches hold up to this many real tokens each,
+    # packed into one row with no padding computed, instead of a fixed number of sequences (pp = 1 only).
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
     # None: the actor's layout. The reference lives in the actor's processes,
     # which hold one megatron-core layout, so a value given must equal it.
     parallel: Optional[ParallelConfig] = None

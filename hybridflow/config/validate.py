@@ -379,6 +379,32 @@ def _check_output_dir(cfg: Config) -> None:
         raise ConfigError("trainer.output_dir", f"{existing} is not writable, so {where} cannot be created")
 
 
+def _check_packing(cfg: Config, model: "DecoderConfig") -> None:
+    """Packed micro-batches (use_dynamic_bsz): one row per micro-batch with a block-diagonal mask, which
+    needs pp = 1 (the pipeline sends fixed shapes) and full attention (a sliding window rebuilds its mask)."""
+    critic_pp = cfg.critic.parallel.pp
+    reference_pp = (cfg.reference.parallel or cfg.actor.parallel).pp
+    switches = [("actor.use_dynamic_bsz", cfg.actor.use_dynamic_bsz, "actor.ppo_max_token_len_per_gpu",
+                 cfg.actor.ppo_max_token_len_per_gpu, cfg.actor.parallel.pp),
+                ("rollout.log_prob_use_dynamic_bsz", cfg.rollout.log_prob_use_dynamic_bsz,
+                 "rollout.log_prob_max_token_len_per_gpu", cfg.rollout.log_prob_max_token_len_per_gpu,
+                 cfg.actor.parallel.pp),
+                ("reference.log_prob_use_dynamic_bsz", cfg.reference.log_prob_use_dynamic_bsz,
+                 "reference.log_prob_max_token_len_per_gpu", cfg.reference.log_prob_max_token_len_per_gpu,
+                 reference_pp),
+                ("critic.use_dynamic_bsz", cfg.critic.use_dynamic_bsz, "critic.ppo_max_token_len_per_gpu",
+                 cfg.critic.ppo_max_token_len_per_gpu, critic_pp)]
+    for key, on, budget_key, budget, pp in switches:
+        if not on:
+            continue
+        if budget < 1:
+            raise ConfigError(budget_key, f"must be >= 1 token, got {budget}")
+        if pp > 1:
+            raise ConfigError(key, f"packed micro-batches need pipeline size 1, the layout has pp = {pp}")
+        if any(w is not None for w in model.layer_windows):
+            raise ConfigError(key, "packed micro-batches need full attention; the model has sliding-window layers")
+
+
 def check_runnable(cfg: Config, model: "DecoderConfig", critic_model: Optional["DecoderConfig"] = None) -> None:
     """ConfigError for what the config and the models' own config.json / the machine cannot run together.
 
@@ -401,6 +427,7 @@ def check_runnable(cfg: Config, model: "DecoderConfig", critic_model: Optional["
     _check_previous_run(cfg)
     _check_shares(cfg)
     _check_mini_batches(cfg)
+    _check_packing(cfg, model)
     if cfg.reward.model_path is not None and not Path(cfg.reward.model_path).exists():
         raise ConfigError("reward.model_path", f"reward model path does not exist: {cfg.reward.model_path}")
     if cfg.critic.model_path is not None and not Path(cfg.critic.model_path).exists():

@@ -58,6 +58,33 @@ def unalign(x: Tensor, idx: Tensor) -> Tensor:
     return torch.empty_like(x).scatter(1, index, x)
 
 
+def pack_rows(aligned_ids: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Left-aligned rows [b, S] with `lengths` real tokens each -> one packed row of their real tokens.
+
+    Returns ids [1, N] (N = lengths.sum()), position ids [1, N] restarting at 0
+    for each sequence, and the attention mask [1, 1, N, N] (True = masked):
+    causal within a sequence, nothing across sequences. No padding token is
+    computed; attention scores are N x N, of which each sequence uses its block.
+    """
+    keep = torch.arange(aligned_ids.shape[1], device=aligned_ids.device)[None] < lengths[:, None]
+    ids = aligned_ids[keep][None]
+    positions = torch.cat([torch.arange(int(n), device=ids.device) for n in lengths])[None]
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=ids.device), lengths.to(ids.device))
+    n = ids.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+    allowed = causal & (segment[:, None] == segment[None, :])
+    return ids, positions, ~allowed[None, None]
+
+
+def unpack_rows(packed: Tensor, lengths: Tensor, width: int) -> Tensor:
+    """Inverse of `pack_rows` for a model output [1, N, ...] -> [b, width, ...], zeros past each length."""
+    rows = packed[0].split([int(n) for n in lengths])
+    out = packed.new_zeros((len(rows), width, *packed.shape[2:]))
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
 def to_cpu(value: Any) -> Any:
     """`value` with every tensor in it on the CPU: what an object collective may send.
 
@@ -433,14 +460,19 @@ class MegatronEngine:
         return self.bridge.megatron_to_generation(self._named_params())
 
     # -- compute --------------------------------------------------------------
-    def _forward_step(self, step_fn: StepFn, data_iterator, model):
+    def _forward_step(self, step_fn: StepFn, packed: bool, data_iterator, model):
         batch, rows = next(data_iterator)
         idx = left_align_index(batch[F.ATTENTION_MASK])
         ids = batch[F.INPUT_IDS].gather(1, idx).to(self._torch_device())
         s = ids.shape[1]
-        positions = torch.arange(s, device=ids.device)[None].expand_as(ids)
-        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
-        output = model(ids, positions, causal)
+        if packed:  # the micro-batch's sequences back to back in one row: no padding token is computed
+            lengths = batch[F.ATTENTION_MASK].sum(-1).to(ids.device)
+            packed_ids, positions, mask = pack_rows(ids, lengths)
+            output = unpack_rows(model(packed_ids, positions, mask), lengths, s)
+        else:
+            positions = torch.arange(s, device=ids.device)[None].expand_as(ids)
+            causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
+            output = model(ids, positions, causal)
         return output, functools.partial(self._loss, step_fn, batch, idx, rows)
 
     @staticmethod
@@ -455,7 +487,7 @@ class MegatronEngine:
         return step_fn(output, batch)
 
     def run(self, micro_batches: list[dict[str, Any]], step_fn: StepFn,
-            forward_only: bool = False) -> list[dict[str, Any]]:
+            forward_only: bool = False, packed: bool = False) -> list[dict[str, Any]]:
         """Forward (and backward) over micro-batches; returns what each step_fn reported, on every rank.
 
         Each micro-batch holds at least INPUT_IDS and ATTENTION_MASK [b, S] (`data.fields`).
@@ -465,19 +497,23 @@ class MegatronEngine:
         micro-batches are padded with empty rows to one shape (the pipeline
         sends fixed-shape activations; step_fn never sees the padding), and
         the reports, which only the last stage computes, are broadcast to the
-        pipeline's other stages.
+        pipeline's other stages. packed=True runs each micro-batch as one row
+        of its real tokens (`pack_rows`; pp = 1, full attention only); step_fn
+        sees the same [b, S, ...] output either way.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not forward_only and self.optimizer is None:
             raise RuntimeError("this engine is frozen (built without an optimizer)")
+        if packed and (self.parallel.pp > 1 or any(w is not None for w in self.cfg.layer_windows)):
+            raise ValueError("packed micro-batches need pp = 1 and full attention in every layer")
         rows = [len(mb[F.INPUT_IDS]) for mb in micro_batches]
         size = max(rows)
         data = [(pad_rows(mb, size) if self.parallel.pp > 1 else mb, n) for mb, n in zip(micro_batches, rows)]
         self.model.train(not forward_only)
         with torch.set_grad_enabled(not forward_only):
             reports = get_forward_backward_func()(
-                forward_step_func=functools.partial(self._forward_step, step_fn),
+                forward_step_func=functools.partial(self._forward_step, step_fn, packed),
                 data_iterator=iter(data), model=[self.model],
                 num_microbatches=len(data), seq_length=data[0][0][F.INPUT_IDS].shape[1],
                 micro_batch_size=data[0][0][F.INPUT_IDS].shape[0], forward_only=forward_only)

@@ -29,12 +29,13 @@ class Actor:
         return response_log_probs(output, mb, self.engine, self.temperature)
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: dict[str, Any], micro_batch_size: int) -> dict[str, Tensor]:
-        """OLD_LOG_PROBS and ENTROPY [B, R] under the current weights."""
+    def compute_log_probs(self, batch: dict[str, Any], micro_batch_size: int,
+                          max_tokens: int = 0) -> dict[str, Tensor]:
+        """OLD_LOG_PROBS and ENTROPY [B, R] under the current weights (max_tokens > 0: packed)."""
         def collect(out, mb):
             logp, ent = self.log_probs(out, mb)
             return {F.OLD_LOG_PROBS: logp.float(), F.ENTROPY: ent.float()}
-        return forward_only(self.engine, batch, micro_batch_size, collect)
+        return forward_only(self.engine, batch, micro_batch_size, collect, max_tokens)
 
     def _mini_batch_size(self, rows: int) -> int:
         dp = self.engine.layout.dp
@@ -50,7 +51,8 @@ class Actor:
         size = self._mini_batch_size(len(data[F.INPUT_IDS]))
         cfg = self.cfg
         reports = [train_mini_batch(self.engine, mini, cfg.ppo_micro_batch_size, cfg.loss_agg_mode, self._loss,
-                                    "actor", summed=("actor/pg_loss", "actor/kl_loss"))
+                                    "actor", summed=("actor/pg_loss", "actor/kl_loss"),
+                                    max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else 0)
                    for mini in mini_batches(data, size, cfg.ppo_epochs, gen)]
         return mean_metrics(reports)
 

@@ -43,6 +43,27 @@ def split(batch: dict[str, Tensor], size: int) -> list[dict[str, Tensor]]:
     return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, n, size)]
 
 
+def split_by_tokens(batch: dict[str, Tensor], max_tokens: int) -> list[dict[str, Tensor]]:
+    """Consecutive rows grouped so each group holds at most `max_tokens` real tokens (verl's dynamic
+    batch size, `ppo_max_token_len_per_gpu`); a row longer than the budget is a group of its own."""
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    lengths = batch[F.ATTENTION_MASK].sum(-1).tolist()
+    bounds, used = [0], 0
+    for i, n in enumerate(lengths):
+        if used and used + n > max_tokens:
+            bounds.append(i)
+            used = 0
+        used += n
+    bounds.append(len(lengths))
+    return [{k: v[a:b] for k, v in batch.items()} for a, b in zip(bounds, bounds[1:])]
+
+
+def micro_batches(batch: dict[str, Tensor], size: int, max_tokens: int = 0) -> list[dict[str, Tensor]]:
+    """`size` rows each, or with max_tokens > 0 token-budgeted groups (run packed)."""
+    return split_by_tokens(batch, max_tokens) if max_tokens > 0 else split(batch, size)
+
+
 def shuffled(batch: dict[str, Tensor], generator: Optional[torch.Generator]) -> dict[str, Tensor]:
     n = len(batch[F.INPUT_IDS])
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
@@ -56,10 +77,13 @@ def mini_batches(data: dict[str, Tensor], size: int, epochs: int,
         yield from split(shuffled(data, generator), size)
 
 
-def forward_only(engine, batch: dict[str, Any], micro_batch_size: int, collect) -> dict[str, Tensor]:
-    """Run `collect(output, micro_batch) -> {field: tensor}` over micro-batches, concatenated."""
-    micro = split(tensor_fields(batch), micro_batch_size)
-    reports = engine.run(micro, lambda out, mb: (out.new_zeros(()), collect(out, mb)), forward_only=True)
+def forward_only(engine, batch: dict[str, Any], micro_batch_size: int, collect,
+                 max_tokens: int = 0) -> dict[str, Tensor]:
+    """Run `collect(output, micro_batch) -> {field: tensor}` over micro-batches, concatenated.
+    max_tokens > 0: token-budgeted micro-batches, each packed into one row (no padding computed)."""
+    micro = micro_batches(tensor_fields(batch), micro_batch_size, max_tokens)
+    reports = engine.run(micro, lambda out, mb: (out.new_zeros(()), collect(out, mb)), forward_only=True,
+                         packed=max_tokens > 0)
     return {k: torch.cat([r[k] for r in reports]) for k in reports[0]} if reports else {}
 
 
@@ -81,9 +105,11 @@ def check_reports_finite(reports: list[dict[str, Any]], keys: tuple[str, ...], g
 
 
 def train_mini_batch(engine, mini: dict[str, Tensor], micro_batch_size: int, loss_agg_mode: str,
-                     loss_fn: LossFn, prefix: str, summed: tuple[str, ...] = ()) -> dict[str, float]:
+                     loss_fn: LossFn, prefix: str, summed: tuple[str, ...] = (),
+                     max_tokens: int = 0) -> dict[str, float]:
     """One optimizer step whose gradient is that of the global (all DP ranks') mini-batch loss.
 
+    max_tokens > 0 packs token-budgeted micro-batches (`split_by_tokens`).
     Metrics are averaged over micro-batches, except the `summed` ones (loss
     shares: summed over micro-batches and DP ranks, and checked to be finite
     before the step); `{prefix}/grad_norm` and `{prefix}/lr` come from the step.
@@ -92,9 +118,10 @@ def train_mini_batch(engine, mini: dict[str, Tensor], micro_batch_size: int, los
 
     group = ps.get_data_parallel_group()
     denom = global_count(mini[F.RESPONSE_MASK], loss_agg_mode, group)
-    micro = split(mini, micro_batch_size)
+    micro = micro_batches(mini, micro_batch_size, max_tokens)
     # Megatron divides by the number of micro-batches and DDP averages over
-    # DP ranks; both are undone so the gradient is that of the global mean.
+    # DP ranks; both are undone so the gradient is that of the global mean
+    # (also when token budgets give the ranks different numbers of micro-batches).
     scale = len(micro) * engine.layout.dp
 
     def step_fn(out: Tensor, mb: dict[str, Tensor]):
@@ -102,7 +129,7 @@ def train_mini_batch(engine, mini: dict[str, Tensor], micro_batch_size: int, los
         return loss * scale, metrics
 
     engine.zero_grad()
-    reports = engine.run(micro, step_fn)
+    reports = engine.run(micro, step_fn, packed=max_tokens > 0)
     check_reports_finite(reports, summed, group)
     stats = engine.step()
     check_finite(f"{prefix}/grad_norm", stats.grad_norm)

@@ -24,4 +24,6 @@ class Reference:
         def collect(out, mb):
             logp, _ = response_log_probs(out, mb, self.engine, self.temperature)
             return {F.REF_LOG_PROBS: logp.float()}
-        return forward_only(self.engine, batch, self.cfg.log_prob_micro_batch_size, collect)
+        cfg = self.cfg
+        return forward_only(self.engine, batch, cfg.log_prob_micro_batch_size, collect,
+                            cfg.log_prob_max_token_len_per_gpu if cfg.log_prob_use_dynamic_bsz else 0)

@@ -185,7 +185,9 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
 
     @register(Dispatch.DP_SPLIT, mesh="actor")
     def compute_log_probs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return self.actor.compute_log_probs(batch, self.spec.rollout.log_prob_micro_batch_size)
+        r = self.spec.rollout
+        return self.actor.compute_log_probs(batch, r.log_prob_micro_batch_size,
+                                            r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else 0)
 
     @register(Dispatch.DP_SPLIT, mesh="actor")
     def compute_ref_log_probs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -331,3 +331,30 @@ def test_skipping_old_log_probs_gives_the_same_update(tmp_path):
     for extra in (["actor.ppo_epochs=2"], ["actor.ppo_mini_batch_size=4"], ["algorithm.use_kl_in_reward=true", "reference.enabled=true"]):
         from hybridflow.trainer.build import needs_old_log_probs
         assert needs_old_log_probs(config("tiny-grpo.yaml", tmp_path, "actor.ppo_mini_batch_size=8", *extra))
+
+
+def test_packed_micro_batches_train_as_the_padded_ones(tmp_path):
+    """#14 item 5: with verl's dynamic batch size on for the actor, its old log-probs and the reference,
+    every training forward packs token-budgeted micro-batches (no padding computed), and the steps equal
+    the padded run's. (The critic's packed values are checked against the padded ones in
+    tests/engine/test_megatron_engine.py.)"""
+    common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0", "trainer.experiment=pack",
+              "actor.ppo_mini_batch_size=4", "actor.use_kl_loss=true", "reference.enabled=true"]
+    packing = ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=40",
+               "rollout.log_prob_use_dynamic_bsz=true", "rollout.log_prob_max_token_len_per_gpu=64",
+               "reference.log_prob_use_dynamic_bsz=true", "reference.log_prob_max_token_len_per_gpu=64"]
+    runs = {}
+    for packed in (False, True):
+        cfg = in_repo(config("tiny-grpo.yaml", tmp_path / str(packed), *common, *(packing if packed else [])))
+        trainer = RLTrainer(cfg)
+        runs[packed] = read_metrics(trainer.fit()["run_dir"] / "metrics.jsonl")
+        trainer.shutdown()
+    want, got = learned(runs[False]), learned(runs[True])
+    assert want[1]["actor/grad_norm"] > 0 and want[1]["actor/approx_kl"] > 0  # updates happened, old log-probs used
+    for step in (1, 2):
+        for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy",
+                    "actor/approx_kl", "response/length_mean"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-3, abs=1e-6), (step, key)
+    with pytest.raises(ConfigError, match="actor.use_dynamic_bsz: packed micro-batches need pipeline size 1"):
+        RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path / "pp", "actor.use_dynamic_bsz=true",
+                                 "actor.parallel.pp=2", "trainer.n_devices=2", "trainer.launcher=ray")))
