@@ -189,12 +189,15 @@ def response_log_probs(output: Tensor, batch: dict[str, Tensor], engine,
 
     labels = batch[F.RESPONSES]
     vocab, tp = engine.cfg.vocab_size, engine.layout.tp
-    if engine.fused_output:  # `output` is hidden states: the output layer runs here, on responses only
-        hidden = response_slice(output, batch)
+    if engine.fused_output:  # `output` is hidden states: the output layer runs here, on response tokens only
+        real = batch[F.RESPONSE_MASK].bool()
+        hidden = response_slice(output, batch)[real]  # [n, H]: padded response columns are skipped too
         if temperature != 1.0:
             hidden = hidden / temperature  # (h / T) W^T = (h W^T) / T
         weight = engine.output_weight[:vocab]  # the padded rows are not part of the distribution
-        return fused_linear_logprob_entropy(hidden, weight, labels)
+        lp, ent = fused_linear_logprob_entropy(hidden, weight, labels[real])
+        zeros = torch.zeros(labels.shape, dtype=lp.dtype, device=lp.device)  # 0 where the mask is 0
+        return zeros.masked_scatter(real, lp), zeros.masked_scatter(real, ent)
     logits = response_slice(output, batch)
     if temperature != 1.0:
         logits = logits / temperature

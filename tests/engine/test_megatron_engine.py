@@ -55,7 +55,8 @@ def test_engine_logits_and_log_probs_equal_decoder(overrides):
     assert hidden.shape[-1] == cfg.hidden_size != engine.bridge.padded_vocab
     fused_lp = Reference(ReferenceConfig(log_prob_micro_batch_size=3), fused).compute_ref_log_probs(batch)
     torch.testing.assert_close(fused_lp[F.REF_LOG_PROBS][mask], ref_lp[mask], atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(fused_lp[F.REF_LOG_PROBS], logp[F.REF_LOG_PROBS], atol=1e-5, rtol=0)
+    torch.testing.assert_close(fused_lp[F.REF_LOG_PROBS][mask], logp[F.REF_LOG_PROBS][mask], atol=1e-5, rtol=0)
+    assert not fused_lp[F.REF_LOG_PROBS][~mask].any()  # padded response columns are not computed at all
 
 
 def _plain_actor_step(dec: Decoder, batch, old_logp, adv, optim: OptimConfig):
