@@ -27,6 +27,9 @@ import ast
 from pathlib import Path
 
 from hybridflow import DataFlow, Node
+from hybridflow.data.tokenizer import Tokenizer
+from hybridflow.models.config import DecoderConfig
+from hybridflow.models.hf import prompt_ids
 from hybridflow.utils import CausalLM, load_hf_model
 
 ASSETS = Path(__file__).resolve().parent.parent / "hybridflow" / "assets"
@@ -73,6 +76,23 @@ def parse_prompts(text: str) -> list[str]:
     return list(prompts)
 
 
+def new_tokens(prompts: list[str], actor_path: str, max_new_tokens: int | None) -> int:
+    """Tokens to generate: `max_new_tokens`, or (None) up to 128, as many as the actor's context leaves after
+    the longest prompt. An ArgumentTypeError names a prompt that does not fit in max_position_embeddings with
+    them (the model would answer past the positions it was trained on). Reads no weights."""
+    tokenizer = Tokenizer.from_path(actor_path)
+    room = DecoderConfig.from_pretrained(actor_path).max_position_embeddings
+    lengths = [len(ids) for ids in prompt_ids(tokenizer, prompts, chat=tokenizer.has_chat_template)]
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        if n + (max_new_tokens or 1) > room:
+            shown = prompt if len(prompt) <= 40 else prompt[:37] + "..."
+            why = ("leaves no room for a response" if max_new_tokens is None else
+                   f"with --max-new-tokens {max_new_tokens} needs {n + max_new_tokens} positions")
+            raise argparse.ArgumentTypeError(f"prompt {i + 1} ({shown!r}) is {n} tokens and {why}: the actor "
+                                             f"holds max_position_embeddings={room}")
+    return max_new_tokens or min(128, room - max(lengths))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Run prompts through rollout -> [safety ->] reward.")
     parser.add_argument("--prompts", type=parse_prompts, required=True,
@@ -84,7 +104,8 @@ def main(argv=None) -> None:
                         help="HF sequence classifier, or a causal LM used as a judge (overrides --model)")
     parser.add_argument("--safety", action="store_true", help="add the safety (guard) node")
     parser.add_argument("--guard", default=None, help="guard directory (default: the reward model)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="default: up to 128, as many as the actor's context leaves after the longest prompt")
     parser.add_argument("--show", action="store_true", help="print each prompt with its response")
     parser.add_argument("--async", dest="async_execution", action="store_true",
                         help="stream chunks: reward starts before rollout finishes")
@@ -104,6 +125,10 @@ def main(argv=None) -> None:
     args.actor = args.actor or defaults[0]
     args.reward_model = args.reward_model or defaults[1]
     guard = (args.guard or args.reward_model) if args.safety else None
+    try:
+        args.max_new_tokens = new_tokens(args.prompts, args.actor, args.max_new_tokens)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"argument --prompts: {exc}")
     dataflow = build_flow(args.actor, args.reward_model, guard, args.max_new_tokens)
     result = dataflow.run(args.prompts, async_execution=args.async_execution, min_batch=args.min_batch,
                           launcher="ray" if args.ray else "local")

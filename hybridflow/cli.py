@@ -8,12 +8,14 @@
     hybridflow eval DATA --model DIR [--model DIR]  greedy held-out accuracy, before/after answers
 
 Later subcommands (`reshard`) hang off the same parser. Errors in user input print one line naming the problem and exit 2,
-instead of a traceback; any other error prints one line too and exits 1 (`HYBRIDFLOW_TRACEBACK=1` re-raises it).
+instead of a traceback; any other error prints one line too and exits 1 (`HYBRIDFLOW_TRACEBACK=1` re-raises it), a full
+or read-only disk naming the file it could not write.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -53,7 +55,7 @@ def _train(args: argparse.Namespace) -> int:
             with _sigint_ignored():  # shutting down is not interrupted half-way
                 trainer.shutdown()
     except (TrainingError, WorkerError) as exc:
-        print(f"hybridflow: error: {exc}", file=sys.stderr)
+        print(f"hybridflow: error: {_disk_error(exc) or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C (or one before training began)
         print("hybridflow: interrupted: the step in progress was abandoned; checkpoints are as the last save "
@@ -136,16 +138,70 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_least(minimum: int):
+    """An argparse type: an integer >= minimum."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _reward_name(name: str) -> str:
+    """An argparse type: a reward the registry resolves (a name, or file.py:function), checked before any model
+    loads."""
+    from hybridflow.rewards.registry import get_reward_fn
+
+    try:
+        get_reward_fn(name)
+    except Exception as exc:  # a file.py:function spec imports user code, which may fail in any way
+        raise argparse.ArgumentTypeError(f"{type(exc).__name__}: {exc}") from None
+    return name
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors on one line starting `hybridflow: error:`, a subcommand's too (argparse starts those with
+    the subcommand's prog, `hybridflow train: error:`)."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        command = self.prog.removeprefix("hybridflow").strip()
+        self.exit(2, f"hybridflow: error: {command + ': ' if command else ''}{message}\n")
+
+
+# A file operation the machine refused (a full or read-only disk, no permission): not a bug, so one line.
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _disk_error(exc: BaseException) -> str | None:
+    """One line for a refused file operation anywhere in `exc`'s chain of causes, naming the file and its directory;
+    None for any other error."""
+    outer, seen = exc, set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+            if exc.filename is None:  # e.g. a buffered flush: the outer error says what was being written
+                return f"{exc.strerror}: {(str(outer).strip().splitlines() or [''])[0]}"
+            where = os.path.abspath(exc.filename)
+            return f"{exc.strerror}: {where} (in the directory {os.path.dirname(where)})"
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="hybridflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run PPO/GRPO end to end from a config")
     p.add_argument("config", help="YAML file")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=10")
+    p.add_argument("overrides", nargs="*", default=[], help="dotted key=value overrides, e.g. trainer.total_steps=10")
     p.set_defaults(func=_train)
     p = sub.add_parser("config", help="validate a config and print it with every default filled in")
     p.add_argument("config", help="YAML file")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.optim.lr=1e-6")
+    p.add_argument("overrides", nargs="*", default=[], help="dotted key=value overrides, e.g. actor.optim.lr=1e-6")
     p.set_defaults(func=_config)
     p = sub.add_parser("bench", help="run one benchmark of the suite in benchmarks/")
     p.add_argument("name", help="e.g. kernels")
@@ -166,11 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="greedy accuracy of one or two HF models on a prompt dataset")
     p.add_argument("data", nargs="+", help="parquet/jsonl prompt files (verl columns)")
     p.add_argument("--model", action="append", required=True, help="HF model directory; twice to compare")
-    p.add_argument("--reward", action="append", help="reward name(s) to score with (default: default)")
-    p.add_argument("--limit", type=int, default=0, help="the first N prompts only (0: all)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--examples", type=int, default=4, help="before/after answers to show with two models")
+    p.add_argument("--reward", action="append", type=_reward_name,
+                   help="reward name(s) to score with (default: default)")
+    p.add_argument("--limit", type=_at_least(0), default=0, help="the first N prompts only (0: all)")
+    p.add_argument("--max-new-tokens", type=_at_least(1), default=64)
+    p.add_argument("--batch-size", type=_at_least(1), default=64)
+    p.add_argument("--examples", type=_at_least(0), default=4, help="before/after answers to show with two models")
     p.set_defaults(func=_eval)
     return parser
 
@@ -188,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # anything else still ends in one line; the traceback on request
         if os.environ.get("HYBRIDFLOW_TRACEBACK", "0").strip().lower() not in ("", "0", "false", "no"):
             raise
+        disk = _disk_error(exc)
+        if disk is not None:
+            print(f"hybridflow: error: {disk}", file=sys.stderr)
+            return 1
         first = (str(exc).strip().splitlines() or [""])[0]
         print(f"hybridflow: error: {type(exc).__name__}: {first} (HYBRIDFLOW_TRACEBACK=1 shows the traceback)",
               file=sys.stderr)

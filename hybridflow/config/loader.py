@@ -6,6 +6,7 @@ nearest valid key, so a user can fix a 40-line YAML file from one message.
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -20,6 +21,11 @@ from hybridflow.utils import nearest_name
 
 __all__ = ["ConfigError", "apply_overrides", "dump_config", "from_dict", "load_config", "to_dict"]
 
+# A config holds a few hundred values; a file whose aliases expand to more is an alias bomb ("billion laughs").
+MAX_VALUES = 100_000
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 8, 8, 80, 80
+
 
 def _nearest(name: str, choices: typing.Iterable[str]) -> str:
     match = nearest_name(name, choices)
@@ -28,6 +34,12 @@ def _nearest(name: str, choices: typing.Iterable[str]) -> str:
 
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
+
+
+def _shown(value: Any) -> str:
+    """`repr(value)` for a message, cut to ~200 characters (a value may be a huge list)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _type_name(tp: Any) -> str:
@@ -39,7 +51,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(path, f"expected a mapping for section {_type_name(tp)}, got {value!r}")
+            raise ConfigError(path, f"expected a mapping for section {_type_name(tp)}, got {_shown(value)}")
         return from_dict(tp, value, path)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
@@ -52,12 +64,12 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            hint = _nearest(str(value), [str(c) for c in choices])
-            raise ConfigError(path, f"{value!r} is not one of {list(choices)}{hint}")
+            hint = _nearest(value, [str(c) for c in choices]) if isinstance(value, str) else ""
+            raise ConfigError(path, f"{_shown(value)} is not one of {list(choices)}{hint}")
         return value
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(path, f"expected a list, got {value!r}")
+            raise ConfigError(path, f"expected a list, got {_shown(value)}")
         (item,) = typing.get_args(tp)
         return [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
     if tp is float:
@@ -76,7 +88,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             return value
     else:  # pragma: no cover - a schema annotation this loader does not know
         raise TypeError(f"{path}: unsupported annotation {tp!r}")
-    raise ConfigError(path, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    raise ConfigError(path, f"expected {_type_name(tp)}, got {type(value).__name__} {_shown(value)}")
 
 
 def from_dict(cls: type, data: dict, path: str = "") -> Any:
@@ -151,10 +163,81 @@ def _section_type(tp: Any) -> Any:
 
 
 def _is_str(tp: Any) -> bool:
+    """A field whose override keeps its raw text: a string, or a choice of strings (so that
+    `trainer.resume=yes` is refused as 'yes', not as YAML's True)."""
     if tp is str:
         return True
     args = typing.get_args(tp)
+    if typing.get_origin(tp) is Literal:
+        return all(isinstance(a, str) for a in args)
     return typing.get_origin(tp) in (Union, types.UnionType) and str in args
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.safe_load`, refusing a key given twice in one mapping (PyYAML silently keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        lines: dict[str, int] = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                if key_node.value in lines:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {_shown(key_node.value)} is given twice (first on line "
+                        f"{lines[key_node.value]})", key_node.start_mark)
+                lines[key_node.value] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def _expanded_size(data: Any, path: Path) -> int:
+    """How many values `data` holds with every alias expanded; each shared node is counted once, so an
+    alias bomb is measured without being expanded."""
+    sizes: dict[int, int] = {}
+
+    def size(obj: Any) -> int:
+        if not isinstance(obj, (dict, list)):
+            return 1
+        if id(obj) in sizes:
+            if sizes[id(obj)] < 0:
+                raise ConfigError("", f"{path} is not a config: an alias refers to the anchor it sits in "
+                                      "(a value that contains itself)")
+            return sizes[id(obj)]
+        sizes[id(obj)] = -1
+        items = [v for kv in obj.items() for v in kv] if isinstance(obj, dict) else obj
+        sizes[id(obj)] = 1 + sum(size(v) for v in items)
+        return sizes[id(obj)]
+
+    return size(data)
+
+
+def _read_yaml(path: Path) -> dict:
+    """The mapping in the YAML file at `path`; every way a file can fail to be one is a one-line ConfigError."""
+    if path.is_dir():
+        raise ConfigError("", f"{path} is a directory, not a YAML config file")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise ConfigError("", f"{path}:{line}: not UTF-8 text (byte {raw[exc.start]:#04x}); a config is a "
+                              "YAML text file") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+        size = _expanded_size(data, path)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        context = f" ({exc.context})" if exc.context and exc.problem else ""
+        raise ConfigError("", f"{where}: not valid YAML: {exc.problem or exc.context}{context}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("", f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError("", f"{path} is nested too deeply to be a config") from None
+    if size > MAX_VALUES:
+        raise ConfigError("", f"{path} is too large: its aliases expand to {size:,} values (a config holds a few "
+                              f"hundred; the limit is {MAX_VALUES:,}): an alias bomb?")
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError("", f"{path} must hold a mapping at the top level, not a {type(data).__name__}")
+    return data or {}
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (),
@@ -163,15 +246,9 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     data: dict = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"config file not found: {path}")
-        with open(path) as f:
-            try:
-                data = yaml.safe_load(f) or {}
-            except yaml.YAMLError as exc:
-                raise ConfigError("", f"{path} is not valid YAML: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ConfigError("", f"{path} must hold a mapping at the top level")
+        data = _read_yaml(path)
     data = apply_overrides(data, overrides)
     cfg = from_dict(Config, data)
     if validate_config:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -248,6 +249,27 @@ def _check_algorithm(cfg: Config) -> None:
                           "the reference policy")
 
 
+def _check_coefficients(cfg: Config) -> None:
+    """Loss and reward coefficients: a NaN or a wrong sign trains silently wrong, or fails steps later."""
+    a, kl = cfg.algorithm, cfg.algorithm.kl_ctrl
+    for path, value in (("algorithm.gamma", a.gamma), ("algorithm.lam", a.lam)):
+        if not 0 <= value <= 1:
+            raise ConfigError(path, f"must be in [0, 1], got {value}")
+    for path, value in (("algorithm.kl_ctrl.kl_coef", kl.kl_coef), ("actor.kl_loss_coef", cfg.actor.kl_loss_coef),
+                        ("critic.cliprange_value", cfg.critic.cliprange_value)):
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(path, f"must be a finite number >= 0, got {value}")
+    if not math.isfinite(kl.target_kl) or kl.target_kl <= 0:
+        raise ConfigError("algorithm.kl_ctrl.target_kl", f"must be a finite number > 0, got {kl.target_kl}")
+    if kl.horizon < 1:
+        raise ConfigError("algorithm.kl_ctrl.horizon", f"must be >= 1, got {kl.horizon}")
+    for path, value in (("actor.entropy_coeff", cfg.actor.entropy_coeff),
+                        ("reward.rule_weight", cfg.reward.rule_weight),
+                        ("reward.model_weight", cfg.reward.model_weight)):
+        if not math.isfinite(value):
+            raise ConfigError(path, f"must be a finite number, got {value}")
+
+
 def _check_batches(cfg: Config) -> None:
     data, actor = cfg.data, cfg.actor
     for path, value in (("data.train_batch_size", data.train_batch_size),
@@ -261,13 +283,19 @@ def _check_batches(cfg: Config) -> None:
                         ("reference.log_prob_micro_batch_size", cfg.reference.log_prob_micro_batch_size),
                         ("critic.ppo_micro_batch_size", cfg.critic.ppo_micro_batch_size),
                         ("reward.micro_batch_size", cfg.reward.micro_batch_size),
+                        ("rollout.batch_size_per_device", 1 if cfg.rollout.batch_size_per_device is None
+                         else cfg.rollout.batch_size_per_device),
+                        ("model.make_vocab_size_divisible_by", cfg.model.make_vocab_size_divisible_by),
                         ("trainer.total_steps", cfg.trainer.total_steps)):
         if value < 1:
             raise ConfigError(path, f"must be >= 1, got {value}")
     for path, value, zero in (("data.val_max_samples", data.val_max_samples, "all prompts"),
-                              ("trainer.val_every", cfg.trainer.val_every, "never")):
+                              ("trainer.val_every", cfg.trainer.val_every, "never"),
+                              ("trainer.save_every", cfg.trainer.save_every, "only at the end")):
         if value < 0:
             raise ConfigError(path, f"must be >= 0 (0: {zero}), got {value}")
+    if data.seed < 0:  # numpy's generators take no negative seed
+        raise ConfigError("data.seed", f"must be >= 0, got {data.seed}")
     if data.train_batch_size % actor.ppo_mini_batch_size:
         raise ConfigError(
             "actor.ppo_mini_batch_size", f"{actor.ppo_mini_batch_size} does not divide "
@@ -298,6 +326,17 @@ def _check_optim(cfg: Config) -> None:
             raise ConfigError(f"{path}.betas", f"must be two numbers in [0, 1), got {optim.betas}")
         if optim.warmup_steps < 0:
             raise ConfigError(f"{path}.warmup_steps", f"must be >= 0, got {optim.warmup_steps}")
+
+
+def _check_loggers(cfg: Config) -> None:
+    from hybridflow.trainer.tracking import LOGGERS
+    from hybridflow.utils import nearest_name
+
+    for i, name in enumerate(cfg.trainer.loggers):
+        if name not in LOGGERS:
+            close = nearest_name(name, LOGGERS)
+            hint = f" (did you mean '{close}'?)" if close else ""
+            raise ConfigError(f"trainer.loggers[{i}]", f"{name!r} is not one of {list(LOGGERS)}{hint}")
 
 
 def _check_one_process_layout(cfg: Config) -> None:
@@ -347,8 +386,10 @@ def validate(cfg: Config) -> Config:
     _check_generation_layout(cfg)
     _check_sampling(cfg)
     _check_algorithm(cfg)
+    _check_coefficients(cfg)
     _check_batches(cfg)
     _check_optim(cfg)
+    _check_loggers(cfg)
     return cfg
 
 
@@ -370,13 +411,23 @@ def _check_previous_run(cfg: Config) -> None:
 
 
 def _check_output_dir(cfg: Config) -> None:
-    """The run directory can be created and written: its nearest existing ancestor is a writable directory."""
+    """The run directory can be created and written: its nearest existing ancestor is a writable directory.
+
+    Tried, not only asked (os.access): root passes every permission check, yet cannot create a directory on
+    a read-only mount or under /proc.
+    """
     where = run_dir(cfg).absolute()
     existing = next(p for p in (where, *where.parents) if p.exists())
     if not existing.is_dir():
         raise ConfigError("trainer.output_dir", f"{existing} is a file, so {where} cannot be created")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError("trainer.output_dir", f"{existing} is not writable, so {where} cannot be created")
+    why = None if os.access(existing, os.W_OK | os.X_OK) else "permission denied"
+    if why is None:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".hybridflow-write-test-", dir=existing))
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+    if why is not None:
+        raise ConfigError("trainer.output_dir", f"{existing} is not writable ({why}), so {where} cannot be created")
 
 
 def _check_packing(cfg: Config, model: "DecoderConfig") -> None:
@@ -423,6 +474,8 @@ def check_runnable(cfg: Config, model: "DecoderConfig", critic_model: Optional["
     if longest > model.max_position_embeddings:
         raise ConfigError("data.max_response_length", f"data.max_prompt_length + data.max_response_length = "
                           f"{longest} exceeds the model's max_position_embeddings ({model.max_position_embeddings})")
+    if not cfg.data.train_files:
+        raise ConfigError("data.train_files", "is empty: give at least one .parquet or .jsonl file of prompts")
     _check_output_dir(cfg)
     _check_previous_run(cfg)
     _check_shares(cfg)
@@ -430,6 +483,9 @@ def check_runnable(cfg: Config, model: "DecoderConfig", critic_model: Optional["
     _check_packing(cfg, model)
     if cfg.reward.model_path is not None and not Path(cfg.reward.model_path).exists():
         raise ConfigError("reward.model_path", f"reward model path does not exist: {cfg.reward.model_path}")
+    if cfg.reward.model_path is not None and not (Path(cfg.reward.model_path) / "config.json").is_file():
+        raise ConfigError("reward.model_path", f"no config.json in {cfg.reward.model_path}: not a Hugging Face "
+                          "model directory")
     if cfg.critic.model_path is not None and not Path(cfg.critic.model_path).exists():
         raise ConfigError("critic.model_path", f"critic model path does not exist: {cfg.critic.model_path}")
     # In-process and torchrun workers run here; Ray workers may sit on other nodes (their pools check).

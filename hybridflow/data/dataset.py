@@ -73,6 +73,8 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, Any]]:
     ``"file:row N"`` (parquet, 0-based).
     """
     path = Path(path)
+    if path.is_dir():
+        raise DatasetError(f"{path} is a directory; list its {' or '.join(SUPPORTED_SUFFIXES)} files instead")
     if path.suffix not in SUPPORTED_SUFFIXES:
         raise DatasetError(f"{path}: unsupported file type {path.suffix!r} "
                            f"(supported: {', '.join(SUPPORTED_SUFFIXES)})")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+import jinja2
 import sentencepiece
 import tokenizers
 from tokenizers import processors
@@ -117,6 +118,13 @@ def _load_settings(directory: Path) -> _Settings:
         settings.chat_template = template_path.read_text(encoding="utf-8")
     else:
         settings.chat_template = _pick_template(config.get("chat_template"), str(config_path))
+    if settings.chat_template:  # a syntax error is the file's, found at load rather than at the first prompt
+        try:
+            compile_chat_template(settings.chat_template)
+        except jinja2.TemplateSyntaxError as exc:
+            where = template_path if template_path.is_file() else config_path
+            raise ValueError(f"{where}: the chat template does not compile: {exc.message} (template line "
+                             f"{exc.lineno})") from None
     for flag in ("add_bos_token", "add_eos_token"):
         if flag in config and config[flag] is not None:
             setattr(settings, flag, bool(config[flag]))

@@ -218,6 +218,19 @@ class LlamaBridge:
         return {e.generation: sd[e.megatron][: self.cfg.vocab_size] if e.vocab else sd[e.megatron]
                 for e in self.entries()}
 
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of every HF tensor a checkpoint of this config holds (vocabulary unpadded)."""
+        cfg = self.cfg
+        hidden, ffn = cfg.hidden_size, cfg.intermediate_size
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        by_suffix = {"embed_tokens.weight": (cfg.vocab_size, hidden), "lm_head.weight": (cfg.vocab_size, hidden),
+                     "q_proj.weight": (q, hidden), "k_proj.weight": (kv, hidden), "v_proj.weight": (kv, hidden),
+                     "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.weight": (hidden, q),
+                     "gate_proj.weight": (ffn, hidden), "up_proj.weight": (ffn, hidden),
+                     "down_proj.weight": (hidden, ffn)}
+        return {name: by_suffix.get(".".join(name.split(".")[-2:]), (hidden,))
+                for e in self.entries() for name in e.hf}
+
     def megatron_shapes(self) -> dict[str, tuple[int, ...]]:
         """Full (unsharded) shapes of every Megatron parameter."""
         cfg, shapes = self.cfg, {}

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hybridflow.models.bridge import get_bridge
-from hybridflow.models.config import DecoderConfig
+from hybridflow.models.config import DecoderConfig, ModelConfigError
 from hybridflow.models.decoder import Decoder, rope_inv_freq
 
 SINGLE_FILE = "model.safetensors"
@@ -38,9 +38,13 @@ def _weight_files(path: Path) -> list[Path]:
     if not path.is_dir():
         raise FileNotFoundError(f"model directory not found: {path}")
     if (path / INDEX_FILE).is_file():
-        with open(path / INDEX_FILE) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+            names = sorted({str(name) for name in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSONDecodeError is a ValueError
+            raise ModelConfigError(f"{path / INDEX_FILE} is not a safetensors index ({type(exc).__name__}: "
+                                   f"{exc})") from None
+        files = [path / name for name in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{path / INDEX_FILE} lists shard(s) that do not exist: {missing}")
@@ -50,6 +54,33 @@ def _weight_files(path: Path) -> list[Path]:
     hint = " (only PyTorch .bin weights found: convert them to safetensors)" if any(
         path.glob("*.bin")) else ""
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}{hint}")
+
+
+def check_hf_checkpoint(path: str | Path, cfg: DecoderConfig) -> None:
+    """ModelConfigError unless the safetensors at `path` hold the tensors that `cfg` (its config.json)
+    describes, in their shapes. Reads the files' headers only, no weights: a vocab_size that disagrees
+    with the embedding's rows would otherwise be zero-padded on load and exported at the wrong size."""
+    shapes: dict[str, tuple[tuple[int, ...], Path]] = {}
+    for file in _weight_files(Path(path)):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                shapes.update({name: (tuple(f.get_slice(name).get_shape()), file) for name in f.keys()})
+        except (SafetensorError, OSError) as exc:
+            raise ModelConfigError(f"{file} is not a readable safetensors file ({exc})") from None
+    config = Path(path) / "config.json"
+    bridge = get_bridge(cfg)
+    try:
+        bridge.check_hf_names(shapes)
+    except KeyError as exc:
+        raise ModelConfigError(f"the weights in {path} do not match {config}: {exc.args[0]}") from None
+    for name, want in bridge.hf_shapes().items():
+        found, file = shapes[name]
+        if found == want:
+            continue
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")) and found[1:] == want[1:]:
+            raise ModelConfigError(f"{config} says vocab_size {cfg.vocab_size}, but {name} in {file} has "
+                                   f"{found[0]} rows")
+        raise ModelConfigError(f"{config} makes {name} {list(want)}, but {file} holds {list(found)}")
 
 
 def load_hf_state_dict(path: str | Path, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:

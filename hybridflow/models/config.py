@@ -18,6 +18,11 @@ HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
+# Sizes config.json must give as positive integers (a "16" would fail far from here, in arithmetic).
+_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
 class ModelConfigError(ValueError):
     """config.json describes a model this decoder cannot reproduce exactly."""
 
@@ -66,6 +71,10 @@ class DecoderConfig:
         if model_type not in SUPPORTED_FAMILIES:
             raise ModelConfigError(
                 f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_FAMILIES}")
+        for key in _SIZE_KEYS:
+            value = hf.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ModelConfigError(f"{key}={value!r}: must be a positive integer")
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"hidden_act={act!r}: only SwiGLU (silu) MLPs are supported")

@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["CausalLM", "HFModel", "RewardModel", "load_hf_model", "resolve_device"]
+__all__ = ["CausalLM", "HFModel", "RewardModel", "load_hf_model", "prompt_ids", "resolve_device"]
 
 logger = logging.getLogger("hybridflow.models.hf")
 
@@ -47,6 +47,20 @@ def resolve_device(device_map: Optional[str]) -> torch.device:
     raise ValueError(f"device_map must be None, 'auto', 'cpu' or a device name like 'cuda:0', "
                      f"got {device_map!r} (splitting a model across devices is done by the "
                      f"controller's placement, not here)")
+
+
+def _as_chat(tokenizer: Any, prompts: Sequence[str]) -> list[str]:
+    """Each prompt as one user turn of the chat template, generation prompt appended."""
+    return [tokenizer.render_prompt([{"role": "user", "content": p}]) for p in prompts]
+
+
+def prompt_ids(tokenizer: Any, prompts: Sequence[str], chat: bool) -> list[list[int]]:
+    """Token ids of each prompt as `CausalLM.generate` feeds it to the model (so a caller can check the
+    lengths before loading weights). With `chat`, one user turn of the chat template, whose text already
+    holds its special tokens; else the text with the tokenizer's BOS/EOS rule."""
+    if chat:
+        return tokenizer.encode_batch(_as_chat(tokenizer, prompts), add_special_tokens=False)
+    return tokenizer.encode_batch(list(prompts))
 
 
 def _resolve_dtype(dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
@@ -101,21 +115,9 @@ class CausalLM:
             raise ValueError(f"chat=True but the tokenizer at {self.path} has no chat template")
         return chat
 
-    def _as_chat(self, prompts: Sequence[str]) -> list[str]:
-        """Each prompt as one user turn of the chat template, generation prompt appended."""
-        return [self.tokenizer.render_prompt([{"role": "user", "content": p}]) for p in prompts]
-
     def _encode(self, prompts: Sequence[str], chat: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded input_ids and attention_mask [B, T] on the model's device.
-
-        With `chat`, each prompt is one user message rendered by the chat
-        template (generation prompt appended), whose text already holds its
-        special tokens.
-        """
-        if chat:
-            ids = self.tokenizer.encode_batch(self._as_chat(prompts), add_special_tokens=False)
-        else:
-            ids = self.tokenizer.encode_batch(list(prompts))
+        """Left-padded input_ids and attention_mask [B, T] on the model's device (`prompt_ids`)."""
+        ids = prompt_ids(self.tokenizer, prompts, chat)
         width = max(len(row) for row in ids)
         input_ids = torch.full((len(ids), width), self.generator.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(ids), width), dtype=torch.long)
@@ -148,7 +150,7 @@ class CausalLM:
             return []
         chat = self._wants_chat(chat)
         if self.engine == "vllm":
-            texts = self._as_chat(prompts) if chat else prompts
+            texts = _as_chat(self.tokenizer, prompts) if chat else prompts
             pairs = self._generate_vllm(texts, max_new_tokens, temperature, n, seed, **sampling)
             return [(prompts[i // n], response) for i, (_, response) in enumerate(pairs)]
         params = self.sampling_params(max_new_tokens, temperature, n, **sampling)

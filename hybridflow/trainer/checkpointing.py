@@ -1,7 +1,8 @@
 """Checkpoint directories that are either complete or absent.
 
     root/step_000010/     one directory per saved step (contents: the trainer's)
-    root/step_000010/manifest.json   every file of the step and its size, written last
+    root/step_000010/manifest.json   every file of the step, its size and (small files) its sha256,
+                                     written last
     root/latest           "step_000010": the last step saved, written atomically
     root/.tmp-step_000020-<pid>/   a save in progress, or a crashed one
 
@@ -9,7 +10,8 @@
 directory, records its manifest, fsyncs it, and only then renames it to
 `step_XXXXXX`, so a crash or a full disk mid-save never leaves a half-written
 step that `latest()` would pick. A step damaged afterwards (a shard deleted
-or truncated, an emptied directory) fails its manifest check, and `latest()`
+or truncated, an emptied directory, a metadata file such as trainer.json
+overwritten at the same size) fails its manifest check, and `latest()`
 falls back to the newest intact step, with a warning naming what it skipped. The trainer decides what goes inside (engine shards through
 dist_checkpointing, dataloader and RNG state through `atomic_write_json` and
 `atomic_torch_save`). Only the controller (one process) saves into a root.
@@ -17,6 +19,7 @@ dist_checkpointing, dataloader and RNG state through `atomic_write_json` and
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -30,6 +33,9 @@ MANIFEST = "manifest.json"
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PARTIAL = re.compile(r"^\.(tmp|old|pruned)-(step_\d+)-(\d+)$")
+# Files up to this size (metadata: trainer.json, ...) also get a sha256 in the manifest, since an edit that keeps
+# the size passes the size check; shards are only sized, as hashing them would read gigabytes on every resume.
+HASHED_UP_TO = 1 << 20
 
 
 class CheckpointError(OSError):
@@ -68,6 +74,10 @@ def _fsync_tree(root: Path) -> None:
             finally:
                 os.close(fd)
         _fsync_dir(Path(dirpath))
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _atomic_write(path: Path | str, write: Callable[[IO[bytes]], None]) -> None:
@@ -162,10 +172,11 @@ class CheckpointManager:
         intact, a CheckpointError: starting over would truncate the run's metrics and prune those steps."""
         found = self.latest()
         if found is None and self.all_steps():
-            names = ", ".join(step_dirname(s) for s in self.all_steps())
-            raise CheckpointError(-1, f"trainer.resume=auto: no intact checkpoint under {self.root} ({names}: "
-                                      "see the warnings above); repair or move them, or start over with "
-                                      "trainer.resume=disable trainer.overwrite=true")
+            why = "; ".join(f"{step_dirname(s)}: {self.damage(self.step_dir(s)) or 'after the latest marker'}"
+                            for s in self.all_steps())
+            raise CheckpointError(-1, f"trainer.resume=auto: no intact checkpoint under {self.root} ({why}); "
+                                      "repair or move them, or start over with trainer.resume=disable "
+                                      "trainer.overwrite=true")
         return found
 
     @staticmethod
@@ -179,8 +190,9 @@ class CheckpointManager:
         if not manifest.is_file():
             return None if any(directory.iterdir()) else "it is empty"
         try:
-            files = json.loads(manifest.read_text())["files"]
-            expected = {str(name): int(size) for name, size in files.items()}
+            saved = json.loads(manifest.read_text())
+            expected = {str(name): int(size) for name, size in saved["files"].items()}
+            digests = {str(name): str(digest) for name, digest in saved.get("sha256", {}).items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return f"its {MANIFEST} is unreadable"
         for name, size in expected.items():
@@ -189,6 +201,9 @@ class CheckpointManager:
                 return f"{name} is missing"
             if path.stat().st_size != size:
                 return f"{name} has {path.stat().st_size} bytes, {size} were saved"
+        for name, digest in digests.items():
+            if (directory / name).is_file() and _sha256(directory / name) != digest:
+                return f"{name} is not the file that was saved (same size, other content)"
         return None
 
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
@@ -205,7 +220,8 @@ class CheckpointManager:
         try:
             write(tmp)
             files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-            atomic_write_json(tmp / MANIFEST, {"step": step, "files": files})
+            digests = {name: _sha256(tmp / name) for name, size in files.items() if size <= HASHED_UP_TO}
+            atomic_write_json(tmp / MANIFEST, {"step": step, "files": files, "sha256": digests})
             _fsync_tree(tmp)
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)

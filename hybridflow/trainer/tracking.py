@@ -13,6 +13,7 @@ backends; a new backend is one class with `log` and `close` added to LOGGERS.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -85,7 +86,12 @@ def read_metrics(path: Path | str) -> list[dict]:
         path = path / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file {path}")
-    lines = path.read_text().splitlines()
+    raw = path.read_bytes()
+    try:
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        lineno = raw[:exc.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x})") from None
     records = []
     for i, line in enumerate(lines):
         if not line.strip():
@@ -128,11 +134,23 @@ class JsonlLogger:
         self._file = open(self.path, "a")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self._file.write(_dump({"step": step, **metrics}) + "\n")
-        self._file.flush()
+        with self._named_errors():
+            self._file.write(_dump({"step": step, **metrics}) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        with self._named_errors():
+            self._file.close()
+
+    @contextlib.contextmanager
+    def _named_errors(self):
+        """A failed write (a full disk) names this file: a buffered flush raises OSError without a filename."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.filename is not None or exc.errno is None:
+                raise
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
 
 
 # --- console -----------------------------------------------------------------

@@ -35,7 +35,8 @@ from hybridflow.data.tokenizer import Tokenizer
 from hybridflow.engine import MegatronEngine
 from hybridflow.hybrid_engine import generation_weights
 from hybridflow.hybrid_engine.publish import assemble, training_shard
-from hybridflow.models.checkpoint import load_decoder, save_hf_checkpoint, save_hf_checkpoint_parts
+from hybridflow.models.checkpoint import (check_hf_checkpoint, load_decoder, save_hf_checkpoint,
+                                         save_hf_checkpoint_parts)
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.config import DecoderConfig, ModelConfigError
 from hybridflow.roles import Actor, Critic, Reference, Rollout
@@ -51,10 +52,14 @@ def load_model_config(path: str, key: str) -> DecoderConfig:
         raise ConfigError(key, "no model path given")
     if not Path(path).exists():
         raise ConfigError(key, f"model path does not exist: {path}")
+    if not Path(path).is_dir():
+        raise ConfigError(key, f"{path} is a file; give the model's directory (config.json and safetensors)")
     try:
-        return DecoderConfig.from_pretrained(path)
+        cfg = DecoderConfig.from_pretrained(path)
+        check_hf_checkpoint(path, cfg)  # the weights' headers: before any worker starts loading them
     except (FileNotFoundError, ModelConfigError) as exc:
         raise ConfigError(key, str(exc)) from None
+    return cfg
 
 
 def load_tokenizer(model: ModelConfig, model_cfg: DecoderConfig) -> Tokenizer:

@@ -7,7 +7,7 @@ import pytest
 from hybridflow.config import (
     ActorConfig, Config, ConfigError, DataConfig, dump_config, load_config, to_dict)
 
-BASE = ["model.path=/models/tiny"]
+BASE = ["model.path=/models/tiny", "data.train_files=[a.parquet]"]
 
 
 def _write(tmp_path, text: str):

@@ -82,3 +82,28 @@ def test_example_prompts_that_do_not_parse_or_are_empty_get_one_line():
                       ("[1, 2]", "must be a Python list of strings")):
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             parse_prompts(text)
+
+
+def test_example_prompts_longer_than_the_actor_holds_get_one_line(capsys):
+    """A prompt past the demo actor's 64 positions used to be answered anyway, past the positions it was
+    trained on; the default --max-new-tokens (128) now shrinks to the room left instead."""
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("my_rl_flow_lengths", REPO / "examples" / "my_rl_flow.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    long = "1+" * 60 + "="
+    for args, text in (
+            (["--prompts", repr(["042+917=", long])],
+             "argument --prompts: prompt 2 ('1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1...') is 122 tokens and leaves no "
+             "room for a response: the actor holds max_position_embeddings=64"),
+            (["--prompts", "['042+917=']", "--max-new-tokens", "60"],
+             "prompt 1 ('042+917=') is 9 tokens and with --max-new-tokens 60 needs 69 positions")):
+        with pytest.raises(SystemExit) as exited:
+            example.main(args)
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if "error:" in line]
+        assert exited.value.code == 2 and len(errors) == 1 and "Traceback" not in err, err
+        assert text in errors[0], errors[0]

@@ -172,6 +172,8 @@ def test_atomic_file_helpers(tmp_path):
     (lambda d: (d / "model.bin").write_bytes(b"cut"), "model.bin has 3 bytes, 100 were saved"),
     (lambda d: (d / "sub" / "meta.json").unlink(), "sub/meta.json is missing"),
     (lambda d: (d / "manifest.json").write_bytes(b"\xff{"), "its manifest.json is unreadable"),
+    (lambda d: (d / "sub" / "meta.json").write_text((d / "sub" / "meta.json").read_text().replace('"b"', '"c"')),
+     "sub/meta.json is not the file that was saved (same size, other content)"),
 ])
 def test_resume_falls_back_past_a_damaged_step_and_names_it(tmp_path, caplog, damage, why):
     mgr = CheckpointManager(tmp_path, keep_last=0)
@@ -197,7 +199,7 @@ def test_an_emptied_step_and_a_binary_marker_fall_back_too(tmp_path, caplog):
             if f.is_file():
                 f.write_bytes(b"")
     assert mgr.latest() is None  # nothing intact is left
-    with pytest.raises(CheckpointError, match=r"no intact checkpoint under .* \(step_000010, step_000020, "
-                                              r"step_000030: see the warnings above\)"):
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint under .* \(step_000010: its manifest.json is "
+                                              r"unreadable; step_000020: .*; step_000030: it is empty\)"):
         mgr.resume_point()  # a resume does not quietly start over (that would prune these steps)
     assert CheckpointManager(tmp_path / "new", keep_last=0).resume_point() is None  # never saved: start
