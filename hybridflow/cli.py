@@ -183,11 +183,14 @@ def _disk_error(exc: BaseException) -> str | None:
     outer, seen = exc, set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
-            if exc.filename is None:  # e.g. a buffered flush: the outer error says what was being written
-                return f"{exc.strerror}: {(str(outer).strip().splitlines() or [''])[0]}"
-            where = os.path.abspath(exc.filename)
-            return f"{exc.strerror}: {where} (in the directory {os.path.dirname(where)})"
+        # A Ray worker's error arrives as text; the worker records its OSError's fields beside it.
+        code, strerror, filename = ((exc.errno, exc.strerror, exc.filename) if isinstance(exc, OSError)
+                                    else getattr(exc, "os_error", None) or (None, None, None))
+        if code in _DISK_ERRNOS:
+            if filename is None:  # e.g. a buffered flush: the outer error says what was being written
+                return f"{strerror}: {(str(outer).strip().splitlines() or [''])[0]}"
+            where = os.path.abspath(filename)
+            return f"{strerror}: {where} (in the directory {os.path.dirname(where)})"
         exc = exc.__cause__ or exc.__context__
     return None
 

@@ -75,17 +75,34 @@ _DIED = "its worker process died"  # WorkerError.reason of a rank whose process 
 
 
 class WorkerError(RuntimeError):
-    """A rank of a worker group failed; `rank`, `method` and the worker-side `traceback` text."""
+    """A rank of a worker group failed; `rank`, `method` and the worker-side `traceback` text.
 
-    def __init__(self, rank: int, method: str, reason: str, traceback_text: str = ""):
+    os_error: (errno, strerror, filename) of the first OSError in the worker's chain of causes, if any,
+    so the controller can say "No space left on device: FILE" without parsing the traceback.
+    """
+
+    def __init__(self, rank: int, method: str, reason: str, traceback_text: str = "",
+                 os_error: Optional[tuple] = None):
         self.rank, self.method, self.reason, self.traceback = rank, method, reason, traceback_text
+        self.os_error = os_error
         message = f"rank {rank} failed in {method}: {reason}"
         if traceback_text:
             message += f"\n--- on rank {rank} ---\n{traceback_text.rstrip()}"
         super().__init__(message)
 
     def __reduce__(self):
-        return WorkerError, (self.rank, self.method, self.reason, self.traceback)
+        return WorkerError, (self.rank, self.method, self.reason, self.traceback, self.os_error)
+
+
+def first_os_error(exc: Optional[BaseException]) -> Optional[tuple]:
+    """(errno, strerror, filename) of the first OSError with an errno in `exc`'s chain of causes."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc.errno, exc.strerror, None if exc.filename is None else str(exc.filename)
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 @dataclass(frozen=True)
@@ -296,6 +313,7 @@ class _Failure:
     def __init__(self, exc: BaseException):
         self.summary = f"{type(exc).__name__}: {exc}"
         self.traceback = traceback.format_exc()
+        self.os_error = first_os_error(exc)
 
 
 class _Host:
@@ -504,7 +522,7 @@ class RayWorkerGroup(_WorkerGroup):
         except ray.exceptions.RayError as exc:
             return WorkerError(rank, method, type(exc).__name__, str(exc))
         if isinstance(out, _Failure):
-            return WorkerError(rank, method, out.summary, out.traceback)
+            return WorkerError(rank, method, out.summary, out.traceback, out.os_error)
         return out
 
     def _root_cause(self, first: WorkerError, pending: dict, method: str) -> WorkerError:
@@ -601,7 +619,8 @@ class LocalWorkerGroup(_WorkerGroup):
         try:
             return fn()
         except Exception as exc:
-            raise WorkerError(self.rank, name, f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
+            raise WorkerError(self.rank, name, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+                              first_os_error(exc)) from exc
 
     def _all_ranks(self, value: Any) -> list:
         """`value` from every rank of the job, in rank order (a world of one: just this one)."""

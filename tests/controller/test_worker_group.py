@@ -89,6 +89,20 @@ def test_the_local_cluster_refuses_a_client_without_its_token(ray_cluster):
     assert out.returncode != 0 and "InvalidAuthToken" in out.stderr
 
 
+def test_a_full_disk_on_a_ray_worker_is_one_line_naming_the_file(ray_cluster):
+    """#13 item 7: the worker's traceback travels as text; its OSError's errno and file travel beside it,
+    so the CLI says "No space left on device" and names the file, not the worker's traceback."""
+    from hybridflow.cli import _disk_error
+
+    group = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu"))
+    with pytest.raises(WorkerError) as info:
+        group.call(Echo.write_to_a_full_disk, "/ckpt/step_000003/model.bin")
+    group.shutdown()
+    assert info.value.os_error[0] == 28 and info.value.os_error[2] == "/ckpt/step_000003/model.bin"
+    assert _disk_error(info.value) == ("No space left on device: /ckpt/step_000003/model.bin "
+                                       "(in the directory /ckpt/step_000003)")
+
+
 def test_dp_split_round_trip_in_order(echo_group):
     batch = _batch()
     out = echo_group.call(Echo.double, batch, extra=1)

@@ -65,6 +65,16 @@ class Echo(Worker):
         return self.rank
 
     @register(Dispatch.ONE_TO_ALL)
+    def write_to_a_full_disk(self, path: str) -> None:
+        """A write the machine refuses, wrapped as a library would wrap it."""
+        import errno
+
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        except OSError as exc:
+            raise RuntimeError("saving the shard failed") from exc
+
+    @register(Dispatch.ONE_TO_ALL)
     def exit_on(self, rank: int) -> int:
         """`rank` exits hard; the others wait in a collective that can never complete."""
         self.init_process_group()
