@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import socket
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -34,6 +35,8 @@ from hybridflow.config.schema import Config, ParallelConfig, PlacementConfig
 # A module reference, not the class: `parallel.layout` imports ConfigError from this package, so
 # importing `hybridflow.parallel` first must find this module importable while layout is half-done.
 from hybridflow.parallel import layout as _layout
+
+RAY_ADDRESS_TIMEOUT_S = 5.0
 
 if TYPE_CHECKING:
     from hybridflow.models.config import DecoderConfig
@@ -456,6 +459,22 @@ def _check_packing(cfg: Config, model: "DecoderConfig") -> None:
             raise ConfigError(key, "packed micro-batches need full attention; the model has sliding-window layers")
 
 
+def _check_ray_address(cfg: Config) -> None:
+    """A cluster address nothing answers at: Ray would retry for minutes before failing; one TCP connect says so
+    in seconds. ("auto" finds the cluster through Ray's own files and is left to Ray.)"""
+    address = cfg.trainer.ray_address
+    if address is None or address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError("trainer.ray_address", f"expected 'auto' or host:port, got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_ADDRESS_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ConfigError("trainer.ray_address", f"nothing answers at {address} "
+                          f"({exc.strerror or type(exc).__name__}); is the cluster's head node running?") from None
+
+
 def check_runnable(cfg: Config, model: "DecoderConfig", critic_model: Optional["DecoderConfig"] = None) -> None:
     """ConfigError for what the config and the models' own config.json / the machine cannot run together.
 
@@ -477,6 +496,7 @@ def check_runnable(cfg: Config, model: "DecoderConfig", critic_model: Optional["
     if not cfg.data.train_files:
         raise ConfigError("data.train_files", "is empty: give at least one .parquet or .jsonl file of prompts")
     _check_output_dir(cfg)
+    _check_ray_address(cfg)
     _check_previous_run(cfg)
     _check_shares(cfg)
     _check_mini_batches(cfg)
