@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 import traceback
@@ -69,6 +70,22 @@ def mean_of_ranks(metrics: dict[str, Any]) -> dict[str, float]:
 def _per_item(fn: Callable[[Any], Any]) -> Callable[[Any, list], list]:
     """A DataFlow forward_fn applying a per-batch stage to each chunk it receives."""
     return lambda model, items: [fn(item) for item in items]
+
+
+def _trainer_state(directory: Path, step: int) -> dict[str, Any]:
+    """A checkpoint's trainer.json, or a CheckpointError naming it (a step saved before manifests recorded
+    digests is not checked by its manifest)."""
+    path = directory / "trainer.json"
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(state, dict) or not math.isfinite(float(state["kl_coef"])):
+            raise ValueError("no finite kl_coef")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(step, f"trainer.resume=auto: {path} is not a trainer state this run can resume "
+                                    f"from ({type(exc).__name__}: {exc}); move the step away to resume from an "
+                                    "earlier one, or start over with trainer.resume=disable trainer.overwrite=true"
+                              ) from None
+    return state
 
 
 class RLTrainer:
@@ -355,10 +372,10 @@ class RLTrainer:
         if found is None:
             return 0
         step, directory = found
+        state = _trainer_state(directory, step)  # before any shard loads: a bad one fails fast, naming the file
         for group in self._groups():
             group.load(str(directory))
         self.transition()
-        state = json.loads((directory / "trainer.json").read_text())
         self.kl_ctrl.value = state["kl_coef"]
         log.info("resumed from %s (step %d)", directory, step)
         return step

@@ -544,6 +544,14 @@ RESUME = {  # name -> (damage to the saved step directory, the line's text; {c} 
                              "(step_000001: trainer.json has 0 bytes, "),
     "manifest not JSON": (lambda step: (step / "manifest.json").write_text("{"),
                           "(step_000001: its manifest.json is unreadable)"),
+    # A step saved before manifests existed is taken as it is: trainer.json is then checked when read.
+    "no manifest, trainer.json not JSON": (
+        lambda step: ((step / "manifest.json").unlink(), (step / "trainer.json").write_text("not json")),
+        "trainer.resume=auto: {c}/step_000001/trainer.json is not a trainer state this run can resume from "
+        "(JSONDecodeError"),
+    "no manifest, trainer.json without kl_coef": (
+        lambda step: ((step / "manifest.json").unlink(), (step / "trainer.json").write_text('{"step": 1}')),
+        "{c}/step_000001/trainer.json is not a trainer state this run can resume from (KeyError: 'kl_coef')"),
 }
 
 
