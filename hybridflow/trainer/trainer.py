@@ -41,7 +41,7 @@ from hybridflow.controller.worker_group import LocalWorkerGroup, WorkerError
 from hybridflow.dataflow import DataFlow, Node, NodeError
 from hybridflow.data import fields as F
 from hybridflow.data.dataset import PromptDataset, batches_per_epoch, iterate_batches
-from hybridflow.rewards.registry import get_reward_fn
+from hybridflow.rewards.registry import DATA_SOURCE_REWARDS, default_reward, get_reward_fn
 from hybridflow.trainer import rl_steps as S
 from hybridflow.trainer.build import build_groups, needs_old_log_probs, needs_reference
 from hybridflow.trainer.checkpointing import CheckpointError, CheckpointManager, atomic_write_json
@@ -109,6 +109,14 @@ class RLTrainer:
             self.reward_fn = get_reward_fn(cfg.reward.function)
         except Exception as exc:
             raise ConfigError("reward.function", f"{cfg.reward.function!r}: {type(exc).__name__}: {exc}") from None
+        if self.reward_fn is default_reward:  # it picks a verifier per row: every data_source needs one now
+            for dataset in filter(None, (self.train_set, self.val_set)):
+                unknown = sorted({r.data_source for r in dataset.records} - set(DATA_SOURCE_REWARDS))
+                if unknown:
+                    raise ConfigError("reward.function", f"'default' has no reward for data_source {unknown[0]!r} "
+                                      f"(in {', '.join(map(str, dataset.files))}); it knows "
+                                      f"{sorted(DATA_SOURCE_REWARDS)}: set reward.function to a name or "
+                                      "'file.py:function'")
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                            cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self.needs_ref = needs_reference(cfg)

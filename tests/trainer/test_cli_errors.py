@@ -271,9 +271,10 @@ DATA = {
         "{t}/long.jsonl:1: prompt is 81 tokens, longer than max_prompt_length=16"),
     "fewer prompts than a batch": (lambda t: [_jsonl(t, "few.jsonl", {}, {}, {})], 2,
                                    "data.train_batch_size: 8 is larger than the 3 usable training prompts"),
-    # Found at the first reward, after the workers start; one line naming the data_source.
+    # Refused before any worker starts (it was found at the first reward).
     "data_source without a default reward": (lambda t: [_jsonl(t, "ds.jsonl", *[{"data_source": "nosuch/ds"}] * 8)],
-                                             1, "no default reward for data_source 'nosuch/ds'"),
+                                             2, "reward.function: 'default' has no reward for data_source "
+                                                "'nosuch/ds' (in {t}/ds.jsonl)"),
 }
 
 MODEL = {
