@@ -8,7 +8,8 @@
     hybridflow eval DATA --model DIR [--model DIR]  greedy held-out accuracy, before/after answers
 
 Later subcommands (`reshard`) hang off the same parser. Errors in user input print one line naming the problem and exit 2,
-instead of a traceback; any other error prints one line too and exits 1 (`HYBRIDFLOW_TRACEBACK=1` re-raises it), a full
+instead of a traceback; any other error prints one line too and exits 1 (`hybridflow --debug ...` or
+`HYBRIDFLOW_TRACEBACK=1` re-raises it, with its traceback), a full
 or read-only disk naming the file it could not write.
 """
 from __future__ import annotations
@@ -197,6 +198,8 @@ def _disk_error(exc: BaseException) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hybridflow", description=__doc__.split("\n")[0])
+    parser.add_argument("--debug", action="store_true",
+                        help="an error shows its full traceback instead of one line (as HYBRIDFLOW_TRACEBACK=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run PPO/GRPO end to end from a config")
     p.add_argument("config", help="YAML file")
@@ -240,20 +243,23 @@ def main(argv: list[str] | None = None) -> int:
     from hybridflow.data.dataset import DatasetError
 
     args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("HYBRIDFLOW_TRACEBACK", "0").strip().lower() not in ("", "0", "false", "no")
     try:
         return args.func(args)
     except (ConfigError, DatasetError, FileNotFoundError) as exc:
+        if debug:
+            raise
         print(f"hybridflow: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # anything else still ends in one line; the traceback on request
-        if os.environ.get("HYBRIDFLOW_TRACEBACK", "0").strip().lower() not in ("", "0", "false", "no"):
+        if debug:
             raise
         disk = _disk_error(exc)
         if disk is not None:
             print(f"hybridflow: error: {disk}", file=sys.stderr)
             return 1
         first = (str(exc).strip().splitlines() or [""])[0]
-        print(f"hybridflow: error: {type(exc).__name__}: {first} (HYBRIDFLOW_TRACEBACK=1 shows the traceback)",
+        print(f"hybridflow: error: {type(exc).__name__}: {first} (hybridflow --debug shows the traceback)",
               file=sys.stderr)
         return 1
 

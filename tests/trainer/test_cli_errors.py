@@ -595,3 +595,13 @@ def test_a_full_disk_gets_one_line_naming_the_directory(writer, tmp_path, capsys
         monkeypatch.setattr(hybridflow.models.checkpoint, "save_file", _disk_full)
     code, line = _one_line([*TRAIN, f"trainer.output_dir={tmp_path}"], capsys)
     assert code == 1 and "No space left on device" in line and str(run) in line, line
+
+
+def test_debug_shows_the_traceback_instead_of_the_line(tmp_path, capsys, repo):
+    """#13 item 7: the full traceback on request (`hybridflow --debug`), for user errors and the rest."""
+    from hybridflow.config import ConfigError
+
+    with pytest.raises(ConfigError, match="actor.optim.lr: must be a finite number"):
+        main(["--debug", *TRAIN, f"trainer.output_dir={tmp_path}", "actor.optim.lr=-1"])
+    assert main([*TRAIN, f"trainer.output_dir={tmp_path}", "actor.optim.lr=-1"]) == 2
+    assert "hybridflow: error: actor.optim.lr" in capsys.readouterr().err
