@@ -133,7 +133,7 @@ def main(argv=None) -> None:
         print(json.dumps(measure(args, args.variant)))
         return
     rows = []
-    child_args = [a for a in (argv if argv is not None else sys.argv[1:])]
+    child_args = list(argv if argv is not None else sys.argv[1:])
     if "--json" in child_args:
         i = child_args.index("--json")
         del child_args[i:i + 2]

@@ -181,19 +181,17 @@ _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 def _disk_error(exc: BaseException) -> str | None:
     """One line for a refused file operation anywhere in `exc`'s chain of causes, naming the file and its directory;
     None for any other error."""
-    outer, seen = exc, set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        # A Ray worker's error arrives as text; the worker records its OSError's fields beside it.
-        code, strerror, filename = ((exc.errno, exc.strerror, exc.filename) if isinstance(exc, OSError)
-                                    else getattr(exc, "os_error", None) or (None, None, None))
-        if code in _DISK_ERRNOS:
-            if filename is None:  # e.g. a buffered flush: the outer error says what was being written
-                return f"{strerror}: {(str(outer).strip().splitlines() or [''])[0]}"
-            where = os.path.abspath(filename)
-            return f"{strerror}: {where} (in the directory {os.path.dirname(where)})"
-        exc = exc.__cause__ or exc.__context__
-    return None
+    from hybridflow.controller.worker_group import first_os_error
+
+    # A Ray worker's error arrives as text; the worker records its OSError's fields beside it.
+    found = first_os_error(exc, _DISK_ERRNOS)
+    if found is None:
+        return None
+    _, strerror, filename = found
+    if filename is None:  # e.g. a buffered flush: the outer error says what was being written
+        return f"{strerror}: {(str(exc).strip().splitlines() or [''])[0]}"
+    where = os.path.abspath(filename)
+    return f"{strerror}: {where} (in the directory {os.path.dirname(where)})"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+# The metrics backends trainer/tracking.py builds (its LOGGERS): checked by the loader like any choice.
+LoggerName = Literal["console", "jsonl", "tensorboard"]
+
 
 @dataclass
 class ModelConfig:
@@ -222,7 +225,7 @@ class TrainerConfig:
     # A run directory that holds a previous run is refused unless resume=auto or overwrite=true (start over:
     # a new metrics file, and the old checkpoints are pruned as new ones are saved).
     overwrite: bool = False
-    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    loggers: list[LoggerName] = field(default_factory=lambda: ["console", "jsonl"])
     # A Ray cluster to join ("auto" or "host:port"), with its own auth and bind settings (README: Security);
     # None starts a private local one: loopback only, token auth on.
     ray_address: Optional[str] = None

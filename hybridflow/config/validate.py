@@ -331,17 +331,6 @@ def _check_optim(cfg: Config) -> None:
             raise ConfigError(f"{path}.warmup_steps", f"must be >= 0, got {optim.warmup_steps}")
 
 
-def _check_loggers(cfg: Config) -> None:
-    from hybridflow.trainer.tracking import LOGGERS
-    from hybridflow.utils import nearest_name
-
-    for i, name in enumerate(cfg.trainer.loggers):
-        if name not in LOGGERS:
-            close = nearest_name(name, LOGGERS)
-            hint = f" (did you mean '{close}'?)" if close else ""
-            raise ConfigError(f"trainer.loggers[{i}]", f"{name!r} is not one of {list(LOGGERS)}{hint}")
-
-
 def _check_one_process_layout(cfg: Config) -> None:
     """Without Ray the actor's and critic's groups live in the same processes, which hold one megatron-core layout."""
     if uses_ray(cfg) or not uses_critic(cfg):
@@ -392,7 +381,6 @@ def validate(cfg: Config) -> Config:
     _check_coefficients(cfg)
     _check_batches(cfg)
     _check_optim(cfg)
-    _check_loggers(cfg)
     return cfg
 
 

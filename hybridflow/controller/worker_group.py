@@ -94,13 +94,16 @@ class WorkerError(RuntimeError):
         return WorkerError, (self.rank, self.method, self.reason, self.traceback, self.os_error)
 
 
-def first_os_error(exc: Optional[BaseException]) -> Optional[tuple]:
-    """(errno, strerror, filename) of the first OSError with an errno in `exc`'s chain of causes."""
+def first_os_error(exc: Optional[BaseException], errnos: Optional[tuple] = None) -> Optional[tuple]:
+    """(errno, strerror, filename) of the first OSError in `exc`'s chain of causes, or the first a WorkerError
+    in it recorded from its worker; only errors whose errno is in `errnos`, when given."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno is not None:
-            return exc.errno, exc.strerror, None if exc.filename is None else str(exc.filename)
+        found = ((exc.errno, exc.strerror, None if exc.filename is None else str(exc.filename))
+                 if isinstance(exc, OSError) else getattr(exc, "os_error", None))
+        if found is not None and found[0] is not None and (errnos is None or found[0] in errnos):
+            return found
         exc = exc.__cause__ or exc.__context__
     return None
 

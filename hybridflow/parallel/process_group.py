@@ -49,12 +49,14 @@ def init_process_group(device: str = "cpu") -> None:
 
 
 def is_loopback(address: str) -> bool:
+    """localhost, 127.x, ::1, or an IPv4-mapped IPv6 form of 127.x (as a dual-stack socket reports it)."""
     if address == "localhost":
         return True
     try:
-        return ipaddress.ip_address(address).is_loopback
+        ip = ipaddress.ip_address(address)
     except ValueError:
         return False
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
 
 
 def _gloo_on_loopback() -> None:

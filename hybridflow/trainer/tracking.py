@@ -21,8 +21,10 @@ import os
 import sys
 import time
 from pathlib import Path
+import typing
 from typing import Callable, Optional, Protocol, TextIO
 
+from hybridflow.config.schema import LoggerName
 from hybridflow.utils import nearest_name
 
 log = logging.getLogger(__name__)
@@ -244,7 +246,7 @@ class TensorboardLogger:
             self._writer.close()
 
 
-LOGGERS = ("console", "jsonl", "tensorboard")
+LOGGERS = typing.get_args(LoggerName)
 
 
 class Tracker:

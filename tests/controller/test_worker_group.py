@@ -49,20 +49,12 @@ def _listening_addresses(pids: set[int]) -> list[tuple[int, str, int]]:
             if c.status == psutil.CONN_LISTEN and c.pid in pids]
 
 
-def _is_loopback(ip: str) -> bool:
-    import ipaddress
-
-    address = ipaddress.ip_address(ip)
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
-
-
 def test_nothing_the_run_started_listens_beyond_loopback(echo_group):
     """#13: the local Ray cluster (GCS, raylet, workers, agents), the workers' gloo group and its store,
     and this process's own world of one listen on loopback only, while a 2-rank group is alive."""
     import psutil
 
-    from hybridflow.parallel.process_group import init_process_group
+    from hybridflow.parallel.process_group import init_process_group, is_loopback
 
     init_process_group("cpu")
     assert echo_group.call(Echo.all_reduce, 3.0) == [9.0, 9.0]  # the gloo group is up on both ranks
@@ -73,7 +65,7 @@ def test_nothing_the_run_started_listens_beyond_loopback(echo_group):
     listening = _listening_addresses(tree)
     names = {psutil.Process(pid).name() for pid, _, _ in listening}
     assert {"gcs_server", "raylet"} <= names and workers & {pid for pid, _, _ in listening}
-    assert [entry for entry in listening if not _is_loopback(entry[1])] == []
+    assert [entry for entry in listening if not is_loopback(entry[1])] == []
 
 
 def test_the_local_cluster_refuses_a_client_without_its_token(ray_cluster):
