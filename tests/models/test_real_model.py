@@ -18,6 +18,8 @@ from hybridflow.models.fetch import KNOWN_MODELS, FetchError, _download, fetch_m
 from hybridflow.models.gguf import GGUFError, convert_gguf
 from hybridflow.utils import load_hf_model
 from tests.data.conftest import gsm8k_questions
+from tests.models.real_case import WATCHED, real_batch, update_case
+from tests.torchrun import torchrun
 
 SPEC = KNOWN_MODELS["smollm2"]
 CHATS = [
@@ -115,22 +117,8 @@ def test_megatron_engine_log_probs_equal_the_plain_decoder(model_dir):
     from hybridflow.roles import Reference
 
     init_process_group("cpu")
-    tok = Tokenizer.from_path(model_dir)
-    prompts = [tok.encode(tok.render_prompt([{"role": "user", "content": q}]), add_special_tokens=False)
-               for q in gsm8k_questions(3)]
-    responses = [tok.encode(r, add_special_tokens=False) for r in
-                 ("The answer is 42.", "Let me think step by step: 3 + 4 = 7", "No.")]
-    t, r = max(map(len, prompts)), max(map(len, responses))
-    batch = {k: torch.zeros(3, n, dtype=torch.long) for k, n in
-             (("prompts", t), ("attention_prompt", t), ("responses", r), ("response_mask", r))}
-    for i, (p, a) in enumerate(zip(prompts, responses)):
-        batch["prompts"][i, t - len(p):] = torch.tensor(p)
-        batch["attention_prompt"][i, t - len(p):] = 1
-        batch["responses"][i, :len(a)] = torch.tensor(a)
-        batch["response_mask"][i, :len(a)] = 1
-    batch = {"input_ids": torch.cat([batch["prompts"], batch["responses"]], 1),
-             "attention_mask": torch.cat([batch["attention_prompt"], batch["response_mask"]], 1),
-             "responses": batch["responses"], "response_mask": batch["response_mask"]}
+    batch = real_batch(model_dir)
+    r = batch["responses"].shape[1]
     cfg = DecoderConfig.from_pretrained(model_dir)
     engine = MegatronEngine(cfg, ParallelConfig(), None)
     engine.load_hf_state_dict(load_hf_state_dict(model_dir))
@@ -146,6 +134,43 @@ def test_megatron_engine_log_probs_equal_the_plain_decoder(model_dir):
     torch.testing.assert_close(ours, plain, atol=5e-4, rtol=0)
     assert (ours - exact).abs().max() <= 3 * (plain - exact).abs().max()
 
+
+
+@pytest.mark.timeout(600)
+def test_tensor_parallel_3_equals_one_rank_on_the_real_weights(model_dir, tmp_path):
+    """9 heads and 3 KV heads split 3 ways: log-probs, entropy and one update equal the one-rank engine."""
+    from hybridflow.config.schema import ParallelConfig
+    from hybridflow.data import fields as F
+    from hybridflow.engine import MegatronEngine
+    from hybridflow.models import DecoderConfig
+    from hybridflow.parallel.process_group import init_process_group
+    from hybridflow.roles import Actor
+
+    out = tmp_path / "tp3.pt"
+    torchrun("tests/models/real_tp3_check.py", 3, out, model_dir, timeout=540)
+    got = torch.load(out)
+    init_process_group("cpu")
+    batch, actor_cfg = update_case(real_batch(model_dir))
+    engine = MegatronEngine(DecoderConfig.from_pretrained(model_dir), ParallelConfig(), actor_cfg.optim,
+                            total_steps=10)
+    engine.load_hf_checkpoint(model_dir)
+    before = {k: v.clone() for k, v in engine.hf_state_dict().items() if k in WATCHED}
+    actor = Actor(actor_cfg, engine)
+    want = actor.compute_log_probs(batch, 3)
+    metrics = actor.update(batch, step=0)
+    after = engine.hf_state_dict()
+    # The vocabulary (49152) is split in three: each rank holds a third of the embedding rows.
+    assert got["tp"] == 3 and got["shard_rows"] == 49152 // 3
+    mask = batch["response_mask"].bool()
+    # Row-parallel sums in another order, 30 float32 layers: as close as the engine is to the decoder.
+    for key in (F.OLD_LOG_PROBS, F.ENTROPY):
+        torch.testing.assert_close(got[key][mask], want[key][mask], atol=5e-4, rtol=0, msg=key)
+    assert got["metrics"]["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-3)
+    assert got["metrics"]["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], rel=1e-3, abs=1e-6)
+    for name in WATCHED:  # each weight's step (lr x its clipped gradient) equals the one-rank step
+        moved, want_moved = got["weights"][name] - before[name], after[name] - before[name]
+        assert want_moved.abs().max() > 0, name
+        torch.testing.assert_close(moved, want_moved, atol=5e-4 * want_moved.abs().max().item(), rtol=0, msg=name)
 
 def test_dataflow_example_answers_real_prompts_and_the_judge_scores_them(model_dir, capsys):
     import importlib.util
