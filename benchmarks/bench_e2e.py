@@ -84,10 +84,11 @@ def measure(algo: str, steps: int, warmup: int, overrides: list[str]) -> dict:
             row["step"] = metrics["timing/step_s"]
             row["other"] = row["step"] - sum(row[name] for name in STAGES if name != "other")
             row["tokens"] = metrics["batch/tokens"]
+            row["answer_tokens"] = metrics["response/length_mean"]
             rows.append(row)
     finally:
         trainer.shutdown()
-    out = {name: statistics.median(r[name] for r in rows) for name in (*STAGES, "step", "tokens")}
+    out = {name: statistics.median(r[name] for r in rows) for name in (*STAGES, "step", "tokens", "answer_tokens")}
     out["tokens_per_s"] = statistics.median(r["tokens"] / r["step"] for r in rows)
     import hybridflow
     out["code"] = str(Path(hybridflow.__file__).parent)  # which tree was measured
