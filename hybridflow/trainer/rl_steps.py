@@ -7,6 +7,9 @@ of these branch on the config.
 """
 from __future__ import annotations
 
+import inspect
+import math
+import numbers
 from typing import Any, Callable
 
 import torch
@@ -18,10 +21,38 @@ from hybridflow.data import fields as F
 Batch = dict[str, Any]
 
 
+class RewardValueError(TypeError):
+    """A reward function returned something that is not a finite number; the message names the function."""
+
+
 def score(batch: Batch, reward_fn: Callable) -> Tensor:
     """SCORES [B] from the rule-based reward of each decoded response."""
-    return torch.tensor([float(reward_fn(src, text, truth, extra)) for src, text, truth, extra in zip(
-        batch[F.DATA_SOURCE], batch[F.RESPONSE_TEXT], batch[F.GROUND_TRUTH], batch[F.EXTRA_INFO])])
+    return torch.tensor([_reward_value(reward_fn(src, text, truth, extra), reward_fn)
+                         for src, text, truth, extra in zip(batch[F.DATA_SOURCE], batch[F.RESPONSE_TEXT],
+                                                            batch[F.GROUND_TRUTH], batch[F.EXTRA_INFO])])
+
+
+def _reward_value(value: Any, reward_fn: Callable) -> float:
+    """`value` as a float if it is one finite real number (a bool, int, float, or a 0-d numpy/torch number)."""
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    elif hasattr(value, "item") and getattr(value, "size", None) == 1:  # a numpy scalar or 1-element array
+        value = value.item()
+    if isinstance(value, numbers.Real) and math.isfinite(value):
+        return float(value)
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    what = "not a finite number" if isinstance(value, numbers.Real) else f"a {type(value).__name__}, not a number"
+    raise RewardValueError(f"returned {shown} ({what}): a reward function returns one float per response, "
+                           f"defined at {_where(reward_fn)}")
+
+
+def _where(fn: Callable) -> str:
+    """`file:line` of a function's definition, or its repr when it has no source (a builtin, a partial)."""
+    try:
+        return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+    except (TypeError, OSError):
+        return repr(fn)
 
 
 def token_scores(scores: Tensor, mask: Tensor) -> Tensor:

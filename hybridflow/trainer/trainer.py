@@ -246,6 +246,8 @@ class RLTrainer:
         naming it and the line it failed on (it is user code)."""
         try:
             return S.score(batch, self.reward_fn)
+        except S.RewardValueError as exc:  # the function ran; what it returned is wrong (named in the message)
+            raise TrainingError(f"reward.function {self.cfg.reward.function!r} {exc}") from exc
         except Exception as exc:
             frames = traceback.extract_tb(exc.__traceback__)
             caller = max((i for i, f in enumerate(frames) if f.filename == S.__file__), default=-1)

@@ -404,7 +404,15 @@ REWARD = {
         1, "reward.function '{t}/r2.py:f' raised ZeroDivisionError: division by zero (at {t}/r2.py:2)"),
     "reward returning text": (
         lambda t: [f"reward.function={_text(t, 'r4.py', 'def f(*a, **k): return chr(120)')}:f"],
-        1, "reward.function '{t}/r4.py:f' raised ValueError: could not convert string to float: 'x'"),
+        1, "reward.function '{t}/r4.py:f' returned 'x' (a str, not a number): a reward function returns one "
+           "float per response, defined at {t}/r4.py:1"),
+    "reward returning NaN": (
+        lambda t: [f"reward.function={_text(t, 'r5.py', NL + 'def f(*a, **k):' + NL + '    return float(chr(110) + chr(97) + chr(110))')}:f"],
+        1, "reward.function '{t}/r5.py:f' returned nan (not a finite number): a reward function returns one "
+           "float per response, defined at {t}/r5.py:2"),
+    "reward returning a list": (
+        lambda t: [f"reward.function={_text(t, 'r6.py', 'def f(*a, **k): return [1.0, 0.0]')}:f"],
+        1, "reward.function '{t}/r6.py:f' returned [1.0, 0.0] (a list, not a number)"),
 }
 
 TRAIN_CASES = {**CONFIG, **DATA, **MODEL, **TOKENIZER, **REWARD}
