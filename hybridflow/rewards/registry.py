@@ -4,6 +4,10 @@ Every reward function has one signature, the one verl's custom rewards use::
 
     fn(data_source: str, solution_str: str, ground_truth, extra_info: dict | None = None) -> float
 
+It returns one finite number (a bool, int, float or a one-element numpy/torch
+value), or, as verl allows, a dict with the number under ``"score"``; anything
+else stops the run naming what came back (``trainer.rl_steps.score``).
+
 A config names one as a registered name (``"gsm8k"``, ``"arithmetic"``,
 ``"default"``) or as ``"path/to/file.py:function"``, which is loaded with
 importlib so user rewards need no packaging. ``"default"`` dispatches on the

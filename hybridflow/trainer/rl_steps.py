@@ -33,7 +33,10 @@ def score(batch: Batch, reward_fn: Callable) -> Tensor:
 
 
 def _reward_value(value: Any, reward_fn: Callable) -> float:
-    """`value` as a float if it is one finite real number (a bool, int, float, or a 0-d numpy/torch number)."""
+    """`value` as a float if it is one finite real number (a bool, int, float, or a 0-d numpy/torch number),
+    or a dict holding one under "score" (as verl's custom rewards may return; the other keys are not used)."""
+    if isinstance(value, dict) and "score" in value:
+        value = value["score"]
     if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
         value = value.item()
     elif hasattr(value, "item") and getattr(value, "size", None) == 1:  # a numpy scalar or 1-element array

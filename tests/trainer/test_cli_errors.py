@@ -413,6 +413,9 @@ REWARD = {
     "reward returning a list": (
         lambda t: [f"reward.function={_text(t, 'r6.py', 'def f(*a, **k): return [1.0, 0.0]')}:f"],
         1, "reward.function '{t}/r6.py:f' returned [1.0, 0.0] (a list, not a number)"),
+    "reward returning a dict without a score": (
+        lambda t: [f"reward.function={_text(t, 'r7.py', 'def f(*a, **k): return dict(acc=1.0)')}:f"],
+        1, "reward.function '{t}/r7.py:f' returned {{'acc': 1.0}} (a dict, not a number)"),
 }
 
 TRAIN_CASES = {**CONFIG, **DATA, **MODEL, **TOKENIZER, **REWARD}

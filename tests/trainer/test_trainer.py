@@ -1,6 +1,7 @@
 """End to end: the PPO/GRPO trainer on the tiny configs in configs/, plus its bad-input errors."""
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -358,3 +359,20 @@ def test_packed_micro_batches_train_as_the_padded_ones(tmp_path):
     with pytest.raises(ConfigError, match="actor.use_dynamic_bsz: packed micro-batches need pipeline size 1"):
         RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path / "pp", "actor.use_dynamic_bsz=true",
                                  "actor.parallel.pp=2", "trainer.n_devices=2", "trainer.launcher=ray")))
+
+
+def test_reward_values_a_user_function_may_return():
+    """One finite number per response, in any of the forms users return it; anything else named."""
+    import numpy as np
+
+    from hybridflow.data import fields as F
+    from hybridflow.trainer import rl_steps
+
+    batch = {F.DATA_SOURCE: ["a"] * 5, F.RESPONSE_TEXT: ["x"] * 5, F.GROUND_TRUTH: ["1"] * 5,
+             F.EXTRA_INFO: [{}] * 5}
+    values = iter([True, 2, np.float32(0.5), torch.tensor(-1.5), {"score": 0.25, "acc": True}])
+    assert rl_steps.score(batch, lambda *a: next(values)).tolist() == [1.0, 2.0, 0.5, -1.5, 0.25]
+    for bad, shown in ((float("inf"), "inf (not a finite number)"), (None, "None (a NoneType, not a number)"),
+                       (torch.ones(2), "(a Tensor, not a number)"), ("1", "'1' (a str, not a number)")):
+        with pytest.raises(rl_steps.RewardValueError, match=re.escape(shown)):
+            rl_steps.score(batch, lambda *a, bad=bad: bad)
