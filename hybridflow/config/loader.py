@@ -6,7 +6,6 @@ nearest valid key, so a user can fix a 40-line YAML file from one message.
 from __future__ import annotations
 
 import dataclasses
-import reprlib
 import types
 import typing
 from pathlib import Path
@@ -17,14 +16,12 @@ import yaml
 from hybridflow.config.errors import ConfigError
 from hybridflow.config.schema import Config
 from hybridflow.config.validate import validate
-from hybridflow.utils import nearest_name
+from hybridflow.utils import nearest_name, shown_value
 
 __all__ = ["ConfigError", "apply_overrides", "dump_config", "from_dict", "load_config", "to_dict"]
 
 # A config holds a few hundred values; a file whose aliases expand to more is an alias bomb ("billion laughs").
 MAX_VALUES = 100_000
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 8, 8, 80, 80
 
 
 def _nearest(name: str, choices: typing.Iterable[str]) -> str:
@@ -36,12 +33,6 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _shown(value: Any) -> str:
-    """`repr(value)` for a message, cut to ~200 characters (a value may be a huge list)."""
-    text = _REPR.repr(value)
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
@@ -51,7 +42,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(path, f"expected a mapping for section {_type_name(tp)}, got {_shown(value)}")
+            raise ConfigError(path, f"expected a mapping for section {_type_name(tp)}, got {shown_value(value)}")
         return from_dict(tp, value, path)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
@@ -65,11 +56,11 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         choices = typing.get_args(tp)
         if value not in choices:
             hint = _nearest(value, [str(c) for c in choices]) if isinstance(value, str) else ""
-            raise ConfigError(path, f"{_shown(value)} is not one of {list(choices)}{hint}")
+            raise ConfigError(path, f"{shown_value(value)} is not one of {list(choices)}{hint}")
         return value
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(path, f"expected a list, got {_shown(value)}")
+            raise ConfigError(path, f"expected a list, got {shown_value(value)}")
         (item,) = typing.get_args(tp)
         return [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
     if tp is float:
@@ -88,7 +79,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             return value
     else:  # pragma: no cover - a schema annotation this loader does not know
         raise TypeError(f"{path}: unsupported annotation {tp!r}")
-    raise ConfigError(path, f"expected {_type_name(tp)}, got {type(value).__name__} {_shown(value)}")
+    raise ConfigError(path, f"expected {_type_name(tp)}, got {type(value).__name__} {shown_value(value)}")
 
 
 def from_dict(cls: type, data: dict, path: str = "") -> Any:
@@ -182,7 +173,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
                 if key_node.value in lines:
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"the key {_shown(key_node.value)} is given twice (first on line "
+                        None, None, f"the key {shown_value(key_node.value)} is given twice (first on line "
                         f"{lines[key_node.value]})", key_node.start_mark)
                 lines[key_node.value] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)

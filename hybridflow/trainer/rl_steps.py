@@ -17,6 +17,7 @@ from torch import Tensor
 
 from hybridflow.algos import AdvantageInputs, apply_kl_penalty, compute_advantages, group_stats
 from hybridflow.data import fields as F
+from hybridflow.utils import shown_value
 
 Batch = dict[str, Any]
 
@@ -43,11 +44,9 @@ def _reward_value(value: Any, reward_fn: Callable) -> float:
         value = value.item()
     if isinstance(value, numbers.Real) and math.isfinite(value):
         return float(value)
-    shown = repr(value)
-    shown = shown if len(shown) <= 60 else shown[:57] + "..."
     what = "not a finite number" if isinstance(value, numbers.Real) else f"a {type(value).__name__}, not a number"
-    raise RewardValueError(f"returned {shown} ({what}): a reward function returns one float per response, "
-                           f"defined at {_where(reward_fn)}")
+    raise RewardValueError(f"returned {shown_value(value)} ({what}): a reward function returns one float per "
+                           f"response, defined at {_where(reward_fn)}")
 
 
 def _where(fn: Callable) -> str:

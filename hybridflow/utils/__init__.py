@@ -6,12 +6,14 @@ config and registry modules that need only `nearest_name` do not pay for torch.
 from __future__ import annotations
 
 import difflib
+import reprlib
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 if TYPE_CHECKING:
     from hybridflow.models.hf import CausalLM, HFModel, RewardModel, load_hf_model
 
-__all__ = ["CausalLM", "HFModel", "RewardModel", "SEED_STRIDE", "load_hf_model", "mix_seed", "nearest_name"]
+__all__ = ["CausalLM", "HFModel", "RewardModel", "SEED_STRIDE", "load_hf_model", "mix_seed", "nearest_name",
+           "shown_value"]
 
 _LAZY = {"CausalLM", "HFModel", "RewardModel", "load_hf_model"}
 
@@ -33,6 +35,17 @@ def nearest_name(name: str, choices: Iterable[str], cutoff: float = 0.5,
         return lowered[match[0]] if match else None
     match = difflib.get_close_matches(name, choices, n=1, cutoff=cutoff)
     return match[0] if match else None
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 8, 8, 80, 80
+
+
+def shown_value(value: Any) -> str:
+    """`repr(value)` for a one-line error message, cut to ~200 characters without building the whole repr
+    (a user's value may be a huge list)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 SEED_STRIDE = 1_000_003  # a prime above any step count or dataset row a run reaches
