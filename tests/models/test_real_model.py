@@ -135,7 +135,6 @@ def test_megatron_engine_log_probs_equal_the_plain_decoder(model_dir):
     assert (ours - exact).abs().max() <= 3 * (plain - exact).abs().max()
 
 
-
 @pytest.mark.timeout(600)
 def test_tensor_parallel_3_equals_one_rank_on_the_real_weights(model_dir, tmp_path):
     """9 heads and 3 KV heads split 3 ways: log-probs, entropy and one update equal the one-rank engine."""
@@ -171,6 +170,7 @@ def test_tensor_parallel_3_equals_one_rank_on_the_real_weights(model_dir, tmp_pa
         moved, want_moved = got["weights"][name] - before[name], after[name] - before[name]
         assert want_moved.abs().max() > 0, name
         torch.testing.assert_close(moved, want_moved, atol=5e-4 * want_moved.abs().max().item(), rtol=0, msg=name)
+
 
 def test_dataflow_example_answers_real_prompts_and_the_judge_scores_them(model_dir, capsys):
     import importlib.util
