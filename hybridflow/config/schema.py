@@ -93,6 +93,9 @@ class RolloutConfig:
     # packed into one row with no padding computed, instead of a fixed number of sequences (pp = 1 only).
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
+    # Rows that share a prompt (GRPO's n samples) run as one row: the prompt computed once, each response
+    # attending to it (pp = 1, cp = 1, full attention; not with the dynamic batch size above).
+    log_prob_share_prompts: bool = False
     val_temperature: float = 0.0  # greedy validation
 
 
@@ -109,6 +112,9 @@ class ActorConfig:
     # packed into one row with no padding computed, instead of a fixed number of sequences (pp = 1 only).
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
+    # Rows that share a prompt (GRPO's n samples) run as one row: the prompt computed once, each response
+    # attending to it (pp = 1, cp = 1, full attention; not with the dynamic batch size above).
+    share_prompts: bool = False
     ppo_epochs: int = 1
     # With one epoch over one mini-batch (and no KL in the reward) the old log-probs are the current
     # policy's: the update takes them from its own forward pass (detached) instead of a pass of their own.
@@ -135,6 +141,9 @@ class CriticConfig:
     # packed into one row with no padding computed, instead of a fixed number of sequences (pp = 1 only).
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
+    # Rows that share a prompt (GRPO's n samples) run as one row: the prompt computed once, each response
+    # attending to it (pp = 1, cp = 1, full attention; not with the dynamic batch size above).
+    share_prompts: bool = False
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
@@ -150,6 +159,9 @@ class ReferenceConfig:
     # packed into one row with no padding computed, instead of a fixed number of sequences (pp = 1 only).
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
+    # Rows that share a prompt (GRPO's n samples) run as one row: the prompt computed once, each response
+    # attending to it (pp = 1, cp = 1, full attention; not with the dynamic batch size above).
+    log_prob_share_prompts: bool = False
     # None: the actor's layout. The reference lives in the actor's processes,
     # which hold one megatron-core layout, so a value given must equal it.
     parallel: Optional[ParallelConfig] = None

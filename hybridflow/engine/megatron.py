@@ -85,6 +85,61 @@ def unpack_rows(packed: Tensor, lengths: Tensor, width: int) -> Tensor:
     return out
 
 
+def share_prompt_rows(aligned_ids: Tensor, lengths: Tensor,
+                      prompt_lengths: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Left-aligned rows [b, S] -> one row per distinct prompt: the prompt once, then each of its rows' responses.
+
+    GRPO samples n responses per prompt; run separately, each prompt's tokens
+    are computed n times. Here a row's response tokens attend to the one copy
+    of its prompt and to their own earlier tokens (never to another
+    response), at the positions they have in their own sequence, so every
+    output equals the separate rows' up to rounding. Rows share a prompt when
+    its tokens are equal, wherever the rows sit in the micro-batch.
+
+    Returns ids [U, L], position ids [U, L], the attention mask [U, 1, L, L]
+    (True = masked) and index [b, S]: where each row's aligned column sits in
+    the flattened [U * L] outputs, -1 past the row's length.
+    """
+    b, s = aligned_ids.shape
+    device = aligned_ids.device
+    col = torch.arange(s, device=device)[None]
+    in_prompt = col < prompt_lengths[:, None]
+    _, group = torch.unique(aligned_ids.masked_fill(~in_prompt, -1), dim=0, return_inverse=True)
+    width: dict[int, int] = {}  # per prompt: slots used so far (its prompt, then its responses so far)
+    starts = []
+    for g, prompt, total in zip(group.tolist(), prompt_lengths.tolist(), lengths.tolist()):
+        start = width.setdefault(g, prompt)
+        starts.append(start)
+        width[g] = start + total - prompt
+    u, L = len(width), max(width.values())
+    start = torch.tensor(starts, device=device)[:, None]
+    base = group[:, None] * L
+    index = torch.where(in_prompt, base + col, base + start + col - prompt_lengths[:, None])
+    valid = col < lengths[:, None]
+    index = index.masked_fill(~valid, -1)
+    slots = index[valid]
+    ids = aligned_ids.new_zeros(u * L)
+    ids[slots] = aligned_ids[valid]  # a prompt's slots are written by each of its rows, with the same tokens
+    positions = torch.zeros(u * L, dtype=torch.long, device=device)
+    positions[slots] = col.expand(b, s)[valid]
+    owner = torch.full((u * L,), -2, dtype=torch.long, device=device)  # -2 padding, -1 prompt, else the row
+    owner[slots] = torch.arange(b, device=device)[:, None].expand(b, s).masked_fill(in_prompt, -1)[valid]
+    owner = owner.view(u, L)
+    slot = torch.arange(L, device=device)
+    allowed = (slot[None, :, None] >= slot[None, None, :]) & (owner[:, None, :] != -2) & (owner[:, :, None] != -2)
+    allowed &= (owner[:, None, :] == -1) | (owner[:, None, :] == owner[:, :, None])
+    allowed |= torch.eye(L, dtype=torch.bool, device=device)[None]  # a padding slot sees itself: no NaN
+    return ids.view(u, L), positions.view(u, L), ~allowed[:, None], index
+
+
+def unshare_rows(output: Tensor, index: Tensor) -> Tensor:
+    """Inverse of `share_prompt_rows` for a model output [U, L, ...] -> [b, S, ...], zeros past each length.
+    A prompt's outputs go to each of its rows (the gather's backward sums their gradients)."""
+    flat = output.reshape(-1, *output.shape[2:])
+    out = flat[index.clamp(min=0)]
+    return out.masked_fill((index < 0).view(*index.shape, *([1] * (out.dim() - 2))), 0)
+
+
 def to_cpu(value: Any) -> Any:
     """`value` with every tensor in it on the CPU: what an object collective may send.
 
@@ -253,6 +308,7 @@ class MegatronEngine:
         # RoPE frequencies (incl. linear / llama3 scaling) come from the one
         # definition the plain decoder uses, so both layouts agree exactly.
         model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(self._torch_device())
+        self._position_rope(model.rotary_pos_emb)
         if self.value_head and model.post_process:
             model.output_layer = ValueHead(cfg.hidden_size, self.dtype)
         if self.fused_output and model.post_process:
@@ -275,6 +331,22 @@ class MegatronEngine:
             return input_, None
 
         layer.forward = hidden_out
+
+    def _position_rope(self, rope: nn.Module) -> None:
+        """GPTModel rotates a row's token j as position j. While `self.rope_positions` [b, s] is set, the
+        rotary module returns the angles of those positions instead, per row (`[s, b, 1, dim]`, which the
+        unfused RoPE broadcasts over heads): what shared-prompt rows need. Patched on the instance."""
+        plain = rope.forward
+        self.rope_positions: Optional[Tensor] = None
+
+        def positioned(max_seq_len, *args, **kwargs):
+            if self.rope_positions is None:
+                return plain(max_seq_len, *args, **kwargs)
+            inv_freq = rope.inv_freq.to(self.rope_positions.device)
+            freqs = self.rope_positions.t()[..., None].to(inv_freq.dtype) * inv_freq  # [s, b, dim / 2]
+            return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+
+        rope.forward = positioned
 
     def _torch_device(self) -> torch.device:
         return torch.device("cpu") if self.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
@@ -460,7 +532,7 @@ class MegatronEngine:
         return self.bridge.megatron_to_generation(self._named_params())
 
     # -- compute --------------------------------------------------------------
-    def _forward_step(self, step_fn: StepFn, packed: bool, data_iterator, model):
+    def _forward_step(self, step_fn: StepFn, packed: bool, share_prompts: bool, data_iterator, model):
         batch, rows = next(data_iterator)
         idx = left_align_index(batch[F.ATTENTION_MASK])
         ids = batch[F.INPUT_IDS].gather(1, idx).to(self._torch_device())
@@ -469,6 +541,16 @@ class MegatronEngine:
             lengths = batch[F.ATTENTION_MASK].sum(-1).to(ids.device)
             packed_ids, positions, mask = pack_rows(ids, lengths)
             output = unpack_rows(model(packed_ids, positions, mask), lengths, s)
+        elif share_prompts:  # each distinct prompt computed once, its rows' responses after it
+            mask = batch[F.ATTENTION_MASK].to(ids.device)
+            prompt_width = s - batch[F.RESPONSES].shape[1]
+            shared_ids, positions, shared_mask, index = share_prompt_rows(
+                ids, mask.sum(-1), mask[:, :prompt_width].sum(-1))
+            self.rope_positions = positions
+            try:
+                output = unshare_rows(model(shared_ids, positions, shared_mask), index)
+            finally:
+                self.rope_positions = None
         else:
             positions = torch.arange(s, device=ids.device)[None].expand_as(ids)
             causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
@@ -487,7 +569,8 @@ class MegatronEngine:
         return step_fn(output, batch)
 
     def run(self, micro_batches: list[dict[str, Any]], step_fn: StepFn,
-            forward_only: bool = False, packed: bool = False) -> list[dict[str, Any]]:
+            forward_only: bool = False, packed: bool = False,
+            share_prompts: bool = False) -> list[dict[str, Any]]:
         """Forward (and backward) over micro-batches; returns what each step_fn reported, on every rank.
 
         Each micro-batch holds at least INPUT_IDS and ATTENTION_MASK [b, S] (`data.fields`).
@@ -499,7 +582,10 @@ class MegatronEngine:
         the reports, which only the last stage computes, are broadcast to the
         pipeline's other stages. packed=True runs each micro-batch as one row
         of its real tokens (`pack_rows`; pp = 1, full attention only); step_fn
-        sees the same [b, S, ...] output either way.
+        sees the same [b, S, ...] output either way. share_prompts=True runs
+        the rows that share a prompt as one row, the prompt computed once
+        (`share_prompt_rows`; pp = 1, cp = 1, full attention; each micro-batch
+        holds RESPONSES, which mark where prompts end).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -507,13 +593,17 @@ class MegatronEngine:
             raise RuntimeError("this engine is frozen (built without an optimizer)")
         if packed and (self.parallel.pp > 1 or any(w is not None for w in self.cfg.layer_windows)):
             raise ValueError("packed micro-batches need pp = 1 and full attention in every layer")
+        if share_prompts and (packed or self.parallel.pp > 1 or self.parallel.cp > 1
+                              or any(w is not None for w in self.cfg.layer_windows)):
+            raise ValueError("shared-prompt micro-batches need pp = 1, cp = 1, full attention in every layer "
+                             "and no token packing")
         rows = [len(mb[F.INPUT_IDS]) for mb in micro_batches]
         size = max(rows)
         data = [(pad_rows(mb, size) if self.parallel.pp > 1 else mb, n) for mb, n in zip(micro_batches, rows)]
         self.model.train(not forward_only)
         with torch.set_grad_enabled(not forward_only):
             reports = get_forward_backward_func()(
-                forward_step_func=functools.partial(self._forward_step, step_fn, packed),
+                forward_step_func=functools.partial(self._forward_step, step_fn, packed, share_prompts),
                 data_iterator=iter(data), model=[self.model],
                 num_microbatches=len(data), seq_length=data[0][0][F.INPUT_IDS].shape[1],
                 micro_batch_size=data[0][0][F.INPUT_IDS].shape[0], forward_only=forward_only)

@@ -30,12 +30,13 @@ class Actor:
 
     @torch.no_grad()
     def compute_log_probs(self, batch: dict[str, Any], micro_batch_size: int,
-                          max_tokens: int = 0) -> dict[str, Tensor]:
-        """OLD_LOG_PROBS and ENTROPY [B, R] under the current weights (max_tokens > 0: packed)."""
+                          max_tokens: int = 0, share_prompts: bool = False) -> dict[str, Tensor]:
+        """OLD_LOG_PROBS and ENTROPY [B, R] under the current weights (max_tokens > 0: packed;
+        share_prompts: each prompt computed once per micro-batch)."""
         def collect(out, mb):
             logp, ent = self.log_probs(out, mb)
             return {F.OLD_LOG_PROBS: logp.float(), F.ENTROPY: ent.float()}
-        return forward_only(self.engine, batch, micro_batch_size, collect, max_tokens)
+        return forward_only(self.engine, batch, micro_batch_size, collect, max_tokens, share_prompts)
 
     def _mini_batch_size(self, rows: int) -> int:
         dp = self.engine.layout.dp
@@ -52,7 +53,8 @@ class Actor:
         cfg = self.cfg
         reports = [train_mini_batch(self.engine, mini, cfg.ppo_micro_batch_size, cfg.loss_agg_mode, self._loss,
                                     "actor", summed=("actor/pg_loss", "actor/kl_loss"),
-                                    max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else 0)
+                                    max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else 0,
+                                    share_prompts=cfg.share_prompts)
                    for mini in mini_batches(data, size, cfg.ppo_epochs, gen)]
         return mean_metrics(reports)
 

@@ -78,12 +78,13 @@ def mini_batches(data: dict[str, Tensor], size: int, epochs: int,
 
 
 def forward_only(engine, batch: dict[str, Any], micro_batch_size: int, collect,
-                 max_tokens: int = 0) -> dict[str, Tensor]:
+                 max_tokens: int = 0, share_prompts: bool = False) -> dict[str, Tensor]:
     """Run `collect(output, micro_batch) -> {field: tensor}` over micro-batches, concatenated.
-    max_tokens > 0: token-budgeted micro-batches, each packed into one row (no padding computed)."""
+    max_tokens > 0: token-budgeted micro-batches, each packed into one row (no padding computed).
+    share_prompts: a micro-batch's rows with one prompt run as one row, the prompt computed once."""
     micro = micro_batches(tensor_fields(batch), micro_batch_size, max_tokens)
     reports = engine.run(micro, lambda out, mb: (out.new_zeros(()), collect(out, mb)), forward_only=True,
-                         packed=max_tokens > 0)
+                         packed=max_tokens > 0, share_prompts=share_prompts)
     return {k: torch.cat([r[k] for r in reports]) for k in reports[0]} if reports else {}
 
 
@@ -106,10 +107,11 @@ def check_reports_finite(reports: list[dict[str, Any]], keys: tuple[str, ...], g
 
 def train_mini_batch(engine, mini: dict[str, Tensor], micro_batch_size: int, loss_agg_mode: str,
                      loss_fn: LossFn, prefix: str, summed: tuple[str, ...] = (),
-                     max_tokens: int = 0) -> dict[str, float]:
+                     max_tokens: int = 0, share_prompts: bool = False) -> dict[str, float]:
     """One optimizer step whose gradient is that of the global (all DP ranks') mini-batch loss.
 
-    max_tokens > 0 packs token-budgeted micro-batches (`split_by_tokens`).
+    max_tokens > 0 packs token-budgeted micro-batches (`split_by_tokens`);
+    share_prompts runs a micro-batch's rows with one prompt as one row.
     Metrics are averaged over micro-batches, except the `summed` ones (loss
     shares: summed over micro-batches and DP ranks, and checked to be finite
     before the step); `{prefix}/grad_norm` and `{prefix}/lr` come from the step.
@@ -129,7 +131,7 @@ def train_mini_batch(engine, mini: dict[str, Tensor], micro_batch_size: int, los
         return loss * scale, metrics
 
     engine.zero_grad()
-    reports = engine.run(micro, step_fn, packed=max_tokens > 0)
+    reports = engine.run(micro, step_fn, packed=max_tokens > 0, share_prompts=share_prompts)
     check_reports_finite(reports, summed, group)
     stats = engine.step()
     check_finite(f"{prefix}/grad_norm", stats.grad_norm)

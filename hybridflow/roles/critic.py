@@ -30,7 +30,8 @@ class Critic:
         """VALUES [B, R], zero on padding."""
         def collect(out, mb):
             return {F.VALUES: response_slice(out, mb).float() * mb[F.RESPONSE_MASK]}
-        return forward_only(self.engine, batch, self.cfg.ppo_micro_batch_size, collect, self._max_tokens())
+        return forward_only(self.engine, batch, self.cfg.ppo_micro_batch_size, collect, self._max_tokens(),
+                            self.cfg.share_prompts)
 
     def _max_tokens(self) -> int:
         return self.cfg.ppo_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else 0
@@ -42,7 +43,8 @@ class Critic:
         gen = torch.Generator().manual_seed(mix_seed(self.seed, step) + _SHUFFLE_OFFSET)
         size = max(1, self.mini_batch_size // self.engine.layout.dp)
         reports = [train_mini_batch(self.engine, mini, cfg.ppo_micro_batch_size, cfg.loss_agg_mode, self._loss,
-                                    "critic", summed=("critic/vf_loss",), max_tokens=self._max_tokens())
+                                    "critic", summed=("critic/vf_loss",), max_tokens=self._max_tokens(),
+                                    share_prompts=cfg.share_prompts)
                    for mini in mini_batches(data, size, cfg.ppo_epochs, gen)]
         return mean_metrics(reports)
 

@@ -26,4 +26,5 @@ class Reference:
             return {F.REF_LOG_PROBS: logp.float()}
         cfg = self.cfg
         return forward_only(self.engine, batch, cfg.log_prob_micro_batch_size, collect,
-                            cfg.log_prob_max_token_len_per_gpu if cfg.log_prob_use_dynamic_bsz else 0)
+                            cfg.log_prob_max_token_len_per_gpu if cfg.log_prob_use_dynamic_bsz else 0,
+                            cfg.log_prob_share_prompts)

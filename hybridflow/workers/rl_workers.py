@@ -192,7 +192,8 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
     def compute_log_probs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         r = self.spec.rollout
         return self.actor.compute_log_probs(batch, r.log_prob_micro_batch_size,
-                                            r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else 0)
+                                            r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else 0,
+                                            r.log_prob_share_prompts)
 
     @register(Dispatch.DP_SPLIT, mesh="actor")
     def compute_ref_log_probs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:

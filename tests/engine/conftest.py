@@ -30,6 +30,21 @@ def rl_batch(vocab: int, b: int = 4, t: int = 5, r: int = 4, seed: int = 0):
             "responses": responses, "response_mask": rm}
 
 
+def grouped_rl_batch(vocab: int, seed: int = 2):
+    """GRPO's shape: rl_batch's 4 prompts sampled 2, 3, 2 and 1 times, their rows interleaved (as a
+    shuffled mini-batch holds them), each row with its own response of 1 to 4 tokens."""
+    batch = rl_batch(vocab)
+    rows = [0, 1, 0, 2, 1, 0, 3, 2]
+    out = {k: v[rows].clone() for k, v in batch.items()}
+    r = out["responses"].shape[1]
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.arange(r)[None] < torch.tensor([4, 2, 1, 3, 4, 2, 3, 1])[:, None]).long()
+    out["responses"] = torch.randint(4, vocab, mask.shape, generator=g) * mask
+    out["response_mask"] = mask
+    out["input_ids"][:, -r:], out["attention_mask"][:, -r:] = out["responses"], mask
+    return out
+
+
 @pytest.fixture(scope="session")
 def megatron_world():
     """One process group for every engine test in this process."""

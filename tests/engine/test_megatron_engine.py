@@ -11,7 +11,7 @@ from hybridflow.kernels import logprob_entropy_reference
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.decoder import Decoder
 from hybridflow.roles import Actor, Reference
-from tests.engine.conftest import rl_batch, tiny_model
+from tests.engine.conftest import grouped_rl_batch, rl_batch, tiny_model
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 
@@ -78,20 +78,22 @@ def _plain_actor_step(dec: Decoder, batch, old_logp, adv, optim: OptimConfig):
     return model, grad_norm.item()
 
 
-@pytest.mark.parametrize("micro,fused,tied,packed", [(4, False, False, 0), (2, False, False, 0),
-                                                     (2, True, False, 0), (2, True, True, 0), (4, True, False, 10),
-                                                     (4, False, False, 10)])
-def test_one_actor_step_matches_plain_pytorch(micro, fused, tied, packed):
+@pytest.mark.parametrize("micro,fused,tied,packed,shared", [
+    (4, False, False, 0, False), (2, False, False, 0, False), (2, True, False, 0, False), (2, True, True, 0, False),
+    (4, True, False, 10, False), (4, False, False, 10, False), (8, True, False, 0, True), (3, False, True, 0, True)])
+def test_one_actor_step_matches_plain_pytorch(micro, fused, tied, packed, shared):
     """packed: token-budgeted micro-batches of <= 10 real tokens (the rows hold 9, 5, 5 and 4), each run as
-    one row with a block-diagonal mask: [9], [5, 5], [4]."""
+    one row with a block-diagonal mask: [9], [5, 5], [4]. shared: 8 rows of 4 prompts (GRPO's groups),
+    each micro-batch's rows with one prompt run as one row, the prompt computed once."""
     cfg, dec, hf = tiny_model(tie_word_embeddings=tied)
     optim = OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=0.5)
     engine = MegatronEngine(cfg, ParallelConfig(), optim, total_steps=10, fused_output=fused)
     engine.load_hf_state_dict(hf)
-    actor = Actor(ActorConfig(optim=optim, ppo_mini_batch_size=4, ppo_micro_batch_size=micro,
-                              use_dynamic_bsz=packed > 0, ppo_max_token_len_per_gpu=packed or 16384), engine)
-    batch = rl_batch(cfg.vocab_size)
-    old = actor.compute_log_probs(batch, micro_batch_size=micro, max_tokens=packed)
+    batch = grouped_rl_batch(cfg.vocab_size) if shared else rl_batch(cfg.vocab_size)
+    actor = Actor(ActorConfig(optim=optim, ppo_mini_batch_size=len(batch["responses"]), ppo_micro_batch_size=micro,
+                              use_dynamic_bsz=packed > 0, ppo_max_token_len_per_gpu=packed or 16384,
+                              share_prompts=shared), engine)
+    old = actor.compute_log_probs(batch, micro_batch_size=micro, max_tokens=packed, share_prompts=shared)
     g = torch.Generator().manual_seed(3)
     adv = torch.randn(batch["responses"].shape, generator=g) * batch["response_mask"]
     # Off-policy old log-probs so that some ratios are clipped.
@@ -206,6 +208,53 @@ def test_pack_rows_keeps_real_tokens_only_and_blocks_attention_across_sequences(
     assert allowed[5].tolist() == [False] * 5 + [True]
     out = unpack_rows(ids[..., None].float(), lengths, width=4)[..., 0]
     assert torch.equal(out, aligned.float())
+
+
+def test_share_prompt_rows_computes_each_prompt_once_at_each_tokens_own_position():
+    from hybridflow.engine.megatron import share_prompt_rows, unshare_rows
+
+    # Left-aligned rows: prompt [5, 6] twice (responses [7, 8] and [9]), prompt [4] once (response [3, 2]).
+    aligned = torch.tensor([[5, 6, 7, 8], [4, 3, 2, 0], [5, 6, 9, 0]])
+    lengths, prompt_lengths = torch.tensor([4, 3, 3]), torch.tensor([2, 1, 2])
+    ids, positions, mask, index = share_prompt_rows(aligned, lengths, prompt_lengths)
+    row = {tuple(r[:2]): i for i, r in enumerate(ids.tolist())}
+    a, b = row[(5, 6)], row[(4, 3)]
+    assert ids[a].tolist() == [5, 6, 7, 8, 9] and positions[a].tolist() == [0, 1, 2, 3, 2]
+    assert ids[b, :3].tolist() == [4, 3, 2] and positions[b, :3].tolist() == [0, 1, 2]
+    allowed = ~mask[:, 0]
+    assert allowed[a, 4].tolist() == [True, True, False, False, True]  # 9 sees its prompt and itself, not 7, 8
+    assert allowed[a, 3].tolist() == [True, True, True, True, False]
+    assert allowed[a, 1].tolist() == [True, True, False, False, False]
+    assert allowed[b, 4].tolist() == [False] * 4 + [True]  # padding sees itself only
+    out = unshare_rows(ids[..., None].float(), index)[..., 0]
+    assert torch.equal(out, aligned.float())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_shared_prompt_log_probs_and_values_equal_the_padded_ones(fused):
+    """Rows that share a prompt, run as one row with the prompt computed once, give the padded path's
+    log-probs and values within 1e-5; in one micro-batch or spread over three."""
+    from hybridflow.config.schema import CriticConfig
+    from hybridflow.roles import Critic
+
+    cfg, _, hf = tiny_model()
+    batch = grouped_rl_batch(cfg.vocab_size)
+    mask = batch["response_mask"].bool()
+    engine = MegatronEngine(cfg, ParallelConfig(), None, fused_output=fused)
+    engine.load_hf_state_dict(hf)
+    padded = Reference(ReferenceConfig(log_prob_micro_batch_size=8), engine).compute_ref_log_probs(batch)
+    for micro in (8, 3):
+        shared = Reference(ReferenceConfig(log_prob_micro_batch_size=micro, log_prob_share_prompts=True),
+                           engine).compute_ref_log_probs(batch)
+        torch.testing.assert_close(shared[F.REF_LOG_PROBS][mask], padded[F.REF_LOG_PROBS][mask], atol=1e-5, rtol=0)
+    critic_engine = MegatronEngine(cfg, ParallelConfig(), OptimConfig(lr=1e-3), total_steps=10, value_head=True)
+    critic_engine.load_hf_state_dict(hf)
+    head = critic_engine._named_params()["output_layer.weight"]
+    head.data.copy_(torch.randn(head.shape, generator=torch.Generator().manual_seed(0)) * 0.1)
+    values = Critic(CriticConfig(ppo_micro_batch_size=8), critic_engine, mini_batch_size=8).compute_values(batch)
+    shared_values = Critic(CriticConfig(ppo_micro_batch_size=8, share_prompts=True), critic_engine,
+                           mini_batch_size=8).compute_values(batch)
+    torch.testing.assert_close(shared_values[F.VALUES], values[F.VALUES], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("fused", [False, True])
