@@ -69,6 +69,12 @@ def cpu_extension() -> ModuleType:
 
 
 @functools.lru_cache(maxsize=None)
+def decode_extension() -> ModuleType:
+    """The compiled CPU decode loop of the built-in rollout (`csrc/cpu/decode.cpp`); raises BackendUnavailable."""
+    return _build("cpu_decode", [CSRC / "cpu" / "decode.cpp"], extra_cflags=["-O3", "-march=native"])
+
+
+@functools.lru_cache(maxsize=None)
 def cuda_extension() -> ModuleType:
     """The compiled CUDA kernels (for the current device's architecture); raises BackendUnavailable."""
     if not torch.cuda.is_available():

@@ -19,9 +19,19 @@ strings are given.
 
 Weights are read from the model's parameters at each call (the hybrid engine
 hands over a decoder whose parameters are views of the training weights).
+
+On the CPU the decode steps after the prefill run in one C++ call
+(`csrc/cpu/decode.cpp`, `decode="auto"`): the same layers and sampler with
+ATen's GEMMs and plain loops in between, so a step no longer costs ~100
+Python-dispatched ops. It takes what it computes exactly as this loop does
+(a float32 model, TP size 1, full attention, greedy or keyed sampling,
+no top-k / top-p / stop strings); anything else, or a machine that cannot
+build it, runs the loop below. The two agree to float rounding (tests).
 """
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,6 +40,13 @@ import torch
 from hybridflow.models.decoder import Decoder
 from hybridflow.models.kv_cache import KVCache
 from hybridflow.rollout.sampling import SamplingParams, sample
+
+log = logging.getLogger("hybridflow.rollout")
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    log.warning(message)
 
 # Tokens decoded per stop-string check, per character of the longest stop
 # string: a character can span several byte-level tokens.
@@ -51,10 +68,16 @@ class GenerationOutput:
 
 
 class Generator:
-    def __init__(self, model: Decoder, pad_token_id: int, tokenizer: Any = None):
+    """decode: "auto" (the C++ decode loop where it applies, see the module doc), "cpu" (it, or an
+    error saying why not) or "python" (always the loop here)."""
+
+    def __init__(self, model: Decoder, pad_token_id: int, tokenizer: Any = None, decode: str = "auto"):
+        if decode not in ("auto", "cpu", "python"):
+            raise ValueError(f"decode must be 'auto', 'cpu' or 'python', got {decode!r}")
         self.model = model
         self.pad_token_id = pad_token_id
         self.tokenizer = tokenizer  # anything with .decode(list[int]) -> str; needed for stop strings
+        self.decode = decode
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
@@ -89,6 +112,14 @@ class Generator:
         if row_keys is not None:  # one stream per (prompt, sample), advanced per step below
             keys = (row_keys.long().to(device).repeat_interleave(n) * n
                     + torch.arange(n, device=device).repeat(b)) * (steps + 1)
+        fused = self._decode_extension(params, generator, keys, device)
+        if fused is not None:
+            tokens, log_probs, mask, length = self._fused_decode(fused, logits, cache, params, keys, stop_ids)
+            return GenerationOutput(
+                prompts=input_ids.repeat_interleave(n, 0).to(home),
+                prompt_mask=attention_mask.long().repeat_interleave(n, 0).to(home),
+                responses=tokens[:, :length].contiguous(), response_mask=mask[:, :length].contiguous(),
+                log_probs=log_probs[:, :length].contiguous())
         length = 0
         while True:
             token, log_prob = sample(logits, params, generator, None if keys is None else keys + length)
@@ -117,6 +148,53 @@ class Generator:
             response_mask=mask[:, :length].to(home).contiguous(),
             log_probs=log_probs[:, :length].to(home).contiguous(),
         )
+
+    def _decode_extension(self, params: SamplingParams, generator, keys, device):
+        """The C++ decode loop's module when it computes this call exactly as the Python loop, else None."""
+        if self.decode == "python":
+            return None
+        model = self.model
+        why = None
+        if device.type != "cpu" or model.embed.weight.dtype != torch.float32:
+            why = "it runs float32 models on the CPU"
+        elif model.parallel.size > 1 or any(w is not None for w in model.cfg.layer_windows):
+            why = "it runs tensor-parallel size 1 with full attention"
+        elif params.stop or params.top_k > 0 or params.top_p < 1:
+            why = "it has no stop strings, top-k or top-p"
+        elif not params.greedy and keys is None:
+            why = "it samples greedily or with row_keys, not from a torch.Generator"
+        if why is None:
+            from hybridflow.kernels.backend import BackendUnavailable, decode_extension
+
+            try:
+                return decode_extension()
+            except BackendUnavailable as exc:
+                if self.decode == "cpu":
+                    raise
+                _log_once(f"the C++ decode loop is unavailable, decoding in Python: {exc}")
+                return None
+        if self.decode == "cpu":
+            raise ValueError(f"decode='cpu' cannot run this call: {why}")
+        return None
+
+    def _fused_decode(self, ext, logits, cache: KVCache, params: SamplingParams, keys, stop_ids):
+        model = self.model
+        weights = []
+        for layer in model.layers:
+            bias = layer.attn.qkv.bias
+            weights += [layer.attn_norm.weight, layer.attn.qkv.weight,
+                        torch.empty(0) if bias is None else bias, layer.attn.proj.weight,
+                        layer.mlp_norm.weight, layer.mlp.fc1.weight, layer.mlp.fc2.weight]
+        weights += [model.embed.weight, model.norm.weight, model.output_weight]
+        filled, steps = cache.length, params.max_new_tokens
+        tokens, log_probs, mask, length = ext.decode_loop(
+            logits.float().contiguous(), [w.detach().contiguous() for w in weights], cache.k, cache.v,
+            cache.key_mask, cache.seen, filled, model.inv_freq.float().contiguous(), model.cfg.heads_per_group,
+            float(model.cfg.rms_norm_eps), steps, params.greedy, float(params.temperature),
+            torch.empty(0, dtype=torch.long) if keys is None else keys.contiguous(), stop_ids, self.pad_token_id)
+        length = int(length)
+        cache.start, cache.length = filled + length - 2, filled + length - 1  # what forward_cached would leave
+        return tokens, log_probs, mask, length
 
     def _completes_stop_string(self, tokens: torch.Tensor, done: torch.Tensor,
                                stop: tuple[str, ...]) -> torch.Tensor:

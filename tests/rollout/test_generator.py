@@ -149,19 +149,50 @@ def test_max_new_tokens_is_the_response_length_without_eos(steps):
     assert out.log_probs.dtype == torch.float32 and (out.log_probs < 0).all()
 
 
-def test_weights_are_read_at_call_time():
-    """The hybrid engine updates the parameters in place between rollouts; nothing is cached."""
+@pytest.mark.parametrize("decode", ["python", "cpu"])
+def test_weights_are_read_at_call_time(decode):
+    """The hybrid engine updates the parameters in place between rollouts; nothing is cached (neither by
+    the Python loop nor by the C++ decode loop, which is handed the parameters at each call)."""
     model = tiny_decoder("llama-gqa")
     ids, mask = left_padded_prompts(model.cfg.vocab_size)
-    generator = Generator(model, PAD)
+    generator = Generator(model, PAD, decode=decode)
     before = generator.generate(ids, mask, _greedy()).responses
     other = tiny_decoder("llama-gqa", seed=5)
     with torch.no_grad():
         for p, q in zip(model.parameters(), other.parameters()):
             p.copy_(q)
     after = generator.generate(ids, mask, _greedy()).responses
-    assert torch.equal(after, Generator(other, PAD).generate(ids, mask, _greedy()).responses)
+    assert torch.equal(after, Generator(other, PAD, decode="python").generate(ids, mask, _greedy()).responses)
     assert not torch.equal(before, after)
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_cpu_decode_loop_equals_the_python_loop(family, greedy):
+    """The C++ decode loop (one call for every step after the prefill) gives the Python loop's tokens,
+    masks and log-probs, with rows ending at uneven lengths; a model it does not run (the sliding
+    window) is decoded by the Python loop under decode="auto" and refused by name under decode="cpu"."""
+    model = tiny_decoder(family)
+    ids, mask = left_padded_prompts(model.cfg.vocab_size)
+    keys = torch.tensor([5, 6, 7, 8])
+    params = SamplingParams(max_new_tokens=40, n=3, temperature=0.9, do_sample=not greedy,
+                            stop_token_ids=tuple(range(1, 101, 10)))
+    want = Generator(model, PAD, decode="python").generate(ids, mask, params, row_keys=keys)
+    got = Generator(model, PAD, decode="auto").generate(ids, mask, params, row_keys=keys)
+    lengths = want.response_mask.sum(1)
+    assert lengths.min() < lengths.max()  # rows end unevenly: the loop drops them as they end
+    assert torch.equal(got.responses, want.responses) and torch.equal(got.response_mask, want.response_mask)
+    torch.testing.assert_close(got.log_probs, want.log_probs, atol=1e-5, rtol=0)
+    if family == "mistral-window":
+        with pytest.raises(ValueError, match="decode='cpu' cannot run this call: .*full attention"):
+            Generator(model, PAD, decode="cpu").generate(ids, mask, params, row_keys=keys)
+    else:
+        cpu = Generator(model, PAD, decode="cpu").generate(ids, mask, params, row_keys=keys)
+        assert torch.equal(cpu.responses, want.responses)
+        with pytest.raises(ValueError, match="decode='cpu' cannot run this call: .*top-k or top-p"):
+            Generator(model, PAD, decode="cpu").generate(ids, mask, SamplingParams(max_new_tokens=4, top_k=5),
+                                                        row_keys=keys)
+        with pytest.raises(ValueError, match="greedily or with row_keys"):
+            Generator(model, PAD, decode="cpu").generate(ids, mask, SamplingParams(max_new_tokens=4))
 
 
 def test_keyed_samples_do_not_depend_on_the_batch():
@@ -194,7 +225,7 @@ def test_dropping_ended_rows_changes_no_output(family, monkeypatch):
     keys = torch.tensor([5, 6, 7, 8])
     # Ten EOS ids out of 101: rows end at varied lengths well before max_new_tokens.
     params = SamplingParams(max_new_tokens=40, n=3, stop_token_ids=tuple(range(1, 101, 10)))
-    gen = Generator(model, PAD)
+    gen = Generator(model, PAD, decode="python")  # the C++ loop drops rows its own way (tested above)
     monkeypatch.setattr(generator_module, "_COMPACT_AT", 2.0)  # never drop
     kept = gen.generate(ids, mask, params, row_keys=keys)
 
