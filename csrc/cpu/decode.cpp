@@ -14,7 +14,7 @@
 // other way) and the same log-probs within ~1e-6. Rows that end are dropped
 // from the step at once (the Python loop drops them in bulk). The KV cache,
 // its key mask and per-row token counts are the Python KVCache's tensors,
-// updated in place as forward_cached would.
+// updated in place as forward_cached would. Bound in kernels.cpp (one extension, compiled once).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -264,8 +264,4 @@ std::vector<at::Tensor> decode_loop(at::Tensor logits, std::vector<at::Tensor> w
     at::mm_out(ls, hs, output.narrow(0, 0, vocab).t());
   }
   return {tokens, log_probs, mask, at::scalar_tensor(length, at::kLong)};
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_loop", &decode_loop, "the rollout's decode steps after a prefill, keyed or greedy sampling");
 }

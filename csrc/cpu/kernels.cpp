@@ -1,6 +1,7 @@
 // CPU kernels for hybridflow: token log-prob + entropy from logits (forward and
 // backward) and the GAE reverse scan. Each has a plain-PyTorch reference in
-// hybridflow/kernels/; tests compare the two.
+// hybridflow/kernels/; tests compare the two. The rollout's decode loop lives in
+// decode.cpp and is bound here too: one extension, compiled once.
 //
 // Log-prob/entropy reads each logits row twice (max, then sum of exp) and
 // writes three floats per token: no [tokens, vocab] temporary, unlike eager
@@ -236,7 +237,15 @@ std::vector<torch::Tensor> gae_forward(torch::Tensor rewards, torch::Tensor valu
   return {adv, ret};
 }
 
+// decode.cpp: the built-in rollout's decode loop.
+std::vector<at::Tensor> decode_loop(at::Tensor logits, std::vector<at::Tensor> weights, at::Tensor k_cache,
+                                    at::Tensor v_cache, at::Tensor key_mask, at::Tensor seen, int64_t filled,
+                                    at::Tensor inv_freq, int64_t heads_per_group, double eps, int64_t steps,
+                                    bool greedy, double temperature, at::Tensor keys, at::Tensor stop_ids,
+                                    int64_t pad_id);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_loop", &decode_loop, "the rollout's decode steps after a prefill, keyed or greedy sampling");
   m.def("logprob_entropy_forward", &logprob_entropy_forward, "token log-prob, entropy, logsumexp");
   m.def("logprob_entropy_backward", &logprob_entropy_backward, "gradient w.r.t. logits", py::arg("logits"),
         py::arg("labels"), py::arg("lse"), py::arg("ent"), py::arg("g_logp"), py::arg("g_ent"),

@@ -64,14 +64,8 @@ def _build(name: str, sources: list[Path], headers: tuple[Path, ...] = (), **fla
 @functools.lru_cache(maxsize=None)
 def cpu_extension() -> ModuleType:
     """The compiled C++ CPU kernels; raises BackendUnavailable with the reason."""
-    return _build("cpu_kernels", [CSRC / "cpu" / "kernels.cpp"],
+    return _build("cpu_kernels", [CSRC / "cpu" / "kernels.cpp", CSRC / "cpu" / "decode.cpp"],
                   extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
-
-
-@functools.lru_cache(maxsize=None)
-def decode_extension() -> ModuleType:
-    """The compiled CPU decode loop of the built-in rollout (`csrc/cpu/decode.cpp`); raises BackendUnavailable."""
-    return _build("cpu_decode", [CSRC / "cpu" / "decode.cpp"], extra_cflags=["-O3", "-march=native"])
 
 
 @functools.lru_cache(maxsize=None)

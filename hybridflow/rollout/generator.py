@@ -164,10 +164,10 @@ class Generator:
         elif not params.greedy and keys is None:
             why = "it samples greedily or with row_keys, not from a torch.Generator"
         if why is None:
-            from hybridflow.kernels.backend import BackendUnavailable, decode_extension
+            from hybridflow.kernels.backend import BackendUnavailable, cpu_extension
 
             try:
-                return decode_extension()
+                return cpu_extension()
             except BackendUnavailable as exc:
                 if self.decode == "cpu":
                     raise

@@ -334,16 +334,25 @@ def test_skipping_old_log_probs_gives_the_same_update(tmp_path):
         assert needs_old_log_probs(config("tiny-grpo.yaml", tmp_path, "actor.ppo_mini_batch_size=8", *extra))
 
 
-def test_packed_micro_batches_train_as_the_padded_ones(tmp_path):
+LAYOUTS = {
+    "packed": ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=40",
+               "rollout.log_prob_use_dynamic_bsz=true", "rollout.log_prob_max_token_len_per_gpu=64",
+               "reference.log_prob_use_dynamic_bsz=true", "reference.log_prob_max_token_len_per_gpu=64"],
+    "shared-prompt": ["actor.share_prompts=true", "rollout.log_prob_share_prompts=true",
+                      "reference.log_prob_share_prompts=true"],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_packed_micro_batches_train_as_the_padded_ones(tmp_path, layout):
     """#14 item 5: with verl's dynamic batch size on for the actor, its old log-probs and the reference,
     every training forward packs token-budgeted micro-batches (no padding computed), and the steps equal
-    the padded run's. (The critic's packed values are checked against the padded ones in
+    the padded run's. The same for shared-prompt rows (each prompt computed once, its samples' responses
+    after it). (The critic's packed and shared values are checked against the padded ones in
     tests/engine/test_megatron_engine.py.)"""
     common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0", "trainer.experiment=pack",
               "actor.ppo_mini_batch_size=4", "actor.use_kl_loss=true", "reference.enabled=true"]
-    packing = ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=40",
-               "rollout.log_prob_use_dynamic_bsz=true", "rollout.log_prob_max_token_len_per_gpu=64",
-               "reference.log_prob_use_dynamic_bsz=true", "reference.log_prob_max_token_len_per_gpu=64"]
+    packing = LAYOUTS[layout]
     runs = {}
     for packed in (False, True):
         cfg = in_repo(config("tiny-grpo.yaml", tmp_path / str(packed), *common, *(packing if packed else [])))
@@ -356,9 +365,14 @@ def test_packed_micro_batches_train_as_the_padded_ones(tmp_path):
         for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy",
                     "actor/approx_kl", "response/length_mean"):
             assert got[step][key] == pytest.approx(want[step][key], rel=1e-3, abs=1e-6), (step, key)
-    with pytest.raises(ConfigError, match="actor.use_dynamic_bsz: packed micro-batches need pipeline size 1"):
-        RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path / "pp", "actor.use_dynamic_bsz=true",
+    key = packing[0].split("=")[0]
+    with pytest.raises(ConfigError, match=f"{key}: .* need pipeline size 1, the layout has"):
+        RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path / "pp", packing[0],
                                  "actor.parallel.pp=2", "trainer.n_devices=2", "trainer.launcher=ray")))
+    if layout == "shared-prompt":
+        with pytest.raises(ConfigError, match="actor.share_prompts: shared-prompt rows and packed micro-batches "
+                                              r"\(actor.use_dynamic_bsz\) are two layouts"):
+            RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path / "both", *packing, "actor.use_dynamic_bsz=true")))
 
 
 def test_reward_values_a_user_function_may_return():
