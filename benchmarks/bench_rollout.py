@@ -20,9 +20,11 @@ machine shift single timings. Two workloads:
   each engine from its own samples (the two draw different random numbers
   from the same distribution), and tokens/s is all tokens over all time of
   the `--repeats` rounds, so the runs' different lengths average out;
-  `len ratio` is our mean length over HF's. `no-drop` is our generator with
-  ended rows kept in the batch (as HF keeps them), on the same keyed samples
-  as `ours`: `vs no-drop` is what dropping ended rows alone gains.
+  `len ratio` is our mean length over HF's. `python` is our generator's
+  Python decode loop (`decode="python"`; `ours` runs the C++ decode loop on
+  the CPU) and `no-drop` that loop with ended rows kept in the batch (as HF
+  keeps them), on the same keyed samples as `ours`: `vs python` is what the
+  C++ loop gains, `vs no-drop` what it and dropping ended rows gain.
 """
 from __future__ import annotations
 
@@ -84,39 +86,43 @@ def bench_sampled(ours: Generator, hf_model, batches, prompt_len: int, new_token
     hf_kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
                      pad_token_id=PAD, eos_token_id=list(eos))
     drop_at = generator_module._COMPACT_AT
+    python = Generator(ours.model, pad_token_id=PAD, decode="python")
 
-    def ours_keyed(ids, mask, keys, compact: bool):
+    def ours_keyed(generator, ids, mask, keys, compact: bool = True):
         generator_module._COMPACT_AT = drop_at if compact else float("inf")
         try:
-            return ours.generate(ids, mask, params, row_keys=keys)
+            return generator.generate(ids, mask, params, row_keys=keys)
         finally:
             generator_module._COMPACT_AT = drop_at
 
     for batch in batches:
         ids, mask = _prompts(batch, prompt_len, vocab)
         torch.manual_seed(0)
-        tokens = {"ours": 0, "no-drop": 0, "hf": 0}
-        seconds = {"ours": 0.0, "no-drop": 0.0, "hf": 0.0}
+        names = ("ours", "python", "no-drop", "hf")
+        tokens = dict.fromkeys(names, 0)
+        seconds = dict.fromkeys(names, 0.0)
         for i in range(repeats + 1):  # the first round is a warm-up
-            keys = torch.arange(batch) + 1000 * i  # the same samples for both of ours
+            keys = torch.arange(batch) + 1000 * i  # the same samples for all of ours
             runs = {}
-            for name, call in (("ours", lambda: ours_keyed(ids, mask, keys, True)),
-                               ("no-drop", lambda: ours_keyed(ids, mask, keys, False)),
+            for name, call in (("ours", lambda: ours_keyed(ours, ids, mask, keys)),
+                               ("python", lambda: ours_keyed(python, ids, mask, keys)),
+                               ("no-drop", lambda: ours_keyed(python, ids, mask, keys, compact=False)),
                                ("hf", lambda: hf_model.generate(ids, attention_mask=mask, **hf_kwargs))):
                 start = time.perf_counter()
                 with torch.no_grad():
                     runs[name] = call()
                 if i:
                     seconds[name] += time.perf_counter() - start
-            assert torch.equal(runs["ours"].responses, runs["no-drop"].responses)
-            counts = {"ours": int(runs["ours"].response_mask.sum()), "no-drop": int(runs["no-drop"].response_mask.sum()),
-                      "hf": _tokens_to_eos(runs["hf"][:, prompt_len:], eos)}
+            assert torch.equal(runs["python"].responses, runs["no-drop"].responses)
+            counts = {name: int(runs[name].response_mask.sum()) for name in names[:3]}
+            counts["hf"] = _tokens_to_eos(runs["hf"][:, prompt_len:], eos)
             if i:
                 tokens = {k: tokens[k] + counts[k] for k in tokens}
         rate = {k: tokens[k] / seconds[k] for k in tokens}
         length = {k: tokens[k] / (batch * repeats) for k in tokens}
-        print(f"{batch:6d} {prompt_len:7d} {new_tokens:7d} {rate['ours']:10.0f} {rate['no-drop']:10.0f} "
-              f"{rate['hf']:10.0f} {rate['ours'] / rate['hf']:7.2f}x {rate['ours'] / rate['no-drop']:7.2f}x "
+        print(f"{batch:6d} {prompt_len:7d} {new_tokens:7d} {rate['ours']:10.0f} {rate['python']:10.0f} "
+              f"{rate['no-drop']:10.0f} {rate['hf']:10.0f} {rate['ours'] / rate['hf']:7.2f}x "
+              f"{rate['ours'] / rate['python']:9.2f}x {rate['ours'] / rate['no-drop']:9.2f}x "
               f"{length['ours'] / length['hf']:6.3f}   mean length ours {length['ours']:.0f}, HF {length['hf']:.0f}",
               flush=True)
 
@@ -186,8 +192,9 @@ def main() -> None:
         bench(ours, hf_model, batches, prompt_len, new_tokens, repeats)
     if args.workload in ("sampled", "both"):
         print(f"sampled (temperature 1), {args.eos_ids} EOS ids of {cfg.vocab_size}, at most {new_tokens} "
-              f"new tokens\n{'batch':>6s} {'prompt':>7s} {'new':>7s} {'ours tok/s':>10s} {'no-drop':>10s} "
-              f"{'HF tok/s':>10s} {'vs HF':>8s} {'vs no-drop':>8s} {'len ratio':>6s}")
+              f"new tokens\n{'batch':>6s} {'prompt':>7s} {'new':>7s} {'ours tok/s':>10s} {'python':>10s} "
+              f"{'no-drop':>10s} {'HF tok/s':>10s} {'vs HF':>8s} {'vs python':>10s} {'vs no-drop':>10s} "
+              f"{'len ratio':>6s}")
         bench_sampled(ours, hf_model, batches, prompt_len, new_tokens, repeats, args.eos_ids)
 
 
