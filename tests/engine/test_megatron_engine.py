@@ -230,6 +230,15 @@ def test_share_prompt_rows_computes_each_prompt_once_at_each_tokens_own_position
     assert torch.equal(out, aligned.float())
 
 
+def _critic_engine(cfg, hf):
+    """A critic engine on the tiny model, its value head random (a zero head would make every value 0)."""
+    engine = MegatronEngine(cfg, ParallelConfig(), OptimConfig(lr=1e-3), total_steps=10, value_head=True)
+    engine.load_hf_state_dict(hf)
+    head = engine._named_params()["output_layer.weight"]
+    head.data.copy_(torch.randn(head.shape, generator=torch.Generator().manual_seed(0)) * 0.1)
+    return engine
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_shared_prompt_log_probs_and_values_equal_the_padded_ones(fused):
     """Rows that share a prompt, run as one row with the prompt computed once, give the padded path's
@@ -247,10 +256,7 @@ def test_shared_prompt_log_probs_and_values_equal_the_padded_ones(fused):
         shared = Reference(ReferenceConfig(log_prob_micro_batch_size=micro, log_prob_share_prompts=True),
                            engine).compute_ref_log_probs(batch)
         torch.testing.assert_close(shared[F.REF_LOG_PROBS][mask], padded[F.REF_LOG_PROBS][mask], atol=1e-5, rtol=0)
-    critic_engine = MegatronEngine(cfg, ParallelConfig(), OptimConfig(lr=1e-3), total_steps=10, value_head=True)
-    critic_engine.load_hf_state_dict(hf)
-    head = critic_engine._named_params()["output_layer.weight"]
-    head.data.copy_(torch.randn(head.shape, generator=torch.Generator().manual_seed(0)) * 0.1)
+    critic_engine = _critic_engine(cfg, hf)
     values = Critic(CriticConfig(ppo_micro_batch_size=8), critic_engine, mini_batch_size=8).compute_values(batch)
     shared_values = Critic(CriticConfig(ppo_micro_batch_size=8, share_prompts=True), critic_engine,
                            mini_batch_size=8).compute_values(batch)
@@ -274,10 +280,7 @@ def test_packed_log_probs_and_values_equal_the_padded_ones(fused):
                                            log_prob_max_token_len_per_gpu=budget), engine).compute_ref_log_probs(batch)
         mask = batch["response_mask"].bool()
         torch.testing.assert_close(packed[F.REF_LOG_PROBS][mask], padded[F.REF_LOG_PROBS][mask], atol=1e-5, rtol=0)
-    critic_engine = MegatronEngine(cfg, ParallelConfig(), OptimConfig(lr=1e-3), total_steps=10, value_head=True)
-    critic_engine.load_hf_state_dict(hf)
-    head = critic_engine._named_params()["output_layer.weight"]
-    head.data.copy_(torch.randn(head.shape, generator=torch.Generator().manual_seed(0)) * 0.1)
+    critic_engine = _critic_engine(cfg, hf)
     values = Critic(CriticConfig(ppo_micro_batch_size=4), critic_engine, mini_batch_size=4).compute_values(batch)
     packed_values = Critic(CriticConfig(ppo_micro_batch_size=4, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=10),
                            critic_engine, mini_batch_size=4).compute_values(batch)
