@@ -97,22 +97,16 @@ class Generator:
         # Computed where the model lives, returned where the prompts came from (the
         # controller's batches are CPU tensors; a CUDA model generates on its GPU).
         rows, device, home = b * n, self.model.embed.weight.device, input_ids.device
+        fused = self._decode_extension(params, row_keys is not None, device)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         cache = KVCache(self.model.cfg, rows, t + steps, self.model.embed.weight.dtype, device)
         logits = self.model.forward_cached(input_ids, cache, attention_mask, last_only=True)[:, -1]
         logits = logits.repeat_interleave(n, 0)
-
-        tokens = input_ids.new_full((rows, steps), self.pad_token_id)
-        log_probs = torch.zeros(rows, steps, device=device)
-        mask = torch.zeros(rows, steps, dtype=torch.long, device=device)
-        live = torch.arange(rows, device=device)  # output row of each cache row
-        done = torch.zeros(rows, dtype=torch.bool, device=device)  # per cache row
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
         keys = None
         if row_keys is not None:  # one stream per (prompt, sample), advanced per step below
             keys = (row_keys.long().to(device).repeat_interleave(n) * n
                     + torch.arange(n, device=device).repeat(b)) * (steps + 1)
-        fused = self._decode_extension(params, generator, keys, device)
         if fused is not None:
             tokens, log_probs, mask, length = self._fused_decode(fused, logits, cache, params, keys, stop_ids)
             return GenerationOutput(
@@ -120,6 +114,12 @@ class Generator:
                 prompt_mask=attention_mask.long().repeat_interleave(n, 0).to(home),
                 responses=tokens[:, :length].contiguous(), response_mask=mask[:, :length].contiguous(),
                 log_probs=log_probs[:, :length].contiguous())
+
+        tokens = input_ids.new_full((rows, steps), self.pad_token_id)
+        log_probs = torch.zeros(rows, steps, device=device)
+        mask = torch.zeros(rows, steps, dtype=torch.long, device=device)
+        live = torch.arange(rows, device=device)  # output row of each cache row
+        done = torch.zeros(rows, dtype=torch.bool, device=device)  # per cache row
         length = 0
         while True:
             token, log_prob = sample(logits, params, generator, None if keys is None else keys + length)
@@ -149,7 +149,7 @@ class Generator:
             log_probs=log_probs[:, :length].to(home).contiguous(),
         )
 
-    def _decode_extension(self, params: SamplingParams, generator, keys, device):
+    def _decode_extension(self, params: SamplingParams, keyed: bool, device: torch.device):
         """The C++ decode loop's module when it computes this call exactly as the Python loop, else None."""
         if self.decode == "python":
             return None
@@ -161,7 +161,7 @@ class Generator:
             why = "it runs tensor-parallel size 1 with full attention"
         elif params.stop or params.top_k > 0 or params.top_p < 1:
             why = "it has no stop strings, top-k or top-p"
-        elif not params.greedy and keys is None:
+        elif not params.greedy and not keyed:
             why = "it samples greedily or with row_keys, not from a torch.Generator"
         if why is None:
             from hybridflow.kernels.backend import BackendUnavailable, cpu_extension
@@ -193,7 +193,8 @@ class Generator:
             float(model.cfg.rms_norm_eps), steps, params.greedy, float(params.temperature),
             torch.empty(0, dtype=torch.long) if keys is None else keys.contiguous(), stop_ids, self.pad_token_id)
         length = int(length)
-        cache.start, cache.length = filled + length - 2, filled + length - 1  # what forward_cached would leave
+        if length > 1:  # the slots the fed tokens took, as forward_cached leaves them (the last token is not fed)
+            cache.start, cache.length = filled + length - 2, filled + length - 1
         return tokens, log_probs, mask, length
 
     def _completes_stop_string(self, tokens: torch.Tensor, done: torch.Tensor,
