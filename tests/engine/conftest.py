@@ -95,4 +95,4 @@ def layout_case(path):
     actor_cfg = ActorConfig(optim=optim, ppo_mini_batch_size=4, ppo_micro_batch_size=1)
     value_head = 0.1 * torch.randn(1, cfg.hidden_size, generator=g)
     return SimpleNamespace(cfg=cfg, path=str(path), batch=batch, optim=optim, actor_cfg=actor_cfg,
-                           value_head=value_head)
+                           value_head=value_head, grouped=grouped_rl_batch(cfg.vocab_size))

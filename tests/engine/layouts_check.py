@@ -4,6 +4,7 @@ For each layout (TP2xPP2, TP2xDP2, PP2xDP2) the ranks rebuild megatron-core's
 parallel state and, from the same HF checkpoint (read slice by slice):
 
 - log-probs and entropy of the actor, values of a critic, on the whole batch;
+  at pp = 1 also the log-probs of GRPO-shaped rows run as shared-prompt rows;
 - one actor update, each DP replica on its share of the batch, then the
   weights gathered back to HF layout;
 - the generation model at tg = 1 (the whole model on every rank): stale after the update until refreshed,
@@ -38,6 +39,8 @@ def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str) -> dict:
     actor = Actor(case.actor_cfg, actor_engine)
     out = {"bytes_read": read, "distributed_optimizer": actor_engine.distributed_optimizer}
     out.update(actor.compute_log_probs(case.batch, 3))
+    if pp == 1:  # shared-prompt rows under TP: per-token RoPE angles and the gather of vocab-parallel logits
+        out["shared_log_probs"] = actor.compute_log_probs(case.grouped, 8, share_prompts=True)["old_log_probs"]
     critic_engine = MegatronEngine(case.cfg, parallel, OptimConfig(lr=1e-2), total_steps=10, value_head=True)
     critic_engine.load_hf_checkpoint(case.path)
     if ps.is_pipeline_last_stage():  # a non-zero value head, so the values say something

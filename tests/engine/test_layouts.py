@@ -28,6 +28,8 @@ def reference(hf_path) -> dict:
     out = {"bytes_read": engine.load_hf_checkpoint(case.path)}
     actor = Actor(case.actor_cfg, engine)
     out.update(actor.compute_log_probs(case.batch, 3))
+    out["shared_log_probs"] = actor.compute_log_probs(case.grouped, 3)["old_log_probs"]  # padded, one rank
+    out["grouped_mask"] = case.grouped["response_mask"].bool()
     critic_engine = MegatronEngine(case.cfg, ParallelConfig(), OptimConfig(lr=1e-2), total_steps=10,
                                    value_head=True)
     critic_engine.load_hf_checkpoint(case.path)
@@ -45,6 +47,15 @@ def test_forward_passes_equal_one_rank(launched, layout):
     got, want = launched[0][layout], launched[1]
     for key in ("old_log_probs", "entropy", "values"):
         torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0, msg=f"{layout} {key}")
+
+
+@pytest.mark.timeout(600)
+def test_shared_prompt_rows_at_tensor_parallel_2_equal_one_padded_rank(launched):
+    """GRPO-shaped rows (4 prompts, 8 rows) run as shared-prompt rows at TP2 (DP2) give the one-rank padded
+    log-probs: the per-token RoPE angles and the gather of vocab-parallel logits hold under TP."""
+    got, want = launched[0]["tp2_pp1"], launched[1]
+    mask = want["grouped_mask"]
+    torch.testing.assert_close(got["shared_log_probs"][mask], want["shared_log_probs"][mask], atol=1e-5, rtol=0)
 
 
 @pytest.mark.timeout(600)
