@@ -30,8 +30,6 @@ build it, runs the loop below. The two agree to float rounding (tests).
 """
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -40,13 +38,6 @@ import torch
 from hybridflow.models.decoder import Decoder
 from hybridflow.models.kv_cache import KVCache
 from hybridflow.rollout.sampling import SamplingParams, sample
-
-log = logging.getLogger("hybridflow.rollout")
-
-
-@functools.lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
-    log.warning(message)
 
 # Tokens decoded per stop-string check, per character of the longest stop
 # string: a character can span several byte-level tokens.
@@ -109,13 +100,21 @@ class Generator:
                     + torch.arange(n, device=device).repeat(b)) * (steps + 1)
         if fused is not None:
             tokens, log_probs, mask, length = self._fused_decode(fused, logits, cache, params, keys, stop_ids)
-            return GenerationOutput(
-                prompts=input_ids.repeat_interleave(n, 0).to(home),
-                prompt_mask=attention_mask.long().repeat_interleave(n, 0).to(home),
-                responses=tokens[:, :length].contiguous(), response_mask=mask[:, :length].contiguous(),
-                log_probs=log_probs[:, :length].contiguous())
+        else:
+            tokens, log_probs, mask, length = self._python_decode(logits, cache, params, generator, keys, stop_ids)
+        return GenerationOutput(
+            prompts=input_ids.repeat_interleave(n, 0).to(home),
+            prompt_mask=attention_mask.long().repeat_interleave(n, 0).to(home),
+            responses=tokens[:, :length].to(home).contiguous(),
+            response_mask=mask[:, :length].to(home).contiguous(),
+            log_probs=log_probs[:, :length].to(home).contiguous(),
+        )
 
-        tokens = input_ids.new_full((rows, steps), self.pad_token_id)
+    def _python_decode(self, logits, cache: KVCache, params: SamplingParams, generator, keys, stop_ids):
+        """The decode steps after the prefill, one batch of torch ops each: tokens, log_probs, mask
+        [rows, max_new_tokens] and the number of steps run."""
+        rows, steps, device = logits.shape[0], params.max_new_tokens, logits.device
+        tokens = torch.full((rows, steps), self.pad_token_id, dtype=torch.long, device=device)
         log_probs = torch.zeros(rows, steps, device=device)
         mask = torch.zeros(rows, steps, dtype=torch.long, device=device)
         live = torch.arange(rows, device=device)  # output row of each cache row
@@ -133,21 +132,13 @@ class Generator:
                 done |= self._completes_stop_string(tokens[live, :length], done, params.stop)
             ended = int(done.sum())
             if length == steps or ended == done.numel():
-                break
+                return tokens, log_probs, mask, length
             if ended >= _COMPACT_AT * done.numel():
                 keep = (~done).nonzero().flatten()
                 cache.keep_rows(keep)
                 live, done, token = live[keep], done[keep], token[keep]
                 keys = None if keys is None else keys[keep]
             logits = self.model.forward_cached(token[:, None], cache)[:, -1]
-
-        return GenerationOutput(
-            prompts=input_ids.repeat_interleave(n, 0).to(home),
-            prompt_mask=attention_mask.long().repeat_interleave(n, 0).to(home),
-            responses=tokens[:, :length].to(home).contiguous(),
-            response_mask=mask[:, :length].to(home).contiguous(),
-            log_probs=log_probs[:, :length].to(home).contiguous(),
-        )
 
     def _decode_extension(self, params: SamplingParams, keyed: bool, device: torch.device):
         """The C++ decode loop's module when it computes this call exactly as the Python loop, else None."""
@@ -164,14 +155,14 @@ class Generator:
         elif not params.greedy and not keyed:
             why = "it samples greedily or with row_keys, not from a torch.Generator"
         if why is None:
-            from hybridflow.kernels.backend import BackendUnavailable, cpu_extension
+            from hybridflow.kernels.backend import BackendUnavailable, _warn_once, cpu_extension
 
             try:
                 return cpu_extension()
             except BackendUnavailable as exc:
                 if self.decode == "cpu":
                     raise
-                _log_once(f"the C++ decode loop is unavailable, decoding in Python: {exc}")
+                _warn_once(f"the C++ decode loop is unavailable, decoding in Python: {exc}")
                 return None
         if self.decode == "cpu":
             raise ValueError(f"decode='cpu' cannot run this call: {why}")
