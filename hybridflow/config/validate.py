@@ -425,47 +425,36 @@ def _check_packing(cfg: Config, model: "DecoderConfig") -> None:
     """Packed micro-batches (use_dynamic_bsz): one row per micro-batch with a block-diagonal mask, which
     needs pp = 1 (the pipeline sends fixed shapes) and full attention (a sliding window rebuilds its mask).
     Shared-prompt rows (share_prompts) need the same, and cp = 1 (their positions are not the row's)."""
-    critic_pp = cfg.critic.parallel.pp
-    reference_pp = (cfg.reference.parallel or cfg.actor.parallel).pp
-    switches = [("actor.use_dynamic_bsz", cfg.actor.use_dynamic_bsz, "actor.ppo_max_token_len_per_gpu",
-                 cfg.actor.ppo_max_token_len_per_gpu, cfg.actor.parallel.pp),
-                ("rollout.log_prob_use_dynamic_bsz", cfg.rollout.log_prob_use_dynamic_bsz,
-                 "rollout.log_prob_max_token_len_per_gpu", cfg.rollout.log_prob_max_token_len_per_gpu,
-                 cfg.actor.parallel.pp),
-                ("reference.log_prob_use_dynamic_bsz", cfg.reference.log_prob_use_dynamic_bsz,
-                 "reference.log_prob_max_token_len_per_gpu", cfg.reference.log_prob_max_token_len_per_gpu,
-                 reference_pp),
-                ("critic.use_dynamic_bsz", cfg.critic.use_dynamic_bsz, "critic.ppo_max_token_len_per_gpu",
-                 cfg.critic.ppo_max_token_len_per_gpu, critic_pp)]
-    for key, on, budget_key, budget, pp in switches:
-        if not on:
+    windowed = any(w is not None for w in model.layer_windows)
+    roles = [  # (section, its dynamic-batch-size switch, token budget and shared-prompt switch, its layout)
+        ("actor", "use_dynamic_bsz", "ppo_max_token_len_per_gpu", "share_prompts", cfg.actor.parallel),
+        ("rollout", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu", "log_prob_share_prompts",
+         cfg.actor.parallel),
+        ("reference", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu", "log_prob_share_prompts",
+         cfg.reference.parallel or cfg.actor.parallel),
+        ("critic", "use_dynamic_bsz", "ppo_max_token_len_per_gpu", "share_prompts", cfg.critic.parallel)]
+    for section, dynamic, budget, _, parallel in roles:
+        role, key = getattr(cfg, section), f"{section}.{dynamic}"
+        if not getattr(role, dynamic):
             continue
-        if budget < 1:
-            raise ConfigError(budget_key, f"must be >= 1 token, got {budget}")
-        if pp > 1:
-            raise ConfigError(key, f"packed micro-batches need pipeline size 1, the layout has pp = {pp}")
-        if any(w is not None for w in model.layer_windows):
+        if getattr(role, budget) < 1:
+            raise ConfigError(f"{section}.{budget}", f"must be >= 1 token, got {getattr(role, budget)}")
+        if parallel.pp > 1:
+            raise ConfigError(key, f"packed micro-batches need pipeline size 1, the layout has pp = {parallel.pp}")
+        if windowed:
             raise ConfigError(key, "packed micro-batches need full attention; the model has sliding-window layers")
-    shares = [("actor.share_prompts", cfg.actor.share_prompts, cfg.actor.use_dynamic_bsz, "actor.use_dynamic_bsz",
-               cfg.actor.parallel),
-              ("rollout.log_prob_share_prompts", cfg.rollout.log_prob_share_prompts,
-               cfg.rollout.log_prob_use_dynamic_bsz, "rollout.log_prob_use_dynamic_bsz", cfg.actor.parallel),
-              ("reference.log_prob_share_prompts", cfg.reference.log_prob_share_prompts,
-               cfg.reference.log_prob_use_dynamic_bsz, "reference.log_prob_use_dynamic_bsz",
-               cfg.reference.parallel or cfg.actor.parallel),
-              ("critic.share_prompts", cfg.critic.share_prompts, cfg.critic.use_dynamic_bsz, "critic.use_dynamic_bsz",
-               cfg.critic.parallel)]
-    for key, on, dynamic, dynamic_key, parallel in shares:
-        if not on:
-            continue
-        if dynamic:
-            raise ConfigError(key, f"shared-prompt rows and packed micro-batches ({dynamic_key}) are two layouts; "
-                                   "choose one")
-        for name, size in (("pipeline", parallel.pp), ("context-parallel", parallel.cp)):
-            if size > 1:
-                raise ConfigError(key, f"shared-prompt rows need {name} size 1, the layout has {size}")
-        if any(w is not None for w in model.layer_windows):
-            raise ConfigError(key, "shared-prompt rows need full attention; the model has sliding-window layers")
+    for section, dynamic, _, share, parallel in roles:
+        role, share_key = getattr(cfg, section), f"{section}.{share}"
+        if getattr(role, share):
+            if getattr(role, dynamic):
+                raise ConfigError(share_key, f"shared-prompt rows and packed micro-batches ({section}.{dynamic}) are "
+                                             "two layouts; choose one")
+            for name, size in (("pipeline", parallel.pp), ("context-parallel", parallel.cp)):
+                if size > 1:
+                    raise ConfigError(share_key, f"shared-prompt rows need {name} size 1, the layout has {size}")
+            if windowed:
+                raise ConfigError(share_key, "shared-prompt rows need full attention; the model has sliding-window "
+                                             "layers")
 
 
 def _check_ray_address(cfg: Config) -> None:
