@@ -75,7 +75,8 @@ def test_the_local_cluster_refuses_a_client_without_its_token(ray_cluster):
     import sys
 
     gcs = ray_cluster.get_runtime_context().gcs_address
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="not-the-token")
+    # Two connection attempts instead of Ray's 20 (one a second): the refusal comes on the first.
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="not-the-token", RAY_gcs_server_port_wait_time_s="2")
     out = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={gcs!r})"], env=env,
                          capture_output=True, text=True, timeout=100)
     assert out.returncode != 0 and "InvalidAuthToken" in out.stderr

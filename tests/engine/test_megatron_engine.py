@@ -285,3 +285,27 @@ def test_packed_log_probs_and_values_equal_the_padded_ones(fused):
     packed_values = Critic(CriticConfig(ppo_micro_batch_size=4, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=10),
                            critic_engine, mini_batch_size=4).compute_values(batch)
     torch.testing.assert_close(packed_values[F.VALUES], values[F.VALUES], atol=1e-5, rtol=0)
+
+
+def test_megatron_core_loads_on_cpu_without_wrapping_its_fusions_in_torch_compile():
+    """cpu_compat imports megatron-core with `torch.compile` as the identity (its 38 wrappers cost about 3 s
+    of every process's start) and puts `torch.compile` back; a fused function then runs eagerly, equal."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "\n".join([
+        "import sys, torch",
+        "compile_ = torch.compile",
+        "from hybridflow.engine import cpu_compat",
+        "cpu_compat.apply()",
+        "from megatron.core.fusions.fused_bias_swiglu import swiglu",
+        "assert torch.compile is compile_, 'torch.compile was not put back'",
+        "assert 'torch._dynamo' not in sys.modules, 'a torch.compile wrapper was made'",
+        "y = torch.randn(3, 8)",
+        "assert torch.equal(swiglu(y), torch.nn.functional.silu(y[:, :4]) * y[:, 4:])",
+    ])
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
