@@ -15,7 +15,7 @@
 // from the step at once (the Python loop drops them in bulk). The KV cache,
 // its key mask and per-row token counts are the Python KVCache's tensors,
 // updated in place as forward_cached would. Bound in kernels.cpp (one extension, compiled once).
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h: the C++ frontend's headers tripled the compile time
 #include <ATen/Parallel.h>
 
 #include <algorithm>

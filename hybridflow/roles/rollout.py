@@ -41,6 +41,13 @@ def repeat_rows(values: Sequence[Any], n: int) -> list[Any]:
     return [v for v in values for _ in range(n)]
 
 
+def response_texts(responses: torch.Tensor, mask: torch.Tensor, tokenizer: Tokenizer) -> list[str]:
+    """The text of each response's masked-in tokens; rows are read as lists once (indexing each row's
+    tensor cost about 20 us a row, 10 ms of a 512-row demo rollout)."""
+    return tokenizer.batch_decode([t for t, keep in zip(row, kept) if keep]
+                                  for row, kept in zip(responses.tolist(), mask.bool().tolist()))
+
+
 def assemble_rollout(prompts: Batch, out: GenerationOutput, n: int, tokenizer: Tokenizer) -> Batch:
     """The training batch for B prompts x n samples: ids [B*n, T+R] and per-row lists."""
     batch: Batch = {
@@ -50,8 +57,7 @@ def assemble_rollout(prompts: Batch, out: GenerationOutput, n: int, tokenizer: T
         F.ROLLOUT_LOG_PROBS: out.log_probs,
         F.INPUT_IDS: torch.cat([out.prompts, out.responses], dim=1),
         F.ATTENTION_MASK: torch.cat([out.prompt_mask, out.response_mask], dim=1),
-        F.RESPONSE_TEXT: [tokenizer.decode(r[m.bool()].tolist()) for r, m in
-                          zip(out.responses, out.response_mask)],
+        F.RESPONSE_TEXT: response_texts(out.responses, out.response_mask, tokenizer),
         F.UID: repeat_rows([str(i) for i in prompts[F.INDEX]], n),
     }
     for key in (F.DATA_SOURCE, F.GROUND_TRUTH, F.EXTRA_INFO, F.INDEX, F.PROMPT_TEXT):
