@@ -7,7 +7,9 @@ megatron-core assumes CUDA in a handful of spots a CPU run reaches:
 - the CUDA RNG tracker (`get_cuda_rng_tracker().fork()` wraps attention
   dropout even at p=0);
 - `param.type() == "torch.cuda.FloatTensor"` checks in the optimizer;
-- `tensor.cuda()` on the tied embedding's last-stage copy at pp > 1.
+- `tensor.cuda()` on the tied embedding's last-stage copy at pp > 1;
+- and, not a CUDA assumption but a cost: `torch.compile` wrappers made at
+  import for fusions a CPU run never calls (`_eager_fusions`).
 
 Rather than editing megatron-core, `apply()` gives each loaded
 `megatron.core` module a view of `torch` (`_CpuTorch`) whose factory
