@@ -290,6 +290,7 @@ def test_packed_log_probs_and_values_equal_the_padded_ones(fused):
 def test_megatron_core_loads_on_cpu_without_wrapping_its_fusions_in_torch_compile():
     """cpu_compat imports megatron-core with `torch.compile` as the identity (its 38 wrappers cost about 3 s
     of every process's start) and puts `torch.compile` back; a fused function then runs eagerly, equal."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -307,5 +308,5 @@ def test_megatron_core_loads_on_cpu_without_wrapping_its_fusions_in_torch_compil
     ])
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
-                         env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == 0, out.stderr[-2000:]
