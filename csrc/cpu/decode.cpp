@@ -15,8 +15,14 @@
 // from the step at once (the Python loop drops them in bulk). The KV cache,
 // its key mask and per-row token counts are the Python KVCache's tensors,
 // updated in place as forward_cached would. Bound in kernels.cpp (one extension, compiled once).
-#include <ATen/ATen.h>  // not torch/extension.h: the C++ frontend's headers tripled the compile time
+#include <ATen/core/Tensor.h>  // per-operator headers, as in kernels.cpp
 #include <ATen/Parallel.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cmath>

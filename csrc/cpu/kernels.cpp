@@ -7,11 +7,15 @@
 // writes three floats per token: no [tokens, vocab] temporary, unlike eager
 // log_softmax + gather + exp. exp() is a small polynomial written so that GCC
 // vectorises it without -ffast-math (which would break inf/nan semantics).
-// ATen and the pybind11 bindings only: torch/extension.h adds the whole C++ frontend (nn, optim, ...),
-// which took longer to parse than everything else here (measured 88 s against 26 s for decode.cpp).
-#include <ATen/ATen.h>
-#include <torch/python.h>
+// The headers of the ATen operators used and torch's pybind11 casters only: torch/extension.h (the whole
+// C++ frontend) or even ATen/ATen.h (every operator) took longer to parse than everything else here.
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -87,8 +91,8 @@ inline RowStats row_stats(const float* x, int64_t v) {
 }
 
 template <typename T>
-void logprob_entropy_fwd_impl(const torch::Tensor& logits, const torch::Tensor& labels,
-                              torch::Tensor& logp, torch::Tensor& ent, torch::Tensor& lse) {
+void logprob_entropy_fwd_impl(const at::Tensor& logits, const at::Tensor& labels,
+                              at::Tensor& logp, at::Tensor& ent, at::Tensor& lse) {
   const int64_t n = logits.size(0), v = logits.size(1);
   const T* src = logits.data_ptr<T>();
   const int64_t* lab = labels.data_ptr<int64_t>();
@@ -107,10 +111,10 @@ void logprob_entropy_fwd_impl(const torch::Tensor& logits, const torch::Tensor& 
 }
 
 template <typename T>
-void logprob_entropy_bwd_impl(const torch::Tensor& logits, const torch::Tensor& labels,
-                              const torch::Tensor& lse, const torch::Tensor& ent,
-                              const torch::Tensor& g_logp, const torch::Tensor& g_ent,
-                              torch::Tensor& grad) {
+void logprob_entropy_bwd_impl(const at::Tensor& logits, const at::Tensor& labels,
+                              const at::Tensor& lse, const at::Tensor& ent,
+                              const at::Tensor& g_logp, const at::Tensor& g_ent,
+                              at::Tensor& grad) {
   const int64_t n = logits.size(0), v = logits.size(1);
   const T* src = logits.data_ptr<T>();
   T* dst = grad.data_ptr<T>();
@@ -138,22 +142,22 @@ void logprob_entropy_bwd_impl(const torch::Tensor& logits, const torch::Tensor& 
   });
 }
 
-void check_logits(const torch::Tensor& logits, const torch::Tensor& labels) {
+void check_logits(const at::Tensor& logits, const at::Tensor& labels) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous(),
               "logits must be a contiguous 2-D CPU tensor");
-  TORCH_CHECK(labels.scalar_type() == torch::kLong && labels.dim() == 1 &&
+  TORCH_CHECK(labels.scalar_type() == at::kLong && labels.dim() == 1 &&
                   labels.size(0) == logits.size(0) && labels.is_contiguous(),
               "labels must be a contiguous int64 vector, one per logits row");
 }
 
 }  // namespace
 
-std::vector<torch::Tensor> logprob_entropy_forward(torch::Tensor logits, torch::Tensor labels) {
+std::vector<at::Tensor> logprob_entropy_forward(at::Tensor logits, at::Tensor labels) {
   check_logits(logits, labels);
-  auto opts = logits.options().dtype(torch::kFloat);
-  auto logp = torch::empty({logits.size(0)}, opts);
-  auto ent = torch::empty_like(logp), lse = torch::empty_like(logp);
-  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, logits.scalar_type(), "lp_fwd", [&] {
+  auto opts = logits.options().dtype(at::kFloat);
+  auto logp = at::empty({logits.size(0)}, opts);
+  auto ent = at::empty_like(logp), lse = at::empty_like(logp);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "lp_fwd", [&] {
     logprob_entropy_fwd_impl<scalar_t>(logits, labels, logp, ent, lse);
   });
   return {logp, ent, lse};
@@ -161,14 +165,14 @@ std::vector<torch::Tensor> logprob_entropy_forward(torch::Tensor logits, torch::
 
 // inplace: the gradient overwrites `logits` (each element is read before it is written, row by row),
 // for callers whose logits are needed by nothing after this backward.
-torch::Tensor logprob_entropy_backward(torch::Tensor logits, torch::Tensor labels, torch::Tensor lse,
-                                       torch::Tensor ent, torch::Tensor g_logp, torch::Tensor g_ent,
+at::Tensor logprob_entropy_backward(at::Tensor logits, at::Tensor labels, at::Tensor lse,
+                                       at::Tensor ent, at::Tensor g_logp, at::Tensor g_ent,
                                        bool inplace) {
   check_logits(logits, labels);
-  auto grad = inplace ? logits : torch::empty_like(logits);
-  auto f = [](const torch::Tensor& t) { return t.to(torch::kFloat).contiguous(); };
+  auto grad = inplace ? logits : at::empty_like(logits);
+  auto f = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
   auto lse_f = f(lse), ent_f = f(ent), gl = f(g_logp), ge = f(g_ent);
-  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, logits.scalar_type(), "lp_bwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "lp_bwd", [&] {
     logprob_entropy_bwd_impl<scalar_t>(logits, labels, lse_f, ent_f, gl, ge, grad);
   });
   return grad;
@@ -181,13 +185,13 @@ torch::Tensor logprob_entropy_backward(torch::Tensor logits, torch::Tensor label
 // passes over the rows with double accumulators: the scan also sums each
 // row's advantages, a second pass sums squared deviations from the batch
 // mean, a third normalises. Returns are a + v before whitening.
-std::vector<torch::Tensor> gae_forward(torch::Tensor rewards, torch::Tensor values, torch::Tensor mask,
+std::vector<at::Tensor> gae_forward(at::Tensor rewards, at::Tensor values, at::Tensor mask,
                                        double gamma, double lam, bool whiten, double eps) {
   TORCH_CHECK(rewards.sizes() == values.sizes() && rewards.sizes() == mask.sizes() && rewards.dim() == 2,
               "rewards, values and mask must share one [B, T] shape");
-  auto r = rewards.to(torch::kFloat).contiguous(), val = values.to(torch::kFloat).contiguous();
-  auto m = mask.to(torch::kFloat).contiguous();
-  auto adv = torch::zeros_like(r), ret = torch::zeros_like(r);
+  auto r = rewards.to(at::kFloat).contiguous(), val = values.to(at::kFloat).contiguous();
+  auto m = mask.to(at::kFloat).contiguous();
+  auto adv = at::zeros_like(r), ret = at::zeros_like(r);
   const int64_t b = r.size(0), t = r.size(1);
   const float *pr = r.data_ptr<float>(), *pv = val.data_ptr<float>(), *pm = m.data_ptr<float>();
   float *pa = adv.data_ptr<float>(), *pt = ret.data_ptr<float>();
