@@ -30,6 +30,8 @@
 #include <limits>
 #include <vector>
 
+#include "layers.h"
+
 namespace {
 
 constexpr int kPerLayer = 7;  // attn_norm, qkv weight, qkv bias (may be empty), proj, mlp_norm, fc1, fc2
@@ -48,20 +50,7 @@ inline double counter_uniform(uint64_t key, uint64_t width, uint64_t column) {
 void rms_norm(const float* x, const float* weight, float* out, int64_t n, int64_t dim, double eps) {
   for (int64_t i = 0; i < n; ++i) {
     const float* row = x + i * dim;
-    float sum = 0.f;
-    for (int64_t j = 0; j < dim; ++j) sum += row[j] * row[j];
-    const float scale = 1.0f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
-    float* o = out + i * dim;
-    for (int64_t j = 0; j < dim; ++j) o[j] = weight[j] * (row[j] * scale);
-  }
-}
-
-// Rotate one head vector [hd] in place by position `pos` (HF's half-split convention).
-inline void rope(float* v, const float* cos_, const float* sin_, int64_t half) {
-  for (int64_t j = 0; j < half; ++j) {
-    const float a = v[j], b = v[j + half];
-    v[j] = a * cos_[j] - b * sin_[j];
-    v[j + half] = b * cos_[j + half] + a * sin_[j + half];
+    hybridflow_cpu::rms_norm_row(row, weight, out + i * dim, dim, hybridflow_cpu::rms_scale(row, dim, eps));
   }
 }
 
@@ -221,7 +210,9 @@ std::vector<at::Tensor> decode_loop(at::Tensor logits, std::vector<at::Tensor> w
         for (int64_t ig = begin; ig < end; ++ig) {
           const int64_t i = ig / groups, g = ig % groups, r = live[i];
           float* grp = q + i * groups * per_group + g * per_group;  // [q_0 .. q_{hpg-1}, k, v]
-          for (int64_t j = 0; j <= hpg; ++j) rope(grp + j * hd, cs + i * hd, sn + i * hd, half);
+          for (int64_t j = 0; j <= hpg; ++j) {
+            hybridflow_cpu::rope_row(grp + j * hd, grp + j * hd, cs + i * hd, sn + i * hd, half);
+          }
           const int64_t base = layer_off + (r * groups + g) * capacity * hd;
           std::copy(grp + hpg * hd, grp + (hpg + 1) * hd, kc + base + slot * hd);
           std::copy(grp + (hpg + 1) * hd, grp + (hpg + 2) * hd, vc + base + slot * hd);

@@ -24,27 +24,11 @@
 #include <limits>
 #include <vector>
 
+#include "layers.h"
+
 namespace {
 
-// exp(x) for x <= 0 (inputs here are always x - rowmax). Range reduction to
-// r in [-ln2/2, ln2/2], degree-6 polynomial, scale by 2^n via the exponent
-// bits. Max relative error ~2e-7 over the range; below -87 it flushes to 0.
-inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x <= -87.0f ? 0.0f : p * scale;
-}
+using hybridflow_cpu::exp_nonpos;
 
 template <typename T>
 inline const float* as_float_row(const T* src, int64_t v, std::vector<float>& buf) {
@@ -251,6 +235,14 @@ std::vector<at::Tensor> decode_loop(at::Tensor logits, std::vector<at::Tensor> w
                                     bool greedy, double temperature, at::Tensor keys, at::Tensor stop_ids,
                                     int64_t pad_id);
 
+// layers.cpp: the decoder layers' RMSNorm, SwiGLU and rotary embeddings, forward and backward.
+std::vector<at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::vector<at::Tensor> rms_norm_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight,
+                                          const at::Tensor& rstd);
+at::Tensor swiglu_forward(const at::Tensor& x);
+at::Tensor swiglu_backward(const at::Tensor& g, const at::Tensor& x);
+at::Tensor rotary(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, bool backward);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_loop", &decode_loop, "the rollout's decode steps after a prefill, keyed or greedy sampling");
   m.def("logprob_entropy_forward", &logprob_entropy_forward, "token log-prob, entropy, logsumexp");
@@ -260,4 +252,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gae_forward", &gae_forward, "GAE advantages (optionally whitened over the batch) and returns",
         py::arg("rewards"), py::arg("values"), py::arg("mask"), py::arg("gamma"), py::arg("lam"),
         py::arg("whiten") = false, py::arg("eps") = 1e-8);
+  m.def("rms_norm_forward", &rms_norm_forward, "RMSNorm: output and 1 / rms per row");
+  m.def("rms_norm_backward", &rms_norm_backward, "RMSNorm: gradients of the input and the weight");
+  m.def("swiglu_forward", &swiglu_forward, "silu(gate) * up from [gate | up]");
+  m.def("swiglu_backward", &swiglu_backward, "SwiGLU: gradient of [gate | up]");
+  m.def("rotary", &rotary, "rotary embedding (or its transpose) with per-position cos and sin",
+        py::arg("t"), py::arg("cos"), py::arg("sin"), py::arg("backward") = false);
 }

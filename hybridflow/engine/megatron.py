@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from hybridflow.config.schema import OptimConfig, ParallelConfig
 from hybridflow.data import fields as F
+from hybridflow.engine import cpu_layers
 from hybridflow.engine.distributed import Layout, init_model_parallel
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.checkpoint import resolve_dtype
@@ -214,13 +215,16 @@ def transformer_config(cfg: DecoderConfig, parallel: ParallelConfig, dtype: torc
         raise NotImplementedError("the Megatron engine supports one attention window for all layers; "
                                   f"this model has {sorted(set(map(str, cfg.layer_windows)))}")
     window = cfg.layer_windows[0] if cfg.layer_windows else None
+    # On CPU the norms, the SwiGLU and the rotation run hybridflow's one-pass kernels (engine/cpu_layers.py).
+    cpu_kernels = device == "cpu" and cpu_layers.install_rope()
     return TransformerConfig(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_heads, num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
         normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=cfg.qkv_bias,
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
-        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=cpu_kernels,
+        use_te_activation_func=cpu_kernels,
         persist_layer_norm=False, gradient_accumulation_fusion=False,
         window_size=None if window is None else (window - 1, 0),
         tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
@@ -300,7 +304,9 @@ class MegatronEngine:
 
         cfg = self.cfg
         model = GPTModel(
-            config=self.tconfig, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            config=self.tconfig, transformer_layer_spec=(
+                cpu_layers.layer_spec(self.tconfig) if self.tconfig.use_te_activation_func
+                else get_gpt_layer_local_spec(normalization="RMSNorm")),
             vocab_size=self.bridge.padded_vocab, max_sequence_length=cfg.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
             position_embedding_type="rope", rotary_base=int(cfg.rope_theta),

@@ -64,7 +64,8 @@ def _build(name: str, sources: list[Path], headers: tuple[Path, ...] = (), **fla
 @functools.lru_cache(maxsize=None)
 def cpu_extension() -> ModuleType:
     """The compiled C++ CPU kernels; raises BackendUnavailable with the reason."""
-    return _build("cpu_kernels", [CSRC / "cpu" / "kernels.cpp", CSRC / "cpu" / "decode.cpp"],
+    return _build("cpu_kernels", [CSRC / "cpu" / f for f in ("kernels.cpp", "decode.cpp", "layers.cpp")],
+                  headers=(CSRC / "cpu" / "layers.h",),
                   extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
 
 
