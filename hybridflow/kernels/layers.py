@@ -79,6 +79,7 @@ class _Rotary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         cos, sin = ctx.saved_tensors
+        g = g if g.stride(-1) == 1 else g.contiguous()  # the kernel walks each head's vector in order
         return cpu_extension().rotary(g, cos, sin, backward=True), None, None
 
 

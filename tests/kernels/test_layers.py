@@ -15,7 +15,9 @@ def _randn(*shape, scale=1.0, seed=0):
 def _value_and_grads(fn, inputs, *args):
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     out = fn(*leaves, *args)
-    out.backward(_randn(*out.shape, seed=99))
+    # The incoming gradient in reversed memory order: the kernels must not assume a contiguous one.
+    grad = _randn(*reversed(out.shape), seed=99).permute(*reversed(range(out.dim())))
+    out.backward(grad)
     return [out.detach(), *(t.grad for t in leaves)]
 
 
