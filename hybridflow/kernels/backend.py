@@ -43,15 +43,20 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("HYBRIDFLOW_CACHE", Path.home() / ".cache" / "hybridflow"))
 
 
+def build_digest(sources: list[Path], headers: tuple[Path, ...], flags: dict) -> str:
+    """What names a cached build: the sources' and headers' bytes, the compiler flags, torch's version."""
+    key = b"".join(s.read_bytes() for s in (*sources, *headers)) + torch.__version__.encode()
+    return hashlib.sha1(key + repr(sorted(flags.items())).encode()).hexdigest()[:12]
+
+
 def _build(name: str, sources: list[Path], headers: tuple[Path, ...] = (), **flags) -> ModuleType:
-    """JIT-compile `sources` once per content (with `headers`) and torch version, cached under `_cache_dir()`."""
+    """JIT-compile `sources` once per content (with `headers`), flags and torch version, cached under `_cache_dir()`."""
     missing = [s for s in (*sources, *headers) if not s.is_file()]
     if missing:
         raise BackendUnavailable(f"source not found: {missing[0]}")
     from torch.utils import cpp_extension
 
-    key = b"".join(s.read_bytes() for s in (*sources, *headers)) + torch.__version__.encode()
-    digest = hashlib.sha1(key).hexdigest()[:12]
+    digest = build_digest(sources, headers, flags)
     build = _cache_dir() / f"{name}_{digest}"
     build.mkdir(parents=True, exist_ok=True)
     try:
@@ -66,7 +71,9 @@ def cpu_extension() -> ModuleType:
     """The compiled C++ CPU kernels; raises BackendUnavailable with the reason."""
     return _build("cpu_kernels", [CSRC / "cpu" / f for f in ("kernels.cpp", "decode.cpp", "layers.cpp")],
                   headers=(CSRC / "cpu" / "layers.h",),
-                  extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                  # -fno-trapping-math: the selects in exp and the sigmoid then vectorise (GCC otherwise keeps a
+                  # branch, as a comparison could trap); no result changes, only floating-point trap semantics.
+                  extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"], extra_ldflags=["-fopenmp"])
 
 
 @functools.lru_cache(maxsize=None)

@@ -81,3 +81,17 @@ def test_other_dtypes_run_the_reference_and_cpu_by_name_refuses_them():
     assert torch.equal(swiglu(x), swiglu_reference(x))
     with pytest.raises(BackendUnavailable, match="float32 CPU tensors"):
         swiglu(x, backend="cpu")
+
+
+def test_a_cached_build_is_keyed_by_sources_headers_and_flags(tmp_path):
+    """A changed header or compiler flag must build anew, not load the old build from the cache."""
+    from hybridflow.kernels.backend import build_digest
+    src, header = tmp_path / "k.cpp", tmp_path / "k.h"
+    src.write_text("int f();")
+    header.write_text("// v1")
+    flags = {"extra_cflags": ["-O3"]}
+    first = build_digest([src], (header,), flags)
+    assert build_digest([src], (header,), {"extra_cflags": ["-O3"]}) == first
+    assert build_digest([src], (header,), {"extra_cflags": ["-O3", "-fno-trapping-math"]}) != first
+    header.write_text("// v2")
+    assert build_digest([src], (header,), flags) != first
