@@ -27,6 +27,9 @@ class ModelConfig:
     # layer runs fused with the log-prob on response positions only, never holding [tokens, vocab] logits.
     # At tp > 1 the vocab-parallel logits path is used whatever this says.
     use_fused_kernels: bool = True
+    # On CPU, the layers' RMSNorm, SwiGLU and RoPE run hybridflow's one-pass C++ kernels, forward and backward
+    # (megatron-core runs them unfused without Transformer Engine); false keeps megatron-core's own ops.
+    cpu_layer_kernels: bool = True
 
 
 @dataclass

@@ -208,7 +208,8 @@ class StepStats:
     lr: float
 
 
-def transformer_config(cfg: DecoderConfig, parallel: ParallelConfig, dtype: torch.dtype, device: str):
+def transformer_config(cfg: DecoderConfig, parallel: ParallelConfig, dtype: torch.dtype, device: str,
+                       layer_kernels: bool = True):
     from megatron.core.transformer import TransformerConfig
 
     if len(set(cfg.layer_windows)) > 1:
@@ -216,7 +217,7 @@ def transformer_config(cfg: DecoderConfig, parallel: ParallelConfig, dtype: torc
                                   f"this model has {sorted(set(map(str, cfg.layer_windows)))}")
     window = cfg.layer_windows[0] if cfg.layer_windows else None
     # On CPU the norms, the SwiGLU and the rotation run hybridflow's one-pass kernels (engine/cpu_layers.py).
-    cpu_kernels = device == "cpu" and cpu_layers.install_rope()
+    cpu_kernels = device == "cpu" and layer_kernels and cpu_layers.install_rope()
     return TransformerConfig(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_heads, num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
@@ -267,12 +268,13 @@ class MegatronEngine:
     weight, which `roles.batching.response_log_probs` applies on the response
     positions only, fused with the log-prob (`kernels.fused_linear`), so no
     [tokens, vocab] logits are ever held. `self.fused_output` says which.
+    layer_kernels=True (on CPU) runs the norms, SwiGLU and RoPE as one-pass C++ kernels (engine/cpu_layers.py).
     """
 
     def __init__(self, model_cfg: DecoderConfig, parallel: ParallelConfig,
                  optim: Optional[OptimConfig] = None, *, device: str = "cpu", dtype: str = "float32",
                  make_vocab_size_divisible_by: int = 128, value_head: bool = False,
-                 total_steps: int = 1, seed: int = 0, fused_output: bool = False):
+                 total_steps: int = 1, seed: int = 0, fused_output: bool = False, layer_kernels: bool = True):
         if device == "cpu":
             from hybridflow.engine import cpu_compat
             cpu_compat.apply()
@@ -286,7 +288,7 @@ class MegatronEngine:
         from megatron.core import tensor_parallel
         tensor_parallel.model_parallel_cuda_manual_seed(seed)  # Megatron's named RNG streams
         self.bridge = get_bridge(model_cfg, make_vocab_size_divisible_by, parallel.tp)
-        self.tconfig = transformer_config(model_cfg, parallel, self.dtype, device)
+        self.tconfig = transformer_config(model_cfg, parallel, self.dtype, device, layer_kernels)
         self.module = self._build_model()
         self.optimizer = self.scheduler = None
         self.model: nn.Module = self.module

@@ -84,7 +84,7 @@ def build_engine(run: Run, model: ModelConfig, path: str, optim: Optional[OptimC
         load_model_config(path, "critic.model_path" if value_head else "model.path"), parallel, optim,
         device=run.device, dtype=model.dtype, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
         value_head=value_head, total_steps=optimizer_steps, seed=run.seed,
-        fused_output=model.use_fused_kernels and not value_head)
+        fused_output=model.use_fused_kernels and not value_head, layer_kernels=model.cpu_layer_kernels)
     engine.load_hf_checkpoint(path)  # this rank's slices only
     return engine
 

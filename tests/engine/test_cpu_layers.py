@@ -10,7 +10,7 @@ import torch
 from hybridflow.config.schema import OptimConfig, ParallelConfig
 from hybridflow.engine import MegatronEngine, cpu_layers
 from hybridflow.kernels import cpu_extension
-from tests.engine.conftest import rl_batch, tiny_model
+from tests.engine.conftest import grouped_rl_batch, rl_batch, tiny_model
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 KERNELS = ("rms_norm_forward", "rms_norm_backward", "swiglu_forward", "swiglu_backward", "rotary")
@@ -37,6 +37,29 @@ def test_a_cpu_training_step_runs_every_norm_swiglu_and_rotation_in_the_kernels(
     assert angles.computed == 1
     assert all(p.grad is not None or getattr(p, "main_grad", None) is not None
                for p in engine.module.parameters())
+
+
+def test_the_kernels_give_megatron_cores_own_logits_and_gradients():
+    """The same engine with `layer_kernels=False` runs megatron-core's unfused ops: logits and every
+    parameter's gradient agree, on shared-prompt rows (per-row rotation angles) and on plain rows."""
+    cfg, _, hf = tiny_model()
+    results = []
+    for layer_kernels in (True, False):
+        engine = MegatronEngine(cfg, ParallelConfig(), OptimConfig(lr=1e-3), layer_kernels=layer_kernels)
+        engine.load_hf_state_dict(hf)
+        logits = []
+        for shared in (False, True):
+            batch = grouped_rl_batch(cfg.vocab_size) if shared else rl_batch(cfg.vocab_size)
+            reports = engine.run([batch], lambda out, mb: (out.float().pow(2).mean(), {"logits": out.detach()}),
+                                 share_prompts=shared)
+            logits.append(reports[0]["logits"])
+        results.append(({name: p.main_grad.clone() for name, p in engine.module.named_parameters()}, logits))
+    (grads, logits), (plain_grads, plain_logits) = results
+    for got, want in zip(logits, plain_logits):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == plain_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], plain_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_rotation_angles_are_recomputed_when_the_frequencies_change():
