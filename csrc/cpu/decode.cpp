@@ -48,10 +48,12 @@ inline double counter_uniform(uint64_t key, uint64_t width, uint64_t column) {
 
 // x [n, dim] -> out [n, dim]: x * rsqrt(mean(x^2) + eps) * weight.
 void rms_norm(const float* x, const float* weight, float* out, int64_t n, int64_t dim, double eps) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float* row = x + i * dim;
-    hybridflow_cpu::rms_norm_row(row, weight, out + i * dim, dim, hybridflow_cpu::rms_scale(row, dim, eps));
-  }
+  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / dim), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = x + i * dim;
+      hybridflow_cpu::rms_norm_row(row, weight, out + i * dim, dim, hybridflow_cpu::rms_scale(row, dim, eps));
+    }
+  });
 }
 
 struct Sampled {
@@ -248,11 +250,9 @@ std::vector<at::Tensor> decode_loop(at::Tensor logits, std::vector<at::Tensor> w
       at::mm_out(f1, hs, w[5].t());
       const float* gu = f1.data_ptr<float>();
       float* a = ac.data_ptr<float>();
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t j = 0; j < inter; ++j) {
-          const float gate = gu[i * 2 * inter + j];
-          a[i * inter + j] = gate / (1.0f + std::exp(-gate)) * gu[i * 2 * inter + inter + j];
-        }
+      at::parallel_for(0, n, std::max<int64_t>(1, 16384 / (2 * inter)), [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) hybridflow_cpu::swiglu_row(gu + i * 2 * inter, a + i * inter, inter);
+      });
       at::mm_out(ds, ac, w[6].t());
       xs.add_(ds);
     }

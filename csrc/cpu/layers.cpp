@@ -95,12 +95,7 @@ at::Tensor swiglu_forward(const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, rows, grain(2 * f), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float *a = xp + i * 2 * f, *b = a + f;
-      float* out = yp + i * f;
-#pragma omp simd
-      for (int64_t j = 0; j < f; ++j) out[j] = a[j] * hybridflow_cpu::sigmoid(a[j]) * b[j];
-    }
+    for (int64_t i = begin; i < end; ++i) hybridflow_cpu::swiglu_row(xp + i * 2 * f, yp + i * f, f);
   });
   return y;
 }

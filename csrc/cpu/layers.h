@@ -67,4 +67,11 @@ inline float sigmoid(float x) {
   return x < 0.f ? e * r : r;
 }
 
+// One row of SwiGLU: out[j] = silu(gate[j]) * up[j] for the row's [gate | up] of 2 * f floats.
+inline void swiglu_row(const float* gate_up, float* out, int64_t f) {
+  const float* up = gate_up + f;
+#pragma omp simd
+  for (int64_t j = 0; j < f; ++j) out[j] = gate_up[j] * sigmoid(gate_up[j]) * up[j];
+}
+
 }  // namespace hybridflow_cpu
