@@ -21,6 +21,7 @@ raises instead.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -67,13 +68,32 @@ def _build(name: str, sources: list[Path], headers: tuple[Path, ...] = (), **fla
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_extension() -> ModuleType:
-    """The compiled C++ CPU kernels; raises BackendUnavailable with the reason."""
-    return _build("cpu_kernels", [CSRC / "cpu" / f for f in ("kernels.cpp", "decode.cpp", "layers.cpp")],
-                  headers=(CSRC / "cpu" / "layers.h",),
+def build_cpu_extension(cpu_dir: Path = CSRC / "cpu") -> ModuleType:
+    """The C++ CPU kernels built from the sources in `cpu_dir`; raises BackendUnavailable with the reason."""
+    return _build("cpu_kernels", [cpu_dir / f for f in ("kernels.cpp", "decode.cpp", "layers.cpp")],
+                  headers=(cpu_dir / "layers.h",),
                   # -fno-trapping-math: the selects in exp and the sigmoid then vectorise (GCC otherwise keeps a
                   # branch, as a comparison could trap); no result changes, only floating-point trap semantics.
                   extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"], extra_ldflags=["-fopenmp"])
+
+
+_cpu_builds: list[ModuleType] = []  # set by `using_cpu_build`, innermost last
+
+
+def cpu_extension() -> ModuleType:
+    """The compiled C++ CPU kernels (this checkout's, or the one `using_cpu_build` set)."""
+    return _cpu_builds[-1] if _cpu_builds else build_cpu_extension()
+
+
+@contextlib.contextmanager
+def using_cpu_build(module: ModuleType):
+    """Every kernel runs `module` (another build of csrc/cpu, e.g. a git revision's) inside the block:
+    `hybridflow bench csrc` alternates two builds in one process."""
+    _cpu_builds.append(module)
+    try:
+        yield module
+    finally:
+        _cpu_builds.pop()
 
 
 @functools.lru_cache(maxsize=None)

@@ -95,3 +95,18 @@ def test_a_cached_build_is_keyed_by_sources_headers_and_flags(tmp_path):
     assert build_digest([src], (header,), {"extra_cflags": ["-O3", "-fno-trapping-math"]}) != first
     header.write_text("// v2")
     assert build_digest([src], (header,), flags) != first
+
+
+def test_using_cpu_build_swaps_the_extension_inside_the_block_only():
+    """`bench csrc` alternates two builds through it: every kernel must see the swapped one, then the old."""
+    import types
+
+    from hybridflow.kernels import backend
+    own = backend.cpu_extension()
+    other = types.SimpleNamespace(swiglu_forward=lambda x: torch.zeros(x.shape[:-1] + (x.shape[-1] // 2,)))
+    x = _randn(3, 8)
+    with backend.using_cpu_build(other):
+        assert backend.cpu_extension() is other
+        assert torch.equal(swiglu(x), torch.zeros(3, 4))  # the layer kernels call the swapped build
+    assert backend.cpu_extension() is own
+    torch.testing.assert_close(swiglu(x), swiglu_reference(x))
