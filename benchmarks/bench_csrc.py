@@ -19,7 +19,6 @@ import json
 import runpy
 import statistics
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,17 +29,25 @@ DEMO_MODEL = ROOT / "hybridflow" / "assets" / "demo_model"
 
 
 def build_revision(rev: str):
-    """REV's csrc/cpu, built as its own extension module."""
-    from hybridflow.kernels.backend import build_cpu_extension
+    """REV's csrc/cpu, built as its own extension module (this checkout's build when the sources are the same),
+    from a directory named by the sources' git tree, so that a second run finds it built."""
+    from hybridflow.kernels.backend import CSRC, _cache_dir, build_cpu_extension
 
-    out = Path(tempfile.mkdtemp(prefix="bench_csrc_")) / "cpu"
-    out.mkdir()
-    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:csrc/cpu"],
-                           capture_output=True, text=True, check=True).stdout.split()
-    for name in names:
-        (out / name).write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:csrc/cpu/{name}"],
-                                                capture_output=True, check=True).stdout)
-    return build_cpu_extension(out)
+    def git(*args) -> bytes:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, check=True).stdout
+
+    names = git("ls-tree", "--name-only", f"{rev}:csrc/cpu").decode().split()
+    sources = {name: git("show", f"{rev}:csrc/cpu/{name}") for name in names}
+    if all((CSRC / "cpu" / name).is_file() and (CSRC / "cpu" / name).read_bytes() == text
+           for name, text in sources.items()) and len(names) == len(list((CSRC / "cpu").iterdir())):
+        print(f"{rev}'s csrc/cpu is this checkout's: one build for both")
+        return build_cpu_extension()
+    out = _cache_dir() / "baseline_sources" / git("rev-parse", f"{rev}:csrc/cpu").decode().strip() / "cpu"
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in sources.items():
+        if not (out / name).is_file() or (out / name).read_bytes() != text:
+            (out / name).write_bytes(text)
+    return build_cpu_extension(out, name="cpu_kernels_baseline")
 
 
 def demo_prompts(prompts: int = 64):

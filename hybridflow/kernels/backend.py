@@ -68,9 +68,11 @@ def _build(name: str, sources: list[Path], headers: tuple[Path, ...] = (), **fla
 
 
 @functools.lru_cache(maxsize=None)
-def build_cpu_extension(cpu_dir: Path = CSRC / "cpu") -> ModuleType:
-    """The C++ CPU kernels built from the sources in `cpu_dir`; raises BackendUnavailable with the reason."""
-    return _build("cpu_kernels", [cpu_dir / f for f in ("kernels.cpp", "decode.cpp", "layers.cpp")],
+def build_cpu_extension(cpu_dir: Path = CSRC / "cpu", name: str = "cpu_kernels") -> ModuleType:
+    """The C++ CPU kernels built from the sources in `cpu_dir`; raises BackendUnavailable with the reason.
+    Another `name` builds (and caches) apart: torch's build files name their sources' paths, so one build
+    directory shared by two source trees would rebuild each time it changed hands."""
+    return _build(name, [cpu_dir / f for f in ("kernels.cpp", "decode.cpp", "layers.cpp")],
                   headers=(cpu_dir / "layers.h",),
                   # -fno-trapping-math: the selects in exp and the sigmoid then vectorise (GCC otherwise keeps a
                   # branch, as a comparison could trap); no result changes, only floating-point trap semantics.
