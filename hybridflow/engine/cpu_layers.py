@@ -64,9 +64,9 @@ _angles = _AnglesCache()
 
 def fused_rope(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
     """megatron-core's fused-RoPE call: t [s, b, heads, d], freqs [s, 1 or b, 1, rot_dim]."""
-    from megatron.core.models.common.embeddings import rope_utils
-
     if interleaved or freqs.shape[-1] != t.shape[-1] or freqs.dim() != 4 or freqs.requires_grad:
+        from megatron.core.models.common.embeddings import rope_utils  # only here: 2 x layers calls a forward
+
         return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
     cos, sin = _angles(freqs)
     return rotary(t, cos, sin)
