@@ -47,6 +47,9 @@ class DataConfig:
     shuffle: bool = True
     seed: int = 0
     apply_chat_template: bool = True
+    # A prompt whose samples all scored the same (no GRPO signal) is skipped on its next N passes over the
+    # data; 0: every prompt every epoch, in an order fixed by (seed, step). See hybridflow/data/sampler.py.
+    skip_uniform_passes: int = 0
 
 
 @dataclass

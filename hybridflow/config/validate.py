@@ -293,12 +293,16 @@ def _check_batches(cfg: Config) -> None:
         if value < 1:
             raise ConfigError(path, f"must be >= 1, got {value}")
     for path, value, zero in (("data.val_max_samples", data.val_max_samples, "all prompts"),
+                              ("data.skip_uniform_passes", data.skip_uniform_passes, "no prompt skipped"),
                               ("trainer.val_every", cfg.trainer.val_every, "never"),
                               ("trainer.save_every", cfg.trainer.save_every, "only at the end")):
         if value < 0:
             raise ConfigError(path, f"must be >= 0 (0: {zero}), got {value}")
     if data.seed < 0:  # numpy's generators take no negative seed
         raise ConfigError("data.seed", f"must be >= 0, got {data.seed}")
+    if data.skip_uniform_passes and cfg.rollout.n < 2:
+        raise ConfigError("data.skip_uniform_passes", f"{data.skip_uniform_passes} needs groups of samples "
+                          f"(rollout.n >= 2): with rollout.n={cfg.rollout.n} every group is uniform")
     if data.train_batch_size % actor.ppo_mini_batch_size:
         raise ConfigError(
             "actor.ppo_mini_batch_size", f"{actor.ppo_mini_batch_size} does not divide "

@@ -40,7 +40,8 @@ from hybridflow.controller.dispatch import concat_batches
 from hybridflow.controller.worker_group import LocalWorkerGroup, WorkerError
 from hybridflow.dataflow import DataFlow, Node, NodeError
 from hybridflow.data import fields as F
-from hybridflow.data.dataset import PromptDataset, batches_per_epoch, iterate_batches
+from hybridflow.data.dataset import PromptDataset, batches_per_epoch
+from hybridflow.data.sampler import PromptSampler
 from hybridflow.rewards.registry import DATA_SOURCE_REWARDS, default_reward, get_reward_fn
 from hybridflow.trainer import rl_steps as S
 from hybridflow.trainer.build import build_groups, needs_old_log_probs, needs_reference
@@ -105,6 +106,8 @@ class RLTrainer:
         if self.steps_per_epoch == 0:  # depends on the data, so it is checked once the data is read
             raise ConfigError("data.train_batch_size", f"{cfg.data.train_batch_size} is larger than the "
                               f"{len(self.train_set)} usable training prompts")
+        d = cfg.data
+        self.sampler = PromptSampler(self.train_set, d.train_batch_size, d.shuffle, d.seed, d.skip_uniform_passes)
         try:  # a "file.py:fn" spec imports user code, which may fail in any way
             self.reward_fn = get_reward_fn(cfg.reward.function)
         except Exception as exc:
@@ -163,6 +166,8 @@ class RLTrainer:
         Each stage takes (batch, metrics), returns the batch and adds its figures to metrics.
         """
         stages = []
+        if self.sampler.adaptive:
+            stages.append(self._note_uniform_prompts)
         if self.cfg.algorithm.use_kl_in_reward:
             stages.append(self._kl_in_reward)
         stages.append(self._advantages)
@@ -172,12 +177,11 @@ class RLTrainer:
 
     # -- the iteration --------------------------------------------------------
     def prompts(self, step: int) -> dict[str, Any]:
-        """The prompts of training step `step` (1-based): a function of (seed, step) only."""
-        d = self.cfg.data
-        epoch, index = divmod(step - 1, self.steps_per_epoch)
-        items = next(iterate_batches(self.train_set, d.train_batch_size, d.shuffle, d.seed, epoch,
-                                     start_step=index))
-        return self.train_set.collate(items, pad_to=d.max_prompt_length if self.cfg.rollout.pad_to_max_length else None)
+        """The prompts of training step `step` (1-based): a function of (seed, step) only, unless
+        data.skip_uniform_passes makes them depend on the steps before (hybridflow/data/sampler.py)."""
+        items = self.sampler.batch(step)
+        return self.train_set.collate(items, pad_to=self.cfg.data.max_prompt_length
+                                      if self.cfg.rollout.pad_to_max_length else None)
 
     def rollout(self, prompts: dict[str, Any], seed: int, validation: bool = False, pad: bool = False) -> dict[str, Any]:
         if self.rollout_weights_stale:  # actor group -> object store -> rollout group; a handle via here
@@ -298,6 +302,12 @@ class RLTrainer:
                                                              a.norm_adv_by_std_in_grpo)
         return batch
 
+    def _note_uniform_prompts(self, batch, metrics: Metrics):
+        """The sampler skips the next passes over prompts whose group had no signal."""
+        self.sampler.observe(batch, ~S.nonuniform_rows(batch))
+        metrics.update(self.sampler.metrics())
+        return batch
+
     def _drop_uniform_groups(self, batch, metrics: Metrics):
         keep = S.nonuniform_rows(batch)
         metrics["batch/kept_fraction"] = keep.float().mean().item()
@@ -353,7 +363,10 @@ class RLTrainer:
     def _write_checkpoint(self, step: int, directory: Path) -> None:
         for group in self._groups():
             group.save(str(directory))  # each rank writes its own shard
-        atomic_write_json(directory / "trainer.json", {"step": step, "kl_coef": self.kl_ctrl.value})
+        state = {"step": step, "kl_coef": self.kl_ctrl.value}
+        if self.sampler.adaptive:
+            state["sampler"] = self.sampler.state_dict()
+        atomic_write_json(directory / "trainer.json", state)
 
     def save_checkpoint(self, step: int) -> Path:
         if not self.spmd_driver:
@@ -383,12 +396,29 @@ class RLTrainer:
             return 0
         step, directory = found
         state = _trainer_state(directory, step)  # before any shard loads: a bad one fails fast, naming the file
+        self._restore_sampler(state, directory / "trainer.json", step)
         for group in self._groups():
             group.load(str(directory))
         self.transition()
         self.kl_ctrl.value = state["kl_coef"]
         log.info("resumed from %s (step %d)", directory, step)
         return step
+
+    def _restore_sampler(self, state: dict[str, Any], path: Path, step: int) -> None:
+        if not self.sampler.adaptive:
+            return
+        if "sampler" not in state:  # saved by a run without data.skip_uniform_passes
+            log.warning("%s holds no sampler state (saved without data.skip_uniform_passes): the prompts "
+                        "continue from step %d's place in the epochs, with no prompt skipped yet", path, step)
+            self.sampler.start_after(step)
+            return
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            raise CheckpointError(step, f"{path}: its sampler state does not fit this run's training prompts "
+                                        f"({type(exc).__name__}: {exc}); resume with the data it was saved "
+                                        "with, or start over with trainer.resume=disable trainer.overwrite=true"
+                                  ) from None
 
     def _resume_point(self) -> Optional[tuple[int, Path]]:
         """The checkpoint to resume from; under torchrun rank 0 decides and tells the others, so every

@@ -15,7 +15,7 @@ from hybridflow.trainer.trainer import RLTrainer, TrainingError
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 ROOT = Path(__file__).resolve().parents[2]
-DETERMINISTIC = ("reward/", "response/", "actor/", "critic/", "val/", "batch/")
+DETERMINISTIC = ("reward/", "response/", "actor/", "critic/", "val/", "batch/", "data/")
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,33 @@ def test_grpo_runs_saves_exports_and_resumes_identically(tmp_path):
     again = read_metrics(tmp_path / "b" / "tiny-grpo" / "metrics.jsonl")
     assert [r["step"] for r in again] == [0, 1, 2, 3, 4]
     want, got = learned(records), learned(again)
+    for step in (3, 4):
+        assert got[step].keys() == want[step].keys()
+        for key, value in want[step].items():
+            assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+
+
+def test_skipping_uniform_prompts_resumes_identically(tmp_path):
+    """data.skip_uniform_passes=1 on 16 training prompts (two steps an epoch): steps 3 and 4 pass over
+    the prompts whose group scored all the same in epoch 1. The sampler's walk is saved with step 2's
+    checkpoint; resumed there, steps 3 and 4 draw the same prompts and learn the same as the whole run."""
+    from hybridflow.data.dataset import read_rows, write_parquet
+
+    rows = [row for _, row in read_rows(ROOT / "hybridflow/assets/arithmetic/train.parquet")][:16]
+    train = str(write_parquet(rows, tmp_path / "train16.parquet"))
+    common = [f"data.train_files=[{train}]", "data.skip_uniform_passes=1", "data.val_files=[]"]
+    whole = in_repo(config("tiny-grpo.yaml", tmp_path / "a", *common))
+    want = learned(read_metrics(RLTrainer(whole).fit()["run_dir"] / "metrics.jsonl"))
+    skipped = {step: want[step]["data/skipped_fraction"] for step in (1, 2, 3, 4)}
+    assert skipped[1] == skipped[2] == 0.0 and skipped[3] + skipped[4] > 0  # uniform groups in epoch 1
+    state = json.loads((tmp_path / "a/tiny-grpo/checkpoints/step_000002/trainer.json").read_text())
+    assert state["sampler"]["step"] == 2 and state["sampler"]["skips"]
+
+    part = in_repo(config("tiny-grpo.yaml", tmp_path / "b", *common))
+    RLTrainer(part).fit(stop_after=2)
+    resumed = in_repo(config("tiny-grpo.yaml", tmp_path / "b", *common, "trainer.resume=auto"))
+    RLTrainer(resumed).fit()
+    got = learned(read_metrics(tmp_path / "b" / "tiny-grpo" / "metrics.jsonl"))
     for step in (3, 4):
         assert got[step].keys() == want[step].keys()
         for key, value in want[step].items():
