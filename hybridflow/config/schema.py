@@ -50,6 +50,9 @@ class DataConfig:
     # A prompt whose samples all scored the same (no GRPO signal) is skipped on its next N passes over the
     # data; 0: every prompt every epoch, in an order fixed by (seed, step). See hybridflow/data/sampler.py.
     skip_uniform_passes: int = 0
+    # Only groups that all scored at least this are skipped (1.0: solved prompts, with 0/1 rewards);
+    # null: any uniform group, all wrong ones too.
+    skip_uniform_min_score: Optional[float] = None
 
 
 @dataclass

@@ -300,6 +300,9 @@ def _check_batches(cfg: Config) -> None:
             raise ConfigError(path, f"must be >= 0 (0: {zero}), got {value}")
     if data.seed < 0:  # numpy's generators take no negative seed
         raise ConfigError("data.seed", f"must be >= 0, got {data.seed}")
+    floor = data.skip_uniform_min_score
+    if floor is not None and not math.isfinite(floor):
+        raise ConfigError("data.skip_uniform_min_score", f"must be a finite number or null, got {floor}")
     if data.skip_uniform_passes and cfg.rollout.n < 2:
         raise ConfigError("data.skip_uniform_passes", f"{data.skip_uniform_passes} needs groups of samples "
                           f"(rollout.n >= 2): with rollout.n={cfg.rollout.n} every group is uniform")

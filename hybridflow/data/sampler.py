@@ -5,16 +5,19 @@ epochs' permutations cut into batches (:func:`iterate_batches`), so a resumed
 run recomputes them.
 
 With ``data.skip_uniform_passes = k > 0`` the sampler also skips, on its next
-``k`` passes, a prompt whose last group of samples all scored the same. Such a
-group has no GRPO advantage (every sample is as good as the group's mean): late
-in a run most groups are all right, and a step would spend its rollout on
-prompts that teach nothing (DAPO's dynamic sampling oversamples and filters
-instead; online difficulty filtering keeps prompts of middling pass rate). The
-walk over the epochs' permutations goes on past skipped prompts until the batch
-is full, so every step still rolls out ``train_batch_size`` prompts. The
-sampler then depends on what the run scored: its state (where the walk stands,
-which prompts skip how many more passes) is saved in each checkpoint's
-trainer.json and restored on resume.
+``k`` passes, a prompt whose last group of samples all scored the same (and, with
+``data.skip_uniform_min_score``, at least that score: 1.0 skips only solved
+prompts). Such a group has no GRPO advantage: late in a run most groups are all
+right, and a step spends rollout and update on prompts that teach nothing.
+(DAPO's dynamic sampling instead oversamples and drops such groups; online
+difficulty filtering keeps prompts of middling pass rate.) The walk over the
+epochs' permutations goes on past skipped prompts until the batch is full, so
+every step still rolls out ``train_batch_size`` prompts.
+
+The prompts then depend on what the run scored: the sampler's state (where the
+walk stands, which prompts skip how many more passes) is saved in each
+checkpoint's trainer.json and restored on resume, so a resumed run draws the
+same prompts as an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -23,7 +26,6 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from hybridflow.data import fields as F
 from hybridflow.data.dataset import PromptRecord, batches_per_epoch, epoch_order, iterate_batches
 
 __all__ = ["PromptSampler"]
@@ -80,13 +82,13 @@ class PromptSampler:
             self._order = (self.epoch, epoch_order(len(self.dataset), self.shuffle, self.seed, self.epoch))
         return self._order[1]
 
-    def observe(self, batch: dict[str, Any], uniform: torch.Tensor) -> None:
-        """After scoring: rows whose group's scores were all equal (`uniform` [rows] bool) make their
-        prompt (F.INDEX) skip its next passes."""
+    def observe(self, indices: Sequence[int], skip: torch.Tensor) -> None:
+        """After scoring: rows (their prompts' F.INDEX, and `skip` [rows] bool, the same for the rows of
+        one prompt) say which prompts skip their next passes; the others skip none."""
         if not self.adaptive:
             return
-        for index, flat in zip(batch[F.INDEX], uniform.tolist()):
-            self.skips[self.position[index]] = self.skip_passes if flat else 0
+        for index, flag in zip(indices, skip.tolist()):
+            self.skips[self.position[index]] = self.skip_passes if flag else 0
 
     def metrics(self) -> dict[str, float]:
         if not self.adaptive:

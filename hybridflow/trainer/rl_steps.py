@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -82,6 +82,14 @@ def nonuniform_rows(batch: Batch) -> Tensor:
     """Rows whose group's scores are not all equal (they carry a learning signal)."""
     stats = group_stats(batch[F.SCORES].float(), batch[F.UID])
     return stats.std > 1e-6
+
+
+def uniform_rows(batch: Batch, min_score: Optional[float] = None) -> Tensor:
+    """Rows whose group's scores are all equal (no signal), and all at least `min_score` if given."""
+    out = ~nonuniform_rows(batch)
+    if min_score is not None:
+        out &= batch[F.SCORES].float() >= min_score
+    return out
 
 
 def fill_to_multiple(batch: Batch, world: int) -> Batch:

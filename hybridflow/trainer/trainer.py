@@ -303,8 +303,9 @@ class RLTrainer:
         return batch
 
     def _note_uniform_prompts(self, batch, metrics: Metrics):
-        """The sampler skips the next passes over prompts whose group had no signal."""
-        self.sampler.observe(batch, ~S.nonuniform_rows(batch))
+        """The sampler skips the next passes over prompts whose group had no signal (and scored at least
+        data.skip_uniform_min_score)."""
+        self.sampler.observe(batch[F.INDEX], S.uniform_rows(batch, self.cfg.data.skip_uniform_min_score))
         metrics.update(self.sampler.metrics())
         return batch
 

@@ -88,6 +88,7 @@ def test_unknown_key_in_yaml_file(tmp_path):
     (BASE + ["actor.parallel.sequence_parallel=true"], "actor.parallel.sequence_parallel", "CPU"),
     (BASE + ["dataflow.min_batch_for_reward=1000"], "dataflow.min_batch_for_reward", "exceeds"),
     (BASE + ["data.skip_uniform_passes=-1"], "data.skip_uniform_passes", "must be >= 0 (0: no prompt skipped)"),
+    (BASE + ["data.skip_uniform_min_score=.nan"], "data.skip_uniform_min_score", "finite number or null"),
     (BASE + ["algorithm.adv_estimator=gae", "data.skip_uniform_passes=2"], "data.skip_uniform_passes",
      "needs groups of samples (rollout.n >= 2)"),
     (BASE + ["trainer.n_devices=2", "reference.parallel.tp=2"], "reference.parallel.tp",

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridflow.data import fields as F
 from hybridflow.data.dataset import iterate_batches
 from hybridflow.data.sampler import PromptSampler
 
@@ -21,9 +20,9 @@ def indices(records):
 
 
 def scored(records, uniform_indices, n=2):
-    """A batch of n rows per prompt, as the trainer's, and its rows' uniform flags."""
+    """The prompt index of each of n rows per prompt, as in the trainer's batch, and the rows' flags."""
     rows = [r.index for r in records for _ in range(n)]
-    return {F.INDEX: rows}, torch.tensor([i in uniform_indices for i in rows])
+    return rows, torch.tensor([i in uniform_indices for i in rows])
 
 
 def test_without_skipping_the_order_is_the_epochs_batches():
@@ -76,7 +75,7 @@ def test_a_prompt_with_signal_again_is_not_skipped():
     sampler.observe(*scored(sampler.batch(2), set()))
     assert sampler.skips[0] == 3
     sampler.skips[0] = 0
-    sampler.observe({F.INDEX: [100, 100]}, torch.tensor([False, False]))
+    sampler.observe([100, 100], torch.tensor([False, False]))
     assert sampler.skips[0] == 0
 
 

@@ -417,3 +417,14 @@ def test_reward_values_a_user_function_may_return():
                        (torch.ones(2), "(a Tensor, not a number)"), ("1", "'1' (a str, not a number)")):
         with pytest.raises(rl_steps.RewardValueError, match=re.escape(shown)):
             rl_steps.score(batch, lambda *a, bad=bad: bad)
+
+
+def test_uniform_rows_are_the_groups_without_signal_and_above_a_floor():
+    from hybridflow.data import fields as F
+    from hybridflow.trainer import rl_steps
+
+    # groups: a all right, b mixed, c all wrong, d a single sample
+    batch = {F.SCORES: torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.5]), F.UID: list("aabbccd")}
+    assert rl_steps.uniform_rows(batch).tolist() == [True, True, False, False, True, True, True]
+    assert rl_steps.uniform_rows(batch, 1.0).tolist() == [True, True, False, False, False, False, False]
+    assert rl_steps.uniform_rows(batch, 0.5).tolist() == [True, True, False, False, False, False, True]
