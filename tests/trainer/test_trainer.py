@@ -102,6 +102,24 @@ def test_skipping_uniform_prompts_resumes_identically(tmp_path):
         for key, value in want[step].items():
             assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
 
+    # A sampler state that names a prompt this run does not have (as if saved with other data, its
+    # manifest matching) is refused, naming the file.
+    import hashlib
+
+    from hybridflow.trainer.checkpointing import MANIFEST
+
+    step_dir = tmp_path / "b/tiny-grpo/checkpoints/step_000004"
+    path, manifest = step_dir / "trainer.json", json.loads((step_dir / MANIFEST).read_text())
+    state = json.loads(path.read_text())
+    state["sampler"]["skips"]["123456"] = 1
+    path.write_text(json.dumps(state))
+    manifest["files"]["trainer.json"] = path.stat().st_size
+    manifest.setdefault("sha256", {})["trainer.json"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (step_dir / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"step_000004/trainer.json: its sampler state does not fit .*"
+                                              r"prompt index 123456 is not among the training prompts"):
+        RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path / "b", *common, "trainer.resume=auto"))).fit()
+
 
 def test_ppo_with_critic_reference_and_kl(tmp_path):
     cfg = in_repo(config("tiny-ppo.yaml", tmp_path))
