@@ -102,8 +102,7 @@ class RLTrainer:
         self.val_set = PromptDataset(cfg.data, self.tokenizer, cfg.data.val_files) if cfg.data.val_files else None
         self.val_count = 0 if self.val_set is None else \
             min(len(self.val_set), cfg.data.val_max_samples or len(self.val_set))
-        self.steps_per_epoch = batches_per_epoch(len(self.train_set), cfg.data.train_batch_size)
-        if self.steps_per_epoch == 0:  # depends on the data, so it is checked once the data is read
+        if batches_per_epoch(len(self.train_set), cfg.data.train_batch_size) == 0:  # checked once the data is read
             raise ConfigError("data.train_batch_size", f"{cfg.data.train_batch_size} is larger than the "
                               f"{len(self.train_set)} usable training prompts")
         d = cfg.data
