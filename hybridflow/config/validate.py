@@ -350,6 +350,15 @@ def _check_one_process_layout(cfg: Config) -> None:
                               f"and their megatron-core layout; got {mine}")
 
 
+def _check_async_ranks(cfg: Config) -> None:
+    """The async DataFlow runs a stage per thread. Under Ray the controller sends each call to all ranks
+    before the next; torchrun ranks each run their own threads, whose calls (and so collectives) could
+    interleave in a different order on each rank."""
+    if cfg.dataflow.async_execution and not uses_ray(cfg) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("dataflow.async_execution", "needs trainer.launcher=ray with several processes: "
+                          "under torchrun each rank would order the stages' collectives on its own")
+
+
 def _check_mini_batches(cfg: Config) -> None:
     """A mini-batch (in responses) splits evenly over the DP replicas that each take a share of it."""
     responses = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
@@ -494,6 +503,7 @@ def check_runnable(cfg: Config, model: "DecoderConfig", critic_model: Optional["
                                           num_layers=shape.num_layers, ffn_size=shape.intermediate_size,
                                           virtual_pp=par.virtual_pp)
     _check_one_process_layout(cfg)
+    _check_async_ranks(cfg)
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     if longest > model.max_position_embeddings:
         raise ConfigError("data.max_response_length", f"data.max_prompt_length + data.max_response_length = "

@@ -59,6 +59,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -402,6 +403,7 @@ class RayWorkerGroup(_WorkerGroup):
 
         self.call_timeout: Optional[float] = None
         self._dead: Optional[WorkerError] = None
+        self._submit_lock = threading.Lock()
         self._hosts: Optional[list] = []
         super().__init__(worker_cls, pool)
         init_ray()
@@ -439,9 +441,13 @@ class RayWorkerGroup(_WorkerGroup):
         mesh = self._mesh_of(name, mode)
         per_rank = self._put_once(self._pack_args(dispatch(mode, self.world_size, args, kwargs, mesh)))
         futures = []
-        for host, coord, (rank_args, rank_kwargs) in zip(hosts, mesh, per_rank):
-            kw_names, values = _flatten(rank_args, rank_kwargs)
-            futures.append(host.call.remote(name, coord.answers, kw_names, *values))
+        # Ray runs one caller's calls to an actor in submission order. A call goes out to every rank
+        # before another thread's call does, so all ranks run them in one order and their collectives
+        # pair up (the async DataFlow calls a group from a thread per stage).
+        with self._submit_lock:
+            for host, coord, (rank_args, rank_kwargs) in zip(hosts, mesh, per_rank):
+                kw_names, values = _flatten(rank_args, rank_kwargs)
+                futures.append(host.call.remote(name, coord.answers, kw_names, *values))
         results = self._gather(futures, name, self.call_timeout)
         if mode is Dispatch.DP_SPLIT:
             return collect(mode, unpack_rows(answering(results, mesh)), flat_mesh(mesh[0].dp_size))

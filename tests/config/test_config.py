@@ -185,3 +185,7 @@ def test_under_torchrun_layouts_follow_the_processes_and_the_critic_shares_the_a
     cfg = load_config(None, BASE + ["algorithm.adv_estimator=gae", "critic.parallel.tp=2"])
     with pytest.raises(ConfigError, match="critic.parallel.tp: must equal actor.parallel.tp=1 without Ray"):
         check_runnable(cfg, _model())
+    with pytest.raises(ConfigError, match="dataflow.async_execution: needs trainer.launcher=ray"):
+        check_runnable(load_config(None, BASE + ["dataflow.async_execution=true"]), _model())
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    check_runnable(load_config(None, BASE + ["dataflow.async_execution=true"]), _model())  # one process: fine

@@ -169,3 +169,35 @@ def test_group_rejects_non_workers_and_oversized_pools(ray_cluster):
         RayWorkerGroup(Plain, ResourcePool([0]))
     with pytest.raises(RuntimeError, match="needs 20 logical CPUs but the Ray cluster has 8"):
         RayWorkerGroup(Echo, ResourcePool(list(range(20))))
+
+
+def test_calls_from_two_threads_reach_every_rank_in_one_order(ray_cluster, monkeypatch):
+    """The async DataFlow calls one group from several threads (rollout of one chunk, log-probs of the
+    previous). Each call's collectives pair up across ranks only if every rank runs the calls in the
+    same order: a call is submitted to all ranks before another call's submissions start. Here one
+    thread pauses between its rank-0 and rank-1 submissions while the other submits to both."""
+    from hybridflow.controller import worker_group as wg
+
+    group = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu"))
+    group.call_timeout = 20.0
+    flatten, paused = wg._flatten, threading.Event()
+
+    def slow_flatten(args, kwargs):
+        if threading.current_thread().name == "slow" and not paused.is_set() and args == (1.0,) and \
+                getattr(slow_flatten, "seen", 0) == 1:
+            paused.set()
+            time.sleep(1.0)  # the other thread's whole call goes out now, unless it must wait
+        slow_flatten.seen = getattr(slow_flatten, "seen", 0) + (threading.current_thread().name == "slow")
+        return flatten(args, kwargs)
+
+    monkeypatch.setattr(wg, "_flatten", slow_flatten)
+    results = {}
+    slow = threading.Thread(target=lambda: results.update(slow=group.call(Echo.all_reduce, 1.0)), name="slow")
+    try:
+        slow.start()
+        assert paused.wait(10)
+        results["fast"] = group.call(Echo.gather_ranks)
+        slow.join(30)
+        assert results == {"slow": [3.0, 3.0], "fast": [[0, 1], [0, 1]]}
+    finally:
+        group.shutdown()
