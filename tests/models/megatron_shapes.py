@@ -1,7 +1,11 @@
-"""Prints {name: shape} of a real megatron-core GPTModel built from an HF config.
+"""Prints {name: shape} of a real megatron-core GPTModel built from each HF config given.
 
-Run as a subprocess by test_bridge.py: megatron-core needs a process group,
-which the test process should not carry around.
+    python tests/models/megatron_shapes.py DIVISIBLE_BY HF_DIR [HF_DIR ...]
+
+Run as one subprocess by test_bridge.py for all the model families (one
+megatron-core import, not one per family): megatron-core needs a process
+group, which the test process should not carry around. One line per
+directory: `SHAPES <dir>=<json>`.
 """
 import json
 import os
@@ -11,7 +15,7 @@ import warnings
 warnings.filterwarnings("ignore")
 
 
-def main(hf_config_path: str, divisible_by: int) -> None:
+def main(divisible_by: int, hf_config_paths: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
@@ -26,23 +30,24 @@ def main(hf_config_path: str, divisible_by: int) -> None:
     from megatron.core.transformer import TransformerConfig
 
     parallel_state.initialize_model_parallel(1, 1)
-    cfg = DecoderConfig.from_pretrained(hf_config_path)
-    bridge = get_bridge(cfg, divisible_by)
-    tcfg = TransformerConfig(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_heads, num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, add_qkv_bias=cfg.qkv_bias, use_cpu_initialization=True)
-    model = GPTModel(
-        config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=bridge.padded_vocab, max_sequence_length=cfg.max_position_embeddings,
-        position_embedding_type="rope", rotary_base=int(cfg.rope_theta),
-        share_embeddings_and_output_weights=cfg.tie_word_embeddings)
-    shapes = {k: list(v.shape) for k, v in model.state_dict().items()
-              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
-    print("SHAPES=" + json.dumps(shapes))
+    for hf_config_path in hf_config_paths:
+        cfg = DecoderConfig.from_pretrained(hf_config_path)
+        bridge = get_bridge(cfg, divisible_by)
+        tcfg = TransformerConfig(
+            num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
+            num_attention_heads=cfg.num_heads, num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
+            normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+            add_bias_linear=False, add_qkv_bias=cfg.qkv_bias, use_cpu_initialization=True)
+        model = GPTModel(
+            config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=bridge.padded_vocab, max_sequence_length=cfg.max_position_embeddings,
+            position_embedding_type="rope", rotary_base=int(cfg.rope_theta),
+            share_embeddings_and_output_weights=cfg.tie_word_embeddings)
+        shapes = {k: list(v.shape) for k, v in model.state_dict().items()
+                  if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+        print(f"SHAPES {hf_config_path}=" + json.dumps(shapes))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(int(sys.argv[1]), sys.argv[2:])

@@ -57,21 +57,31 @@ def test_grouped_qkv_layout_matches_megatron_convention():
     assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, cfg), (q, k, v)))
 
 
-def test_names_and_shapes_match_a_real_megatron_gptmodel(family, tmp_path):
-    from tests.models.conftest import build_hf_model
+@pytest.fixture(scope="module")
+def megatron_shapes(tmp_path_factory):
+    """{family: (its HF directory, {name: shape} of a real megatron-core GPTModel built from it)}: one
+    subprocess builds all the families' models."""
+    from tests.models.conftest import FAMILIES, build_hf_model
 
-    model = build_hf_model(family, vocab_size=200)
-    model.save_pretrained(tmp_path)
+    dirs = {}
+    for family in FAMILIES:
+        dirs[family] = tmp_path_factory.mktemp(family)
+        build_hf_model(family, vocab_size=200).save_pretrained(dirs[family])
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tests/models/megatron_shapes.py"), str(tmp_path), "64"],
-        capture_output=True, text=True, timeout=120, cwd=REPO)
+        [sys.executable, str(REPO / "tests/models/megatron_shapes.py"), "64", *map(str, dirs.values())],
+        capture_output=True, text=True, timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("SHAPES="))
-    real = {k: tuple(v) for k, v in json.loads(line[len("SHAPES="):]).items()}
-    cfg = DecoderConfig.from_pretrained(tmp_path)
+    lines = dict(x[len("SHAPES "):].split("=", 1) for x in proc.stdout.splitlines() if x.startswith("SHAPES "))
+    return {family: (path, {k: tuple(v) for k, v in json.loads(lines[str(path)]).items()})
+            for family, path in dirs.items()}
+
+
+def test_names_and_shapes_match_a_real_megatron_gptmodel(family, megatron_shapes):
+    path, real = megatron_shapes[family]
+    cfg = DecoderConfig.from_pretrained(path)
     ours = get_bridge(cfg, make_vocab_size_divisible_by=64).megatron_shapes()
     assert ours == real
-    mc = get_bridge(cfg, 64).hf_to_megatron(load_hf_state_dict(tmp_path))
+    mc = get_bridge(cfg, 64).hf_to_megatron(load_hf_state_dict(path))
     assert {k: tuple(v.shape) for k, v in mc.items()} == real
 
 
