@@ -124,10 +124,13 @@ def test_reference_apart_from_training_is_rejected_when_the_config_loads(tmp_pat
             "placement.training=[0]", "placement.rollout=[0]", "placement.reference=[1]"])
 
 
-def test_torchrun_local_mode_at_tp2_matches_the_single_process_run(tmp_path, single):
-    """`torchrun -m hybridflow.cli train`: every rank drives its LocalWorkerGroup share. The actor trains
-    at TP2 and generates at tg = 1 (t = 2 -> tg = 1: each rank gathers the whole model after an update);
-    three steps' metrics equal one process's."""
+def test_torchrun_local_mode_ppo_at_tp2_matches_the_single_process_run(tmp_path, single):
+    """`torchrun -m hybridflow.cli train`: every rank drives its LocalWorkerGroup share, the critic in the
+    actor's processes. Actor and critic train at TP2; the actor generates at tg = 1 (t = 2 -> tg = 1: each
+    rank gathers the whole model after an update). A critic at TP2 needs both TP ranks to see the same
+    rows (layout-aware DP_SPLIT: before it, each rank got half the batch and the TP all-reduces mixed
+    rows). Three PPO steps (critic, GAE, reference, KL in reward and loss, two mini-batches per epoch)
+    equal one process's."""
     import os
     import subprocess
     import sys
@@ -135,16 +138,17 @@ def test_torchrun_local_mode_at_tp2_matches_the_single_process_run(tmp_path, sin
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "hybridflow.cli", "train", "configs/tiny-grpo.yaml", f"trainer.output_dir={tmp_path / 'trun'}",
-         "actor.parallel.tp=2", *THREE_STEPS, "trainer.save_every=3"], cwd=ROOT, env=env, capture_output=True,
-        text=True, timeout=240)
+         "-m", "hybridflow.cli", "train", "configs/tiny-ppo.yaml", f"trainer.output_dir={tmp_path / 'trun'}",
+         "actor.parallel.tp=2", "critic.parallel.tp=2", *THREE_STEPS, "trainer.save_every=3"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = tmp_path / "trun" / "tiny-grpo"
-    assert len(list((run_dir / "checkpoints" / "step_000003" / "actor").glob("engine_*.pt"))) == 2
+    run_dir = tmp_path / "trun" / "tiny-ppo"
+    for role in ("actor", "critic"):
+        assert len(list((run_dir / "checkpoints" / "step_000003" / role).glob("engine_*.pt"))) == 2, role
     torchrun = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in torchrun] == [0, 1, 2, 3]
     assert torchrun[1]["reshard/bytes_received"] > 0
-    _assert_same_metrics({"one": single("tiny-grpo.yaml")[1], "torchrun": torchrun}, (1, 2, 3))
+    _assert_same_metrics({"one": single("tiny-ppo.yaml")[1], "torchrun": torchrun}, (1, 2, 3))
 
 
 def test_killed_worker_stops_the_step_with_its_rank_named(tmp_path):
@@ -246,13 +250,3 @@ def test_ppo_generating_at_tg2_on_four_processes_matches_the_single_process_run(
             _assert_same_export(summary, one_summary)
         _assert_same_metrics({"one": one, case: parallel}, (1, 2, 3))
     assert one[1]["reshard/bytes_received"] == 0  # views at tp = pp = 1: nothing moves
-
-
-def test_ppo_with_the_actor_and_critic_at_tp2_matches_the_single_process_run(tmp_path, single):
-    """A critic at TP2 needs both TP ranks to see the same rows (layout-aware DP_SPLIT): before it,
-    DP_SPLIT gave each rank half the batch and the TP all-reduces mixed rows. The actor at TP2 generates
-    at tg = 1 (each rank gathers the whole model). Three PPO steps (critic, GAE, reference, KL in reward
-    and loss, two mini-batches per epoch) equal one process's."""
-    _, parallel = run("tiny-ppo.yaml", tmp_path / "mp", "trainer.n_devices=2", "trainer.launcher=ray",
-                      "critic.parallel.tp=2", "actor.parallel.tp=2", *THREE_STEPS)
-    _assert_same_metrics({"one": single("tiny-ppo.yaml")[1], "mp": parallel}, (1, 2, 3))
