@@ -57,6 +57,7 @@ Two groups with one interface (pick one when the flow is built):
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import socket
 import threading
@@ -321,12 +322,16 @@ class _Failure:
 
 
 class _Host:
-    """The Ray actor around one worker: sets up its environment, then forwards calls."""
+    """The Ray actor around one rank's workers: sets up its environment, then forwards calls.
+
+    Each worker sits in a slot; groups colocated on one pool (`RayWorkerGroup.colocated`) put their
+    workers into the same process, as the local (torchrun) mode does.
+    """
 
     def __init__(self, device: str):
         if device == "cpu":  # before the worker's modules (torch, megatron) are imported
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        self.worker: Optional[Worker] = None
+        self.workers: dict[str, Worker] = {}
 
     def node_address(self) -> tuple[str, int]:
         """This node's IP and a port free on it now (rank 0's becomes the master port)."""
@@ -340,29 +345,63 @@ class _Host:
     def pid(self) -> int:
         return os.getpid()
 
-    def setup(self, context: WorkerContext, cls_blob: bytes, kw_names: tuple, *values):
+    def setup(self, slot: str, context: WorkerContext, cls_blob: bytes, kw_names: tuple, *values):
         from ray import cloudpickle
 
         os.environ.update(context.env())
         try:
             worker_cls = cloudpickle.loads(cls_blob)  # imports the worker's modules under that env
             args, kwargs = _split_kw(kw_names, unpack(values))
-            self.worker = _construct(worker_cls, context, args, kwargs)
+            self.workers[slot] = _construct(worker_cls, context, args, kwargs)
         except Exception as exc:
             return _Failure(exc)
         return None
 
-    def meshes(self) -> dict:
-        return self.worker.mesh_coords()
+    def meshes(self, slot: str) -> dict:
+        return self.workers[slot].mesh_coords()
 
-    def call(self, name: str, reply: bool, kw_names: tuple, *values):
+    def call(self, slot: str, name: str, reply: bool, kw_names: tuple, *values):
         """Run the method; a rank whose result the caller drops (a TP or earlier-stage peer) sends None."""
         args, kwargs = _split_kw(kw_names, unpack(values))
         try:
-            out = getattr(self.worker, name)(*args, **kwargs)
+            out = getattr(self.workers[slot], name)(*args, **kwargs)
         except Exception as exc:
             return _Failure(exc)
         return pack(out) if reply else None
+
+    def drop(self, slot: str) -> None:
+        """Let go of one worker (its group shut down) while other slots' groups go on."""
+        self.workers.pop(slot, None)
+        gc.collect()
+
+
+class _HostSet:
+    """One pool's Ray actors, a rank each, and what the groups sharing them share.
+
+    lock: held while a call is submitted to every rank. Ray runs one caller's calls to an actor in
+        submission order, so with the lock every rank runs the calls of all the set's groups in one
+        order and their collectives pair up (the async DataFlow calls groups from a thread per stage).
+    """
+
+    def __init__(self, hosts: list, contexts: list[WorkerContext]):
+        self.hosts: Optional[list] = hosts
+        self.contexts = contexts
+        self.lock = threading.Lock()
+        self.slots: set[str] = set()
+        self.dead: Optional[WorkerError] = None
+
+    def kill(self) -> None:
+        """Kill every actor (idempotent). The pool's reservation stays for other groups."""
+        if self.hosts is None:
+            return
+        import ray
+
+        for host in self.hosts:
+            try:
+                ray.kill(host, no_restart=True)
+            except Exception:  # already dead; nothing left to free
+                pass
+        self.hosts = None
 
 
 def _local_ranks(ips: list[str]) -> list[int]:
@@ -390,47 +429,85 @@ def _check_fits(pool: ResourcePool) -> None:
 class RayWorkerGroup(_WorkerGroup):
     """`worker_cls(*args, **kwargs)` on every device of `pool`, one Ray actor each.
 
+    `RayWorkerGroup.colocated(group, worker_cls, ...)` puts another role's workers into `group`'s
+    processes instead (one process per device, as verl's colocated worker classes do).
+
     call_timeout: seconds a call may take before the group is torn down with
         a WorkerError naming the ranks that did not answer (None: no bound;
         dead processes are still reported as soon as Ray notices).
     """
 
     def __init__(self, worker_cls: type, pool: ResourcePool, *args, **kwargs):
-        from ray import cloudpickle
-        import ray
+        self._start(worker_cls, pool, None, args, kwargs)
 
-        from hybridflow.controller.ray_setup import init_ray
+    @classmethod
+    def colocated(cls, group: "RayWorkerGroup", worker_cls: type, *args, **kwargs) -> "RayWorkerGroup":
+        """`worker_cls(*args, **kwargs)` in the processes of `group`, rank for rank: same ranks, same
+        torch.distributed world, no process started. The processes end when every group on them has
+        shut down, or at once when a call of any of them fails."""
+        if group._set is None or group._set.hosts is None:
+            raise RuntimeError(f"{group!r} has been shut down")
+        self = cls.__new__(cls)
+        self._start(worker_cls, group.pool, group._set, args, kwargs)
+        return self
+
+    def _start(self, worker_cls: type, pool: ResourcePool, host_set: Optional[_HostSet], args: tuple,
+               kwargs: dict) -> None:
+        from ray import cloudpickle
 
         self.call_timeout: Optional[float] = None
         self._dead: Optional[WorkerError] = None
-        self._submit_lock = threading.Lock()
-        self._hosts: Optional[list] = []
+        self._set: Optional[_HostSet] = None
         super().__init__(worker_cls, pool)
-        init_ray()
-        _check_fits(pool)
-        host = ray.remote(_Host)
         try:
-            for rank in range(self.world_size):
-                self._hosts.append(host.options(max_restarts=0, **pool.actor_options(rank)).remote(pool.device))
-            addresses = self._gather([h.node_address.remote() for h in self._hosts], "start", STARTUP_TIMEOUT_S)
-            master_addr, master_port = addresses[0]
-            # On GPU, Ray shows each actor only its own GPU: that is local device 0.
-            local_ranks = (_local_ranks([ip for ip, _ in addresses]) if pool.device == "cpu"
-                           else [0] * self.world_size)
-            contexts = [WorkerContext(rank, self.world_size, local, master_addr, master_port, pool.device)
-                        for rank, local in enumerate(local_ranks)]
+            if host_set is None:
+                host_set = self._start_hosts(pool)
+            slot = worker_cls.__name__
+            while slot in host_set.slots:
+                slot += "'"
+            self._slot = slot
+            host_set.slots.add(slot)
+            self._set = host_set
             blob = cloudpickle.dumps(worker_cls)
             kw_names, values = _flatten(*self._put_once(self._pack_args([(args, kwargs)] * self.world_size))[0])
-            self._gather([h.setup.remote(ctx, blob, kw_names, *values) for h, ctx in zip(self._hosts, contexts)],
-                         "__init__", STARTUP_TIMEOUT_S)
-            self._set_meshes(self._gather([h.meshes.remote() for h in self._hosts], "__init__", STARTUP_TIMEOUT_S))
+            self._gather([h.setup.remote(slot, ctx, blob, kw_names, *values)
+                          for h, ctx in zip(host_set.hosts, host_set.contexts)], "__init__", STARTUP_TIMEOUT_S)
+            self._set_meshes(self._gather([h.meshes.remote(slot) for h in host_set.hosts], "__init__",
+                                          STARTUP_TIMEOUT_S))
         except BaseException:
             self.shutdown()
             raise
 
+    def _start_hosts(self, pool: ResourcePool) -> _HostSet:
+        """One Ray actor per rank of `pool`, each told its rank and the master's address."""
+        import ray
+
+        from hybridflow.controller.ray_setup import init_ray
+
+        init_ray()
+        _check_fits(pool)
+        host = ray.remote(_Host)
+        hosts = []
+        try:
+            for rank in range(self.world_size):
+                hosts.append(host.options(max_restarts=0, **pool.actor_options(rank)).remote(pool.device))
+            self._set = _HostSet(hosts, [])  # so that a failure below kills what started
+            addresses = self._gather([h.node_address.remote() for h in hosts], "start", STARTUP_TIMEOUT_S)
+        except BaseException:
+            _HostSet(hosts, []).kill()
+            raise
+        master_addr, master_port = addresses[0]
+        # On GPU, Ray shows each actor only its own GPU: that is local device 0.
+        local_ranks = (_local_ranks([ip for ip, _ in addresses]) if pool.device == "cpu"
+                       else [0] * self.world_size)
+        self._set.contexts = [WorkerContext(rank, self.world_size, local, master_addr, master_port, pool.device)
+                              for rank, local in enumerate(local_ranks)]
+        return self._set
+
     @property
     def alive(self) -> bool:
-        return self._hosts is not None and self._dead is None
+        return (self._set is not None and self._set.hosts is not None and self._dead is None
+                and self._set.dead is None)
 
     def pids(self) -> list[int]:
         """Process id of each rank's actor (debugging; tests kill one)."""
@@ -441,25 +518,24 @@ class RayWorkerGroup(_WorkerGroup):
         mesh = self._mesh_of(name, mode)
         per_rank = self._put_once(self._pack_args(dispatch(mode, self.world_size, args, kwargs, mesh)))
         futures = []
-        # Ray runs one caller's calls to an actor in submission order. A call goes out to every rank
-        # before another thread's call does, so all ranks run them in one order and their collectives
-        # pair up (the async DataFlow calls a group from a thread per stage).
-        with self._submit_lock:
+        # A call goes out to every rank before another thread's call (to this group or one colocated
+        # with it) does, so all ranks run them in one order (see _HostSet).
+        with self._set.lock:
             for host, coord, (rank_args, rank_kwargs) in zip(hosts, mesh, per_rank):
                 kw_names, values = _flatten(rank_args, rank_kwargs)
-                futures.append(host.call.remote(name, coord.answers, kw_names, *values))
+                futures.append(host.call.remote(self._slot, name, coord.answers, kw_names, *values))
         results = self._gather(futures, name, self.call_timeout)
         if mode is Dispatch.DP_SPLIT:
             return collect(mode, unpack_rows(answering(results, mesh)), flat_mesh(mesh[0].dp_size))
         return collect(mode, [unpack(out) for out in results])
 
     def _live_hosts(self) -> list:
-        if self._dead is not None:
-            raise WorkerError(self._dead.rank, self._dead.method,
-                              f"this group was shut down after that failure: {self._dead.reason}")
-        if self._hosts is None:
+        dead = self._dead or (self._set.dead if self._set is not None else None)
+        if dead is not None:
+            raise WorkerError(dead.rank, dead.method, f"this group was shut down after that failure: {dead.reason}")
+        if self._set is None or self._set.hosts is None:
             raise RuntimeError(f"{self!r} has been shut down")
-        return self._hosts
+        return self._set.hosts
 
     @staticmethod
     def _pack_args(per_rank: PerRank) -> PerRank:
@@ -556,22 +632,26 @@ class RayWorkerGroup(_WorkerGroup):
         return first
 
     def _fail(self, error: WorkerError) -> None:
-        self.shutdown()
+        """Tear down the processes (and so every group on them) and raise `error`."""
         self._dead = error
+        if self._set is not None:
+            self._set.dead = self._set.dead or error
+            self._set.kill()
         raise error
 
     def shutdown(self) -> None:
-        """Kill every actor of the group (idempotent). The pool's reservation stays for other groups."""
-        if self._hosts is None:
+        """Let go of this group's workers (idempotent); the processes end with the last group on them.
+        The pool's reservation stays for other groups."""
+        host_set, self._set = self._set, None
+        if host_set is None:
             return
-        import ray
-
-        for host in self._hosts:
-            try:
-                ray.kill(host, no_restart=True)
-            except Exception:  # already dead; nothing left to free
-                pass
-        self._hosts = None
+        host_set.slots.discard(getattr(self, "_slot", None))
+        if host_set.slots or host_set.hosts is None:
+            if host_set.hosts is not None:
+                for host in host_set.hosts:
+                    host.drop.remote(self._slot)
+            return
+        host_set.kill()
 
 
 # --------------------------------------------------------------------------- local

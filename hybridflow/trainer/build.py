@@ -97,6 +97,14 @@ def _local_pool(cfg: Config) -> ResourcePool:
     return ResourcePool(list(range(int(os.environ.get("WORLD_SIZE", "1")))), cfg.trainer.device)
 
 
+def colocate_critic(cfg: Config, pools: dict[str, ResourcePool]) -> bool:
+    """The critic's workers join the actor's processes (one process per device, as under torchrun and in
+    verl's colocated workers) when it is placed on the actor's devices in the actor's megatron-core
+    layout: a process holds one layout. Else it gets processes of its own."""
+    a, c = cfg.actor.parallel, cfg.critic.parallel
+    return pools["critic"] is pools["training"] and (a.tp, a.pp, a.cp) == (c.tp, c.pp, c.cp)
+
+
 def build_groups(cfg: Config) -> Groups:
     critic = uses_critic(cfg)
     reward_model = cfg.reward.model_path is not None
@@ -110,8 +118,13 @@ def build_groups(cfg: Config) -> Groups:
 
     init_ray(address=cfg.trainer.ray_address)
     pools = pools_from_placement(cfg)
+    actor = RayWorkerGroup(ActorRolloutRefWorker, pools["training"], actor_spec(cfg))
+    if critic and colocate_critic(cfg, pools):
+        critic_group = RayWorkerGroup.colocated(actor, CriticWorker, critic_spec(cfg))
+    elif critic:
+        critic_group = RayWorkerGroup(CriticWorker, pools["critic"], critic_spec(cfg))
     return Groups(
-        ActorGroup(RayWorkerGroup(ActorRolloutRefWorker, pools["training"], actor_spec(cfg))),
-        CriticGroup(RayWorkerGroup(CriticWorker, pools["critic"], critic_spec(cfg))) if critic else None,
+        ActorGroup(actor),
+        CriticGroup(critic_group) if critic else None,
         RewardModelGroup(RayWorkerGroup(RewardModelWorker, pools["reward"], cfg.reward)) if reward_model else None,
         RolloutGroup(RayWorkerGroup(RolloutWorker, pools["rollout"], rollout_spec(cfg))) if rollout_apart(cfg) else None)

@@ -171,15 +171,18 @@ def test_group_rejects_non_workers_and_oversized_pools(ray_cluster):
         RayWorkerGroup(Echo, ResourcePool(list(range(20))))
 
 
-def test_calls_from_two_threads_reach_every_rank_in_one_order(ray_cluster, monkeypatch):
+@pytest.mark.parametrize("colocated", [False, True], ids=["one-group", "colocated-groups"])
+def test_calls_from_two_threads_reach_every_rank_in_one_order(ray_cluster, monkeypatch, colocated):
     """The async DataFlow calls one group from several threads (rollout of one chunk, log-probs of the
     previous). Each call's collectives pair up across ranks only if every rank runs the calls in the
     same order: a call is submitted to all ranks before another call's submissions start. Here one
-    thread pauses between its rank-0 and rank-1 submissions while the other submits to both."""
+    thread pauses between its rank-0 and rank-1 submissions while the other submits to both: to the same
+    group, or to a group colocated in its processes (the critic in the actor's)."""
     from hybridflow.controller import worker_group as wg
 
     group = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu"))
-    group.call_timeout = 20.0
+    other = RayWorkerGroup.colocated(group, Echo) if colocated else group
+    group.call_timeout = other.call_timeout = 20.0
     flatten, paused = wg._flatten, threading.Event()
 
     def slow_flatten(args, kwargs):
@@ -196,8 +199,49 @@ def test_calls_from_two_threads_reach_every_rank_in_one_order(ray_cluster, monke
     try:
         slow.start()
         assert paused.wait(10)
-        results["fast"] = group.call(Echo.gather_ranks)
+        results["fast"] = other.call(Echo.gather_ranks)
         slow.join(30)
         assert results == {"slow": [3.0, 3.0], "fast": [[0, 1], [0, 1]]}
     finally:
+        other.shutdown()
         group.shutdown()
+
+
+def test_a_colocated_group_runs_in_the_same_processes_and_outlives_the_first_shutdown(ray_cluster):
+    """`RayWorkerGroup.colocated`: a second role's workers in the first group's processes, rank for rank,
+    in the same torch.distributed world. The processes end with the last group on them."""
+    import psutil
+
+    first = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu"), offset=1)
+    second = RayWorkerGroup.colocated(first, Echo, offset=2)
+    try:
+        pids = first.pids()
+        assert second.pids() == pids
+        assert [i["offset"] for i in first.call(Echo.whoami)] == [1, 1]
+        assert [i["offset"] for i in second.call(Echo.whoami)] == [2, 2]  # each group its own worker
+        assert first.call(Echo.all_reduce, 1.0) == [3.0, 3.0] and second.call(Echo.all_reduce, 2.0) == [6.0, 6.0]
+        first.shutdown()
+        assert not first.alive and second.alive
+        assert second.call(Echo.gather_ranks) == [[0, 1], [0, 1]]
+        assert all(psutil.pid_exists(pid) for pid in pids)
+    finally:
+        first.shutdown()
+        second.shutdown()
+    deadline = time.monotonic() + 20
+    while any(psutil.pid_exists(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+
+
+def test_a_failure_in_a_colocated_group_stops_both(ray_cluster):
+    first = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu"))
+    second = RayWorkerGroup.colocated(first, Echo)
+    try:
+        with pytest.raises(WorkerError, match="rank 1 failed in fail_on"):
+            second.call(Echo.fail_on, 1)
+        assert not first.alive and not second.alive
+        with pytest.raises(WorkerError, match="shut down after that failure: ValueError: bad value on rank 1"):
+            first.call(Echo.tag)
+    finally:
+        first.shutdown()
+        second.shutdown()

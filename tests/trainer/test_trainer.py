@@ -446,3 +446,22 @@ def test_uniform_rows_are_the_groups_without_signal_and_above_a_floor():
     assert rl_steps.uniform_rows(batch).tolist() == [True, True, False, False, True, True, True]
     assert rl_steps.uniform_rows(batch, 1.0).tolist() == [True, True, False, False, False, False, False]
     assert rl_steps.uniform_rows(batch, 0.5).tolist() == [True, True, False, False, False, False, True]
+
+
+def test_the_critic_joins_the_actors_processes_only_on_its_devices_and_layout(tmp_path):
+    """Under Ray a critic on the actor's devices in the actor's megatron-core layout runs in the actor's
+    processes (RayWorkerGroup.colocated); placed apart, or in another layout, it gets its own."""
+    from hybridflow.controller.resource_pool import pools_from_placement
+    from hybridflow.trainer.build import colocate_critic
+
+    ray4 = ["trainer.n_devices=4", "trainer.launcher=ray"]
+
+    def colocated(*overrides):
+        cfg = config("tiny-ppo.yaml", tmp_path, *ray4, *overrides)
+        return colocate_critic(cfg, pools_from_placement(cfg))
+
+    assert colocated()
+    assert colocated("actor.parallel.tp=2", "critic.parallel.tp=2")
+    assert not colocated("actor.parallel.tp=2")  # critic at tp = 1: another layout
+    assert not colocated("placement.training=[0,1]", "placement.rollout=[0,1]", "placement.reference=[0,1]",
+                         "placement.critic=[2,3]")
