@@ -172,7 +172,7 @@ def test_group_rejects_non_workers_and_oversized_pools(ray_cluster):
 
 
 @pytest.mark.parametrize("colocated", [False, True], ids=["one-group", "colocated-groups"])
-def test_calls_from_two_threads_reach_every_rank_in_one_order(ray_cluster, monkeypatch, colocated):
+def test_calls_from_two_threads_reach_every_rank_in_one_order(echo_group, monkeypatch, colocated):
     """The async DataFlow calls one group from several threads (rollout of one chunk, log-probs of the
     previous). Each call's collectives pair up across ranks only if every rank runs the calls in the
     same order: a call is submitted to all ranks before another call's submissions start. Here one
@@ -180,16 +180,17 @@ def test_calls_from_two_threads_reach_every_rank_in_one_order(ray_cluster, monke
     group, or to a group colocated in its processes (the critic in the actor's)."""
     from hybridflow.controller import worker_group as wg
 
-    group = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu"))
+    group = echo_group
     other = RayWorkerGroup.colocated(group, Echo) if colocated else group
-    group.call_timeout = other.call_timeout = 20.0
+    monkeypatch.setattr(group, "call_timeout", 20.0)
+    other.call_timeout = 20.0
     flatten, paused = wg._flatten, threading.Event()
 
     def slow_flatten(args, kwargs):
         if threading.current_thread().name == "slow" and not paused.is_set() and args == (1.0,) and \
                 getattr(slow_flatten, "seen", 0) == 1:
             paused.set()
-            time.sleep(1.0)  # the other thread's whole call goes out now, unless it must wait
+            time.sleep(0.5)  # the other thread's whole call goes out now, unless it must wait
         slow_flatten.seen = getattr(slow_flatten, "seen", 0) + (threading.current_thread().name == "slow")
         return flatten(args, kwargs)
 
@@ -203,8 +204,9 @@ def test_calls_from_two_threads_reach_every_rank_in_one_order(ray_cluster, monke
         slow.join(30)
         assert results == {"slow": [3.0, 3.0], "fast": [[0, 1], [0, 1]]}
     finally:
-        other.shutdown()
-        group.shutdown()
+        if colocated:
+            other.shutdown()
+    assert echo_group.alive and echo_group.call(Echo.tag) == "rank0"  # the module's group goes on
 
 
 def test_a_colocated_group_runs_in_the_same_processes_and_outlives_the_first_shutdown(ray_cluster):
