@@ -668,6 +668,11 @@ def _context_from_env(pool: ResourcePool) -> WorkerContext:
                          master_port=int(os.environ.get("MASTER_PORT", "0")), device=pool.device)
 
 
+# One worker call at a time in this process, as a Ray actor runs its calls: the async DataFlow's stage
+# threads take turns on the models here (generation and log-probs never run at once on one model).
+_LOCAL_CALLS = threading.RLock()
+
+
 class LocalWorkerGroup(_WorkerGroup):
     """The Ray-free group: a world of one in-process, or this rank's share of a torchrun job.
 
@@ -726,7 +731,8 @@ class LocalWorkerGroup(_WorkerGroup):
             raise RuntimeError(f"{self!r} has been shut down")
         mesh = self._mesh_of(name, mode)
         rank_args, rank_kwargs = dispatch(mode, self.world_size, args, kwargs, mesh)[self.rank]
-        out = self._run(name, lambda: getattr(self._worker, name)(*rank_args, **rank_kwargs))
+        with _LOCAL_CALLS:
+            out = self._run(name, lambda: getattr(self._worker, name)(*rank_args, **rank_kwargs))
         if not mesh[self.rank].answers:
             out = None  # a peer of the answering rank: its copy is not sent
         return collect(mode, self._all_ranks(out), mesh)

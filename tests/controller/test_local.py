@@ -44,6 +44,23 @@ def test_world_of_one_runs_in_process():
         LocalWorkerGroup(_NoModel, None)
 
 
+def test_calls_from_two_threads_take_turns_in_the_process():
+    """The async DataFlow calls groups from a thread per stage. In one process they take turns, as the
+    calls to a Ray actor do: generation and log-probs never run at once on one model."""
+    import threading
+
+    first, second = LocalWorkerGroup(Echo, None), LocalWorkerGroup(Echo, None)  # the actor and a critic
+    spans = {}
+    threads = [threading.Thread(target=lambda g=g, k=k: spans.update({k: g.call(Echo.span, 0.3)[0]}))
+               for k, g in (("a", first), ("b", first), ("c", second))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    ordered = sorted(spans.values())
+    assert len(ordered) == 3 and all(end <= start for (_, end), (start, _) in zip(ordered, ordered[1:])), ordered
+
+
 @pytest.mark.timeout(120)
 def test_local_world_of_one_matches_the_ray_group(ray_cluster):
     batch = _batch()

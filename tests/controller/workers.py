@@ -88,6 +88,13 @@ class Echo(Worker):
         time.sleep(seconds)
         return self.rank
 
+    @register(Dispatch.ONE_TO_ALL)
+    def span(self, seconds: float) -> tuple[float, float]:
+        """When this call ran: (start, end) on this process's monotonic clock."""
+        start = time.monotonic()
+        time.sleep(seconds)
+        return start, time.monotonic()
+
     def not_exposed(self):
         return "only registered methods reach the group"
 
