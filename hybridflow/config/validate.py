@@ -338,12 +338,18 @@ def _check_optim(cfg: Config) -> None:
             raise ConfigError(f"{path}.warmup_steps", f"must be >= 0, got {optim.warmup_steps}")
 
 
+# What one process's megatron-core layout fixes: roles sharing a process (the critic with the actor,
+# under torchrun always, under Ray when trainer/build.py colocates them) must agree on these.
+PROCESS_LAYOUT_KEYS = ("tp", "pp", "cp")
+
+
 def _check_one_process_layout(cfg: Config) -> None:
     """Without Ray the actor's and critic's groups live in the same processes, which hold one megatron-core layout."""
     if uses_ray(cfg) or not uses_critic(cfg):
         return
     a, c = cfg.actor.parallel, cfg.critic.parallel
-    for key, mine, actor in (("tp", c.tp, a.tp), ("pp", c.pp, a.pp), ("cp", c.cp, a.cp)):
+    for key in PROCESS_LAYOUT_KEYS:
+        mine, actor = getattr(c, key), getattr(a, key)
         if mine != actor:
             raise ConfigError(f"critic.parallel.{key}", f"must equal actor.parallel.{key}={actor} without Ray "
                               f"(trainer.launcher=local or torchrun): the critic then shares the actor's processes "

@@ -458,16 +458,17 @@ class RayWorkerGroup(_WorkerGroup):
         self.call_timeout: Optional[float] = None
         self._dead: Optional[WorkerError] = None
         self._set: Optional[_HostSet] = None
+        self._slot: Optional[str] = None
         super().__init__(worker_cls, pool)
         try:
             if host_set is None:
                 host_set = self._start_hosts(pool)
+            self._set = host_set
             slot = worker_cls.__name__
             while slot in host_set.slots:
                 slot += "'"
             self._slot = slot
             host_set.slots.add(slot)
-            self._set = host_set
             blob = cloudpickle.dumps(worker_cls)
             kw_names, values = _flatten(*self._put_once(self._pack_args([(args, kwargs)] * self.world_size))[0])
             self._gather([h.setup.remote(slot, ctx, blob, kw_names, *values)
@@ -487,15 +488,10 @@ class RayWorkerGroup(_WorkerGroup):
         init_ray()
         _check_fits(pool)
         host = ray.remote(_Host)
-        hosts = []
-        try:
-            for rank in range(self.world_size):
-                hosts.append(host.options(max_restarts=0, **pool.actor_options(rank)).remote(pool.device))
-            self._set = _HostSet(hosts, [])  # so that a failure below kills what started
-            addresses = self._gather([h.node_address.remote() for h in hosts], "start", STARTUP_TIMEOUT_S)
-        except BaseException:
-            _HostSet(hosts, []).kill()
-            raise
+        self._set = _HostSet([], [])  # set first: a failure below kills what started (`_start` shuts down)
+        for rank in range(self.world_size):
+            self._set.hosts.append(host.options(max_restarts=0, **pool.actor_options(rank)).remote(pool.device))
+        addresses = self._gather([h.node_address.remote() for h in self._set.hosts], "start", STARTUP_TIMEOUT_S)
         master_addr, master_port = addresses[0]
         # On GPU, Ray shows each actor only its own GPU: that is local device 0.
         local_ranks = (_local_ranks([ip for ip, _ in addresses]) if pool.device == "cpu"
@@ -643,15 +639,14 @@ class RayWorkerGroup(_WorkerGroup):
         """Let go of this group's workers (idempotent); the processes end with the last group on them.
         The pool's reservation stays for other groups."""
         host_set, self._set = self._set, None
-        if host_set is None:
+        if host_set is None or host_set.hosts is None:
             return
-        host_set.slots.discard(getattr(self, "_slot", None))
-        if host_set.slots or host_set.hosts is None:
-            if host_set.hosts is not None:
-                for host in host_set.hosts:
-                    host.drop.remote(self._slot)
+        host_set.slots.discard(self._slot)
+        if not host_set.slots:
+            host_set.kill()
             return
-        host_set.kill()
+        for host in host_set.hosts:
+            host.drop.remote(self._slot)
 
 
 # --------------------------------------------------------------------------- local

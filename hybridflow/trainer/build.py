@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from hybridflow.config.schema import Config
-from hybridflow.config.validate import reference_parallel, role_layout, rollout_apart, uses_critic, uses_ray
+from hybridflow.config.validate import (PROCESS_LAYOUT_KEYS, reference_parallel, role_layout, rollout_apart,
+                                        uses_critic, uses_ray)
 from hybridflow.controller.resource_pool import ResourcePool
 from hybridflow.controller.worker_group import LocalWorkerGroup
 from hybridflow.workers.rl_workers import (ActorGroup, ActorRolloutRefWorker, CriticGroup, CriticWorker,
@@ -102,7 +103,7 @@ def colocate_critic(cfg: Config, pools: dict[str, ResourcePool]) -> bool:
     verl's colocated workers) when it is placed on the actor's devices in the actor's megatron-core
     layout: a process holds one layout. Else it gets processes of its own."""
     a, c = cfg.actor.parallel, cfg.critic.parallel
-    return pools["critic"] is pools["training"] and (a.tp, a.pp, a.cp) == (c.tp, c.pp, c.cp)
+    return pools["critic"] is pools["training"] and all(getattr(a, k) == getattr(c, k) for k in PROCESS_LAYOUT_KEYS)
 
 
 def build_groups(cfg: Config) -> Groups:
@@ -119,12 +120,12 @@ def build_groups(cfg: Config) -> Groups:
     init_ray(address=cfg.trainer.ray_address)
     pools = pools_from_placement(cfg)
     actor = RayWorkerGroup(ActorRolloutRefWorker, pools["training"], actor_spec(cfg))
-    if critic and colocate_critic(cfg, pools):
-        critic_group = RayWorkerGroup.colocated(actor, CriticWorker, critic_spec(cfg))
-    elif critic:
-        critic_group = RayWorkerGroup(CriticWorker, pools["critic"], critic_spec(cfg))
+    critic_group = None
+    if critic:
+        critic_group = (RayWorkerGroup.colocated(actor, CriticWorker, critic_spec(cfg)) if colocate_critic(cfg, pools)
+                        else RayWorkerGroup(CriticWorker, pools["critic"], critic_spec(cfg)))
     return Groups(
         ActorGroup(actor),
-        CriticGroup(critic_group) if critic else None,
+        CriticGroup(critic_group) if critic_group else None,
         RewardModelGroup(RayWorkerGroup(RewardModelWorker, pools["reward"], cfg.reward)) if reward_model else None,
         RolloutGroup(RayWorkerGroup(RolloutWorker, pools["rollout"], rollout_spec(cfg))) if rollout_apart(cfg) else None)
