@@ -62,6 +62,10 @@ def _median_ms(fn, repeats: int) -> tuple[float, dict]:
 def run(args) -> None:
     import torch
     import torch.distributed as dist
+
+    from hybridflow.engine import cpu_compat
+
+    cpu_compat.apply()  # before megatron-core's first import: its torch.compile wrappers cost seconds
     from megatron.core import parallel_state as ps
 
     from hybridflow.config.schema import ParallelConfig

@@ -22,3 +22,40 @@ def ray_cluster():
     init_ray(num_cpus=8)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def four_process_launch(tmp_path_factory):
+    """One torchrun launch on 4 gloo processes for every 4-rank engine check: the engine at TP2xPP2, TP2xDP2
+    and PP2xDP2 (tests/engine/layouts_check.py), the switch to generation in every grouping
+    (tests/hybrid_engine/reshard_check.py) and the reshard benchmark at its quick size. A launch costs
+    about 20 s of start-up on 2 cores, paid once. Returns the paths the checks wrote."""
+    from hybridflow.models.checkpoint import save_hf_checkpoint
+    from tests.engine.conftest import tiny_model, write_layout_model
+    from tests.torchrun import torchrun_scripts
+
+    tmp = tmp_path_factory.mktemp("four_processes")
+    paths = {"layouts_hf": write_layout_model(tmp / "layouts_hf"), "layouts": tmp / "layouts.pt",
+             "reshard_hf": tmp / "reshard_hf", "reshard": tmp / "reshard.pt", "bench_reshard": tmp / "bench.txt"}
+    cfg, _, hf = tiny_model(num_key_value_heads=4, tie_word_embeddings=True)  # 4 KV heads: TP up to 4
+    save_hf_checkpoint(hf, cfg.to_hf_dict(), paths["reshard_hf"])
+    torchrun_scripts(4, [
+        {"script": "tests/engine/layouts_check.py", "args": [paths["layouts"], paths["layouts_hf"]]},
+        {"script": "tests/hybrid_engine/reshard_check.py", "args": [paths["reshard"], paths["reshard_hf"]]},
+        {"script": "benchmarks/bench_reshard.py", "args": ["--quick", "--repeats", "1"],
+         "stdout": paths["bench_reshard"]},
+    ], timeout=600)
+    return paths
+
+
+@pytest.fixture(scope="session")
+def two_process_launch(tmp_path_factory):
+    """One torchrun launch on 2 gloo processes for the 2-rank checks: the built-in generator at tg = 2
+    (tests/hybrid_engine/tp_generate_check.py) and an update at DP = 2 (tests/engine/dp_step.py)."""
+    from tests.torchrun import torchrun_scripts
+
+    tmp = tmp_path_factory.mktemp("two_processes")
+    paths = {"tp_generate": tmp / "tp_generate.pt", "dp_step": tmp / "dp2.pt"}
+    torchrun_scripts(2, [{"script": "tests/hybrid_engine/tp_generate_check.py", "args": [paths["tp_generate"]]},
+                         {"script": "tests/engine/dp_step.py", "args": [paths["dp_step"]]}], timeout=300)
+    return paths

@@ -103,6 +103,10 @@ def main(out_path: str, hf_path: str) -> None:
 
     import torch
     import torch.distributed as dist
+
+    from hybridflow.engine import cpu_compat
+
+    cpu_compat.apply()  # before megatron-core's first import: its torch.compile wrappers cost seconds
     from megatron.core import parallel_state as ps
 
     from hybridflow.parallel import init_process_group

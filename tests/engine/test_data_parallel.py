@@ -6,16 +6,13 @@ from hybridflow.config.schema import ParallelConfig
 from hybridflow.engine import MegatronEngine
 from hybridflow.roles import Actor
 from tests.engine.conftest import dp_case
-from tests.torchrun import torchrun
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 
 
-@pytest.mark.timeout(240)
-def test_dp2_update_equals_dp1_update(tmp_path):
-    out = tmp_path / "dp2.pt"
-    torchrun("tests/engine/dp_step.py", 2, out, timeout=200)
-    dp2 = torch.load(out)
+@pytest.mark.timeout(300)
+def test_dp2_update_equals_dp1_update(two_process_launch):
+    dp2 = torch.load(two_process_launch["dp_step"])  # tests/engine/dp_step.py on 2 processes
 
     cfg, hf, batch, optim, actor_cfg = dp_case()
     engine = MegatronEngine(cfg, ParallelConfig(), optim, total_steps=10)

@@ -5,21 +5,17 @@ import torch
 from hybridflow.config.schema import CriticConfig, OptimConfig, ParallelConfig
 from hybridflow.engine import MegatronEngine
 from hybridflow.roles import Actor, Critic
-from tests.engine.conftest import layout_case, write_layout_model
-from tests.torchrun import torchrun
+from tests.engine.conftest import layout_case
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 LAYOUTS = ("tp2_pp2", "tp2_pp1", "tp1_pp2")
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """One torchrun launch of layouts_check.py over every layout; and the one-rank reference."""
-    tmp = tmp_path_factory.mktemp("layouts")
-    hf_path = write_layout_model(tmp / "hf")
-    out = tmp / "layouts.pt"
-    torchrun("tests/engine/layouts_check.py", 4, out, hf_path, timeout=420)
-    return torch.load(out), reference(hf_path)
+def launched(four_process_launch):
+    """layouts_check.py's results over every layout (in the suite's one 4-process launch); and the one-rank
+    reference."""
+    return torch.load(four_process_launch["layouts"]), reference(four_process_launch["layouts_hf"])
 
 
 def reference(hf_path) -> dict:

@@ -78,8 +78,10 @@ def main(out_path: str, hf_path: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from hybridflow.engine import cpu_compat
     from hybridflow.parallel import init_process_group
 
+    cpu_compat.apply()  # before megatron-core's first import: its torch.compile wrappers cost seconds
     init_process_group("cpu")
     results = {}
     for tp, pp, tg in ((4, 1, 2), (4, 1, 1), (2, 2, 2)):

@@ -4,22 +4,15 @@ import pytest
 import torch
 
 from hybridflow.controller.dispatch import MeshCoord, check_mesh
-from tests.engine.conftest import tiny_model
-from tests.torchrun import torchrun
 
 LAYOUTS = ("t4p1-tg2", "t4p1-tg1", "t2p2-tg2")
 GROUPINGS = ("hybridflow", "vanilla", "full")
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    from hybridflow.models.checkpoint import save_hf_checkpoint
-
-    tmp = tmp_path_factory.mktemp("reshard")
-    cfg, _, hf = tiny_model(num_key_value_heads=4, tie_word_embeddings=True)  # 4 KV heads: TP up to 4
-    save_hf_checkpoint(hf, cfg.to_hf_dict(), tmp / "hf")
-    torchrun("tests/hybrid_engine/reshard_check.py", 4, tmp / "out.pt", tmp / "hf")
-    return torch.load(tmp / "out.pt")
+def launched(four_process_launch):
+    """reshard_check.py's results (in the suite's one 4-process launch, tests/conftest.py)."""
+    return torch.load(four_process_launch["reshard"])
 
 
 @pytest.mark.timeout(400)

@@ -5,7 +5,6 @@ import torch
 
 from hybridflow.models import Decoder, DecoderConfig, get_bridge
 from hybridflow.rollout import Generator, SamplingParams
-from tests.torchrun import torchrun
 
 PAD = 0
 
@@ -41,10 +40,8 @@ def generate_all(model: Decoder, gen: Generator, batch: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_generate") / "out.pt"
-    torchrun("tests/hybrid_engine/tp_generate_check.py", 2, out, timeout=240)
-    return torch.load(out)
+def launched(two_process_launch):
+    return torch.load(two_process_launch["tp_generate"])  # tp_generate_check.py, in the 2-process launch
 
 
 @pytest.mark.timeout(300)

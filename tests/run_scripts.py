@@ -1,0 +1,38 @@
+"""Run by `tests.torchrun.torchrun_scripts` under torchrun: several check scripts in one launch, in turn.
+
+Each script runs as `__main__` with its own argv, as if launched alone, in the
+same processes: torch, megatron-core and the gloo group start once for all of
+them (about 20 s of a 4-process launch on 2 cores). argv[1] is a JSON list of
+{"script": path below the repo, "args": [...], "stdout": path or null (where
+rank 0's prints go)}.
+"""
+import contextlib
+import json
+import os
+import runpy
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(spec: str) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    sys.path.insert(0, REPO)
+    from hybridflow.engine import cpu_compat
+
+    cpu_compat.apply()  # before any script imports megatron-core (engine/cpu_compat.py)
+    rank = int(os.environ["RANK"])
+    for entry in json.loads(spec):
+        sys.argv = [entry["script"], *entry["args"]]
+        stdout = entry.get("stdout") if rank == 0 else None
+        with open(stdout, "w") if stdout else contextlib.nullcontext(sys.stdout) as out, \
+                contextlib.redirect_stdout(out):
+            try:
+                runpy.run_path(os.path.join(REPO, entry["script"]), run_name="__main__")
+            except SystemExit as exc:
+                if exc.code not in (0, None):
+                    raise
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
