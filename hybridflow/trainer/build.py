@@ -106,6 +106,12 @@ def colocate_critic(cfg: Config, pools: dict[str, ResourcePool]) -> bool:
     return pools["critic"] is pools["training"] and all(getattr(a, k) == getattr(c, k) for k in PROCESS_LAYOUT_KEYS)
 
 
+def colocate_reward_model(pools: dict[str, ResourcePool]) -> bool:
+    """The reward model's workers join the actor's processes when it is placed on the actor's devices: an
+    HF classifier holds no megatron-core layout, so the actor's processes can hold it whatever theirs is."""
+    return pools["reward"] is pools["training"]
+
+
 def build_groups(cfg: Config) -> Groups:
     critic = uses_critic(cfg)
     reward_model = cfg.reward.model_path is not None
@@ -124,8 +130,12 @@ def build_groups(cfg: Config) -> Groups:
     if critic:
         critic_group = (RayWorkerGroup.colocated(actor, CriticWorker, critic_spec(cfg)) if colocate_critic(cfg, pools)
                         else RayWorkerGroup(CriticWorker, pools["critic"], critic_spec(cfg)))
+    reward_group = None
+    if reward_model:
+        reward_group = (RayWorkerGroup.colocated(actor, RewardModelWorker, cfg.reward) if colocate_reward_model(pools)
+                        else RayWorkerGroup(RewardModelWorker, pools["reward"], cfg.reward))
     return Groups(
         ActorGroup(actor),
         CriticGroup(critic_group) if critic_group else None,
-        RewardModelGroup(RayWorkerGroup(RewardModelWorker, pools["reward"], cfg.reward)) if reward_model else None,
+        RewardModelGroup(reward_group) if reward_group else None,
         RolloutGroup(RayWorkerGroup(RolloutWorker, pools["rollout"], rollout_spec(cfg))) if rollout_apart(cfg) else None)

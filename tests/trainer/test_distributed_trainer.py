@@ -41,7 +41,8 @@ def single(tmp_path_factory):
 
 
 def test_grpo_colocated_on_two_ray_workers_matches_the_single_process_run(tmp_path):
-    """Actor, rollout (views) and DP=2 training share two Ray processes (the hybrid layout).
+    """Actor, rollout (views), DP=2 training and the reward model share two Ray processes (the hybrid
+    layout): the reward model, placed on the actor's devices, joins the actor's processes.
 
     Sampling is keyed by (step, prompt, sample), so both layouts roll out the
     same responses; the updates differ only in floating-point summation order
@@ -51,10 +52,18 @@ def test_grpo_colocated_on_two_ray_workers_matches_the_single_process_run(tmp_pa
     """
     from tests.trainer.test_trainer import learned
 
+    rm = ROOT / "hybridflow/assets/tiny_reward_model"
     common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0",
-              "actor.ppo_mini_batch_size=8"]
-    summary, records = run("tiny-grpo.yaml", tmp_path / "two", "trainer.n_devices=2", "trainer.launcher=ray",
-                           *common)
+              "actor.ppo_mini_batch_size=8", f"reward.model_path={rm}", "reward.model_weight=0.5"]
+    cfg = in_repo(load_config(ROOT / "configs/tiny-grpo.yaml", [
+        f"trainer.output_dir={tmp_path / 'two'}", "trainer.n_devices=2", "trainer.launcher=ray", *common]))
+    trainer = RLTrainer(cfg)
+    try:
+        assert trainer.reward_model.group.pids() == trainer.actor.group.pids()  # no process of its own
+        summary = trainer.fit()
+    finally:
+        trainer.shutdown()
+    records = read_metrics(summary["run_dir"] / "metrics.jsonl")
     _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
     assert [r["step"] for r in records] == [r["step"] for r in single] == [0, 1, 2]
     two, one = learned(records), learned(single)

@@ -465,3 +465,19 @@ def test_the_critic_joins_the_actors_processes_only_on_its_devices_and_layout(tm
     assert not colocated("actor.parallel.tp=2")  # critic at tp = 1: another layout
     assert not colocated("placement.training=[0,1]", "placement.rollout=[0,1]", "placement.reference=[0,1]",
                          "placement.critic=[2,3]")
+
+
+def test_the_reward_model_joins_the_actors_processes_only_on_its_devices(tmp_path):
+    """Under Ray a reward model placed on the actor's devices (the default: every device) runs in the
+    actor's processes; on a device set of its own it gets its own processes."""
+    from hybridflow.controller.resource_pool import pools_from_placement
+    from hybridflow.trainer.build import colocate_reward_model
+
+    rm = ["trainer.n_devices=4", "trainer.launcher=ray", f"reward.model_path={ROOT / 'hybridflow/assets/tiny_reward_model'}"]
+
+    def colocated(*overrides):
+        return colocate_reward_model(pools_from_placement(config("tiny-grpo.yaml", tmp_path, *rm, *overrides)))
+
+    assert colocated()
+    assert colocated("actor.parallel.tp=2")  # an HF classifier: any megatron-core layout of the actor's
+    assert not colocated("placement.rollout=[0,1]", "placement.reward=[2]", "placement.training=[0,1,2,3]")
