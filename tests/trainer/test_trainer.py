@@ -388,23 +388,33 @@ LAYOUTS = {
 }
 
 
+PACKING_COMMON = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0", "trainer.experiment=pack",
+                  "actor.ppo_mini_batch_size=4", "actor.use_kl_loss=true", "reference.enabled=true"]
+
+
+def _metrics_of_run(run_dir: Path, *overrides: str) -> list[dict]:
+    trainer = RLTrainer(in_repo(config("tiny-grpo.yaml", run_dir, *PACKING_COMMON, *overrides)))
+    try:
+        return read_metrics(trainer.fit()["run_dir"] / "metrics.jsonl")
+    finally:
+        trainer.shutdown()
+
+
+@pytest.fixture(scope="module")
+def padded_run(tmp_path_factory):
+    """The padded run both packing layouts are compared with, run once."""
+    return _metrics_of_run(tmp_path_factory.mktemp("padded"))
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_packed_micro_batches_train_as_the_padded_ones(tmp_path, layout):
+def test_packed_micro_batches_train_as_the_padded_ones(tmp_path, layout, padded_run):
     """#14 item 5: with verl's dynamic batch size on for the actor, its old log-probs and the reference,
     every training forward packs token-budgeted micro-batches (no padding computed), and the steps equal
     the padded run's. The same for shared-prompt rows (each prompt computed once, its samples' responses
     after it). (The critic's packed and shared values are checked against the padded ones in
     tests/engine/test_megatron_engine.py.)"""
-    common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0", "trainer.experiment=pack",
-              "actor.ppo_mini_batch_size=4", "actor.use_kl_loss=true", "reference.enabled=true"]
     packing = LAYOUTS[layout]
-    runs = {}
-    for packed in (False, True):
-        cfg = in_repo(config("tiny-grpo.yaml", tmp_path / str(packed), *common, *(packing if packed else [])))
-        trainer = RLTrainer(cfg)
-        runs[packed] = read_metrics(trainer.fit()["run_dir"] / "metrics.jsonl")
-        trainer.shutdown()
-    want, got = learned(runs[False]), learned(runs[True])
+    want, got = learned(padded_run), learned(_metrics_of_run(tmp_path, *packing))
     assert want[1]["actor/grad_norm"] > 0 and want[1]["actor/approx_kl"] > 0  # updates happened, old log-probs used
     for step in (1, 2):
         for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy",
