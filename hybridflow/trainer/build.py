@@ -126,16 +126,15 @@ def build_groups(cfg: Config) -> Groups:
     init_ray(address=cfg.trainer.ray_address)
     pools = pools_from_placement(cfg)
     actor = RayWorkerGroup(ActorRolloutRefWorker, pools["training"], actor_spec(cfg))
-    critic_group = None
-    if critic:
-        critic_group = (RayWorkerGroup.colocated(actor, CriticWorker, critic_spec(cfg)) if colocate_critic(cfg, pools)
-                        else RayWorkerGroup(CriticWorker, pools["critic"], critic_spec(cfg)))
-    reward_group = None
-    if reward_model:
-        reward_group = (RayWorkerGroup.colocated(actor, RewardModelWorker, cfg.reward) if colocate_reward_model(pools)
-                        else RayWorkerGroup(RewardModelWorker, pools["reward"], cfg.reward))
+
+    def beside_actor(worker_cls: type, role: str, spec, colocate: bool) -> RayWorkerGroup:
+        """`role`'s group: in the actor's processes, or in processes of its own on its pool."""
+        return RayWorkerGroup.colocated(actor, worker_cls, spec) if colocate else RayWorkerGroup(worker_cls, pools[role], spec)
+
     return Groups(
         ActorGroup(actor),
-        CriticGroup(critic_group) if critic_group else None,
-        RewardModelGroup(reward_group) if reward_group else None,
+        CriticGroup(beside_actor(CriticWorker, "critic", critic_spec(cfg), colocate_critic(cfg, pools)))
+        if critic else None,
+        RewardModelGroup(beside_actor(RewardModelWorker, "reward", cfg.reward, colocate_reward_model(pools)))
+        if reward_model else None,
         RolloutGroup(RayWorkerGroup(RolloutWorker, pools["rollout"], rollout_spec(cfg))) if rollout_apart(cfg) else None)

@@ -13,10 +13,13 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
 
 
-def run(name: str, tmp_path: Path, *overrides: str):
+def run(name: str, tmp_path: Path, *overrides: str, before_fit=None):
+    """Fit config `name`; `before_fit(trainer)` may check the built trainer first."""
     cfg = in_repo(load_config(ROOT / "configs" / name, [f"trainer.output_dir={tmp_path}", *overrides]))
     trainer = RLTrainer(cfg)
     try:
+        if before_fit is not None:
+            before_fit(trainer)
         summary = trainer.fit()
     finally:
         trainer.shutdown()
@@ -55,15 +58,11 @@ def test_grpo_colocated_on_two_ray_workers_matches_the_single_process_run(tmp_pa
     rm = ROOT / "hybridflow/assets/tiny_reward_model"
     common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0",
               "actor.ppo_mini_batch_size=8", f"reward.model_path={rm}", "reward.model_weight=0.5"]
-    cfg = in_repo(load_config(ROOT / "configs/tiny-grpo.yaml", [
-        f"trainer.output_dir={tmp_path / 'two'}", "trainer.n_devices=2", "trainer.launcher=ray", *common]))
-    trainer = RLTrainer(cfg)
-    try:
+    def shares_the_actors_processes(trainer):
         assert trainer.reward_model.group.pids() == trainer.actor.group.pids()  # no process of its own
-        summary = trainer.fit()
-    finally:
-        trainer.shutdown()
-    records = read_metrics(summary["run_dir"] / "metrics.jsonl")
+
+    summary, records = run("tiny-grpo.yaml", tmp_path / "two", "trainer.n_devices=2", "trainer.launcher=ray",
+                           *common, before_fit=shares_the_actors_processes)
     _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
     assert [r["step"] for r in records] == [r["step"] for r in single] == [0, 1, 2]
     two, one = learned(records), learned(single)
