@@ -228,12 +228,16 @@ std::vector<at::Tensor> gae_forward(at::Tensor rewards, at::Tensor values, at::T
   return {adv, ret};
 }
 
-// decode.cpp: the built-in rollout's decode loop.
+// decode.cpp: the built-in rollout's prefill and decode loop.
 std::vector<at::Tensor> decode_loop(at::Tensor logits, std::vector<at::Tensor> weights, at::Tensor k_cache,
                                     at::Tensor v_cache, at::Tensor key_mask, at::Tensor seen, int64_t filled,
                                     at::Tensor inv_freq, int64_t heads_per_group, double eps, int64_t steps,
                                     bool greedy, double temperature, at::Tensor keys, at::Tensor stop_ids,
                                     int64_t pad_id);
+
+at::Tensor prefill(at::Tensor ids, at::Tensor mask, int64_t rep, std::vector<at::Tensor> weights, at::Tensor k_cache,
+                   at::Tensor v_cache, at::Tensor key_mask, at::Tensor seen, at::Tensor inv_freq,
+                   int64_t heads_per_group, double eps);
 
 // layers.cpp: the decoder layers' RMSNorm, SwiGLU and rotary embeddings, forward and backward.
 std::vector<at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -245,6 +249,7 @@ at::Tensor rotary(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_loop", &decode_loop, "the rollout's decode steps after a prefill, keyed or greedy sampling");
+  m.def("prefill", &prefill, "the rollout's prefill: left-padded prompts into an empty KV cache, last logits");
   m.def("logprob_entropy_forward", &logprob_entropy_forward, "token log-prob, entropy, logsumexp");
   m.def("logprob_entropy_backward", &logprob_entropy_backward, "gradient w.r.t. logits", py::arg("logits"),
         py::arg("labels"), py::arg("lse"), py::arg("ent"), py::arg("g_logp"), py::arg("g_ent"),

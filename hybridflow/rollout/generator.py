@@ -20,11 +20,15 @@ strings are given.
 Weights are read from the model's parameters at each call (the hybrid engine
 hands over a decoder whose parameters are views of the training weights).
 
-On the CPU the decode steps after the prefill run in one C++ call
+On the CPU the prefill and the decode steps after it run in two C++ calls
 (`csrc/cpu/decode.cpp`, `decode="auto"`): the same layers and sampler with
 ATen's GEMMs and plain loops in between, so a step no longer costs ~100
-Python-dispatched ops. It takes what it computes exactly as this loop does
-(a float32 model, TP size 1, full attention, greedy or keyed sampling,
+Python-dispatched ops. The prefill runs every prompt's real tokens in one pass
+per layer and writes each prompt's keys and values into its n rows; left
+padding is not computed (prompts that do not end in a real token take
+`forward_cached`). Measured at the demo's shape (64 prompts x 8 samples of a
+4-layer, 128-wide model): a rollout 120 -> 82 ms. They take what they compute
+exactly as this loop does (a float32 model, TP size 1, full attention, greedy or keyed sampling,
 no top-k / top-p / stop strings); anything else, or a machine that cannot
 build it, runs the loop below. The two agree to float rounding (tests).
 """
@@ -91,7 +95,10 @@ class Generator:
         fused = self._decode_extension(params, row_keys is not None, device)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         cache = KVCache(self.model.cfg, rows, t + steps, self.model.embed.weight.dtype, device)
-        logits = self.model.forward_cached(input_ids, cache, attention_mask, last_only=True)[:, -1]
+        if fused is not None and bool(attention_mask[:, -1].all()):
+            logits = self._fused_prefill(fused, input_ids, attention_mask, cache, n)
+        else:
+            logits = self.model.forward_cached(input_ids, cache, attention_mask, last_only=True)[:, -1]
         logits = logits.repeat_interleave(n, 0)
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
         keys = None
@@ -168,7 +175,8 @@ class Generator:
             raise ValueError(f"decode='cpu' cannot run this call: {why}")
         return None
 
-    def _fused_decode(self, ext, logits, cache: KVCache, params: SamplingParams, keys, stop_ids):
+    def _weights(self) -> list[torch.Tensor]:
+        """The parameters in the order the C++ prefill and decode loop take them (read at each call)."""
         model = self.model
         weights = []
         for layer in model.layers:
@@ -177,9 +185,23 @@ class Generator:
                         torch.empty(0) if bias is None else bias, layer.attn.proj.weight,
                         layer.mlp_norm.weight, layer.mlp.fc1.weight, layer.mlp.fc2.weight]
         weights += [model.embed.weight, model.norm.weight, model.output_weight]
+        return [w.detach().contiguous() for w in weights]
+
+    def _fused_prefill(self, ext, input_ids, attention_mask, cache: KVCache, n: int) -> torch.Tensor:
+        """The prompts into the empty cache in one C++ call, as `forward_cached` on a first append (padding is
+        not computed); the logits [b, V] after each prompt's last token."""
+        model = self.model
+        logits = ext.prefill(input_ids.contiguous(), attention_mask, n, self._weights(), cache.k, cache.v,
+                             cache.key_mask, cache.seen, model.inv_freq.float().contiguous(),
+                             model.cfg.heads_per_group, float(model.cfg.rms_norm_eps))
+        cache.start, cache.length = 0, input_ids.shape[1]
+        return logits
+
+    def _fused_decode(self, ext, logits, cache: KVCache, params: SamplingParams, keys, stop_ids):
+        model = self.model
         filled, steps = cache.length, params.max_new_tokens
         tokens, log_probs, mask, length = ext.decode_loop(
-            logits.float().contiguous(), [w.detach().contiguous() for w in weights], cache.k, cache.v,
+            logits.float().contiguous(), self._weights(), cache.k, cache.v,
             cache.key_mask, cache.seen, filled, model.inv_freq.float().contiguous(), model.cfg.heads_per_group,
             float(model.cfg.rms_norm_eps), steps, params.greedy, float(params.temperature),
             torch.empty(0, dtype=torch.long) if keys is None else keys.contiguous(), stop_ids, self.pad_token_id)

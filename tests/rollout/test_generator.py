@@ -195,6 +195,36 @@ def test_cpu_decode_loop_equals_the_python_loop(family, greedy):
             Generator(model, PAD, decode="cpu").generate(ids, mask, SamplingParams(max_new_tokens=4))
 
 
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen2-bias-tied"])
+def test_cpu_prefill_fills_the_cache_as_forward_cached(family):
+    """The C++ prefill (every prompt's real tokens in one pass, each prompt into its n cache rows) leaves what
+    `forward_cached` leaves: the same last logits, key mask, token counts, and keys and values in every
+    real slot of every row; padded slots stay masked. A prompt that does not end in a real token is refused."""
+    from hybridflow.kernels.backend import cpu_extension
+    from hybridflow.models.kv_cache import KVCache
+
+    model = tiny_decoder(family)
+    ids, mask = left_padded_prompts(model.cfg.vocab_size)
+    n, capacity = 3, ids.shape[1] + 2
+    want = KVCache(model.cfg, n * ids.shape[0], capacity)
+    with torch.no_grad():
+        logits = model.forward_cached(ids, want, mask, last_only=True)[:, -1]
+    got = KVCache(model.cfg, n * ids.shape[0], capacity)
+    got.k.zero_(), got.v.zero_()
+    generator = Generator(model, PAD, decode="cpu")
+    got_logits = generator._fused_prefill(cpu_extension(), ids, mask, got, n)
+    torch.testing.assert_close(got_logits, logits, atol=1e-5, rtol=1e-5)
+    assert (got.start, got.length) == (want.start, want.length)
+    assert torch.equal(got.key_mask, want.key_mask) and torch.equal(got.seen, want.seen)
+    real = want.key_mask[None, :, None, :, None].expand_as(want.k)  # [layers, rows, groups, slots, hd]
+    torch.testing.assert_close(got.k[real], want.k[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.v[real], want.v[real], atol=1e-5, rtol=1e-5)
+    assert not got.k[~real].any()  # padding was not computed
+    right_padded = torch.flip(mask, [1])
+    with pytest.raises(RuntimeError, match="prompt 1 does not end in a real token"):
+        generator._fused_prefill(cpu_extension(), ids, right_padded, KVCache(model.cfg, n * 4, capacity), n)
+
+
 def test_keyed_samples_do_not_depend_on_the_batch():
     """row_keys: a prompt's n samples are the same alone or batched with others (any rank split)."""
     model = tiny_decoder("llama-gqa")
