@@ -4,10 +4,11 @@
 
 REV's `csrc/cpu/` is built (and cached, like the checkout's) and the two builds take turns, round after
 round, on the same inputs (`kernels.backend.using_cpu_build`), so that the machine's drift falls on both
-alike. Both builds must have the same functions (REV from after the layer kernels landed):
+alike. Both builds must have the same functions (REV from after the layer kernels landed), except the
+prefill: a build without it (before 2026-12-02) prefills in Python, as the generator did then.
 
 - generate: the demo's rollout, 64 prompts x 8 samples at temperature 1.5, up to 6 new tokens, on the demo
-  model: the built-in generator's prefill, then its C++ decode loop. The two builds' responses must agree
+  model: the built-in generator's prefill and its C++ decode loop. The two builds' responses must agree
   token for token (keyed sampling); the script reports whether they do and the largest log-prob gap.
 - fwd+bwd: the demo model's forward and backward on a 64 x 8 shared-prompt batch through the megatron-core
   engine, whose norms, SwiGLU and RoPE run the build's layer kernels.

@@ -95,7 +95,8 @@ class Generator:
         fused = self._decode_extension(params, row_keys is not None, device)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         cache = KVCache(self.model.cfg, rows, t + steps, self.model.embed.weight.dtype, device)
-        if fused is not None and bool(attention_mask[:, -1].all()):
+        # An extension built from sources before the C++ prefill (`bench csrc --baseline`) prefills in Python.
+        if fused is not None and hasattr(fused, "prefill") and bool(attention_mask[:, -1].all()):
             logits = self._fused_prefill(fused, input_ids, attention_mask, cache, n)
         else:
             logits = self.model.forward_cached(input_ids, cache, attention_mask, last_only=True)[:, -1]
