@@ -8,8 +8,10 @@ megatron-core assumes CUDA in a handful of spots a CPU run reaches:
   dropout even at p=0);
 - `param.type() == "torch.cuda.FloatTensor"` checks in the optimizer;
 - `tensor.cuda()` on the tied embedding's last-stage copy at pp > 1;
-- and, not a CUDA assumption but a cost: `torch.compile` wrappers made at
-  import for fusions a CPU run never calls (`_eager_fusions`).
+- and, not CUDA assumptions but costs: `torch.compile` wrappers made at
+  import for fusions a CPU run never calls (`_eager_fusions`), and without
+  apex a gradient clip that scales tensor by tensor through a temporary
+  (`_foreach_scale`).
 
 Rather than editing megatron-core, `apply()` gives each loaded
 `megatron.core` module a view of `torch` (`_CpuTorch`) whose factory
@@ -191,6 +193,27 @@ def _megatron_modules():
     return [m for n, m in list(sys.modules.items()) if n.startswith("megatron.") and m is not None]
 
 
+def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """apex's multi_tensor_scale (dst = src * scale over two tensor lists) as one foreach op.
+
+    Without apex megatron-core falls back to `dst.copy_(src * scale)` per tensor, which allocates a
+    temporary each time; the gradient clip scales every gradient in place (src is dst). Same products.
+    """
+    src, dst = tensor_lists
+    if all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def _patch_multi_tensor_scale() -> None:
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    for module in (clip_grads, optimizer):
+        if module.multi_tensor_scale_impl.__name__ == "local_multi_tensor_scale":  # apex absent
+            module.multi_tensor_scale_impl = _foreach_scale
+
+
 def apply() -> None:
     """Adapt megatron-core to this CPU-only process (idempotent)."""
     global _APPLIED
@@ -206,4 +229,5 @@ def apply() -> None:
     _install_cpu_rng_tracker()
     _patch_tensor_type()
     _patch_tensor_cuda()
+    _patch_multi_tensor_scale()
     _APPLIED = True

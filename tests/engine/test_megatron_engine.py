@@ -92,6 +92,8 @@ def test_one_actor_step_matches_plain_pytorch(micro, fused, tied, packed, shared
     optim = OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=0.5, eps=1e-6)
     engine = MegatronEngine(cfg, ParallelConfig(), optim, total_steps=10, fused_output=fused)
     engine.load_hf_state_dict(hf)
+    # On CPU the Adam step is torch's fused kernel (use_fused_adam), compared below with the per-tensor loop.
+    assert [g["fused"] for g in engine.optimizer.optimizer.param_groups] == [True, True]
     batch = grouped_rl_batch(cfg.vocab_size) if shared else rl_batch(cfg.vocab_size)
     actor = Actor(ActorConfig(optim=optim, ppo_mini_batch_size=len(batch["responses"]), ppo_micro_batch_size=micro,
                               use_dynamic_bsz=packed > 0, ppo_max_token_len_per_gpu=packed or 16384,
@@ -313,3 +315,20 @@ def test_megatron_core_loads_on_cpu_without_wrapping_its_fusions_in_torch_compil
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_gradient_clip_scales_with_one_foreach_op():
+    """Without apex, megatron-core's clip scales gradients through cpu_compat's foreach op (the actor-step
+    test above checks the clipped update against torch); a scale into other tensors keeps the sources."""
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    from hybridflow.engine import cpu_compat
+
+    assert clip_grads.multi_tensor_scale_impl is cpu_compat._foreach_scale
+    assert optimizer.multi_tensor_scale_impl is cpu_compat._foreach_scale
+    src, dst = [torch.arange(3.0), torch.ones(2)], [torch.zeros(3), torch.zeros(2)]
+    cpu_compat._foreach_scale(0, None, [src, dst], 0.5)
+    assert torch.equal(dst[0], torch.tensor([0.0, 0.5, 1.0])) and torch.equal(dst[1], torch.full((2,), 0.5))
+    assert torch.equal(src[0], torch.arange(3.0))
+    cpu_compat._foreach_scale(0, None, [src, src], 2.0)
+    assert torch.equal(src[0], torch.tensor([0.0, 2.0, 4.0]))
