@@ -17,10 +17,15 @@ GRPO is the demo as configured; PPO is the same task with GAE, a critic and a
 reference model (KL loss), and no uniform-group filter.
 
 `--baseline REV` runs this same script on a git worktree of REV (a commit or
-branch of this repository) first, in a subprocess whose `hybridflow` is that
-tree's, then here, and prints the two side by side with their ratio: the
-before/after of a change in one run, on the same machine state. Stages the
-baseline did not have (e.g. a skipped pass) show as 0.
+branch of this repository), in a subprocess whose `hybridflow` is that
+tree's, and here, and prints the two side by side with their ratio: the
+before/after of a change in one run. A shared machine drifts by tens of
+percent within minutes (measured: a stage neither tree changed came out at
+0.61x when the baseline simply ran first), so the two take turns in
+`--rounds` rounds ordered baseline-candidate, candidate-baseline, ... (a
+linear drift falls on both alike), and each figure is the median over the
+rounds of a round's median. Stages the baseline did not have (e.g. a skipped
+pass) show as 0.
 """
 from __future__ import annotations
 
@@ -119,6 +124,16 @@ def table(results: dict, baseline: dict | None, label: str) -> str:
     return "\n".join(lines)
 
 
+def over_rounds(rounds: list[dict]) -> dict:
+    """Per algorithm and figure, the median over rounds (each round's figures are medians over its steps)."""
+    out = {}
+    for algo in rounds[0]:
+        figures = [r[algo] for r in rounds]
+        out[algo] = {k: statistics.median(f.get(k, 0.0) for f in figures) if isinstance(v, (int, float)) else v
+                     for k, v in figures[0].items()}
+    return out
+
+
 def run_baseline(rev: str, argv: list[str]) -> dict:
     """This script's measurement on a worktree of `rev`, in a subprocess importing that tree's hybridflow."""
     tree = Path(tempfile.mkdtemp(prefix="bench_e2e_base_")) / "tree"
@@ -141,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--algo", default="grpo,ppo", help="comma-separated: grpo, ppo")
     parser.add_argument("--json", type=Path, help="also write the figures here")
-    parser.add_argument("--baseline", metavar="REV", help="measure git revision REV first, side by side")
+    parser.add_argument("--baseline", metavar="REV", help="measure git revision REV too, side by side")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="with --baseline: rounds in which the two take turns (ABBA order)")
     parser.add_argument("-o", "--override", action="append", default=[], help="a config override, KEY=VALUE")
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)  # the tree whose configs are used
     args = parser.parse_args(argv)
@@ -154,8 +171,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown --algo {unknown}; expected some of {sorted(ALGOS)}")
     common = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--algo", args.algo,
               *[x for o in args.override for x in ("-o", o)]]
-    baseline = run_baseline(args.baseline, common) if args.baseline else None
-    results = {algo: measure(algo, args.steps, args.warmup, args.override) for algo in algos}
+    if not args.baseline:
+        baseline, results = None, {algo: measure(algo, args.steps, args.warmup, args.override) for algo in algos}
+    else:
+        base_rounds, our_rounds = [], []
+        for r in range(max(1, args.rounds)):
+            turns = [lambda: base_rounds.append(run_baseline(args.baseline, common)),
+                     lambda: our_rounds.append({a: measure(a, args.steps, args.warmup, args.override) for a in algos})]
+            for turn in (turns if r % 2 == 0 else turns[::-1]):
+                turn()
+        baseline, results = over_rounds(base_rounds), over_rounds(our_rounds)
     label = f"vs {args.baseline}" if args.baseline else "medians"
     print(table(results, baseline, label), flush=True)
     if args.json:
