@@ -28,10 +28,10 @@ per layer and writes each prompt's keys and values into its n rows; left
 padding is not computed (prompts that do not end in a real token take
 `forward_cached`). Measured in the demo's trainer (64 prompts x 8 samples of a
 4-layer, 128-wide model), alternating steps: the prefill 31 -> 19 ms, the
-rollout 106 -> 95 ms. They take what they compute
-exactly as this loop does (a float32 model, TP size 1, full attention, greedy or keyed sampling,
-no top-k / top-p / stop strings); anything else, or a machine that cannot
-build it, runs the loop below. The two agree to float rounding (tests).
+rollout 106 -> 95 ms. They take what they compute exactly as this loop does
+(a float32 model, TP size 1, full attention, greedy or keyed sampling, no
+top-k / top-p / stop strings); anything else, or a machine that cannot build
+it, runs the loop below. The two agree to float rounding (tests).
 """
 from __future__ import annotations
 
@@ -193,7 +193,7 @@ class Generator:
         """The prompts into the empty cache in one C++ call, as `forward_cached` on a first append (padding is
         not computed); the logits [b, V] after each prompt's last token."""
         model = self.model
-        logits = ext.prefill(input_ids.contiguous(), attention_mask, n, self._weights(), cache.k, cache.v,
+        logits = ext.prefill(input_ids.long().contiguous(), attention_mask, n, self._weights(), cache.k, cache.v,
                              cache.key_mask, cache.seen, model.inv_freq.float().contiguous(),
                              model.cfg.heads_per_group, float(model.cfg.rms_norm_eps))
         cache.start, cache.length = 0, input_ids.shape[1]
