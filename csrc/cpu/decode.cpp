@@ -235,20 +235,10 @@ void run_layers(const Model& m, Scratch& s, int64_t n, const int64_t* crow, cons
   }
 }
 
-// Logits [n, V] of the first n rows of x (or of the rows `pick` of x) into out [n, V]: the output layer's first
-// V rows (the decode loop's logits have the vocabulary the prefill's had).
-void output_logits(const Model& m, Scratch& s, int64_t n, at::Tensor out, const std::vector<int64_t>* pick = nullptr) {
-  float* hp = s.h.data_ptr<float>();
-  const float* xp = s.x.data_ptr<float>();
-  const float* fw = m.final_norm().data_ptr<float>();
-  if (pick == nullptr) {
-    rms_norm(xp, fw, hp, n, m.hidden, m.eps);
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      const float* row = xp + (*pick)[i] * m.hidden;
-      hybridflow_cpu::rms_norm_row(row, fw, hp + i * m.hidden, m.hidden, hybridflow_cpu::rms_scale(row, m.hidden, m.eps));
-    }
-  }
+// Logits [n, V] of the first n rows of x into out [n, V]: the output layer's first V rows (the decode loop's
+// logits have the vocabulary the prefill's had).
+void output_logits(const Model& m, Scratch& s, int64_t n, at::Tensor out) {
+  rms_norm(s.x.data_ptr<float>(), m.final_norm().data_ptr<float>(), s.h.data_ptr<float>(), n, m.hidden, m.eps);
   at::mm_out(out, s.h.narrow(0, 0, n), m.output().narrow(0, 0, out.size(1)).t());
 }
 
@@ -283,8 +273,12 @@ at::Tensor prefill(at::Tensor ids, at::Tensor mask, int64_t rep, std::vector<at:
   Scratch s(m, n, k_cache.options());
   for (int64_t i = 0; i < n; ++i) place_token(m, s, i, tok[(crow[i] / rep) * t + slot[i]], crow[i], rep, slot[i]);
   run_layers(m, s, n, crow.data(), slot.data(), rep);
+  // Each prompt's last token row to row r of x (last[r] >= r, so no row is overwritten before it is read).
+  float* xp = s.x.data_ptr<float>();
+  for (int64_t r = 0; r < b; ++r)
+    if (last[r] != r) std::copy(xp + last[r] * m.hidden, xp + (last[r] + 1) * m.hidden, xp + r * m.hidden);
   at::Tensor logits = at::empty({b, m.output().size(0)}, k_cache.options());
-  output_logits(m, s, b, logits, &last);
+  output_logits(m, s, b, logits);
   return logits;
 }
 
