@@ -25,6 +25,7 @@ EXTRAS = {
         "transformers>=4.45",
         "gguf>=0.10",  # the real-model tests convert SmolLM2's GGUF and check it with transformers,
         "accelerate>=1.0",  # whose GGUF loader needs accelerate
+        "tensorboard>=2.14",  # the tracker's tensorboard sink is tested, not skipped
     ],
     "gguf": ["gguf>=0.10"],  # `hybridflow fetch-model`: real models that PyPI packages ship as GGUF
     "vllm": ["vllm>=0.8"],
