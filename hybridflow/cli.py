@@ -42,7 +42,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if cfg.trainer.device == "cpu":  # before torch is imported: see engine/cpu_compat.py
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    from hybridflow.controller.worker_group import WorkerError
+    from hybridflow.controller.worker import WorkerError
     from hybridflow.trainer.trainer import RLTrainer, TrainingError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -181,7 +181,7 @@ _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 def _disk_error(exc: BaseException) -> str | None:
     """One line for a refused file operation anywhere in `exc`'s chain of causes, naming the file and its directory;
     None for any other error."""
-    from hybridflow.controller.worker_group import first_os_error
+    from hybridflow.controller.worker import first_os_error
 
     # A Ray worker's error arrives as text; the worker records its OSError's fields beside it.
     found = first_os_error(exc, _DISK_ERRNOS)

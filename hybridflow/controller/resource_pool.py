@@ -1,6 +1,7 @@
 """Resource pools: the devices a worker group runs on, one process per device index.
 
-`pools_from_placement(cfg)` turns the `placement:` section into pools. Roles
+`pools_from_placement(placement, device)` turns the placement (role -> device
+indices, as the trainer resolves the `placement:` section) into pools. Roles
 listing the same device set share ONE pool, and so one worker group — the
 hybrid layout where actor, rollout and reference live in the same processes;
 different sets are split placement, one group each. Sets may overlap (docs/api.md:
@@ -21,10 +22,7 @@ A pool holds no processes and needs no Ray until a `RayWorkerGroup` uses it;
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
-
-from hybridflow.config.schema import Config
-from hybridflow.config.validate import ROLES, devices_for
+from typing import Mapping, Optional, Sequence
 
 PLACEMENT_TIMEOUT_S = 60.0
 
@@ -117,21 +115,21 @@ class ResourcePool:
         return f"ResourcePool(devices={self.devices}, device={self.device!r})"
 
 
-def pools_from_placement(cfg: Config, roles: Sequence[str] = ROLES) -> dict[str, ResourcePool]:
+def pools_from_placement(placement: Mapping[str, Sequence[int]], device: str) -> dict[str, ResourcePool]:
     """role -> pool; roles with the same device set get the same pool object.
 
-    An empty placement list means every device (`devices_for`); the
-    placement itself was checked when the config was loaded
-    (`config/validate.py`). Call `release()` on any pool at the end of a GPU
-    job to return the GPUs.
+    placement: role -> the device indices it runs on, already resolved (an
+        empty `placement:` list is every device: `config.validate.devices_for`)
+        and checked when the config was loaded (`config/validate.py`).
+    device: "cpu" or "cuda" (`trainer.device`).
+    Call `release()` on any pool at the end of a GPU job to return the GPUs.
     """
-    placed = {role: devices_for(cfg, role) for role in roles}
+    placed = {role: list(devices) for role, devices in placement.items()}
     device_sets = sorted({tuple(sorted(devices)) for devices in placed.values()})
     share: dict[int, int] = {}
     for devices in device_sets:
         for d in devices:
             share[d] = share.get(d, 0) + 1
-    device = cfg.trainer.device
     reservation = _Reservation(sorted(share)) if device == "cuda" else None
     pools = {devices: ResourcePool(devices, device, share=share, reservation=reservation)
              for devices in device_sets}

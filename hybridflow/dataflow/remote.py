@@ -16,7 +16,8 @@ from typing import Any, Callable, Optional
 
 from hybridflow.controller.dispatch import Dispatch, register
 from hybridflow.controller.resource_pool import ResourcePool
-from hybridflow.controller.worker_group import RayWorkerGroup, Worker
+from hybridflow.controller.ray_group import RayWorkerGroup
+from hybridflow.controller.worker import Worker
 from hybridflow.dataflow.node import Node
 
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from hybridflow.config.schema import Config
-from hybridflow.config.validate import (PROCESS_LAYOUT_KEYS, reference_parallel, role_layout, rollout_apart,
-                                        uses_critic, uses_ray)
-from hybridflow.controller.resource_pool import ResourcePool
-from hybridflow.controller.worker_group import LocalWorkerGroup
+from hybridflow.config.validate import (PROCESS_LAYOUT_KEYS, ROLES, devices_for, reference_parallel, role_layout,
+                                        rollout_apart, uses_critic, uses_ray)
+from hybridflow.controller.local_group import LocalWorkerGroup
+from hybridflow.controller.resource_pool import ResourcePool, pools_from_placement
 from hybridflow.workers.rl_workers import (ActorGroup, ActorRolloutRefWorker, CriticGroup, CriticWorker,
                                            RewardModelGroup, RewardModelWorker, RolloutGroup, RolloutWorker)
 from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutWorkerSpec, Run
@@ -98,6 +98,11 @@ def _local_pool(cfg: Config) -> ResourcePool:
     return ResourcePool(list(range(int(os.environ.get("WORLD_SIZE", "1")))), cfg.trainer.device)
 
 
+def role_pools(cfg: Config) -> dict[str, ResourcePool]:
+    """Placement role -> its pool under Ray; roles placed on one device set share one pool."""
+    return pools_from_placement({role: devices_for(cfg, role) for role in ROLES}, cfg.trainer.device)
+
+
 def colocate_critic(cfg: Config, pools: dict[str, ResourcePool]) -> bool:
     """The critic's workers join the actor's processes (one process per device, as under torchrun and in
     verl's colocated workers) when it is placed on the actor's devices in the actor's megatron-core
@@ -120,11 +125,10 @@ def build_groups(cfg: Config) -> Groups:
                       CriticGroup(LocalWorkerGroup(CriticWorker, _local_pool(cfg), critic_spec(cfg))) if critic else None,
                       RewardModelGroup(LocalWorkerGroup(RewardModelWorker, _local_pool(cfg), cfg.reward)) if reward_model else None)
     from hybridflow.controller.ray_setup import init_ray
-    from hybridflow.controller.resource_pool import pools_from_placement
-    from hybridflow.controller.worker_group import RayWorkerGroup
+    from hybridflow.controller.ray_group import RayWorkerGroup
 
     init_ray(address=cfg.trainer.ray_address)
-    pools = pools_from_placement(cfg)
+    pools = role_pools(cfg)
     actor = RayWorkerGroup(ActorRolloutRefWorker, pools["training"], actor_spec(cfg))
 
     def beside_actor(worker_cls: type, role: str, spec, colocate: bool) -> RayWorkerGroup:

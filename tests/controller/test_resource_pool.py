@@ -1,8 +1,9 @@
 """Placement -> resource pools: colocated roles share a pool, split roles do not, bad placements fail."""
 import pytest
 
-from hybridflow.config import ConfigError, validate
+from hybridflow.config import ConfigError, devices_for, validate
 from hybridflow.config.schema import Config
+from hybridflow.config.validate import ROLES
 from hybridflow.controller import ResourcePool, pools_from_placement
 
 
@@ -15,8 +16,13 @@ def _cfg(n_devices=4, **placement) -> Config:
     return cfg
 
 
+def _pools(cfg: Config, roles=ROLES) -> dict[str, ResourcePool]:
+    """As the trainer builds them: each role's resolved devices, and the device kind."""
+    return pools_from_placement({role: devices_for(cfg, role) for role in roles}, cfg.trainer.device)
+
+
 def test_colocated_roles_share_one_pool():
-    pools = pools_from_placement(_cfg(4))  # empty placement: every role on every device
+    pools = _pools(_cfg(4))  # empty placement: every role on every device
     assert len({id(p) for p in pools.values()}) == 1
     pool = pools["training"]
     assert pool.devices == [0, 1, 2, 3] and pool.world_size == 4 and pool.device == "cpu"
@@ -24,8 +30,8 @@ def test_colocated_roles_share_one_pool():
 
 
 def test_split_roles_get_their_own_pools_and_share_overlapping_devices():
-    pools = pools_from_placement(_cfg(4, rollout=[0, 1], reference=[1, 0], reward=[2], training=[0, 1, 2, 3],
-                                      critic=[3]))
+    pools = _pools(_cfg(4, rollout=[0, 1], reference=[1, 0], reward=[2], training=[0, 1, 2, 3],
+                        critic=[3]))
     assert pools["rollout"] is pools["reference"]  # same set, listed in another order
     assert pools["rollout"] is not pools["training"]
     assert pools["reward"].devices == [2] and pools["critic"].devices == [3]
@@ -56,4 +62,11 @@ def test_pool_validation():
     with pytest.raises(ValueError, match="integers >= 0"):
         ResourcePool([-1])
     with pytest.raises(ValueError, match="unknown role 'actor'"):
-        pools_from_placement(_cfg(2), roles=["actor"])
+        _pools(_cfg(2), roles=["actor"])
+
+
+def test_pools_take_plain_values():
+    """The controller gets the resolved placement and device kind, not the app's config."""
+    pools = pools_from_placement({"training": [0, 1], "reference": [1, 0], "rollout": [2]}, "cpu")
+    assert pools["training"] is pools["reference"] and pools["rollout"].devices == [2]
+    assert pools["training"].device == "cpu" and pools["training"].fraction(0) == 1.0

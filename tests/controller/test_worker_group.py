@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridflow.controller import Dispatch, RayWorkerGroup, ResourcePool, WorkerError, register
-from hybridflow.controller.worker_group import Worker
+from hybridflow.controller.worker import Worker
 from tests.controller.workers import BrokenInit, Echo, double_batch
 
 pytestmark = pytest.mark.timeout(120)
@@ -178,7 +178,7 @@ def test_calls_from_two_threads_reach_every_rank_in_one_order(echo_group, monkey
     same order: a call is submitted to all ranks before another call's submissions start. Here one
     thread pauses between its rank-0 and rank-1 submissions while the other submits to both: to the same
     group, or to a group colocated in its processes (the critic in the actor's)."""
-    from hybridflow.controller import worker_group as wg
+    from hybridflow.controller import ray_group as wg
 
     group = echo_group
     other = RayWorkerGroup.colocated(group, Echo) if colocated else group

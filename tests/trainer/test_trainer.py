@@ -461,14 +461,13 @@ def test_uniform_rows_are_the_groups_without_signal_and_above_a_floor():
 def test_the_critic_joins_the_actors_processes_only_on_its_devices_and_layout(tmp_path):
     """Under Ray a critic on the actor's devices in the actor's megatron-core layout runs in the actor's
     processes (RayWorkerGroup.colocated); placed apart, or in another layout, it gets its own."""
-    from hybridflow.controller.resource_pool import pools_from_placement
-    from hybridflow.trainer.build import colocate_critic
+    from hybridflow.trainer.build import colocate_critic, role_pools
 
     ray4 = ["trainer.n_devices=4", "trainer.launcher=ray"]
 
     def colocated(*overrides):
         cfg = config("tiny-ppo.yaml", tmp_path, *ray4, *overrides)
-        return colocate_critic(cfg, pools_from_placement(cfg))
+        return colocate_critic(cfg, role_pools(cfg))
 
     assert colocated()
     assert colocated("actor.parallel.tp=2", "critic.parallel.tp=2")
@@ -480,13 +479,12 @@ def test_the_critic_joins_the_actors_processes_only_on_its_devices_and_layout(tm
 def test_the_reward_model_joins_the_actors_processes_only_on_its_devices(tmp_path):
     """Under Ray a reward model placed on the actor's devices (the default: every device) runs in the
     actor's processes; on a device set of its own it gets its own processes."""
-    from hybridflow.controller.resource_pool import pools_from_placement
-    from hybridflow.trainer.build import colocate_reward_model
+    from hybridflow.trainer.build import colocate_reward_model, role_pools
 
     rm = ["trainer.n_devices=4", "trainer.launcher=ray", f"reward.model_path={ROOT / 'hybridflow/assets/tiny_reward_model'}"]
 
     def colocated(*overrides):
-        return colocate_reward_model(pools_from_placement(config("tiny-grpo.yaml", tmp_path, *rm, *overrides)))
+        return colocate_reward_model(role_pools(config("tiny-grpo.yaml", tmp_path, *rm, *overrides)))
 
     assert colocated()
     assert colocated("actor.parallel.tp=2")  # an HF classifier: any megatron-core layout of the actor's

@@ -1,0 +1,388 @@
+"""`RayWorkerGroup`: a worker class run as one Ray actor per device of a resource pool.
+
+Tensors in arguments and results travel as numpy views
+(`hybridflow.controller.transfer`), which Ray writes straight into the call or
+the object store: a rank's DP_SPLIT chunk leaves the driver without a copy (a
+pickled torch view would ship the whole batch's storage, and a clone costs a
+copy) and the receiver copies it once out of the read-only object store.
+DP_SPLIT results are concatenated straight from the object store, so the
+driver's one copy of a gathered batch is the concatenation itself. An argument
+several ranks receive is `ray.put` once and every rank gets the ref (resolved
+by Ray); a rank's own chunk goes by value — Ray inlines small ones, which
+measured 2x faster per call than a put (benchmarks/bench_controller.py), and
+stores large ones itself.
+
+Failures surface as `WorkerError` naming the rank and method: a raising
+method carries the worker's traceback text; a dying process (crash, SIGKILL,
+OOM) is reported as soon as Ray notices, and `call_timeout` (seconds, default
+None = wait) bounds a hung call. A group is SPMD — when one rank fails the
+others are stuck in collectives — so any failure kills every actor of the
+group before `WorkerError` is raised.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import threading
+import time
+import traceback
+from typing import Any, Optional
+
+from hybridflow.controller.dispatch import Dispatch, PerRank, answering, collect, dispatch, flat_mesh
+from hybridflow.controller.group import WorkerGroup
+from hybridflow.controller.resource_pool import ResourcePool
+from hybridflow.controller.transfer import pack, unpack, unpack_rows
+from hybridflow.controller.worker import Worker, WorkerContext, WorkerError, construct_worker, first_os_error
+
+STARTUP_TIMEOUT_S = 600.0  # actor start plus the worker's __init__ (model build, checkpoint load)
+DEATH_GRACE_S = 5.0  # after a rank fails, how long to wait for news that a peer's process died
+_DIED = "its worker process died"  # WorkerError.reason of a rank whose process is gone
+
+
+def _split_kw(kw_names: tuple, values: tuple) -> tuple[tuple, dict]:
+    cut = len(values) - len(kw_names)
+    return values[:cut], dict(zip(kw_names, values[cut:]))
+
+
+def _flatten(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+    # Ray resolves object refs only when they are top-level arguments, so
+    # keyword values travel positionally after the names.
+    return tuple(kwargs), (*args, *kwargs.values())
+
+
+class _Failure:
+    """A worker-side exception, returned (not raised) so the controller sees rank, method and traceback."""
+
+    def __init__(self, exc: BaseException):
+        self.summary = f"{type(exc).__name__}: {exc}"
+        self.traceback = traceback.format_exc()
+        self.os_error = first_os_error(exc)
+
+
+class _Host:
+    """The Ray actor around one rank's workers: sets up its environment, then forwards calls.
+
+    Each worker sits in a slot; groups colocated on one pool (`RayWorkerGroup.colocated`) put their
+    workers into the same process, as the local (torchrun) mode does.
+    """
+
+    def __init__(self, device: str):
+        if device == "cpu":  # before the worker's modules (torch, megatron) are imported
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        self.workers: dict[str, Worker] = {}
+
+    def node_address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it now (rank 0's becomes the master port)."""
+        import ray
+
+        address = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+            s.bind((address, 0))
+            return address, s.getsockname()[1]
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def setup(self, slot: str, context: WorkerContext, cls_blob: bytes, kw_names: tuple, *values):
+        from ray import cloudpickle
+
+        os.environ.update(context.env())
+        try:
+            worker_cls = cloudpickle.loads(cls_blob)  # imports the worker's modules under that env
+            args, kwargs = _split_kw(kw_names, unpack(values))
+            self.workers[slot] = construct_worker(worker_cls, context, args, kwargs)
+        except Exception as exc:
+            return _Failure(exc)
+        return None
+
+    def meshes(self, slot: str) -> dict:
+        return self.workers[slot].mesh_coords()
+
+    def call(self, slot: str, name: str, reply: bool, kw_names: tuple, *values):
+        """Run the method; a rank whose result the caller drops (a TP or earlier-stage peer) sends None."""
+        args, kwargs = _split_kw(kw_names, unpack(values))
+        try:
+            out = getattr(self.workers[slot], name)(*args, **kwargs)
+        except Exception as exc:
+            return _Failure(exc)
+        return pack(out) if reply else None
+
+    def drop(self, slot: str) -> None:
+        """Let go of one worker (its group shut down) while other slots' groups go on."""
+        self.workers.pop(slot, None)
+        gc.collect()
+
+
+class _HostSet:
+    """One pool's Ray actors, a rank each, and what the groups sharing them share.
+
+    lock: held while a call is submitted to every rank. Ray runs one caller's calls to an actor in
+        submission order, so with the lock every rank runs the calls of all the set's groups in one
+        order and their collectives pair up (the async DataFlow calls groups from a thread per stage).
+    """
+
+    def __init__(self, hosts: list, contexts: list[WorkerContext]):
+        self.hosts: Optional[list] = hosts
+        self.contexts = contexts
+        self.lock = threading.Lock()
+        self.slots: set[str] = set()
+        self.dead: Optional[WorkerError] = None
+
+    def kill(self) -> None:
+        """Kill every actor (idempotent). The pool's reservation stays for other groups."""
+        if self.hosts is None:
+            return
+        import ray
+
+        for host in self.hosts:
+            try:
+                ray.kill(host, no_restart=True)
+            except Exception:  # already dead; nothing left to free
+                pass
+        self.hosts = None
+
+
+def _local_ranks(ips: list[str]) -> list[int]:
+    seen: dict[str, int] = {}
+    out = []
+    for ip in ips:
+        out.append(seen.get(ip, 0))
+        seen[ip] = out[-1] + 1
+    return out
+
+
+def _check_fits(pool: ResourcePool) -> None:
+    """Fail now, not after the start timeout, when the cluster can never hold the pool's CPU processes."""
+    import ray
+
+    if pool.device != "cpu":
+        return  # GPU pools fail fast in their placement-group reservation
+    needed = sum(pool.fraction(rank) for rank in range(pool.world_size))
+    total = ray.cluster_resources().get("CPU", 0.0)
+    if needed > total:
+        raise RuntimeError(f"{pool!r} needs {needed:g} logical CPUs but the Ray cluster has {total:g}; "
+                           "start Ray with more (init_ray(num_cpus=...)) or use fewer devices")
+
+
+class RayWorkerGroup(WorkerGroup):
+    """`worker_cls(*args, **kwargs)` on every device of `pool`, one Ray actor each.
+
+    `RayWorkerGroup.colocated(group, worker_cls, ...)` puts another role's workers into `group`'s
+    processes instead (one process per device, as verl's colocated worker classes do).
+
+    call_timeout: seconds a call may take before the group is torn down with
+        a WorkerError naming the ranks that did not answer (None: no bound;
+        dead processes are still reported as soon as Ray notices).
+    """
+
+    def __init__(self, worker_cls: type, pool: ResourcePool, *args, **kwargs):
+        self._start(worker_cls, pool, None, args, kwargs)
+
+    @classmethod
+    def colocated(cls, group: "RayWorkerGroup", worker_cls: type, *args, **kwargs) -> "RayWorkerGroup":
+        """`worker_cls(*args, **kwargs)` in the processes of `group`, rank for rank: same ranks, same
+        torch.distributed world, no process started. The processes end when every group on them has
+        shut down, or at once when a call of any of them fails."""
+        if group._set is None or group._set.hosts is None:
+            raise RuntimeError(f"{group!r} has been shut down")
+        self = cls.__new__(cls)
+        self._start(worker_cls, group.pool, group._set, args, kwargs)
+        return self
+
+    def _start(self, worker_cls: type, pool: ResourcePool, host_set: Optional[_HostSet], args: tuple,
+               kwargs: dict) -> None:
+        from ray import cloudpickle
+
+        self.call_timeout: Optional[float] = None
+        self._dead: Optional[WorkerError] = None
+        self._set: Optional[_HostSet] = None
+        self._slot: Optional[str] = None
+        super().__init__(worker_cls, pool)
+        try:
+            if host_set is None:
+                host_set = self._start_hosts(pool)
+            self._set = host_set
+            slot = worker_cls.__name__
+            while slot in host_set.slots:
+                slot += "'"
+            self._slot = slot
+            host_set.slots.add(slot)
+            blob = cloudpickle.dumps(worker_cls)
+            kw_names, values = _flatten(*self._put_once(self._pack_args([(args, kwargs)] * self.world_size))[0])
+            self._gather([h.setup.remote(slot, ctx, blob, kw_names, *values)
+                          for h, ctx in zip(host_set.hosts, host_set.contexts)], "__init__", STARTUP_TIMEOUT_S)
+            self._set_meshes(self._gather([h.meshes.remote(slot) for h in host_set.hosts], "__init__",
+                                          STARTUP_TIMEOUT_S))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_hosts(self, pool: ResourcePool) -> _HostSet:
+        """One Ray actor per rank of `pool`, each told its rank and the master's address."""
+        import ray
+
+        from hybridflow.controller.ray_setup import init_ray
+
+        init_ray()
+        _check_fits(pool)
+        host = ray.remote(_Host)
+        self._set = _HostSet([], [])  # set first: a failure below kills what started (`_start` shuts down)
+        for rank in range(self.world_size):
+            self._set.hosts.append(host.options(max_restarts=0, **pool.actor_options(rank)).remote(pool.device))
+        addresses = self._gather([h.node_address.remote() for h in self._set.hosts], "start", STARTUP_TIMEOUT_S)
+        master_addr, master_port = addresses[0]
+        # On GPU, Ray shows each actor only its own GPU: that is local device 0.
+        local_ranks = (_local_ranks([ip for ip, _ in addresses]) if pool.device == "cpu"
+                       else [0] * self.world_size)
+        self._set.contexts = [WorkerContext(rank, self.world_size, local, master_addr, master_port, pool.device)
+                              for rank, local in enumerate(local_ranks)]
+        return self._set
+
+    @property
+    def alive(self) -> bool:
+        return (self._set is not None and self._set.hosts is not None and self._dead is None
+                and self._set.dead is None)
+
+    def pids(self) -> list[int]:
+        """Process id of each rank's actor (debugging; tests kill one)."""
+        return self._gather([h.pid.remote() for h in self._live_hosts()], "pid", self.call_timeout)
+
+    def _call(self, name: str, mode: Dispatch, args: tuple, kwargs: dict) -> Any:
+        hosts = self._live_hosts()
+        mesh = self._mesh_of(name, mode)
+        per_rank = self._put_once(self._pack_args(dispatch(mode, self.world_size, args, kwargs, mesh)))
+        futures = []
+        # A call goes out to every rank before another thread's call (to this group or one colocated
+        # with it) does, so all ranks run them in one order (see _HostSet).
+        with self._set.lock:
+            for host, coord, (rank_args, rank_kwargs) in zip(hosts, mesh, per_rank):
+                kw_names, values = _flatten(rank_args, rank_kwargs)
+                futures.append(host.call.remote(self._slot, name, coord.answers, kw_names, *values))
+        results = self._gather(futures, name, self.call_timeout)
+        if mode is Dispatch.DP_SPLIT:
+            return collect(mode, unpack_rows(answering(results, mesh)), flat_mesh(mesh[0].dp_size))
+        return collect(mode, [unpack(out) for out in results])
+
+    def _live_hosts(self) -> list:
+        dead = self._dead or (self._set.dead if self._set is not None else None)
+        if dead is not None:
+            raise WorkerError(dead.rank, dead.method, f"this group was shut down after that failure: {dead.reason}")
+        if self._set is None or self._set.hosts is None:
+            raise RuntimeError(f"{self!r} has been shut down")
+        return self._set.hosts
+
+    @staticmethod
+    def _pack_args(per_rank: PerRank) -> PerRank:
+        """Each rank's arguments packed for the trip; an argument several ranks share stays one object."""
+        packed: dict[int, Any] = {}
+
+        def once(value):
+            if id(value) not in packed:
+                packed[id(value)] = pack(value)
+            return packed[id(value)]
+
+        return [(tuple(once(a) for a in args), {k: once(v) for k, v in kwargs.items()}) for args, kwargs in per_rank]
+
+    @staticmethod
+    def _put_once(per_rank: PerRank) -> PerRank:
+        """Put each argument that several ranks receive into the object store once; they get the ref.
+
+        An argument only one rank receives (its DP_SPLIT chunk) is passed by
+        value: Ray inlines a small one in the call, which is faster than a
+        trip through the object store, and stores a large one itself.
+        """
+        import ray
+
+        uses: dict[int, int] = {}
+        for args, kwargs in per_rank:
+            for value in (*args, *kwargs.values()):
+                uses[id(value)] = uses.get(id(value), 0) + 1
+        refs: dict[int, Any] = {}
+
+        def ref(value):
+            if uses[id(value)] < 2 or value is None or isinstance(value, (bool, int, float, str)):
+                return value
+            if id(value) not in refs:
+                refs[id(value)] = ray.put(value)
+            return refs[id(value)]
+
+        return [(tuple(ref(a) for a in args), {k: ref(v) for k, v in kwargs.items()}) for args, kwargs in per_rank]
+
+    def _gather(self, futures: list, method: str, timeout: Optional[float]) -> list:
+        """Results in rank order; on the first failure tear the group down and raise WorkerError."""
+        import ray
+
+        pending = {ref: rank for rank, ref in enumerate(futures)}
+        results: list[Any] = [None] * len(futures)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            if not ready:
+                ranks = sorted(pending.values())
+                self._fail(WorkerError(ranks[0], method, f"rank(s) {ranks} did not answer within {timeout}s"))
+            for ref in ready:
+                rank = pending.pop(ref)
+                out = self._result(ref, rank, method)
+                if isinstance(out, WorkerError):
+                    self._fail(self._root_cause(out, pending, method))
+                results[rank] = out
+        return results
+
+    @staticmethod
+    def _result(ref, rank: int, method: str) -> Any:
+        """What rank `rank` returned, or the WorkerError describing how it failed."""
+        import ray
+
+        try:
+            out = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            return WorkerError(rank, method, _DIED, str(exc))
+        except ray.exceptions.RayError as exc:
+            return WorkerError(rank, method, type(exc).__name__, str(exc))
+        if isinstance(out, _Failure):
+            return WorkerError(rank, method, out.summary, out.traceback, out.os_error)
+        return out
+
+    def _root_cause(self, first: WorkerError, pending: dict, method: str) -> WorkerError:
+        """A rank whose process died, if one did, rather than a peer that failed because of it.
+
+        When a process dies mid-collective its peers' gloo calls fail at once,
+        often before Ray reports the death; the ranks still pending get
+        `DEATH_GRACE_S` to show whether one of them is the cause.
+        """
+        import ray
+
+        if first.reason == _DIED:
+            return first
+        waiting, deadline = dict(pending), time.monotonic() + DEATH_GRACE_S
+        while waiting:
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            out = self._result(ready[0], waiting.pop(ready[0]), method)
+            if isinstance(out, WorkerError) and out.reason == _DIED:
+                return out
+        return first
+
+    def _fail(self, error: WorkerError) -> None:
+        """Tear down the processes (and so every group on them) and raise `error`."""
+        self._dead = error
+        if self._set is not None:
+            self._set.dead = self._set.dead or error
+            self._set.kill()
+        raise error
+
+    def shutdown(self) -> None:
+        """Let go of this group's workers (idempotent); the processes end with the last group on them.
+        The pool's reservation stays for other groups."""
+        host_set, self._set = self._set, None
+        if host_set is None or host_set.hosts is None:
+            return
+        host_set.slots.discard(self._slot)
+        if not host_set.slots:
+            host_set.kill()
+            return
+        for host in host_set.hosts:
+            host.drop.remote(self._slot)
