@@ -79,7 +79,7 @@ def run(args) -> None:
     cfg = _model(args.quick)
     engine = MegatronEngine(cfg, ParallelConfig(tp=WORLD), None)
     with torch.no_grad():
-        for p in engine._named_params().values():
+        for p in engine.named_params().values():
             p.normal_(0, 0.02)
     m = sum(p.nbytes for p in bridge_params(engine.bridge))
     rows = []

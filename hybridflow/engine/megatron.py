@@ -10,7 +10,12 @@ Batches are RL sequences: a left-padded prompt followed by a right-padded
 response, so real tokens are one contiguous run per row. Megatron's GPTModel
 numbers positions 0..S-1 for every row, so each row is rotated to start at
 column 0 before the forward pass and the outputs are rotated back; with only
-right padding left, the plain causal mask is exact.
+right padding left, the plain causal mask is exact (`packing.py`).
+
+The model itself is built in `build.py`. Weight I/O stays here, on the
+engine: HF loading and export, the TP/PP gathers the 3D-HybridEngine
+compares against (they count into a `TrafficCounter` they are handed), and
+this rank's checkpoint shard.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,13 +32,14 @@ from torch import Tensor, nn
 
 from hybridflow.config.schema import OptimConfig, ParallelConfig
 from hybridflow.data import fields as F
-from hybridflow.engine import cpu_layers
+from hybridflow.engine.build import HiddenOutput, RopePositions, build_model, transformer_config, use_fused_adam
 from hybridflow.engine.distributed import Layout, init_model_parallel
+from hybridflow.engine.packing import (left_align_index, pack_rows, pad_rows, share_prompt_rows, to_cpu, unalign,
+                                       unpack_sequences, unshare_rows)
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.checkpoint import resolve_dtype
 from hybridflow.models.config import DecoderConfig
-from hybridflow.models.decoder import rope_inv_freq
-from hybridflow.models.sharding import spec_for, unshard_tensor
+from hybridflow.models.sharding import unshard_tensor
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
@@ -42,139 +48,11 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 StepFn = Callable[[Tensor, dict[str, Any]], tuple[Tensor, dict[str, Any]]]
 
 
-def left_align_index(attention_mask: Tensor) -> Tensor:
-    """Column gather index [B, S] that rotates each row's real tokens to column 0.
+class TrafficCounter(Protocol):
+    """What counts a weight transfer's collectives (`hybrid_engine.traffic.Traffic`): one `add` per
+    collective this rank joins, with the bytes it received and sent."""
 
-    Assumes one contiguous run of real tokens per row (left-padded prompt +
-    right-padded response). `x.gather(1, idx)` aligns; `scatter` undoes it.
-    """
-    s = attention_mask.shape[-1]
-    shift = (attention_mask.long().cumsum(-1) == 0).sum(-1, keepdim=True)  # leading pads
-    return (torch.arange(s, device=attention_mask.device)[None] + shift) % s
-
-
-def unalign(x: Tensor, idx: Tensor) -> Tensor:
-    """Inverse of `x_aligned = x.gather(1, idx)` for x [B, S, ...]."""
-    index = idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand_as(x)
-    return torch.empty_like(x).scatter(1, index, x)
-
-
-def pack_rows(aligned_ids: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Left-aligned rows [b, S] with `lengths` real tokens each -> one packed row of their real tokens.
-
-    Returns ids [1, N] (N = lengths.sum()), position ids [1, N] restarting at 0
-    for each sequence, and the attention mask [1, 1, N, N] (True = masked):
-    causal within a sequence, nothing across sequences. No padding token is
-    computed; attention scores are N x N, of which each sequence uses its block.
-    """
-    keep = torch.arange(aligned_ids.shape[1], device=aligned_ids.device)[None] < lengths[:, None]
-    ids = aligned_ids[keep][None]
-    positions = torch.cat([torch.arange(int(n), device=ids.device) for n in lengths])[None]
-    segment = torch.repeat_interleave(torch.arange(len(lengths), device=ids.device), lengths.to(ids.device))
-    n = ids.shape[1]
-    causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
-    allowed = causal & (segment[:, None] == segment[None, :])
-    return ids, positions, ~allowed[None, None]
-
-
-def unpack_rows(packed: Tensor, lengths: Tensor, width: int) -> Tensor:
-    """Inverse of `pack_rows` for a model output [1, N, ...] -> [b, width, ...], zeros past each length."""
-    rows = packed[0].split([int(n) for n in lengths])
-    out = packed.new_zeros((len(rows), width, *packed.shape[2:]))
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = row
-    return out
-
-
-def share_prompt_rows(aligned_ids: Tensor, lengths: Tensor,
-                      prompt_lengths: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Left-aligned rows [b, S] -> one row per distinct prompt: the prompt once, then each of its rows' responses.
-
-    GRPO samples n responses per prompt; run separately, each prompt's tokens
-    are computed n times. Here a row's response tokens attend to the one copy
-    of its prompt and to their own earlier tokens (never to another
-    response), at the positions they have in their own sequence, so every
-    output equals the separate rows' up to rounding. Rows share a prompt when
-    its tokens are equal, wherever the rows sit in the micro-batch.
-
-    Returns ids [U, L], position ids [U, L], the attention mask [U, 1, L, L]
-    (True = masked) and index [b, S]: where each row's aligned column sits in
-    the flattened [U * L] outputs, -1 past the row's length.
-    """
-    b, s = aligned_ids.shape
-    device = aligned_ids.device
-    col = torch.arange(s, device=device)[None]
-    in_prompt = col < prompt_lengths[:, None]
-    _, group = torch.unique(aligned_ids.masked_fill(~in_prompt, -1), dim=0, return_inverse=True)
-    width: dict[int, int] = {}  # per prompt: slots used so far (its prompt, then its responses so far)
-    starts = []
-    for g, prompt, total in zip(group.tolist(), prompt_lengths.tolist(), lengths.tolist()):
-        start = width.setdefault(g, prompt)
-        starts.append(start)
-        width[g] = start + total - prompt
-    u, L = len(width), max(width.values())
-    start = torch.tensor(starts, device=device)[:, None]
-    base = group[:, None] * L
-    index = torch.where(in_prompt, base + col, base + start + col - prompt_lengths[:, None])
-    valid = col < lengths[:, None]
-    index = index.masked_fill(~valid, -1)
-    slots = index[valid]
-    ids = aligned_ids.new_zeros(u * L)
-    ids[slots] = aligned_ids[valid]  # a prompt's slots are written by each of its rows, with the same tokens
-    positions = torch.zeros(u * L, dtype=torch.long, device=device)
-    positions[slots] = col.expand(b, s)[valid]
-    owner = torch.full((u * L,), -2, dtype=torch.long, device=device)  # -2 padding, -1 prompt, else the row
-    owner[slots] = torch.arange(b, device=device)[:, None].expand(b, s).masked_fill(in_prompt, -1)[valid]
-    owner = owner.view(u, L)
-    slot = torch.arange(L, device=device)
-    allowed = (slot[None, :, None] >= slot[None, None, :]) & (owner[:, None, :] != -2) & (owner[:, :, None] != -2)
-    allowed &= (owner[:, None, :] == -1) | (owner[:, None, :] == owner[:, :, None])
-    allowed |= torch.eye(L, dtype=torch.bool, device=device)[None]  # a padding slot sees itself: no NaN
-    return ids.view(u, L), positions.view(u, L), ~allowed[:, None], index
-
-
-def unshare_rows(output: Tensor, index: Tensor) -> Tensor:
-    """Inverse of `share_prompt_rows` for a model output [U, L, ...] -> [b, S, ...], zeros past each length.
-    A prompt's outputs go to each of its rows (the gather's backward sums their gradients)."""
-    flat = output.reshape(-1, *output.shape[2:])
-    out = flat[index.clamp(min=0)]
-    return out.masked_fill((index < 0).view(*index.shape, *([1] * (out.dim() - 2))), 0)
-
-
-def to_cpu(value: Any) -> Any:
-    """`value` with every tensor in it on the CPU: what an object collective may send.
-
-    `broadcast_object_list` rebuilds a CUDA tensor on the *sender's* device
-    index, so under torchrun (one process per GPU) a receiver would fill
-    another rank's GPU; a CPU copy lands where the receiver puts it.
-    """
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_cpu(v) for v in value)
-    return value
-
-
-def pad_rows(batch: dict[str, Any], rows: int) -> dict[str, Any]:
-    """Append all-zero rows (no real tokens, masks 0) to every tensor field until it has `rows` rows."""
-    out = {}
-    for key, value in batch.items():
-        extra = rows - len(value)
-        out[key] = torch.cat([value, value.new_zeros(extra, *value.shape[1:])]) if extra > 0 else value
-    return out
-
-
-class ValueHead(nn.Module):
-    """The critic's output layer: hidden -> one value, replicated across TP."""
-
-    def __init__(self, hidden: int, dtype: torch.dtype):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
-
-    def forward(self, hidden_states: Tensor, weight=None, runtime_gather_output=None):
-        return hidden_states @ self.weight.t(), None
+    def add(self, received: int, sent: int = 0) -> None: ...
 
 
 class UnsafeCheckpointError(ValueError):
@@ -182,101 +60,9 @@ class UnsafeCheckpointError(ValueError):
 
 
 @dataclass
-class Traffic:
-    """What one rank sent and received in a weight transfer, and the collectives it joined.
-
-    Bytes are logical: what the collective delivers from this rank to others
-    and from others to it (an all-gather over k ranks sends the own buffer to
-    k - 1 peers; a broadcast's root sends it to every other member),
-    whatever algorithm the backend runs underneath.
-    """
-
-    bytes_received: int = 0
-    bytes_sent: int = 0
-    collectives: int = 0
-
-    def add(self, received: int, sent: int = 0) -> None:
-        """One collective this rank joined."""
-        self.bytes_received += received
-        self.bytes_sent += sent
-        self.collectives += 1
-
-
-@dataclass
 class StepStats:
     grad_norm: float  # NaN when the optimizer skipped the step
     lr: float
-
-
-def transformer_config(cfg: DecoderConfig, parallel: ParallelConfig, dtype: torch.dtype, device: str,
-                       layer_kernels: bool = True):
-    from megatron.core.transformer import TransformerConfig
-
-    if len(set(cfg.layer_windows)) > 1:
-        raise NotImplementedError("the Megatron engine supports one attention window for all layers; "
-                                  f"this model has {sorted(set(map(str, cfg.layer_windows)))}")
-    window = cfg.layer_windows[0] if cfg.layer_windows else None
-    # On CPU the norms, the SwiGLU and the rotation run hybridflow's one-pass kernels (engine/cpu_layers.py).
-    cpu_kernels = device == "cpu" and layer_kernels and cpu_layers.install_rope()
-    return TransformerConfig(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_heads, num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=cfg.qkv_bias,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
-        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=cpu_kernels,
-        use_te_activation_func=cpu_kernels,
-        persist_layer_norm=False, gradient_accumulation_fusion=False,
-        window_size=None if window is None else (window - 1, 0),
-        tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
-        pipeline_dtype=dtype,
-        context_parallel_size=parallel.cp, sequence_parallel=parallel.sequence_parallel,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        use_cpu_initialization=device == "cpu", perform_initialization=False)
-
-
-def mark_tensor_parallel(model: nn.Module, value_head: bool = False) -> None:
-    """Tag each parameter with megatron-core's TP attributes, from the sharding plan.
-
-    megatron-core 0.16 sets `tensor_model_parallel` on a layer's weight only
-    while initializing it; built with `perform_initialization=False` (weights
-    come from a checkpoint) the weights of its TP layers are left untagged.
-    The optimizer then counts every untagged parameter on TP rank 0 only as a
-    "duplicate", so the gradient norm (and clipping) misses the other ranks'
-    shards: at tp=2 it measured 1.51 where the single-rank norm is 1.91.
-    """
-    from megatron.core.tensor_parallel.layers import (set_defaults_if_not_set_tensor_model_parallel_attributes,
-                                                      set_tensor_model_parallel_attributes)
-
-    for name, param in model.named_parameters():
-        if hasattr(param, "tensor_model_parallel"):  # megatron-core tagged it (biases are)
-            continue
-        spec = None if value_head and name == "output_layer.weight" else spec_for(name)  # the value head is replicated
-        if spec is not None and spec.dim is not None:
-            set_tensor_model_parallel_attributes(param, True, spec.dim, 1)
-        else:
-            set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-
-
-def use_fused_adam(optimizer) -> int:
-    """Switch the torch Adam(W) steps inside a megatron-core optimizer to torch's fused CPU kernel.
-
-    Without Transformer Engine or apex, megatron-core builds `torch.optim.AdamW` with torch's defaults, which
-    on CPU tensors is the per-parameter loop: ~10 ops per tensor per step (measured on the demo model's 27
-    tensors: 5.1 ms a step, fused 0.9 ms). The fused kernel computes the same update in one pass per tensor.
-    Returns how many param groups were switched.
-    """
-    switched = 0
-    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    for opt in inner:
-        torch_opt = getattr(opt, "optimizer", None)
-        if not isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for group in torch_opt.param_groups:
-            if all(p.device.type == "cpu" for p in group["params"]) and not group.get("differentiable"):
-                group["fused"], group["foreach"] = True, False
-                switched += 1
-    return switched
 
 
 class MegatronEngine:
@@ -305,12 +91,13 @@ class MegatronEngine:
         self.layout: Layout = init_model_parallel(parallel, device)
         # The vocab-parallel (tp > 1) log-prob needs the sharded logits; there the layer stays.
         self.fused_output = fused_output and not value_head and parallel.tp == 1
-        self.output_weight: Optional[Tensor] = None  # set by each forward when fused_output
         from megatron.core import tensor_parallel
         tensor_parallel.model_parallel_cuda_manual_seed(seed)  # Megatron's named RNG streams
         self.bridge = get_bridge(model_cfg, make_vocab_size_divisible_by, parallel.tp)
         self.tconfig = transformer_config(model_cfg, parallel, self.dtype, device, layer_kernels)
-        self.module = self._build_model()
+        self.rope = RopePositions()  # per-row positions for shared-prompt rows (`_forward_step`)
+        self.module = build_model(model_cfg, self.tconfig, self.bridge.padded_vocab, self.dtype, self.torch_device,
+                                  self.rope, value_head=value_head, fused_output=self.fused_output)
         self.optimizer = self.scheduler = None
         self.model: nn.Module = self.module
         if optim is not None:
@@ -320,64 +107,9 @@ class MegatronEngine:
             self.module.eval()
 
     # -- construction ---------------------------------------------------------
-    def _build_model(self) -> nn.Module:
-        from megatron.core import parallel_state as ps
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        cfg = self.cfg
-        model = GPTModel(
-            config=self.tconfig, transformer_layer_spec=(
-                cpu_layers.layer_spec(self.tconfig) if self.tconfig.use_te_activation_func
-                else get_gpt_layer_local_spec(normalization="RMSNorm")),
-            vocab_size=self.bridge.padded_vocab, max_sequence_length=cfg.max_position_embeddings,
-            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-            position_embedding_type="rope", rotary_base=int(cfg.rope_theta),
-            share_embeddings_and_output_weights=cfg.tie_word_embeddings and not self.value_head)
-        # RoPE frequencies (incl. linear / llama3 scaling) come from the one
-        # definition the plain decoder uses, so both layouts agree exactly.
-        model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(self._torch_device())
-        self._position_rope(model.rotary_pos_emb)
-        if self.value_head and model.post_process:
-            model.output_layer = ValueHead(cfg.hidden_size, self.dtype)
-        if self.fused_output and model.post_process:
-            self._defer_output_layer(model.output_layer)
-        model.to(self._torch_device())
-        mark_tensor_parallel(model, self.value_head)
-        if self.dtype != torch.float32:
-            from megatron.core.transformer.module import Float16Module
-            model = Float16Module(self.tconfig, model)
-        return model
-
-    def _defer_output_layer(self, layer: nn.Module) -> None:
-        """The layer hands its input back (and notes the weight it would have used: its own, or the
-        tied embedding that GPTModel passes in). Patched on the instance, so parameter names,
-        checkpoints and the bridge are unchanged."""
-        engine = self
-
-        def hidden_out(input_, weight=None, runtime_gather_output=None, **_):
-            engine.output_weight = layer.weight if weight is None else weight
-            return input_, None
-
-        layer.forward = hidden_out
-
-    def _position_rope(self, rope: nn.Module) -> None:
-        """GPTModel rotates a row's token j as position j. While `self.rope_positions` [b, s] is set, the
-        rotary module returns the angles of those positions instead, per row (`[s, b, 1, dim]`, which the
-        unfused RoPE broadcasts over heads): what shared-prompt rows need. Patched on the instance."""
-        plain = rope.forward
-        self.rope_positions: Optional[Tensor] = None
-
-        def positioned(max_seq_len, *args, **kwargs):
-            if self.rope_positions is None:
-                return plain(max_seq_len, *args, **kwargs)
-            inv_freq = rope.inv_freq.to(self.rope_positions.device)
-            freqs = self.rope_positions.t()[..., None].to(inv_freq.dtype) * inv_freq  # [s, b, dim / 2]
-            return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-
-        rope.forward = positioned
-
-    def _torch_device(self) -> torch.device:
+    @property
+    def torch_device(self) -> torch.device:
+        """Where this rank's model lives: the CPU, or the process's current CUDA device."""
         return torch.device("cpu") if self.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
 
     def _build_ddp_and_optimizer(self, optim: OptimConfig, total_steps: int) -> None:
@@ -424,7 +156,14 @@ class MegatronEngine:
     def _inner(self) -> nn.Module:
         return self.module.module if hasattr(self.module, "module") else self.module
 
-    def _named_params(self) -> dict[str, Tensor]:
+    @property
+    def output_weight(self) -> Optional[Tensor]:
+        """With fused_output, the weight the output layer was to apply in the last forward pass (its own,
+        or the tied embedding); None before the first one and on stages without the output layer."""
+        layer = getattr(self._inner(), "output_layer", None)
+        return layer.used_weight if isinstance(layer, HiddenOutput) else None
+
+    def named_params(self) -> dict[str, Tensor]:
         """This rank's parameters under megatron-core's *local* names (layers numbered per stage)."""
         return dict(self._inner().named_parameters())
 
@@ -435,13 +174,13 @@ class MegatronEngine:
         first = layers[0].layer_number - 1 if len(layers) else 0
         return range(first, first + len(layers))
 
-    def _stage_entries(self) -> list[tuple[Any, str]]:
+    def stage_entries(self) -> list[tuple[Any, str]]:
         """(bridge entry, local name) of every bridge tensor on this stage.
 
         megatron-core numbers `decoder.layers.N` from 0 on every stage; the
         bridge and HF checkpoints number layers globally.
         """
-        names, layers, out = self._named_params().keys(), self.stage_layers, []
+        names, layers, out = self.named_params().keys(), self.stage_layers, []
         for entry in self.bridge.entries():
             if self.value_head and entry.megatron == "output_layer.weight":
                 continue
@@ -458,7 +197,7 @@ class MegatronEngine:
     def _tied_output_copy(self) -> bool:
         """The last stage's copy of a tied embedding (pp > 1): loaded from the embedding, never exported."""
         return (self.cfg.tie_word_embeddings and not self.value_head and self.parallel.pp > 1
-                and "output_layer.weight" in self._named_params())
+                and "output_layer.weight" in self.named_params())
 
     def load_hf_state_dict(self, hf: dict[str, Tensor]) -> None:
         """Copy full HF tensors (in memory) into this rank's shards, in place."""
@@ -479,10 +218,10 @@ class MegatronEngine:
     def _load(self, read) -> None:
         """Copy this rank's slices, as `read` (a `bridge.SliceReader`) gives them, into its parameters in
         place (DDP buffers keep their storage)."""
-        params = self._named_params()
+        params = self.named_params()
         tp_rank, tp = self.layout.tp_rank, self.layout.tp
         self.bridge.check_hf_names(read.keys())
-        for entry, local in self._stage_entries():
+        for entry, local in self.stage_entries():
             params[local].copy_(self.bridge.read_shard(entry, read, tp_rank, tp))
         if self._tied_output_copy():
             embedding = next(e for e in self.bridge.entries() if e.megatron == "embedding.word_embeddings.weight")
@@ -490,12 +229,12 @@ class MegatronEngine:
         if self.optimizer is not None:
             self.optimizer.reload_model_params()
 
-    def stage_state(self, traffic: Optional["Traffic"] = None) -> dict[str, Tensor]:
+    def stage_state(self, traffic: Optional[TrafficCounter] = None) -> dict[str, Tensor]:
         """This stage's tensors, gathered over TP, under global megatron names (each its own copy)."""
         from megatron.core import parallel_state as ps
 
-        params, out = self._named_params(), {}
-        for entry, local in self._stage_entries():
+        params, out = self.named_params(), {}
+        for entry, local in self.stage_entries():
             tensor = params[local].detach()
             if self.layout.tp > 1 and entry.shard.dim is not None:
                 pieces = [torch.empty_like(tensor) for _ in range(self.layout.tp)]
@@ -507,7 +246,7 @@ class MegatronEngine:
             out[entry.megatron] = tensor.clone()
         return out
 
-    def full_state(self, traffic: Optional["Traffic"] = None) -> dict[str, Tensor]:
+    def full_state(self, traffic: Optional[TrafficCounter] = None) -> dict[str, Tensor]:
         """The whole model on every rank (global megatron names): TP all-gathers, then one broadcast
         per pipeline stage over the pipeline group; `traffic` counts what this rank received.
 
@@ -519,7 +258,7 @@ class MegatronEngine:
             full.update(part)
         return full
 
-    def each_stage(self, mine: dict[str, Tensor], traffic: Optional["Traffic"] = None):
+    def each_stage(self, mine: dict[str, Tensor], traffic: Optional[TrafficCounter] = None):
         """Every pipeline stage's `mine`, in stage order (a generator every rank of the pipeline runs through).
 
         Each stage broadcasts its dict over the pipeline group in turn, so a
@@ -560,28 +299,25 @@ class MegatronEngine:
         """Generation-layout names -> *views* of this rank's parameters (tp = pp = 1: the whole model)."""
         if self.layout.tp > 1 or self.parallel.pp > 1:
             raise NotImplementedError("a sharded engine has no whole-model views; gather it (full_state)")
-        return self.bridge.megatron_to_generation(self._named_params())
+        return self.bridge.megatron_to_generation(self.named_params())
 
     # -- compute --------------------------------------------------------------
     def _forward_step(self, step_fn: StepFn, packed: bool, share_prompts: bool, data_iterator, model):
         batch, rows = next(data_iterator)
         idx = left_align_index(batch[F.ATTENTION_MASK])
-        ids = batch[F.INPUT_IDS].gather(1, idx).to(self._torch_device())
+        ids = batch[F.INPUT_IDS].gather(1, idx).to(self.torch_device)
         s = ids.shape[1]
         if packed:  # the micro-batch's sequences back to back in one row: no padding token is computed
             lengths = batch[F.ATTENTION_MASK].sum(-1).to(ids.device)
             packed_ids, positions, mask = pack_rows(ids, lengths)
-            output = unpack_rows(model(packed_ids, positions, mask), lengths, s)
+            output = unpack_sequences(model(packed_ids, positions, mask), lengths, s)
         elif share_prompts:  # each distinct prompt computed once, its rows' responses after it
             mask = batch[F.ATTENTION_MASK].to(ids.device)
             prompt_width = s - batch[F.RESPONSES].shape[1]
             shared_ids, positions, shared_mask, index = share_prompt_rows(
                 ids, mask.sum(-1), mask[:, :prompt_width].sum(-1))
-            self.rope_positions = positions
-            try:
+            with self.rope.at(positions):
                 output = unshare_rows(model(shared_ids, positions, shared_mask), index)
-            finally:
-                self.rope_positions = None
         else:
             positions = torch.arange(s, device=ids.device)[None].expand_as(ids)
             causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
@@ -664,7 +400,7 @@ class MegatronEngine:
 
     # -- checkpoints (this rank's shard) --------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": {k: v.detach().clone() for k, v in self._named_params().items()}}
+        state: dict[str, Any] = {"model": {k: v.detach().clone() for k, v in self.named_params().items()}}
         if self.optimizer is not None and self._has_stepped():
             state["optimizer"] = self.optimizer.state_dict()
             state["optimizer_params"] = [_param_state(opt) for opt in self.optimizer.chained_optimizers]
@@ -678,7 +414,7 @@ class MegatronEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.optimizer is not None and "optimizer" in state:
             self._check_optimizer_kind(state)
-        params = self._named_params()
+        params = self.named_params()
         with torch.no_grad():
             for name, value in state["model"].items():
                 params[name].copy_(value)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from hybridflow.engine.megatron import MegatronEngine, Traffic
+from hybridflow.engine import MegatronEngine
+from hybridflow.hybrid_engine.traffic import Traffic
 from hybridflow.hybrid_engine.views import generation_model
 
 

@@ -23,8 +23,8 @@ def training_shard(engine) -> Optional[dict[str, Any]]:
     lay = engine.layout
     if lay.dp_rank != 0:
         return None
-    params = engine._named_params()
-    tensors = {e.megatron: params[local].detach().cpu() for e, local in engine._stage_entries()
+    params = engine.named_params()
+    tensors = {e.megatron: params[local].detach().cpu() for e, local in engine.stage_entries()
                if lay.tp_rank == 0 or e.shard.dim is not None}
     return {"tp_rank": lay.tp_rank, "tp": lay.tp, "tensors": tensors}
 

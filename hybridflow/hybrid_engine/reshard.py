@@ -43,10 +43,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from hybridflow.engine.megatron import MegatronEngine, Traffic
+from hybridflow.engine import MegatronEngine
 from hybridflow.hybrid_engine.generation import ViewWeights, nbytes, transition_metrics
 from hybridflow.hybrid_engine.plan import GenLayout, bridge_params, plan_reshard
 from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel
+from hybridflow.hybrid_engine.traffic import Traffic
 from hybridflow.models.decoder import Decoder
 from hybridflow.models.sharding import shard_tensor, unshard_tensor
 from hybridflow.parallel.layout import Coord, ParallelDims
@@ -91,7 +92,7 @@ class GroupedWeights:
         gen_tp = _new_groups([list(g) for g in self.plan.gen_tp_groups])[lay.rank]
         parallel = GroupTensorParallel(gen_tp, engine.bridge.padded_vocab) if tg > 1 else None
         model = Decoder(engine.cfg, parallel) if parallel is not None else Decoder(engine.cfg)
-        self.model = model.to(device=engine._torch_device(), dtype=engine.dtype).eval()
+        self.model = model.to(device=engine.torch_device, dtype=engine.dtype).eval()
         self.model.requires_grad_(False)
         self.shapes = {name: p.shape for name, p in self.model.named_parameters()}
         self._released = None  # the forward hook that refuses to generate from released weights
@@ -111,8 +112,8 @@ class GroupedWeights:
 
     def _buckets(self) -> list[list]:
         """This stage's (entry, local name) pairs in buckets of at most `bucket_bytes` local bytes."""
-        params, buckets, size = self.engine._named_params(), [[]], 0
-        for entry, local in self.engine._stage_entries():
+        params, buckets, size = self.engine.named_params(), [[]], 0
+        for entry, local in self.engine.stage_entries():
             nbytes = params[local].numel() * params[local].element_size()
             if buckets[-1] and size + nbytes > self.bucket_bytes:
                 buckets.append([])
@@ -124,7 +125,7 @@ class GroupedWeights:
     def _gathered(self, traffic: Traffic) -> dict[str, torch.Tensor]:
         """This stage's tensors (megatron names), each the union of its gather group's TP pieces:
         bucketed all-gathers, one per bucket."""
-        params, out = self.engine._named_params(), {}
+        params, out = self.engine.named_params(), {}
         for bucket in self._buckets():
             sharded = [(e, n) for e, n in bucket if e.shard.dim is not None and self.k > 1]
             for e, n in bucket:
@@ -180,7 +181,7 @@ class GroupedWeights:
             params[name].copy_(value)
         metrics = transition_metrics(traffic, self.model, time.perf_counter() - start)
         metrics["reshard/peak_bytes"] = float(max(peak, metrics["reshard/peak_bytes"]))
-        metrics["reshard/own_shard_bytes"] = float(nbytes(self.engine._named_params().values()))
+        metrics["reshard/own_shard_bytes"] = float(nbytes(self.engine.named_params().values()))
         return metrics
 
 

@@ -44,7 +44,7 @@ def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str) -> dict:
     critic_engine = MegatronEngine(case.cfg, parallel, OptimConfig(lr=1e-2), total_steps=10, value_head=True)
     critic_engine.load_hf_checkpoint(case.path)
     if ps.is_pipeline_last_stage():  # a non-zero value head, so the values say something
-        critic_engine._named_params()["output_layer.weight"].data.copy_(case.value_head)
+        critic_engine.named_params()["output_layer.weight"].data.copy_(case.value_head)
     out.update(Critic(CriticConfig(ppo_micro_batch_size=3), critic_engine, mini_batch_size=4).compute_values(
         case.batch))
 

@@ -29,7 +29,7 @@ def reference(hf_path) -> dict:
     critic_engine = MegatronEngine(case.cfg, ParallelConfig(), OptimConfig(lr=1e-2), total_steps=10,
                                    value_head=True)
     critic_engine.load_hf_checkpoint(case.path)
-    critic_engine._named_params()["output_layer.weight"].data.copy_(case.value_head)
+    critic_engine.named_params()["output_layer.weight"].data.copy_(case.value_head)
     out.update(Critic(CriticConfig(ppo_micro_batch_size=3), critic_engine, mini_batch_size=4).compute_values(
         case.batch))
     out["metrics"] = actor.update(case.batch, step=0)

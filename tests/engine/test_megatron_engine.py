@@ -123,7 +123,7 @@ def test_generation_state_is_a_view_of_training_params():
     engine = MegatronEngine(cfg, ParallelConfig(), OptimConfig(lr=1e-2), total_steps=10)
     engine.load_hf_state_dict(hf)
     views = engine.generation_state()
-    params = engine._named_params()
+    params = engine.named_params()
     assert views["embed.weight"].data_ptr() == params["embedding.word_embeddings.weight"].data_ptr()
     assert views["embed.weight"].shape[0] == cfg.vocab_size
     before = views["layers.0.mlp.fc1.weight"].clone()
@@ -202,7 +202,7 @@ def test_a_crafted_shard_is_refused_and_its_payload_never_runs(tmp_path):
 
 
 def test_pack_rows_keeps_real_tokens_only_and_blocks_attention_across_sequences():
-    from hybridflow.engine.megatron import pack_rows, unpack_rows
+    from hybridflow.engine.packing import pack_rows, unpack_sequences
 
     aligned = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0], [4, 0, 0, 0]])
     lengths = torch.tensor([3, 2, 1])
@@ -211,12 +211,12 @@ def test_pack_rows_keeps_real_tokens_only_and_blocks_attention_across_sequences(
     allowed = ~mask[0, 0]
     assert allowed[4].tolist() == [False, False, False, True, True, False]  # 9 sees 8 and itself only
     assert allowed[5].tolist() == [False] * 5 + [True]
-    out = unpack_rows(ids[..., None].float(), lengths, width=4)[..., 0]
+    out = unpack_sequences(ids[..., None].float(), lengths, width=4)[..., 0]
     assert torch.equal(out, aligned.float())
 
 
 def test_share_prompt_rows_computes_each_prompt_once_at_each_tokens_own_position():
-    from hybridflow.engine.megatron import share_prompt_rows, unshare_rows
+    from hybridflow.engine.packing import share_prompt_rows, unshare_rows
 
     # Left-aligned rows: prompt [5, 6] twice (responses [7, 8] and [9]), prompt [4] once (response [3, 2]).
     aligned = torch.tensor([[5, 6, 7, 8], [4, 3, 2, 0], [5, 6, 9, 0]])
@@ -239,7 +239,7 @@ def _critic_engine(cfg, hf):
     """A critic engine on the tiny model, its value head random (a zero head would make every value 0)."""
     engine = MegatronEngine(cfg, ParallelConfig(), OptimConfig(lr=1e-3), total_steps=10, value_head=True)
     engine.load_hf_state_dict(hf)
-    head = engine._named_params()["output_layer.weight"]
+    head = engine.named_params()["output_layer.weight"]
     head.data.copy_(torch.randn(head.shape, generator=torch.Generator().manual_seed(0)) * 0.1)
     return engine
 

@@ -64,7 +64,7 @@ def run(tp: int, pp: int, tg: int, hf_path: str) -> dict:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, shard)
     out["published_bytes"] = 0 if shard is None else nbytes(shard["tensors"].values())
-    out["own_bytes"] = nbytes(engine._named_params().values())
+    out["own_bytes"] = nbytes(engine.named_params().values())
     whole, want = assemble(everyone, engine.bridge), engine.bridge.megatron_to_generation(full)
     out["assembled_exact"] = whole.keys() == want.keys() and all(torch.equal(whole[k], want[k]) for k in want)
     out["model_bytes"] = sum(p.nbytes for p in bridge_params(engine.bridge))

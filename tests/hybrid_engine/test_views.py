@@ -36,7 +36,7 @@ def test_sampled_log_probs_equal_engine_log_probs_and_follow_updates(temperature
     engine = MegatronEngine(cfg, ParallelConfig(), OptimConfig(lr=1e-2), total_steps=10)
     engine.load_hf_state_dict(hf)
     model = generation_model(engine)
-    params = engine._named_params()
+    params = engine.named_params()
     assert model.embed.weight.data_ptr() == params["embedding.word_embeddings.weight"].data_ptr()
     assert model.layers[1].attn.qkv.weight.data_ptr() == \
         params["decoder.layers.1.self_attention.linear_qkv.weight"].data_ptr()

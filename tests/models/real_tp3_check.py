@@ -26,7 +26,7 @@ def main(out_path: str, model_dir: str) -> None:
                             total_steps=10)
     engine.load_hf_checkpoint(model_dir)
     actor = Actor(actor_cfg, engine)
-    out = {"tp": engine.layout.tp, "shard_rows": engine._named_params()["embedding.word_embeddings.weight"].shape[0]}
+    out = {"tp": engine.layout.tp, "shard_rows": engine.named_params()["embedding.word_embeddings.weight"].shape[0]}
     out.update(actor.compute_log_probs(batch, 3))
     out["metrics"] = actor.update(batch, step=0)
     weights = engine.hf_state_dict()
