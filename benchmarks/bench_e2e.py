@@ -7,11 +7,15 @@ Each algorithm runs `configs/demo.yaml` in-process (the local launcher, one
 CPU process) for W warm-up steps and N timed ones, and reports per stage the
 median seconds, its share of the step and the step's tokens/s:
 
-    rollout, reward, reference, old_log_probs, values   the DataFlow nodes
+    rollout, reward, log_probs, values   the DataFlow nodes (log_probs: reference and old, one call)
     advantages (with the KL in the reward and the uniform-group filter)
     update                                              critic and actor updates
     transition                                          weights -> generation
     other                                               the step minus the above
+
+and the megabytes of tensors the controller's calls delivered to the ranks
+in a step (what Ray would move; counted at the dispatch, so a baseline tree
+is counted the same way).
 
 GRPO is the demo as configured; PPO is the same task with GAE, a critic and a
 reference model (KL loss), and no uniform-group filter.
@@ -30,6 +34,7 @@ pass) show as 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -40,7 +45,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOW_STAGES = ("rollout", "reward", "reference", "old_log_probs", "values")
+FLOW_STAGES = ("rollout", "reward", "log_probs", "values")
 STAGES = (*FLOW_STAGES, "advantages", "update", "transition", "other")
 ALGOS = {
     "grpo": [],
@@ -60,6 +65,41 @@ def _timed(fn, sink: list):
     return wrapper
 
 
+def _nbytes(value) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+@contextlib.contextmanager
+def _count_shipped(sink: list):
+    """Count the tensor bytes every worker-group call delivers to its ranks, in any tree (the dispatch
+    modes' split rules, which every tree's groups go through, are wrapped while this is open)."""
+    from dataclasses import replace
+
+    from hybridflow.controller import dispatch as D
+
+    def counted(split):
+        def wrapper(*args, **kwargs):
+            per_rank = split(*args, **kwargs)
+            sink.append(sum(_nbytes(a) + _nbytes(k) for a, k in per_rank))
+            return per_rank
+        return wrapper
+
+    rules = dict(D._MODES)
+    D._MODES.update({mode: replace(rule, split=counted(rule.split)) for mode, rule in rules.items()})
+    try:
+        yield
+    finally:
+        D._MODES.update(rules)
+
+
 def measure(algo: str, steps: int, warmup: int, overrides: list[str]) -> dict:
     """Median seconds per stage over `steps` demo steps of `algo` (after `warmup`), and tokens/s."""
     from hybridflow.config import load_config
@@ -70,30 +110,37 @@ def measure(algo: str, steps: int, warmup: int, overrides: list[str]) -> dict:
         *ALGOS[algo], f"trainer.total_steps={warmup + steps}", "trainer.val_every=0", "trainer.save_every=0",
         "trainer.val_before_train=false", f"trainer.output_dir={run_dir}", "trainer.loggers=[]", *overrides])
     trainer = RLTrainer(cfg)
+    shipped: list[int] = []
     batch_time: list[float] = []
     transition: list[float] = []
     trainer.batch_stages = [_timed(stage, batch_time) for stage in trainer.batch_stages]
     trainer.transition = _timed(trainer.transition, transition)
     rows = []
     try:
-        for step in range(1, warmup + steps + 1):
-            batch_time.clear()
-            transition.clear()
-            metrics = trainer.train_step(step)
-            if step <= warmup:
-                continue
-            row = {name: metrics.get(f"timing/{name}_s", 0.0) for name in FLOW_STAGES}
-            row["advantages"] = sum(batch_time)
-            row["transition"] = sum(transition)
-            row["update"] = metrics["timing/update_s"] - row["transition"]
-            row["step"] = metrics["timing/step_s"]
-            row["other"] = row["step"] - sum(row[name] for name in STAGES if name != "other")
-            row["tokens"] = metrics["batch/tokens"]
-            row["answer_tokens"] = metrics["response/length_mean"]
-            rows.append(row)
+        with _count_shipped(shipped):
+            for step in range(1, warmup + steps + 1):
+                batch_time.clear()
+                transition.clear()
+                shipped.clear()
+                metrics = trainer.train_step(step)
+                if step <= warmup:
+                    continue
+                row = {name: metrics.get(f"timing/{name}_s", 0.0) for name in FLOW_STAGES}
+                # Trees before the one log-prob call timed the reference and the old log-probs apart.
+                row["log_probs"] += metrics.get("timing/reference_s", 0.0) + metrics.get("timing/old_log_probs_s", 0.0)
+                row["shipped_mb"] = sum(shipped) / 1e6
+                row["advantages"] = sum(batch_time)
+                row["transition"] = sum(transition)
+                row["update"] = metrics["timing/update_s"] - row["transition"]
+                row["step"] = metrics["timing/step_s"]
+                row["other"] = row["step"] - sum(row[name] for name in STAGES if name != "other")
+                row["tokens"] = metrics["batch/tokens"]
+                row["answer_tokens"] = metrics["response/length_mean"]
+                rows.append(row)
     finally:
         trainer.shutdown()
-    out = {name: statistics.median(r[name] for r in rows) for name in (*STAGES, "step", "tokens", "answer_tokens")}
+    out = {name: statistics.median(r[name] for r in rows)
+           for name in (*STAGES, "step", "tokens", "answer_tokens", "shipped_mb")}
     out["tokens_per_s"] = statistics.median(r["tokens"] / r["step"] for r in rows)
     import hybridflow
     out["code"] = str(Path(hybridflow.__file__).parent)  # which tree was measured
@@ -119,8 +166,12 @@ def table(results: dict, baseline: dict | None, label: str) -> str:
         if base:
             lines.append(f"  {'tokens/s':26s} {base['tokens_per_s']:9.0f} {res['tokens_per_s']:9.0f} "
                          f"{res['tokens_per_s'] / base['tokens_per_s']:11.2f}x")
+            if base.get("shipped_mb"):
+                lines.append(f"  {'MB shipped to ranks':26s} {base['shipped_mb']:9.2f} {res['shipped_mb']:9.2f} "
+                             f"{res['shipped_mb'] / base['shipped_mb']:11.2f}x")
         else:
             lines.append(f"  {'tokens/s':26s} {res['tokens_per_s']:9.0f}")
+            lines.append(f"  {'MB shipped to ranks':26s} {res['shipped_mb']:9.2f}")
     return "\n".join(lines)
 
 

@@ -76,7 +76,7 @@ def hybridflow_side(model: Path, steps: int, warmup: int) -> dict:
                  "algorithm.skip_uniform_groups=false", "reference.enabled=false"]
     res = measure("grpo", steps, warmup, overrides)
     return {"step_s": res["step"], "answer_tokens": res["answer_tokens"],
-            "stages": {k: res[k] for k in ("rollout", "old_log_probs", "advantages", "update", "transition", "other")}}
+            "stages": {k: res[k] for k in ("rollout", "log_probs", "advantages", "update", "transition", "other")}}
 
 
 def trl_side(model: Path, steps: int, warmup: int) -> dict:

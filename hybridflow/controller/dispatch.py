@@ -28,13 +28,24 @@ rank as its own replica.
 
 A *batch* is a dict whose values are tensors (rows along dim 0) or
 lists/tuples (one item per row) — the shape of the RL batches in
-`hybridflow.data.fields` — or a bare tensor or list. `DP_SPLIT` cuts it into
-`world` equal chunks (the row count must divide; pad upstream otherwise) and
-concatenates what the ranks return, field by field: tensors with
+`hybridflow.data.fields` — or a bare tensor or list (row operations:
+`hybridflow.data.batch`). `DP_SPLIT` cuts it into one equal chunk per
+replica and concatenates what the ranks return, field by field: tensors with
 `torch.cat`, lists and tuples joined, anything else (floats, strings, 0-d
-tensors) gathered into one list entry per rank. Chunks are views of the
+tensors) gathered into one list entry per rank. A batch whose rows do not
+divide is padded (its last row repeated) and the padding is stripped from
+per-row answers (`call_batch`, `strip_padding`). Chunks are views of the
 caller's batch; `RayWorkerGroup` sends each as a numpy view of its own rows
 (no copy on the driver; see `_Array` in transfer.py).
+
+**Fields.** A method registered with `reads=(...)` receives only those
+fields of its batch: the controller ships 4 tensors to a log-prob pass, not
+the 10 of a full training batch.
+
+**Per-replica arguments.** A `PerReplica([...])` argument to a `DP_SPLIT`
+method holds one value per replica, and replica d receives element d as it
+is (no splitting). The trainer uses it for updates, whose replicas receive
+different rows (`data.batch.mini_batch_plan`).
 """
 from __future__ import annotations
 
@@ -45,8 +56,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from hybridflow.data.batch import concat, pad_rows, row_count, select_fields, split_rows, unpad
+
 _ATTR = "__hybridflow_dispatch__"
 _MESH_ATTR = "__hybridflow_mesh__"
+_READS_ATTR = "__hybridflow_reads__"
 
 PerRank = list[tuple[tuple, dict]]  # (args, kwargs) for each rank, rank order
 
@@ -84,19 +98,23 @@ def check_mesh(name: str, coords: Sequence[MeshCoord]) -> None:
                          f"got {list(coords)}")
 
 
-def register(mode: Dispatch | str, mesh: Optional[str] = None) -> Callable:
+def register(mode: Dispatch | str, mesh: Optional[str] = None, reads: Optional[Sequence[str]] = None) -> Callable:
     """Tag a worker method with its dispatch mode; the group runs tagged methods only.
 
     mesh: for DP_SPLIT, the name of the data-parallel mesh the batch is split
         over (see the module docstring); None splits over every rank.
+    reads: for DP_SPLIT, the batch fields the method may read; only those
+        the batch holds are shipped (None: every field it is given).
     """
     mode = _as_mode(mode)
-    if mesh is not None and mode is not Dispatch.DP_SPLIT:
-        raise ValueError(f"a mesh only applies to DP_SPLIT methods, not {mode.name}")
+    for what, value in (("a mesh", mesh), ("reads", reads)):
+        if value is not None and mode is not Dispatch.DP_SPLIT:
+            raise ValueError(f"{what} only applies to DP_SPLIT methods, not {mode.name}")
 
     def tag(fn: Callable) -> Callable:
         setattr(fn, _ATTR, mode)
         setattr(fn, _MESH_ATTR, mesh)
+        setattr(fn, _READS_ATTR, None if reads is None else tuple(reads))
         return fn
 
     return tag
@@ -105,6 +123,65 @@ def register(mode: Dispatch | str, mesh: Optional[str] = None) -> Callable:
 def method_mesh(fn: Callable) -> Optional[str]:
     """The mesh a registered method's DP_SPLIT runs over (None: every rank)."""
     return getattr(fn, _MESH_ATTR, None)
+
+
+def method_reads(fn: Callable) -> Optional[tuple[str, ...]]:
+    """The batch fields a registered DP_SPLIT method reads (None: all it is given)."""
+    return getattr(fn, _READS_ATTR, None)
+
+
+class PerReplica(list):
+    """One value per data-parallel replica, for a DP_SPLIT argument: replica d receives element d."""
+
+
+def call_batch(fn: Callable, args: tuple, replicas: int) -> tuple[tuple, Optional[Tensor]]:
+    """A DP_SPLIT call's arguments as shipped: its batch cut down to the fields `fn` reads and padded to
+    a multiple of `replicas`, and the mask of real rows (None when nothing was padded or the batch is
+    given per replica)."""
+    if not args:
+        return args, None
+    reads = method_reads(fn)
+
+    def needed(batch: Any) -> Any:
+        return select_fields(batch, reads) if reads is not None and isinstance(batch, dict) else batch
+
+    if isinstance(args[0], PerReplica):
+        return (PerReplica(needed(b) for b in args[0]), *args[1:]), None
+    batch, real = pad_rows(needed(args[0]), replicas)
+    return (batch, *args[1:]), None if bool(real.all()) else real
+
+
+def strip_padding(answer: Any, real: Optional[Tensor]) -> Any:
+    """A DP_SPLIT answer without the rows `call_batch` padded. Per-row fields with k rows per batch row
+    (a rollout's n samples of each prompt, prompt-major) lose the padded rows' k; other values stay."""
+    if real is None:
+        return answer
+    if isinstance(answer, dict):
+        return {k: strip_padding(v, real) for k, v in answer.items()}
+    rows = _rows_of(answer)
+    if rows <= 0 or rows % len(real):
+        return answer
+    return unpad(answer, real.repeat_interleave(rows // len(real)))
+
+
+def shipped_bytes(per_rank: PerRank) -> int:
+    """The tensor bytes a call's arguments deliver, summed over the ranks (what each rank receives)."""
+    def size(value: Any) -> int:
+        if isinstance(value, Tensor):
+            return value.numel() * value.element_size()
+        if isinstance(value, dict):
+            return sum(size(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return sum(size(v) for v in value)
+        return 0
+    return sum(size(args) + size(kwargs) for args, kwargs in per_rank)
+
+
+def _rows_of(value: Any) -> int:
+    try:
+        return row_count(value)
+    except (TypeError, ValueError):
+        return -1
 
 
 def registered_methods(cls: type) -> dict[str, Dispatch]:
@@ -133,64 +210,28 @@ def _as_mode(mode: Dispatch | str) -> Dispatch:
 # --------------------------------------------------------------------------- batches
 
 def batch_size(batch: Any) -> int:
-    """Rows in a batch; every field of a dict batch must have the same count."""
-    if isinstance(batch, Tensor):
-        if batch.dim() == 0:
-            raise ValueError("a 0-d tensor has no rows to split")
-        return batch.shape[0]
-    if isinstance(batch, (list, tuple)):
-        return len(batch)
-    if isinstance(batch, dict):
-        if not batch:
-            raise ValueError("cannot split an empty batch dict")
-        sizes = {key: batch_size(value) if isinstance(value, (Tensor, list, tuple)) else None
-                 for key, value in batch.items()}
-        bad = [key for key, size in sizes.items() if size is None]
-        if bad:
-            raise TypeError(f"batch field(s) {bad} are not tensors or lists: only per-row fields can be "
-                            "split; pass per-call values as separate arguments")
-        if len(set(sizes.values())) > 1:
-            raise ValueError(f"batch fields have different row counts: {sizes}")
-        return next(iter(sizes.values()))
-    raise TypeError(f"DP_SPLIT needs a batch (dict of tensors/lists, tensor or list) first, got "
-                    f"{type(batch).__name__}")
+    """Rows in a batch (`data.batch.row_count`), named for DP_SPLIT's errors."""
+    try:
+        return row_count(batch)
+    except TypeError as exc:
+        raise TypeError(f"DP_SPLIT needs a batch (dict of tensors/lists, tensor or list) first: {exc}") from None
 
 
 def split_batch(batch: Any, n: int) -> list[Any]:
     """`n` equal row chunks in order (views of the batch's tensors)."""
-    rows = batch_size(batch)
-    if n < 1 or rows % n:
-        raise ValueError(f"DP_SPLIT: a batch of {rows} rows does not split evenly over {n} ranks; "
-                         f"pad it or choose a batch size that is a multiple of {n}")
-    size = rows // n
-    return [_rows(batch, i * size, (i + 1) * size) for i in range(n)]
-
-
-def _rows(batch: Any, start: int, stop: int) -> Any:
-    if isinstance(batch, dict):
-        return {key: _rows(value, start, stop) for key, value in batch.items()}
-    return batch[start:stop]
+    batch_size(batch)
+    try:
+        return split_rows(batch, n)
+    except ValueError as exc:
+        raise ValueError(f"DP_SPLIT: {exc}") from None
 
 
 def concat_batches(parts: Sequence[Any]) -> Any:
     """Inverse of `split_batch` on what the ranks return (see the module docstring)."""
-    first = parts[0]
-    if isinstance(first, dict):
-        keys = list(first)
-        for rank, part in enumerate(parts):
-            if not isinstance(part, dict) or list(part) != keys:
-                got = list(part) if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"DP_SPLIT: rank {rank} returned {got}, rank 0 returned keys {keys}")
-        return {key: concat_batches([part[key] for part in parts]) for key in keys}
-    if all(isinstance(p, Tensor) and p.dim() > 0 for p in parts):
-        return torch.cat(list(parts))
-    if all(isinstance(p, list) for p in parts):
-        return [item for part in parts for item in part]
-    if all(isinstance(p, tuple) for p in parts):
-        return tuple(item for part in parts for item in part)
-    if all(p is None for p in parts):
-        return None
-    return list(parts)
+    try:
+        return concat(parts)
+    except ValueError as exc:  # "part r has keys ...": the parts are the ranks' answers
+        raise ValueError(f"DP_SPLIT: {str(exc).replace('part ', 'rank ').replace(' has keys', ' returned')}") from None
 
 
 # --------------------------------------------------------------------------- modes
@@ -202,8 +243,18 @@ def _same_for_all(world: int, args: tuple, kwargs: dict, mesh: Sequence[MeshCoor
 def _dp_split(world: int, args: tuple, kwargs: dict, mesh: Sequence[MeshCoord]) -> PerRank:
     if not args:
         raise TypeError("DP_SPLIT methods take the batch as their first positional argument")
-    chunks = split_batch(args[0], mesh[0].dp_size)
-    return [((chunks[coord.dp_rank], *args[1:]), kwargs) for coord in mesh]
+    replicas = mesh[0].dp_size
+    for what, value in [("the batch", args[0]), *((f"argument {i}", a) for i, a in enumerate(args[1:], 1)),
+                        *((f"argument {k!r}", v) for k, v in kwargs.items())]:
+        if isinstance(value, PerReplica) and len(value) != replicas:
+            raise ValueError(f"DP_SPLIT: {what} holds {len(value)} values for {replicas} replicas")
+    chunks = args[0] if isinstance(args[0], PerReplica) else split_batch(args[0], replicas)
+
+    def mine(value: Any, d: int) -> Any:
+        return value[d] if isinstance(value, PerReplica) else value
+
+    return [((chunks[c.dp_rank], *(mine(a, c.dp_rank) for a in args[1:])),
+             {k: mine(v, c.dp_rank) for k, v in kwargs.items()}) for c in mesh]
 
 
 def answering(results: list, mesh: Sequence[MeshCoord]) -> list:

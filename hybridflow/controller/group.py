@@ -18,7 +18,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Concatenate, Optional, ParamSpec, TypeVar
 
-from hybridflow.controller.dispatch import Dispatch, MeshCoord, check_mesh, flat_mesh, method_mesh, registered_methods
+from hybridflow.controller.dispatch import (Dispatch, MeshCoord, call_batch, check_mesh, flat_mesh, method_mesh,
+                                            registered_methods, strip_padding)
 from hybridflow.controller.resource_pool import ResourcePool
 from hybridflow.controller.worker import Worker
 
@@ -35,6 +36,7 @@ class WorkerGroup:
         self.world_size = pool.world_size
         self._modes = registered_methods(worker_cls)
         self._meshes: dict[str, list[MeshCoord]] = {}
+        self.shipped_bytes = 0  # tensor bytes the calls so far delivered to the ranks (each transport counts)
 
     def _set_meshes(self, per_rank: list[dict[str, MeshCoord]]) -> None:
         """Every rank's registered mesh coordinates (rank order), checked to form whole replicas."""
@@ -72,7 +74,11 @@ class WorkerGroup:
                                  f"@register(...); registered: {sorted(self._modes)}")
         if not isinstance(method, str) and getattr(self.worker_cls, name, None) is not method:
             raise TypeError(f"{method.__qualname__} is not a method of {self.worker_cls.__name__}")
-        return self._call(name, mode, args, kwargs)
+        real = None
+        if mode is Dispatch.DP_SPLIT:  # only the fields the method reads; padded to equal shares
+            replicas = self._mesh_of(name, mode)[0].dp_size
+            args, real = call_batch(getattr(self.worker_cls, name), tuple(args), replicas)
+        return strip_padding(self._call(name, mode, args, kwargs), real)
 
     def _call(self, name: str, mode: Dispatch, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError  # each transport implements it

@@ -16,7 +16,7 @@ import threading
 import traceback
 from typing import Any, Callable, Optional
 
-from hybridflow.controller.dispatch import Dispatch, collect, dispatch
+from hybridflow.controller.dispatch import Dispatch, collect, dispatch, shipped_bytes
 from hybridflow.controller.group import WorkerGroup
 from hybridflow.controller.resource_pool import ResourcePool
 from hybridflow.controller.worker import Worker, WorkerContext, WorkerError, construct_worker, first_os_error
@@ -96,7 +96,9 @@ class LocalWorkerGroup(WorkerGroup):
         if self._worker is None:
             raise RuntimeError(f"{self!r} has been shut down")
         mesh = self._mesh_of(name, mode)
-        rank_args, rank_kwargs = dispatch(mode, self.world_size, args, kwargs, mesh)[self.rank]
+        per_rank = dispatch(mode, self.world_size, args, kwargs, mesh)
+        self.shipped_bytes += shipped_bytes(per_rank)
+        rank_args, rank_kwargs = per_rank[self.rank]
         with _LOCAL_CALLS:
             out = self._run(name, lambda: getattr(self._worker, name)(*rank_args, **rank_kwargs))
         if not mesh[self.rank].answers:

@@ -29,7 +29,7 @@ import time
 import traceback
 from typing import Any, Optional
 
-from hybridflow.controller.dispatch import Dispatch, PerRank, answering, collect, dispatch, flat_mesh
+from hybridflow.controller.dispatch import Dispatch, PerRank, answering, collect, dispatch, flat_mesh, shipped_bytes
 from hybridflow.controller.group import WorkerGroup
 from hybridflow.controller.resource_pool import ResourcePool
 from hybridflow.controller.transfer import pack, unpack, unpack_rows
@@ -251,7 +251,9 @@ class RayWorkerGroup(WorkerGroup):
     def _call(self, name: str, mode: Dispatch, args: tuple, kwargs: dict) -> Any:
         hosts = self._live_hosts()
         mesh = self._mesh_of(name, mode)
-        per_rank = self._put_once(self._pack_args(dispatch(mode, self.world_size, args, kwargs, mesh)))
+        per_rank = dispatch(mode, self.world_size, args, kwargs, mesh)
+        self.shipped_bytes += shipped_bytes(per_rank)
+        per_rank = self._put_once(self._pack_args(per_rank))
         futures = []
         # A call goes out to every rank before another thread's call (to this group or one colocated
         # with it) does, so all ranks run them in one order (see _HostSet).

@@ -9,10 +9,23 @@ from torch import Tensor
 from hybridflow.algos import aggregate_loss, get_policy_loss, kl_loss, masked_mean
 from hybridflow.config.schema import ActorConfig
 from hybridflow.data import fields as F
-from hybridflow.roles.batching import forward_only, mean_metrics, mini_batches, response_log_probs, train_mini_batch
+from hybridflow.roles.batching import (forward_only, mean_metrics, planned_mini_batches, response_log_probs,
+                                       train_mini_batch, update_plan)
 from hybridflow.utils import mix_seed
 
-_TRAIN_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.OLD_LOG_PROBS, F.ADVANTAGES)
+# What an update reads (OLD_LOG_PROBS when the batch has them, REF_LOG_PROBS with the KL loss).
+UPDATE_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.OLD_LOG_PROBS, F.ADVANTAGES,
+                 F.REF_LOG_PROBS)
+# What a log-prob pass reads.
+LOG_PROB_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK)
+
+
+def actor_update_plan(cfg: ActorConfig, samples_per_prompt: int, seed: int, step: int, rows: int,
+                      replicas: int) -> list[list[Tensor]]:
+    """The actor's mini-batches at `step` (`data.batch.mini_batch_plan`): ppo_mini_batch_size prompts'
+    responses each, ppo_epochs passes, drawn from (seed, step) alone; plan[replica][optimizer step]."""
+    return update_plan(rows, cfg.ppo_mini_batch_size * samples_per_prompt, cfg.ppo_epochs, replicas,
+                       mix_seed(seed, step))
 
 
 class Actor:
@@ -38,24 +51,26 @@ class Actor:
             return {F.OLD_LOG_PROBS: logp.float(), F.ENTROPY: ent.float()}
         return forward_only(self.engine, batch, micro_batch_size, collect, max_tokens, share_prompts)
 
-    def _mini_batch_size(self, rows: int) -> int:
-        dp = self.engine.layout.dp
-        size = self.cfg.ppo_mini_batch_size * self.samples_per_prompt // dp
-        return max(1, min(size, rows))
+    def plan(self, rows: int, step: int, replicas: int = 1) -> list[list[Tensor]]:
+        return actor_update_plan(self.cfg, self.samples_per_prompt, self.seed, step, rows, replicas)
 
     def update(self, batch: dict[str, Any], step: int) -> dict[str, float]:
-        """PPO epochs over mini-batches (one optimizer step each) of this rank's rows."""
-        fields = _TRAIN_FIELDS + ((F.REF_LOG_PROBS,) if self.cfg.use_kl_loss else ())
+        """PPO epochs over this process's rows (the whole update's: one replica)."""
+        return self.update_share(batch, self.plan(len(batch[F.INPUT_IDS]), step)[0])
+
+    def update_share(self, batch: dict[str, Any], steps: list[Tensor]) -> dict[str, float]:
+        """One optimizer step per entry of `steps`, on this replica's share of that global mini-batch
+        (`steps[k]` indexes `batch`'s rows; -1 is a padding row, masked). The loss is normalised over the
+        global mini-batch, so the replicas together take the one-process step."""
+        cfg = self.cfg
+        fields = UPDATE_FIELDS if cfg.use_kl_loss else tuple(f for f in UPDATE_FIELDS if f != F.REF_LOG_PROBS)
         # Without OLD_LOG_PROBS (skipped: one optimizer step) the loss takes its own log-probs, detached.
         data = {k: batch[k] for k in fields if k != F.OLD_LOG_PROBS or k in batch}
-        gen = torch.Generator().manual_seed(mix_seed(self.seed, step))
-        size = self._mini_batch_size(len(data[F.INPUT_IDS]))
-        cfg = self.cfg
         reports = [train_mini_batch(self.engine, mini, cfg.ppo_micro_batch_size, cfg.loss_agg_mode, self._loss,
                                     "actor", summed=("actor/pg_loss", "actor/kl_loss"),
                                     max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else 0,
                                     share_prompts=cfg.share_prompts)
-                   for mini in mini_batches(data, size, cfg.ppo_epochs, gen)]
+                   for mini in planned_mini_batches(data, steps)]
         return mean_metrics(reports)
 
     def _loss(self, out: Tensor, mb: dict[str, Tensor], denom: Tensor) -> tuple[Tensor, dict[str, Any]]:

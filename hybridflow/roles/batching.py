@@ -8,14 +8,14 @@ The model output at column `T - 1 + j` predicts response token `j`.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from hybridflow.data import fields as F
-from hybridflow.data.fields import tensor_fields
+from hybridflow.data.batch import chunk_by_tokens, chunk_rows, mini_batch_plan, mini_batch_rows, tensor_fields
 
 # A role's loss on one micro-batch: (model output [b, S, ...], micro-batch, the
 # global mini-batch denominator) -> (its share of the mini-batch loss, metrics).
@@ -35,46 +35,21 @@ def check_finite(metric: str, value: float) -> None:
         raise NonFiniteError(metric, value)
 
 
-def split(batch: dict[str, Tensor], size: int) -> list[dict[str, Tensor]]:
-    """Consecutive chunks of `size` rows (the last may be shorter)."""
-    n = len(batch[F.INPUT_IDS])
-    if size <= 0:
-        raise ValueError(f"batch size must be positive, got {size}")
-    return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, n, size)]
-
-
-def split_by_tokens(batch: dict[str, Tensor], max_tokens: int) -> list[dict[str, Tensor]]:
-    """Consecutive rows grouped so each group holds at most `max_tokens` real tokens (verl's dynamic
-    batch size, `ppo_max_token_len_per_gpu`); a row longer than the budget is a group of its own."""
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-    lengths = batch[F.ATTENTION_MASK].sum(-1).tolist()
-    bounds, used = [0], 0
-    for i, n in enumerate(lengths):
-        if used and used + n > max_tokens:
-            bounds.append(i)
-            used = 0
-        used += n
-    bounds.append(len(lengths))
-    return [{k: v[a:b] for k, v in batch.items()} for a, b in zip(bounds, bounds[1:])]
-
-
 def micro_batches(batch: dict[str, Tensor], size: int, max_tokens: int = 0) -> list[dict[str, Tensor]]:
     """`size` rows each, or with max_tokens > 0 token-budgeted groups (run packed)."""
-    return split_by_tokens(batch, max_tokens) if max_tokens > 0 else split(batch, size)
+    return chunk_by_tokens(batch, max_tokens) if max_tokens > 0 else chunk_rows(batch, size)
 
 
-def shuffled(batch: dict[str, Tensor], generator: Optional[torch.Generator]) -> dict[str, Tensor]:
-    n = len(batch[F.INPUT_IDS])
-    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
-    return {k: v[order] for k, v in batch.items()}
+def update_plan(rows: int, mini_batch_size: int, epochs: int, replicas: int, seed: int) -> list[list[Tensor]]:
+    """`data.batch.mini_batch_plan` with its permutations drawn from `seed`."""
+    return mini_batch_plan(rows, mini_batch_size, epochs, replicas, torch.Generator().manual_seed(seed))
 
 
-def mini_batches(data: dict[str, Tensor], size: int, epochs: int,
-                 generator: Optional[torch.Generator]) -> Iterator[dict[str, Tensor]]:
-    """`epochs` passes over `data`, each reshuffled, cut into mini-batches of `size` rows."""
-    for _ in range(epochs):
-        yield from split(shuffled(data, generator), size)
+def planned_mini_batches(data: dict[str, Tensor], steps: list[Tensor]) -> Iterator[dict[str, Tensor]]:
+    """This replica's share of each global mini-batch, in step order (`data.batch.mini_batch_plan`:
+    `steps` index `data`'s rows, -1 a masked padding row)."""
+    for index in steps:
+        yield mini_batch_rows(data, index)
 
 
 def forward_only(engine, batch: dict[str, Any], micro_batch_size: int, collect,
@@ -110,7 +85,7 @@ def train_mini_batch(engine, mini: dict[str, Tensor], micro_batch_size: int, los
                      max_tokens: int = 0, share_prompts: bool = False) -> dict[str, float]:
     """One optimizer step whose gradient is that of the global (all DP ranks') mini-batch loss.
 
-    max_tokens > 0 packs token-budgeted micro-batches (`split_by_tokens`);
+    max_tokens > 0 packs token-budgeted micro-batches (`data.batch.chunk_by_tokens`);
     share_prompts runs a micro-batch's rows with one prompt as one row.
     Metrics are averaged over micro-batches, except the `summed` ones (loss
     shares: summed over micro-batches and DP ranks, and checked to be finite

@@ -9,11 +9,19 @@ from torch import Tensor
 from hybridflow.algos import value_loss
 from hybridflow.config.schema import CriticConfig
 from hybridflow.data import fields as F
-from hybridflow.roles.batching import forward_only, mean_metrics, mini_batches, response_slice, train_mini_batch
+from hybridflow.roles.batching import (forward_only, mean_metrics, planned_mini_batches, response_slice,
+                                       train_mini_batch, update_plan)
 from hybridflow.utils import mix_seed
 
-_TRAIN_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.VALUES, F.RETURNS)
-_SHUFFLE_OFFSET = 17  # the critic shuffles its mini-batches apart from the actor's
+UPDATE_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.VALUES, F.RETURNS)
+VALUE_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK)
+_SHUFFLE_OFFSET = 17  # the critic draws its mini-batches apart from the actor's
+
+
+def critic_update_plan(cfg: CriticConfig, mini_batch_size: int, seed: int, step: int, rows: int,
+                       replicas: int) -> list[list[Tensor]]:
+    """The critic's mini-batches at `step` (`data.batch.mini_batch_plan`): plan[replica][optimizer step]."""
+    return update_plan(rows, mini_batch_size, cfg.ppo_epochs, replicas, mix_seed(seed, step) + _SHUFFLE_OFFSET)
 
 
 class Critic:
@@ -36,16 +44,22 @@ class Critic:
     def _max_tokens(self) -> int:
         return self.cfg.ppo_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else 0
 
+    def plan(self, rows: int, step: int, replicas: int = 1) -> list[list[Tensor]]:
+        return critic_update_plan(self.cfg, self.mini_batch_size, self.seed, step, rows, replicas)
+
     def update(self, batch: dict[str, Any], step: int) -> dict[str, float]:
-        """Value-loss epochs over mini-batches (one optimizer step each) of this rank's rows."""
+        """Value-loss epochs over this process's rows (the whole update's: one replica)."""
+        return self.update_share(batch, self.plan(len(batch[F.INPUT_IDS]), step)[0])
+
+    def update_share(self, batch: dict[str, Any], steps: list[Tensor]) -> dict[str, float]:
+        """One optimizer step per entry of `steps`, on this replica's share of that global mini-batch
+        (see `Actor.update_share`)."""
         cfg = self.cfg
-        data = {k: batch[k] for k in _TRAIN_FIELDS}
-        gen = torch.Generator().manual_seed(mix_seed(self.seed, step) + _SHUFFLE_OFFSET)
-        size = max(1, self.mini_batch_size // self.engine.layout.dp)
+        data = {k: batch[k] for k in UPDATE_FIELDS}
         reports = [train_mini_batch(self.engine, mini, cfg.ppo_micro_batch_size, cfg.loss_agg_mode, self._loss,
                                     "critic", summed=("critic/vf_loss",), max_tokens=self._max_tokens(),
                                     share_prompts=cfg.share_prompts)
-                   for mini in mini_batches(data, size, cfg.ppo_epochs, gen)]
+                   for mini in planned_mini_batches(data, steps)]
         return mean_metrics(reports)
 
     def _loss(self, out: Tensor, mb: dict[str, Tensor], denom: Tensor) -> tuple[Tensor, dict[str, Any]]:

@@ -92,30 +92,6 @@ def uniform_rows(batch: Batch, min_score: Optional[float] = None) -> Tensor:
     return out
 
 
-def fill_to_multiple(batch: Batch, world: int) -> Batch:
-    """Repeat the last rows with zero advantage until the rows split evenly over `world` ranks.
-
-    Used after uniform groups are dropped; a zero-advantage row adds nothing
-    to the policy gradient (it only counts in the token-mean denominator).
-    """
-    rows = len(batch[F.INPUT_IDS])
-    extra = -rows % world
-    if extra == 0 or rows == 0:
-        return batch
-    idx = torch.cat([torch.arange(rows), torch.full((extra,), rows - 1)])
-    out = select_rows(batch, idx, by_index=True)
-    out[F.ADVANTAGES][rows:] = 0.0
-    return out
-
-
-def select_rows(batch: Batch, keep: Tensor, by_index: bool = False) -> Batch:
-    idx = keep if by_index else keep.nonzero().flatten()
-    out: Batch = {}
-    for key, value in batch.items():
-        out[key] = value[idx] if isinstance(value, Tensor) else [value[int(i)] for i in idx]
-    return out
-
-
 def rollout_metrics(batch: Batch, prefix: str = "") -> dict[str, float]:
     scores, mask = batch[F.SCORES].float(), batch[F.RESPONSE_MASK]
     lengths = mask.sum(-1).float()

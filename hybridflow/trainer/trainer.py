@@ -35,14 +35,18 @@ import torch
 from hybridflow.algos import build_kl_controller
 from hybridflow.config.errors import ConfigError
 from hybridflow.config.schema import Config
-from hybridflow.config.validate import check_runnable, chunk_prompts, prompt_multiple, row_multiple, run_dir
-from hybridflow.controller.dispatch import concat_batches
-from hybridflow.controller.worker_group import LocalWorkerGroup, WorkerError
+from hybridflow.config.validate import check_runnable, chunk_prompts, run_dir
+from hybridflow.controller.dispatch import PerReplica, concat_batches
+from hybridflow.controller.local_group import LocalWorkerGroup
+from hybridflow.controller.worker import WorkerError
 from hybridflow.dataflow import DataFlow, Node, NodeError
 from hybridflow.data import fields as F
+from hybridflow.data.batch import rows_for_plan, take_rows, tensor_fields
 from hybridflow.data.dataset import PromptDataset, batches_per_epoch
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.rewards.registry import DATA_SOURCE_REWARDS, default_reward, get_reward_fn
+from hybridflow.roles.actor import actor_update_plan
+from hybridflow.roles.critic import critic_update_plan
 from hybridflow.trainer import rl_steps as S
 from hybridflow.trainer.build import build_groups, needs_old_log_probs, needs_reference
 from hybridflow.trainer.checkpointing import CheckpointError, CheckpointManager, atomic_write_json
@@ -66,6 +70,18 @@ class TrainingError(RuntimeError):
 def mean_of_ranks(metrics: dict[str, Any]) -> dict[str, float]:
     """DP_SPLIT gathers each rank's float metrics into a list: average them."""
     return {k: sum(v) / len(v) if isinstance(v, list) else float(v) for k, v in metrics.items()}
+
+
+def replicas(role, mesh: str) -> int:
+    """The data-parallel replicas of a role's group in `mesh`."""
+    return role.group.mesh(mesh)[0].dp_size
+
+
+def shares(batch: dict[str, Any], plan: list[list[torch.Tensor]]) -> tuple[PerReplica, PerReplica]:
+    """Each replica's rows of `batch` (each row once) and its steps renumbered into them: the two
+    arguments of an update call. Only the per-row tensors are shipped."""
+    parts = [rows_for_plan(tensor_fields(batch), steps) for steps in plan]
+    return PerReplica(rows for rows, _ in parts), PerReplica(steps for _, steps in parts)
 
 
 def _per_item(fn: Callable[[Any], Any]) -> Callable[[Any, list], list]:
@@ -123,10 +139,7 @@ class RLTrainer:
                                            cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self.needs_ref = needs_reference(cfg)
         self.needs_old = needs_old_log_probs(cfg)
-        # Prompts are split over the rollout ranks, rows over the actor's and critic's DP replicas.
-        self.prompt_multiple = prompt_multiple(cfg)
         self.chunk_prompts = chunk_prompts(cfg)
-        self.row_multiple = row_multiple(cfg)
         groups = build_groups(cfg)
         self.actor, self.critic, self.reward_model = groups.actor, groups.critic, groups.reward_model
         # Rollout apart from training (groups.rollout) works on a copy of the
@@ -142,7 +155,7 @@ class RLTrainer:
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", t.keep_last)
 
     def _build_flow(self) -> DataFlow:
-        """Per-chunk preparation as a DataFlow: rollout -> reward -> [reference] -> old log-probs -> [values].
+        """Per-chunk preparation as a DataFlow: rollout -> reward -> [reference and old log-probs] -> [values].
 
         Items are prompt chunks; with dataflow.async_execution the reward and
         log-prob stages start on the first chunk while later chunks generate.
@@ -150,10 +163,8 @@ class RLTrainer:
         execution and the number of ranks do not change the samples.
         """
         stages = [("rollout", self.actor, self._rollout_chunk), ("reward", self.reward_fn, self._score)]
-        if self.needs_ref:
-            stages.append(("reference", self.actor, self._ref_log_probs))
-        if self.needs_old:
-            stages.append(("old_log_probs", self.actor, self._old_log_probs))
+        if self.needs_ref or self.needs_old:  # one call, one shipment of the rows, for both passes
+            stages.append(("log_probs", self.actor, self._log_probs))
         if self.critic is not None:
             stages.append(("values", self.critic, self._values))
         nodes = [Node(name, model=model, forward_fn=_per_item(fn)) for name, model, fn in stages]
@@ -211,14 +222,19 @@ class RLTrainer:
         return batch, metrics, result
 
     def update(self, batch: dict[str, Any], step: int) -> dict[str, float]:
-        if len(batch[F.INPUT_IDS]) == 0:
+        """Critic, then actor: each replica trains on its share of mini-batches drawn once for the whole
+        batch (`data.batch.mini_batch_plan`), so every layout takes the one-process optimizer steps."""
+        rows = len(batch[F.INPUT_IDS])
+        if rows == 0:
             return {"actor/skipped": 1.0}
-        batch = S.fill_to_multiple(batch, self.row_multiple)
         self.actor.release_generation()  # switch back to training: the generation weights are freed
-        stats = {}
+        stats, cfg, seed = {}, self.cfg, self.cfg.trainer.seed
         if self.critic is not None:
-            stats.update(mean_of_ranks(self.critic.update_critic(F.tensor_fields(batch), step)))
-        stats.update(mean_of_ranks(self.actor.update_actor(F.tensor_fields(batch), step)))
+            plan = critic_update_plan(cfg.critic, cfg.actor.ppo_mini_batch_size * cfg.rollout.n, seed, step, rows,
+                                      replicas(self.critic, "critic"))
+            stats.update(mean_of_ranks(self.critic.update_critic(*shares(batch, plan))))
+        plan = actor_update_plan(cfg.actor, cfg.rollout.n, seed, step, rows, replicas(self.actor, "actor"))
+        stats.update(mean_of_ranks(self.actor.update_actor(*shares(batch, plan))))
         stats.update(self.transition())
         return stats
 
@@ -260,21 +276,14 @@ class RLTrainer:
                                 f"{exc} (at {frame.filename}:{frame.lineno})") from exc
 
     def _reward_model_scores(self, pairs: dict[str, list]) -> torch.Tensor:
-        rows = len(pairs[F.PROMPT_TEXT])
-        extra = -rows % self.reward_model.world_size  # equal shares for the ranks
-        padded = {k: v + v[-1:] * extra for k, v in pairs.items()}
-        return self.reward_model.score(padded)[F.SCORES][:rows]
+        return self.reward_model.score(pairs)[F.SCORES]  # DP_SPLIT pads for equal shares and strips the answer
 
-    def _ref_log_probs(self, batch):
-        batch.update(self.actor.compute_ref_log_probs(F.tensor_fields(batch)))
-        return batch
-
-    def _old_log_probs(self, batch):
-        batch.update(self.actor.compute_log_probs(F.tensor_fields(batch)))
+    def _log_probs(self, batch):
+        batch.update(self.actor.compute_log_probs(batch, old=self.needs_old, reference=self.needs_ref))
         return batch
 
     def _values(self, batch):
-        batch.update(self.critic.compute_values(F.tensor_fields(batch)))
+        batch.update(self.critic.compute_values(batch))
         return batch
 
     # -- preparation stages (whole batch) ---------------------------------------
@@ -311,7 +320,7 @@ class RLTrainer:
     def _drop_uniform_groups(self, batch, metrics: Metrics):
         keep = S.nonuniform_rows(batch)
         metrics["batch/kept_fraction"] = keep.float().mean().item()
-        return S.select_rows(batch, keep)
+        return take_rows(batch, keep)
 
     # -- validation -----------------------------------------------------------
     def _announce_validation(self) -> None:
@@ -339,10 +348,8 @@ class RLTrainer:
         size = self.cfg.data.val_batch_size
         for start in range(0, self.val_count, size):
             items = [self.val_set[i] for i in range(start, min(start + size, self.val_count))]
-            real = len(items)
-            items += items[-1:] * (-real % self.prompt_multiple)  # equal shares for the ranks
+            real = len(items)  # any count: DP_SPLIT pads for equal shares and strips the answer
             batch = self.rollout(self.val_set.collate(items), self.cfg.trainer.seed, validation=True)
-            batch = S.select_rows(batch, torch.arange(len(items)) < real)
             batch[F.SCORES] = self._rule_scores(batch)
             rows.append(batch)
             done += real
@@ -448,8 +455,13 @@ class RLTrainer:
                 group.shutdown()
 
     # -- the loop -------------------------------------------------------------
+    def shipped_bytes(self) -> int:
+        """Tensor bytes the controller's calls have delivered to the ranks of every group so far."""
+        groups = (*self._groups(), self.reward_model, self.separate_rollout)
+        return sum(g.group.shipped_bytes for g in groups if g is not None)
+
     def train_step(self, step: int) -> dict[str, float]:
-        start = time.perf_counter()
+        start, shipped = time.perf_counter(), self.shipped_bytes()
         batch, metrics, flow = self.prepare(step)
         prepared = time.perf_counter()
         metrics.update(self.update(batch, step))
@@ -459,6 +471,7 @@ class RLTrainer:
         metrics["timing/update_s"] = time.perf_counter() - prepared
         metrics["timing/step_s"] = time.perf_counter() - start
         metrics["perf/tokens_per_s"] = metrics["batch/tokens"] / metrics["timing/step_s"]
+        metrics["controller/shipped_bytes"] = float(self.shipped_bytes() - shipped)
         return metrics
 
     def _loop(self, start: int, stop_after: Optional[int], tracker: Tracker, summary: dict[str, Any],

@@ -29,7 +29,8 @@ from hybridflow.config.errors import ConfigError
 from hybridflow.config.schema import ModelConfig, OptimConfig, ParallelConfig, RewardConfig
 from hybridflow.controller.dispatch import Dispatch, register
 from hybridflow.controller.transfer import ObjectHandle
-from hybridflow.controller.worker_group import RoleGroup, Worker, remote
+from hybridflow.controller.group import RoleGroup, remote
+from hybridflow.controller.worker import Worker
 from hybridflow.data import fields as F
 from hybridflow.data.tokenizer import Tokenizer
 from hybridflow.engine import MegatronEngine
@@ -40,6 +41,10 @@ from hybridflow.models.checkpoint import (check_hf_checkpoint, load_decoder, sav
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.config import DecoderConfig, ModelConfigError
 from hybridflow.roles import Actor, Critic, Reference, Rollout
+from hybridflow.roles.actor import LOG_PROB_FIELDS
+from hybridflow.roles.actor import UPDATE_FIELDS as ACTOR_UPDATE_FIELDS
+from hybridflow.roles.critic import UPDATE_FIELDS as CRITIC_UPDATE_FIELDS
+from hybridflow.roles.critic import VALUE_FIELDS
 from hybridflow.rollout import Generator
 from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutWorkerSpec, Run
 
@@ -188,20 +193,24 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         # Under Ray the tensors are written into the object store once: a snapshot.
         return None if shard is None else ObjectHandle(shard)
 
-    @register(Dispatch.DP_SPLIT, mesh="actor")
-    def compute_log_probs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        r = self.spec.rollout
-        return self.actor.compute_log_probs(batch, r.log_prob_micro_batch_size,
-                                            r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else 0,
-                                            r.log_prob_share_prompts)
+    @register(Dispatch.DP_SPLIT, mesh="actor", reads=LOG_PROB_FIELDS)
+    def compute_log_probs(self, batch: dict[str, Any], old: bool = True,
+                          reference: bool = False) -> dict[str, torch.Tensor]:
+        """OLD_LOG_PROBS and ENTROPY under the current weights (old), REF_LOG_PROBS under the reference
+        (reference): one call, one shipment of the rows, when both are wanted."""
+        out = self.reference.compute_ref_log_probs(batch) if reference else {}
+        if old:
+            r = self.spec.rollout
+            out.update(self.actor.compute_log_probs(
+                batch, r.log_prob_micro_batch_size,
+                r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else 0, r.log_prob_share_prompts))
+        return out
 
-    @register(Dispatch.DP_SPLIT, mesh="actor")
-    def compute_ref_log_probs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return self.reference.compute_ref_log_probs(batch)
-
-    @register(Dispatch.DP_SPLIT, mesh="actor")
-    def update_actor(self, batch: dict[str, Any], step: int) -> dict[str, float]:
-        return self.actor.update(batch, step)
+    @register(Dispatch.DP_SPLIT, mesh="actor", reads=ACTOR_UPDATE_FIELDS)
+    def update_actor(self, rows: dict[str, Any], steps: list[torch.Tensor]) -> dict[str, float]:
+        """The actor's update on this replica's `rows` (passed `PerReplica`, with its `steps`: the
+        trainer's `actor_update_plan`)."""
+        return self.actor.update_share(rows, steps)
 
     @register(Dispatch.RANK_ZERO)
     def export_hf(self, path: str) -> str:
@@ -267,13 +276,15 @@ class CriticWorker(EngineWorker):
         self.register_mesh("critic", spec.layout)
         self.critic = Critic(spec.critic, self.engine, mini_batch_size=spec.mini_batch_size, seed=spec.run.seed)
 
-    @register(Dispatch.DP_SPLIT, mesh="critic")
+    @register(Dispatch.DP_SPLIT, mesh="critic", reads=VALUE_FIELDS)
     def compute_values(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         return self.critic.compute_values(batch)
 
-    @register(Dispatch.DP_SPLIT, mesh="critic")
-    def update_critic(self, batch: dict[str, Any], step: int) -> dict[str, float]:
-        return self.critic.update(batch, step)
+    @register(Dispatch.DP_SPLIT, mesh="critic", reads=CRITIC_UPDATE_FIELDS)
+    def update_critic(self, rows: dict[str, Any], steps: list[torch.Tensor]) -> dict[str, float]:
+        """The critic's update on this replica's `rows` (`PerReplica`, with the trainer's
+        `critic_update_plan` share `steps`)."""
+        return self.critic.update_share(rows, steps)
 
 
 class RewardModelWorker(Worker):
@@ -304,7 +315,6 @@ class ActorGroup(RoleGroup):
     release_generation = remote(ActorRolloutRefWorker.release_generation)
     publish_weights = remote(ActorRolloutRefWorker.publish_weights)
     compute_log_probs = remote(ActorRolloutRefWorker.compute_log_probs)
-    compute_ref_log_probs = remote(ActorRolloutRefWorker.compute_ref_log_probs)
     update_actor = remote(ActorRolloutRefWorker.update_actor)
     export_hf = remote(ActorRolloutRefWorker.export_hf)
     save = remote(ActorRolloutRefWorker.save)

@@ -21,8 +21,9 @@ def test_bench_e2e_splits_a_grpo_and_a_ppo_step_into_its_stages(tmp_path, capsys
         # The stages add up to the step ("other" is the remainder, small and never hidden work).
         assert sum(res[name] for name in bench_e2e.STAGES) == pytest.approx(res["step"])
         assert 0 <= res["other"] < 0.2 * res["step"]
-    assert grpo["values"] == 0 and ppo["values"] > 0 and ppo["reference"] > 0  # PPO has a critic and a reference
-    assert grpo["old_log_probs"] == 0  # one epoch, one mini-batch: skipped (the pass would change nothing)
+    assert grpo["values"] == 0 and ppo["values"] > 0 and ppo["log_probs"] > 0  # PPO has a critic and a reference
+    assert grpo["log_probs"] == 0  # one epoch, one mini-batch: skipped (the pass would change nothing)
+    assert 0 < grpo["shipped_mb"] < ppo["shipped_mb"]  # PPO also ships rows to its critic and reference
 
 
 def test_baseline_and_candidate_take_turns_and_are_summarised_over_rounds(monkeypatch, capsys):
@@ -30,7 +31,8 @@ def test_baseline_and_candidate_take_turns_and_are_summarised_over_rounds(monkey
     rounds of the rounds' figures. The runs themselves are stubbed here: the test above runs a real one."""
     order, step = [], iter([1.0, 2.0, 9.0])  # the candidate's three rounds: median 2.0
     figures = lambda seconds: {**{name: 0.0 for name in bench_e2e.STAGES}, "update": seconds, "step": seconds,
-                               "tokens": 10.0, "answer_tokens": 5.0, "tokens_per_s": 10.0 / seconds, "code": "x"}
+                               "tokens": 10.0, "answer_tokens": 5.0, "tokens_per_s": 10.0 / seconds, "code": "x",
+                               "shipped_mb": 1.0}
     monkeypatch.setattr(bench_e2e, "run_baseline", lambda rev, argv: order.append("base") or {"grpo": figures(4.0)})
     monkeypatch.setattr(bench_e2e, "measure", lambda algo, *a: order.append("ours") or figures(next(step)))
     assert bench_e2e.main(["--algo", "grpo", "--baseline", "REV", "--rounds", "3"]) == 0

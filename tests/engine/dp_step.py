@@ -1,6 +1,6 @@
 """One actor update at data-parallel size 2 (run by torchrun from test_data_parallel.py).
 
-Each rank takes its half of a fixed batch; rank 0 writes the updated HF
+Each rank takes its share of the global mini-batch of a fixed batch; rank 0 writes the updated HF
 weights and the reported metrics to argv[1].
 """
 import os
@@ -14,6 +14,7 @@ def main(out: str) -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from hybridflow.config.schema import ActorConfig, OptimConfig, ParallelConfig
     from hybridflow.data import fields as F
+    from hybridflow.data.batch import rows_for_plan
     from hybridflow.engine import MegatronEngine
     from hybridflow.roles import Actor
     from tests.engine.conftest import dp_case
@@ -23,9 +24,9 @@ def main(out: str) -> None:
     engine.load_hf_state_dict(hf)
     rank, world = engine.layout.dp_rank, engine.layout.dp
     assert world == 2, world
-    rows = len(batch[F.INPUT_IDS]) // world
-    mine = {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
-    metrics = Actor(actor_cfg, engine).update(mine, step=0)
+    actor = Actor(actor_cfg, engine)
+    rows, steps = rows_for_plan(batch, actor.plan(len(batch[F.INPUT_IDS]), step=0, replicas=world)[rank])
+    metrics = actor.update_share(rows, steps)
     weights = engine.hf_state_dict()
     if rank == 0:
         torch.save({"weights": weights, "metrics": metrics}, out)

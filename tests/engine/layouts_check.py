@@ -27,6 +27,7 @@ def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str) -> dict:
     from megatron.core import parallel_state as ps
 
     from hybridflow.config.schema import CriticConfig, OptimConfig, ParallelConfig
+    from hybridflow.data.batch import rows_for_plan
     from hybridflow.engine import MegatronEngine
     from hybridflow.hybrid_engine import GroupedWeights
     from hybridflow.roles import Actor, Critic
@@ -50,9 +51,9 @@ def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str) -> dict:
 
     generation = GroupedWeights(actor_engine, 1)  # tg = 1: every rank gathers the whole model
     layout = actor_engine.layout
-    rows = len(case.batch["input_ids"]) // layout.dp
-    mine = {k: v[layout.dp_rank * rows:(layout.dp_rank + 1) * rows] for k, v in case.batch.items()}
-    out["metrics"] = actor.update(mine, step=0)
+    rows = len(case.batch["input_ids"])
+    mine, steps = rows_for_plan(case.batch, actor.plan(rows, step=0, replicas=layout.dp)[layout.dp_rank])
+    out["metrics"] = actor.update_share(mine, steps)
     out["weights"] = actor_engine.hf_state_dict()
     gen = dict(generation.model.named_parameters())
     trained = actor_engine.bridge.megatron_to_generation(actor_engine.full_state())
@@ -76,10 +77,11 @@ def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str) -> dict:
     if (tp, pp) in ((2, 2), (2, 1)):
         shards = os.path.join(ckpt_dir, f"tp{tp}_pp{pp}")
         actor_engine.save(shards)
-        again = actor.update(mine, step=1)
+        steps = actor.plan(rows, step=1, replicas=layout.dp)[layout.dp_rank]
+        again = actor.update_share(*rows_for_plan(case.batch, steps))
         restored = MegatronEngine(case.cfg, parallel, case.optim, total_steps=10)
         restored.load(shards)
-        resumed = Actor(case.actor_cfg, restored).update(mine, step=1)
+        resumed = Actor(case.actor_cfg, restored).update_share(*rows_for_plan(case.batch, steps))
         out["resume_metrics_equal"] = again == resumed
         out["resume_weights_equal"] = all(torch.equal(a, b) for a, b in zip(
             actor_engine.hf_state_dict().values(), restored.hf_state_dict().values()))

@@ -365,7 +365,7 @@ def test_skipping_old_log_probs_gives_the_same_update(tmp_path):
         assert trainer.needs_old is not skip
         runs[skip] = read_metrics(trainer.fit()["run_dir"] / "metrics.jsonl")
         trainer.shutdown()
-    assert "timing/old_log_probs_s" not in runs[True][1] and "timing/old_log_probs_s" in runs[False][1]
+    assert "timing/log_probs_s" not in runs[True][1] and "timing/log_probs_s" in runs[False][1]
     assert runs[True][1]["actor/clip_frac"] == 0.0
     want, got = learned(runs[False]), learned(runs[True])
     assert got.keys() == want.keys() == {0, 1, 2, 3}

@@ -1,0 +1,80 @@
+"""Row operations on batches (hybridflow/data/batch.py), and the mini-batch plan every layout shares."""
+import pytest
+import torch
+
+from hybridflow.data import fields as F
+from hybridflow.data.batch import (chunk_by_tokens, chunk_rows, concat, mask_padding, mini_batch_plan,
+                                   mini_batch_rows, pad_rows, row_count, rows_for_plan, select_fields, split_rows,
+                                   take_rows, unpad)
+
+
+def _batch(rows: int = 5) -> dict:
+    return {F.INPUT_IDS: torch.arange(rows * 3).view(rows, 3), F.RESPONSE_MASK: torch.ones(rows, 2, dtype=torch.long),
+            F.ADVANTAGES: torch.ones(rows, 2), F.UID: [f"u{i}" for i in range(rows)]}
+
+
+def test_rows_are_taken_split_chunked_and_joined_with_their_lists():
+    batch = _batch(6)
+    assert row_count(batch) == 6
+    picked = take_rows(batch, torch.tensor([4, 1]))
+    assert picked[F.UID] == ["u4", "u1"] and picked[F.INPUT_IDS][0].tolist() == [12, 13, 14]
+    assert take_rows(batch, torch.tensor([True, False] * 3))[F.UID] == ["u0", "u2", "u4"]
+    halves = split_rows(batch, 2)
+    assert [h[F.UID] for h in halves] == [["u0", "u1", "u2"], ["u3", "u4", "u5"]]
+    joined = concat(halves)
+    assert joined[F.UID] == batch[F.UID] and torch.equal(joined[F.INPUT_IDS], batch[F.INPUT_IDS])
+    assert [row_count(c) for c in chunk_rows(batch, 4)] == [4, 2]
+    assert select_fields(batch, (F.UID, F.VALUES)) == {F.UID: batch[F.UID]}
+    with pytest.raises(ValueError, match="does not split evenly over 4"):
+        split_rows(batch, 4)
+    with pytest.raises(ValueError, match="different row counts"):
+        row_count({F.INPUT_IDS: torch.zeros(2, 1), F.UID: ["a"]})
+
+
+def test_padding_is_masked_and_stripped():
+    batch = _batch(5)
+    padded, real = pad_rows(batch, 4)
+    assert row_count(padded) == 8 and real.tolist() == [True] * 5 + [False] * 3
+    assert padded[F.UID][5:] == ["u4"] * 3
+    masked = mask_padding(padded, real)
+    assert masked[F.RESPONSE_MASK][5:].sum() == 0 and masked[F.ADVANTAGES][5:].abs().sum() == 0
+    assert masked[F.RESPONSE_MASK][:5].sum() == 10 and padded[F.RESPONSE_MASK].sum() == 16  # input untouched
+    assert unpad(padded, real)[F.UID] == batch[F.UID]
+    same, everything = pad_rows(batch, 5)
+    assert same is batch and bool(everything.all())
+
+
+def test_token_budgets_group_consecutive_rows():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    groups = chunk_by_tokens({F.ATTENTION_MASK: mask, F.INPUT_IDS: torch.arange(4)}, 5)
+    assert [g[F.INPUT_IDS].tolist() for g in groups] == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("rows,size,epochs", [(16, 8, 2), (13, 8, 1), (7, 4, 3), (3, 8, 1)])
+def test_every_layout_trains_on_the_same_global_mini_batches(rows, size, epochs):
+    """The replicas' shares of each step, joined in replica order, are the one-process mini-batch (padding
+    slots aside), and each epoch visits every row once."""
+    one = mini_batch_plan(rows, size, epochs, 1, torch.Generator().manual_seed(3))[0]
+    for replicas in (1, 2, 4):
+        plan = mini_batch_plan(rows, size, epochs, replicas, torch.Generator().manual_seed(3))
+        assert len(plan) == replicas and all(len(p) == len(one) for p in plan)
+        for k, want in enumerate(one):
+            shares = [plan[r][k] for r in range(replicas)]
+            assert len({len(s) for s in shares}) == 1  # every replica runs every step
+            joined = torch.cat(shares)
+            assert joined[joined >= 0].tolist() == want.tolist()
+    per_epoch = len(one) // epochs
+    for e in range(epochs):
+        assert sorted(torch.cat(one[e * per_epoch:(e + 1) * per_epoch]).tolist()) == list(range(rows))
+
+
+def test_a_replica_receives_only_its_rows_and_pads_with_masked_copies():
+    batch = _batch(5)
+    plan = mini_batch_plan(5, 4, 1, 2, None)  # mini-batches [0..3] and [4]: shares [0,1] [2,3], [4] [-1]
+    assert [s.tolist() for s in plan[1]] == [[2, 3], [-1]]
+    rows, steps = rows_for_plan(batch, plan[1])
+    assert rows[F.UID] == ["u2", "u3"] and [s.tolist() for s in steps] == [[0, 1], [-1]]
+    pad = mini_batch_rows(rows, steps[1])
+    assert pad[F.RESPONSE_MASK].sum() == 0 and pad[F.ADVANTAGES].abs().sum() == 0
+    lone, lone_steps = rows_for_plan(batch, [torch.tensor([-1])])  # only padding: one row to mask
+    assert row_count(lone) == 1 and mini_batch_rows(lone, lone_steps[0])[F.RESPONSE_MASK].sum() == 0
