@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # any dependency from pulling a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: test demo demo-real install clean test-scale
+.PHONY: test test-fast demo demo-real install clean test-scale
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -27,6 +27,11 @@ export HYBRIDFLOW_REQUIRE_NVCC
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The quick loop while editing: all but the `slow` tests (Ray, multi-process launches, end-to-end training
+# runs) and the `bench` ones (tests/benchmarks); under 3 minutes on 2 cores. `make test` runs everything.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not bench" tests
 
 demo: $(STAMP)
 	$(VENV)/bin/hybridflow train configs/demo.yaml trainer.overwrite=true

@@ -1,15 +1,26 @@
-"""Suite-wide settings: GPU tests are skipped where no CUDA device exists; one Ray cluster per session."""
+"""Suite-wide settings: GPU tests are skipped where no CUDA device exists; tests that start Ray or a
+multi-process launch are `slow` and tests/benchmarks is `bench` (`make test-fast` leaves both out);
+one Ray cluster per session."""
+from pathlib import Path
+
 import pytest
 import torch
 
+# A test that needs one of these pays for a Ray cluster or a torchrun launch (tens of seconds on 2 cores).
+SLOW_FIXTURES = {"ray_cluster", "four_process_launch", "two_process_launch"}
+BENCHMARKS = Path(__file__).parent / "benchmarks"
 
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these marks
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if SLOW_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+        if BENCHMARKS in item.path.parents:
+            item.add_marker(pytest.mark.bench)
+        if skip_gpu and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
 
 
 @pytest.fixture(scope="session")

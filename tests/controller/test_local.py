@@ -74,6 +74,7 @@ def test_local_world_of_one_matches_the_ray_group(ray_cluster):
     assert torch.equal(local["x"], double_batch(batch)["x"] + 1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_torchrun_two_ranks_split_and_gather():
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hybridflow import DataFlow, Node
 from hybridflow.rewards.registry import get_reward_fn
 
@@ -47,6 +49,7 @@ def _rewards(line: str) -> list[float]:
     return [float(x) for x in match.group(1).split(",") if x.strip()]
 
 
+@pytest.mark.slow  # the example end to end, in a fresh Python
 def test_example_prints_the_pipeline_report():
     lines = _run_example()
     assert len(lines) == 3, lines
@@ -55,6 +58,7 @@ def test_example_prints_the_pipeline_report():
     assert len(_rewards(lines[2])) == 2
 
 
+@pytest.mark.slow
 def test_example_with_safety_scores_only_passing_samples_async():
     lines = _run_example("--safety", "--async", "--min-batch", "1")
     assert len(lines) == 4, lines

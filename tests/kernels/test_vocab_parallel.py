@@ -40,6 +40,7 @@ def _worker(rank: int, world: int, port: int, vocab: int, scale: float):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned gloo processes per case
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("vocab, scale", [(64, 1.0), (1000, 20.0)])
 def test_vocab_parallel_matches_reference(vocab, scale):

@@ -21,6 +21,7 @@ from tests.data.conftest import gsm8k_questions
 from tests.models.real_case import WATCHED, real_batch, update_case
 from tests.torchrun import torchrun
 
+pytestmark = pytest.mark.slow  # a 135M-parameter model, converted and run (minutes on CPU)
 SPEC = KNOWN_MODELS["smollm2"]
 CHATS = [
     [{"role": "user", "content": "What is 17 + 25?"}],

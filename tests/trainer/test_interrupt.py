@@ -82,6 +82,7 @@ def _still_alive(procs: list[psutil.Process], within_s: float) -> list[str]:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ctrl_c_stops_after_the_step_saves_it_and_leaves_nothing_running(tmp_path):
     proc, run_dir = _run(tmp_path)
@@ -98,6 +99,7 @@ def test_ctrl_c_stops_after_the_step_saves_it_and_leaves_nothing_running(tmp_pat
     assert _still_alive(procs, within_s=10) == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_killed_controller_leaves_no_ray_process_behind(tmp_path):
     """Before: the dashboard and runtime-env agents outlived a SIGKILLed controller by about a minute.

@@ -40,6 +40,7 @@ def learned(metrics: list[dict]) -> dict[int, dict]:
     return {m["step"]: {k: v for k, v in m.items() if k.startswith(DETERMINISTIC)} for m in metrics}
 
 
+@pytest.mark.slow
 def test_grpo_runs_saves_exports_and_resumes_identically(tmp_path):
     full = in_repo(config("tiny-grpo.yaml", tmp_path / "a"))
     summary = RLTrainer(full).fit()
@@ -76,6 +77,7 @@ def test_grpo_runs_saves_exports_and_resumes_identically(tmp_path):
             assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
 
 
+@pytest.mark.slow
 def test_skipping_uniform_prompts_resumes_identically(tmp_path):
     """data.skip_uniform_passes=1 on 16 training prompts (two steps an epoch): steps 3 and 4 pass over
     the prompts whose group scored all the same in epoch 1. The sampler's walk is saved with step 2's
@@ -121,6 +123,7 @@ def test_skipping_uniform_prompts_resumes_identically(tmp_path):
         RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path / "b", *common, "trainer.resume=auto"))).fit()
 
 
+@pytest.mark.slow
 def test_ppo_with_critic_reference_and_kl(tmp_path):
     cfg = in_repo(config("tiny-ppo.yaml", tmp_path))
     summary = RLTrainer(cfg).fit()
@@ -154,6 +157,7 @@ def test_dataset_without_usable_prompts(tmp_path):
         RLTrainer(cfg)
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_step_and_metric_and_keeps_last_checkpoint(tmp_path, monkeypatch):
     cfg = in_repo(config("tiny-grpo.yaml", tmp_path, "trainer.save_every=1"))
     trainer = RLTrainer(cfg)
@@ -179,6 +183,7 @@ def test_nan_loss_stops_with_step_and_metric_and_keeps_last_checkpoint(tmp_path,
     assert json.loads((trainer.ckpt.latest()[1] / "trainer.json").read_text())["step"] == 1
 
 
+@pytest.mark.slow
 def test_full_disk_when_saving_keeps_previous_checkpoint(tmp_path, monkeypatch):
     cfg = in_repo(config("tiny-grpo.yaml", tmp_path, "trainer.save_every=1", "trainer.total_steps=2"))
     trainer = RLTrainer(cfg)
@@ -197,6 +202,7 @@ def test_full_disk_when_saving_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert trainer.ckpt.all_steps() == [1]
 
 
+@pytest.mark.slow
 def test_async_preparation_equals_sync_and_overlaps(tmp_path):
     """Chunks of dataflow.min_batch_for_reward responses: reward and log-probs start on chunk 0
     while chunk 1 generates; the run's metrics equal the sync run's with the same chunks."""
@@ -245,6 +251,7 @@ def test_batch_size_per_device_splits_generation_without_changing_greedy_results
     assert parts["val/accuracy"] == whole["val/accuracy"] and parts["val/n"] == whole["val/n"] == 1000
 
 
+@pytest.mark.slow
 def test_a_rerun_in_an_old_run_directory_is_refused_unless_resumed_or_overwritten(tmp_path):
     """Starting afresh over a previous run used to truncate its metrics and prune its checkpoints."""
     one_step = ["trainer.total_steps=1", "trainer.val_every=0", "trainer.save_every=1"]
@@ -353,6 +360,7 @@ def test_validation_can_be_capped_skipped_and_reports_progress(tmp_path, caplog)
         config("tiny-grpo.yaml", tmp_path, "data.val_max_samples=-1")
 
 
+@pytest.mark.slow
 def test_skipping_old_log_probs_gives_the_same_update(tmp_path):
     """One epoch over one mini-batch: the old log-probs are the current policy's, so the update takes
     its own (detached) instead of a forward pass of their own. Same steps either way."""
