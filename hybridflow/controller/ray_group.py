@@ -32,7 +32,7 @@ from typing import Any, Optional
 from hybridflow.controller.dispatch import Dispatch, PerRank, answering, collect, dispatch, flat_mesh, shipped_bytes
 from hybridflow.controller.group import WorkerGroup
 from hybridflow.controller.resource_pool import ResourcePool
-from hybridflow.controller.transfer import pack, unpack, unpack_rows
+from hybridflow.controller.transfer import pack, unpack, unpack_results
 from hybridflow.controller.worker import Worker, WorkerContext, WorkerError, construct_worker, first_os_error
 
 STARTUP_TIMEOUT_S = 600.0  # actor start plus the worker's __init__ (model build, checkpoint load)
@@ -263,7 +263,7 @@ class RayWorkerGroup(WorkerGroup):
                 futures.append(host.call.remote(self._slot, name, coord.answers, kw_names, *values))
         results = self._gather(futures, name, self.call_timeout)
         if mode is Dispatch.DP_SPLIT:
-            return collect(mode, unpack_rows(answering(results, mesh)), flat_mesh(mesh[0].dp_size))
+            return collect(mode, unpack_results(answering(results, mesh)), flat_mesh(mesh[0].dp_size))
         return collect(mode, [unpack(out) for out in results])
 
     def _live_hosts(self) -> list:

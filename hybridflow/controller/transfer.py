@@ -7,7 +7,7 @@ maps them without a copy, where a pickled torch tensor costs a copy on the
 sender and, for a view such as a DP chunk, ships the whole storage it views.
 The receiver copies an array once out of the read-only object store before
 handing it to code that may write it (`unpack`), except where the next step
-copies anyway (`unpack_rows`, before `concat_batches`). What does not survive
+copies anyway (`unpack_results`, before `concat_batches`). What does not survive
 the trip: `requires_grad`, and aliasing (a tensor passed twice arrives as two).
 
 Handles (`ObjectHandle`), for values handed from one worker group to another
@@ -108,7 +108,7 @@ def unpack(value: Any) -> Any:
     return value
 
 
-def unpack_rows(parts: list) -> list:
+def unpack_results(parts: list) -> list:
     """The ranks' DP_SPLIT results for `concat_batches`. What it will `torch.cat` (the results
     themselves, or a field every rank returned as a tensor) stays a read-only view of the object
     store, since the concatenation copies it anyway; everything else is unpacked as usual."""

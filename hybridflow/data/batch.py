@@ -145,6 +145,16 @@ def pad_rows(batch: Any, multiple: int) -> tuple[Any, Tensor]:
     return take_rows(batch, torch.cat([torch.arange(rows), torch.full((extra,), rows - 1)])), real
 
 
+def pad_with_empty_rows(batch: dict[str, Tensor], rows: int) -> dict[str, Tensor]:
+    """Append all-zero rows (no real tokens, masks 0) to every tensor field until it has `rows` rows:
+    pipeline micro-batches padded to one shape."""
+    out = {}
+    for key, value in batch.items():
+        extra = rows - len(value)
+        out[key] = torch.cat([value, value.new_zeros(extra, *value.shape[1:])]) if extra > 0 else value
+    return out
+
+
 def mask_padding(batch: dict[str, Any], real: Tensor) -> dict[str, Any]:
     """A training batch whose padded rows (`real` False) count nowhere: RESPONSE_MASK and ADVANTAGES are
     zero on them, so they add nothing to a loss, its gradient or its token count."""

@@ -32,9 +32,10 @@ from torch import Tensor, nn
 
 from hybridflow.config.schema import OptimConfig, ParallelConfig
 from hybridflow.data import fields as F
+from hybridflow.data.batch import pad_with_empty_rows
 from hybridflow.engine.build import HiddenOutput, RopePositions, build_model, transformer_config, use_fused_adam
 from hybridflow.engine.distributed import Layout, init_model_parallel
-from hybridflow.engine.packing import (left_align_index, pack_rows, pad_rows, share_prompt_rows, to_cpu, unalign,
+from hybridflow.engine.packing import (left_align_index, pack_rows, share_prompt_rows, to_cpu, unalign,
                                        unpack_sequences, unshare_rows)
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.checkpoint import resolve_dtype
@@ -366,7 +367,7 @@ class MegatronEngine:
                              "and no token packing")
         rows = [len(mb[F.INPUT_IDS]) for mb in micro_batches]
         size = max(rows)
-        data = [(pad_rows(mb, size) if self.parallel.pp > 1 else mb, n) for mb, n in zip(micro_batches, rows)]
+        data = [(pad_with_empty_rows(mb, size) if self.parallel.pp > 1 else mb, n) for mb, n in zip(micro_batches, rows)]
         self.model.train(not forward_only)
         with torch.set_grad_enabled(not forward_only):
             reports = get_forward_backward_func()(

@@ -7,11 +7,10 @@ column 0 (`left_align_index`) and rotates the outputs back (`unalign`); with
 only right padding left, the plain causal mask is exact. The aligned rows may
 then run as one packed row of their real tokens (`pack_rows` /
 `unpack_sequences`) or with each shared prompt computed once
-(`share_prompt_rows` / `unshare_rows`). Last, two generic batch-row
-operations the engine's `run` needs: `to_cpu` (what an object collective may
-send) and `pad_rows` (pipeline micro-batches padded to one shape); they use
-nothing else in this file. Pure tensor functions: no megatron, no process
-groups.
+(`share_prompt_rows` / `unshare_rows`). Last, `to_cpu`: what an object
+collective may send. Rows are cut or padded in `hybridflow.data.batch`
+(pipeline micro-batches: `pad_with_empty_rows`). Pure tensor functions: no
+megatron, no process groups.
 """
 from __future__ import annotations
 
@@ -134,12 +133,3 @@ def to_cpu(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(to_cpu(v) for v in value)
     return value
-
-
-def pad_rows(batch: dict[str, Any], rows: int) -> dict[str, Any]:
-    """Append all-zero rows (no real tokens, masks 0) to every tensor field until it has `rows` rows."""
-    out = {}
-    for key, value in batch.items():
-        extra = rows - len(value)
-        out[key] = torch.cat([value, value.new_zeros(extra, *value.shape[1:])]) if extra > 0 else value
-    return out

@@ -7,7 +7,7 @@ import torch
 
 from hybridflow.controller import ObjectHandle, RayWorkerGroup, ResourcePool
 from hybridflow.controller.dispatch import concat_batches, split_batch
-from hybridflow.controller.transfer import pack, unpack, unpack_rows
+from hybridflow.controller.transfer import pack, unpack, unpack_results
 from tests.controller.workers import Publisher, Receiver
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,7 +63,7 @@ def test_gathered_results_are_concatenated_from_read_only_views_into_owned_tenso
         for value in p.values():
             if hasattr(value, "array"):
                 value.array.flags.writeable = False
-    views = unpack_rows(wired)
+    views = unpack_results(wired)
     assert views[0]["x"].data_ptr() == wired[0]["x"].array.ctypes.data  # a view, left for torch.cat to copy
     # not a tensor on every rank: unpacked as usual, copied out of the read-only buffer
     assert views[1]["maybe"].data_ptr() != wired[1]["maybe"].array.ctypes.data
