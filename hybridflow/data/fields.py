@@ -127,10 +127,3 @@ FIELD_SHAPES: Mapping[str, str] = MappingProxyType({
 # The tensor fields collate_prompts produces, and the per-row lists beside them.
 PROMPT_TENSOR_FIELDS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)
 PROMPT_LIST_FIELDS = (PROMPT_TEXT, RAW_PROMPT, DATA_SOURCE, GROUND_TRUTH, EXTRA_INFO, INDEX)
-
-
-def tensor_fields(batch: dict) -> dict:
-    """The per-row tensors of a batch: what workers receive (the list fields stay on the controller)."""
-    import torch
-
-    return {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
