@@ -4,7 +4,9 @@
 - losses.py: PPO clip (asymmetric, dual clip), GSPO, clipped value loss; POLICY_LOSSES
 - kl.py: k1/k2/k3/abs estimators, KL reward penalty and loss, KL controllers; KL_ESTIMATORS
 - aggregate.py: token-mean / seq-mean-token-sum / seq-mean-token-mean
-- masked.py, metrics.py: masked reductions; float statistics for logging
+- metrics.py: float statistics for logging
+- masked reductions (masked_mean, masked_whiten, ...): re-exported from kernels/masked.py, where
+  the GAE kernel's fused whitening finds its reference (kernels are the layer below; docs/design.md)
 """
 from hybridflow.algos.advantages import (ADV_ESTIMATORS, AdvantageInputs, compute_advantages,
                                          discounted_returns, gae, get_adv_estimator, grpo,
@@ -16,10 +18,9 @@ from hybridflow.algos.kl import (KL_ESTIMATORS, AdaptiveKLController, FixedKLCon
                                  kl_loss, kl_penalty, register_kl_estimator)
 from hybridflow.algos.losses import (POLICY_LOSSES, LossOutput, get_policy_loss, gspo_loss,
                                      ppo_clip_loss, register_policy_loss, value_loss)
-from hybridflow.algos.masked import (masked_mean, masked_std, masked_sum, masked_var,
-                                     masked_whiten)
 from hybridflow.algos.metrics import (advantage_stats, approx_kl, clip_fraction, entropy_mean,
                                       explained_variance, masked_stats)
+from hybridflow.kernels.masked import masked_mean, masked_std, masked_sum, masked_var, masked_whiten
 
 __all__ = [
     "ADV_ESTIMATORS", "AdvantageInputs", "compute_advantages", "discounted_returns", "gae",

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from hybridflow import kernels
 from hybridflow.algos._registry import lookup, make_register
-from hybridflow.algos.masked import as_bool, masked_fill_zero, masked_sum, masked_whiten
+from hybridflow.kernels.masked import as_bool, masked_fill_zero, masked_sum, masked_whiten
 
 GroupIds = Union[Tensor, Sequence[Hashable]]
 Estimator = Callable[["AdvantageInputs"], tuple[Tensor, Tensor]]

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from hybridflow.algos._registry import lookup
-from hybridflow.algos.masked import as_bool, masked_count, masked_sum
+from hybridflow.kernels.masked import as_bool, masked_count, masked_sum
 
 
 def _token_mean(loss_mat: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from hybridflow.algos._registry import lookup, make_register
 from hybridflow.algos.aggregate import Denominator, aggregate_loss
-from hybridflow.algos.masked import as_bool, masked_fill_zero, masked_mean
+from hybridflow.kernels.masked import as_bool, masked_fill_zero, masked_mean
 
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
 KL_ESTIMATORS: dict[str, KLEstimator] = {}

@@ -20,7 +20,7 @@ from torch import Tensor
 from hybridflow.algos._registry import lookup, make_register
 from hybridflow.algos.aggregate import Denominator, aggregate_loss
 from hybridflow.algos.kl import kl_k3
-from hybridflow.algos.masked import as_bool, masked_fill_zero, masked_mean
+from hybridflow.kernels.masked import as_bool, masked_fill_zero, masked_mean
 
 # Beyond this the ratio is meaningless and exp() would overflow float32.
 _MAX_LOG_RATIO = 20.0

@@ -3,8 +3,8 @@
 The trainer logs these dicts as they are ("actor/clip_frac",
 "critic/advantages/mean", ...). Statistics are over valid tokens only; an
 empty selection reports 0.0 rather than NaN so a dashboard line never breaks.
-The tensor-valued masked reductions live in `masked.py` and are re-exported
-here for convenience.
+The tensor-valued masked reductions live in `kernels/masked.py` and are
+re-exported here for convenience.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from torch import Tensor
 
 from hybridflow.algos.kl import kl_k3
 from hybridflow.algos.losses import clipped_surrogate
-from hybridflow.algos.masked import (as_bool, masked_count, masked_mean, masked_std, masked_var,
-                                     masked_whiten)
+from hybridflow.kernels.masked import (as_bool, masked_count, masked_mean, masked_std, masked_var,
+                                       masked_whiten)
 
 __all__ = ["clip_fraction", "approx_kl", "entropy_mean", "masked_stats", "advantage_stats",
            "explained_variance", "masked_mean", "masked_var", "masked_std", "masked_whiten"]

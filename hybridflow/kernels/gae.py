@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.kernels.backend import cpu_extension, cuda_extension, resolve
+from hybridflow.kernels.masked import masked_whiten
 
 
 def gae_reference(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -40,7 +41,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     """GAE on the selected backend; same contract as `gae_reference`.
 
     whiten: the advantages come back whitened over the batch's valid steps,
-    exactly as `algos.masked_whiten` would do it afterwards (returns are not
+    exactly as `masked_whiten` would do it afterwards (returns are not
     whitened); the C++ scan does it in the same call (two more passes over
     the rows), the CUDA and reference backends with masked_whiten.
     The C++ and CUDA scans run in float32; `auto` keeps float64 inputs on the reference.
@@ -55,8 +56,6 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     else:
         adv, ret = gae_reference(rewards, values, mask, gamma, lam)
     if whiten:
-        from hybridflow.algos.masked import masked_whiten  # algos imports kernels: import at call time
-
         adv = masked_whiten(adv, mask, eps=eps)
     return adv, ret
 
