@@ -1,7 +1,11 @@
-"""Small helpers shared across layers.
+"""Small helpers shared across layers, and the users' `load_hf_model`.
 
-`load_hf_model` (in `hybridflow.models.hf`) is imported on first use, so the
-config and registry modules that need only `nearest_name` do not pay for torch.
+The helpers import nothing from hybridflow, so any layer may use them (a leaf,
+docs/design.md section 2). `load_hf_model` and its wrappers live in
+`hybridflow/rollout/hf.py` and are imported on first use: the config and
+registry modules that need only `nearest_name` neither pay for torch nor
+load the layers above them. That lazy re-export is the user-facing API
+(docs/api.md) and the one upward import tests/test_layers.py allows here.
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import reprlib
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 if TYPE_CHECKING:
-    from hybridflow.models.hf import CausalLM, HFModel, RewardModel, load_hf_model
+    from hybridflow.rollout.hf import CausalLM, HFModel, RewardModel, load_hf_model
 
 __all__ = ["CausalLM", "HFModel", "RewardModel", "SEED_STRIDE", "load_hf_model", "mix_seed", "nearest_name",
            "shown_value"]
@@ -20,7 +24,7 @@ _LAZY = {"CausalLM", "HFModel", "RewardModel", "load_hf_model"}
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from hybridflow.models import hf
+        from hybridflow.rollout import hf
         return getattr(hf, name)
     raise AttributeError(f"module 'hybridflow.utils' has no attribute {name!r}")
 
