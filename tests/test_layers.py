@@ -1,0 +1,149 @@
+"""No upward import: every `hybridflow` import follows the layer table of docs/design.md, section 2.
+
+The table is the one copy of the order: this test reads its `packages` column
+(bottom to top), walks every module under hybridflow/ with `ast` and maps each
+`import hybridflow.X` / `from hybridflow.X import ...` (module level, inside
+functions, under TYPE_CHECKING) to its package. A package may import its own
+modules and packages in lower layers; an import of a package in the same or a
+higher layer fails, naming the file, the line and the import.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import Iterator
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "hybridflow"
+DESIGN = ROOT / "docs" / "design.md"
+
+# Imports that go up although the table says otherwise: (file, imported package) -> why. Each entry must
+# still be needed (test_allow_list_is_current), so it goes when its import does.
+ALLOWED = {
+    # By design: the user-facing `from hybridflow.utils import load_hf_model` (docs/api.md), imported on
+    # first use, so the helpers in utils stay a leaf for everything else.
+    ("hybridflow/utils/__init__.py", "rollout"): "lazy re-export of load_hf_model for users",
+    # For now: workers/rl_workers.py's reward-model worker imports load_hf_model from models.hf; when it
+    # imports it from hybridflow.utils, models/hf.py's __getattr__ and this entry go.
+    ("hybridflow/models/hf.py", "rollout"): "forwards load_hf_model until workers/ imports it from utils",
+}
+# Package __init__ files that import non-leaves although their package holds a leaf (see
+# test_a_leaf_loads_only_leaves). For now: config/__init__.py imports loader and validate eagerly, so
+# `from hybridflow.config.schema import ...` (data, engine, roles, workers) loads config.validate and,
+# through it, parallel; the config package is being reworked (issue 32, item 4).
+ALLOWED_LEAF_INITS = {"hybridflow/config/__init__.py"}
+
+
+def layer_table() -> list[tuple[str, ...]]:
+    """The `packages` column of docs/design.md section 2, bottom layer first."""
+    text = DESIGN.read_text()
+    section = text[text.index("## 2. Layers"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = [line.split("|") for line in section.splitlines() if re.match(r"\|\s*\d+\s*\|", line)]
+    layers = [tuple(re.findall(r"`([\w.]+)`", row[3])) for row in rows]
+    assert layers and all(layers), f"no layer table with a packages column in {DESIGN}"
+    return layers
+
+
+LAYERS = layer_table()
+LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+LEAVES = set(LAYERS[0])
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def unit(module: str) -> str:
+    """The table's name for a hybridflow module: its most specific listed prefix, else its package."""
+    parts = module.split(".")[1:]
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYER_OF:
+            return ".".join(parts[:n])
+    return parts[0] if parts else "hybridflow"
+
+
+def imports(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, imported hybridflow module) for every import in the file, at any depth."""
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against the importing file's package
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from hybridflow.rollout import hf` imports the module hybridflow.rollout.hf
+            targets = [f"{base}.{a.name}" if is_module(f"{base}.{a.name}") else base for a in node.names]
+        else:
+            continue
+        for target in dict.fromkeys(targets):  # once per import statement, in order
+            if target == "hybridflow" or target.startswith("hybridflow."):
+                yield node.lineno, target
+
+
+def sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def upward_imports() -> list[tuple[str, str, str]]:
+    """(file, imported package, message) for each import of a package in the same or a higher layer."""
+    found = []
+    for path in sources():
+        here = unit(module_name(path))
+        for line, target in imports(path):
+            there = unit(target)
+            if there == here or there not in LAYER_OF or here not in LAYER_OF:
+                continue  # within one package; unlisted packages fail test_every_package_is_in_the_table
+            if LAYER_OF[there] >= LAYER_OF[here]:
+                way = "up" if LAYER_OF[there] > LAYER_OF[here] else "sideways"
+                found.append((rel(path), there, f"{rel(path)}:{line}: {here} (layer {LAYER_OF[here]}) imports "
+                              f"{target} ({there}, layer {LAYER_OF[there]}): {way}"))
+    return found
+
+
+def test_every_package_is_in_the_table():
+    packages = {unit(module_name(path)) for path in sources()}
+    assert packages - set(LAYER_OF) == set(), (
+        f"packages missing from the layer table of {rel(DESIGN)}: {sorted(packages - set(LAYER_OF))}")
+    listed = {name for name in LAYER_OF if not is_module(f"hybridflow.{name}") and name != "hybridflow"}
+    assert listed == set(), f"the layer table of {rel(DESIGN)} lists modules that do not exist: {sorted(listed)}"
+
+
+def test_no_package_imports_one_above_it():
+    found = [message for path, there, message in upward_imports() if (path, there) not in ALLOWED]
+    assert not found, ("imports against the layer order of docs/design.md section 2 (move the code down, or "
+                       "pass the object in from above):\n" + "\n".join(found))
+
+
+def test_a_leaf_loads_only_leaves():
+    """Importing a leaf runs its package's __init__ first, so that file may import only leaves too."""
+    found = []
+    for leaf in sorted(LEAVES):
+        parents = leaf.split(".")[:-1]
+        init = PACKAGE.joinpath(*parents, "__init__.py")
+        if not parents or rel(init) in ALLOWED_LEAF_INITS:
+            continue
+        found += [f"{rel(init)}:{line}: imports {target}, so importing the leaf {leaf} loads it"
+                  for line, target in imports(init) if unit(target) not in LEAVES]
+    assert not found, "\n".join(found)
+
+
+def test_allow_list_is_current():
+    needed = {(path, there) for path, there, _ in upward_imports()}
+    assert set(ALLOWED) <= needed, f"allow-list entries no longer needed, remove them: {set(ALLOWED) - needed}"
+    for init in ALLOWED_LEAF_INITS:
+        assert any(unit(target) not in LEAVES for _, target in imports(ROOT / init)), (
+            f"{init} now imports only leaves: remove it from ALLOWED_LEAF_INITS")
