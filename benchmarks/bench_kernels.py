@@ -18,7 +18,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hybridflow.algos.masked import masked_whiten
+from hybridflow.kernels.masked import masked_whiten
 from hybridflow.kernels import (
     fused_linear_logprob_entropy, fused_linear_reference, gae, gae_reference, logprob_entropy,
     logprob_entropy_reference)

@@ -59,7 +59,7 @@ def test_cpu_backend_matches_reference(b, t):
 
 @pytest.mark.parametrize("b, t", [(1, 1), (2, 1), (7, 33), (64, 300)])
 def test_whitening_fused_into_the_cpu_scan_equals_masked_whiten_afterwards(b, t):
-    from hybridflow.algos.masked import masked_whiten
+    from hybridflow.kernels.masked import masked_whiten
 
     r, v, m = _inputs(b, t, seed=b)
     r, v = r * 3 + 5, v * 2  # a mean and scale far from (0, 1), so whitening has work to do
