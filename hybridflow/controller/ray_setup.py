@@ -13,7 +13,7 @@ Ray's token (`RAY_AUTH_MODE=token`; ray.init writes the token to
 ~/.ray/auth_token). Loopback comes from Ray's own single-machine mode
 (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, what Ray does on macOS and Windows):
 the node address is then 127.0.0.1 and Ray binds its servers to it. A
-cluster joined by address keeps its own settings (README: Security).
+cluster joined by address keeps its own settings (SECURITY.md).
 
 A local cluster is also reaped when this process dies without shutting it
 down (kill -9): see reaper.py.
