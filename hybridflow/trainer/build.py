@@ -20,6 +20,8 @@ from hybridflow.config.validate import (PROCESS_LAYOUT_KEYS, ROLES, devices_for,
                                         rollout_apart, uses_critic, uses_ray)
 from hybridflow.controller.local_group import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ResourcePool, pools_from_placement
+from hybridflow.models.bridge import get_bridge
+from hybridflow.models.config import DecoderConfig
 from hybridflow.workers.rl_workers import (ActorGroup, ActorRolloutRefWorker, CriticGroup, CriticWorker,
                                            RewardModelGroup, RewardModelWorker, RolloutGroup, RolloutWorker)
 from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutWorkerSpec, Run
@@ -73,6 +75,25 @@ def critic_spec(cfg: Config) -> CriticWorkerSpec:
     return CriticWorkerSpec(run=_run(cfg), model=cfg.model, path=cfg.critic.model_path or cfg.model.path,
                             critic=cfg.critic, mini_batch_size=cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
                             optimizer_steps=optimizer_steps(cfg), layout=role_layout(cfg, "critic"))
+
+
+def model_tensors(cfg: Config, model: DecoderConfig,
+                  critic_model: Optional[DecoderConfig] = None) -> dict[str, dict[str, list[int]]]:
+    """Checkpoint name ("actor", "critic") -> {Megatron parameter: full shape} of each model the run
+    checkpoints, from the bridge as the engines build them (vocabulary padded for the role's TP; the critic's
+    output layer is its one-value head). Saved with each checkpoint and compared when a run resumes, so a
+    model of another shape is refused before any worker reads a shard."""
+    def table(decoder: DecoderConfig, role: str, value_head: bool) -> dict[str, list[int]]:
+        bridge = get_bridge(decoder, cfg.model.make_vocab_size_divisible_by, role_layout(cfg, role).tp)
+        shapes = bridge.megatron_shapes()
+        if value_head:
+            shapes["output_layer.weight"] = (1, decoder.hidden_size)
+        return {name: list(shape) for name, shape in shapes.items()}
+
+    tables = {"actor": table(model, "training", value_head=False)}
+    if uses_critic(cfg):
+        tables["critic"] = table(critic_model or model, "critic", value_head=True)
+    return tables
 
 
 @dataclass

@@ -109,6 +109,41 @@ def atomic_torch_save(obj: Any, path: Path | str) -> None:
     _atomic_write(path, lambda f: torch.save(obj, f))
 
 
+# --- the models a step was saved from ------------------------------------------
+
+def _first_difference(saved: dict[str, list[int]], here: dict[str, list[int]]) -> Optional[str]:
+    """The first tensor, in the checkpoint's order, that is missing on one side or shaped otherwise."""
+    for name, shape in saved.items():
+        if name not in here:
+            return f"{name} {list(shape)} is in the checkpoint and not in this model"
+        if list(here[name]) != list(shape):
+            return f"{name} is {list(shape)} in the checkpoint and {list(here[name])} in this model"
+    extra = next((name for name in here if name not in saved), None)
+    return None if extra is None else f"{extra} {list(here[extra])} is in this model and not in the checkpoint"
+
+
+def check_models(saved: Any, here: dict[str, dict[str, list[int]]], directory: Path, step: int,
+                 paths: dict[str, str]) -> None:
+    """Refuse to resume from `directory` when the models it was saved from (`saved`, checkpoint name ->
+    {tensor: shape}, as recorded at save time; None for a step saved before they were recorded) differ from
+    this run's (`here`): a CheckpointError naming the step, the model (`paths`) and the first tensor that
+    differs, instead of a KeyError from deep inside a worker's load."""
+    if saved is None:
+        return
+    how = "resume with the model it was saved with, or start over with trainer.resume=disable trainer.overwrite=true"
+    if not (isinstance(saved, dict) and all(isinstance(t, dict) for t in saved.values())):
+        raise CheckpointError(step, f"trainer.resume=auto: {directory}/trainer.json: its 'models' entry is not a "
+                                    "table of tensor shapes; move the step away to resume from an earlier one")
+    for name, tensors in here.items():
+        if name not in saved:
+            raise CheckpointError(step, f"trainer.resume=auto: {directory} holds no {name} (its run had none) and "
+                                        f"this run trains one; {how}")
+        diff = _first_difference(saved[name], tensors)
+        if diff is not None:
+            raise CheckpointError(step, f"trainer.resume=auto: {directory}: its {name} does not fit this run's "
+                                        f"model {paths[name]}: {diff}; {how}")
+
+
 # --- the manager -------------------------------------------------------------
 
 def _pid_alive(pid: int) -> bool:

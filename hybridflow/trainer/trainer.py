@@ -48,8 +48,8 @@ from hybridflow.rewards.registry import DATA_SOURCE_REWARDS, default_reward, get
 from hybridflow.roles.actor import actor_update_plan
 from hybridflow.roles.critic import critic_update_plan
 from hybridflow.trainer import rl_steps as S
-from hybridflow.trainer.build import build_groups, needs_old_log_probs, needs_reference
-from hybridflow.trainer.checkpointing import CheckpointError, CheckpointManager, atomic_write_json
+from hybridflow.trainer.build import build_groups, model_tensors, needs_old_log_probs, needs_reference
+from hybridflow.trainer.checkpointing import CheckpointError, CheckpointManager, atomic_write_json, check_models
 from hybridflow.trainer.interrupt import GracefulInterrupt
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
@@ -113,6 +113,7 @@ class RLTrainer:
         self.model_cfg = load_model_config(cfg.model.path, "model.path")
         critic_cfg = load_model_config(cfg.critic.model_path, "critic.model_path") if cfg.critic.model_path else None
         check_runnable(cfg, self.model_cfg, critic_cfg)  # the last config checks, before any worker starts
+        self.model_tensors = model_tensors(cfg, self.model_cfg, critic_cfg)  # recorded in each checkpoint
         self.tokenizer = load_tokenizer(cfg.model, self.model_cfg)
         self.train_set = PromptDataset(cfg.data, self.tokenizer, cfg.data.train_files)
         self.val_set = PromptDataset(cfg.data, self.tokenizer, cfg.data.val_files) if cfg.data.val_files else None
@@ -370,7 +371,7 @@ class RLTrainer:
     def _write_checkpoint(self, step: int, directory: Path) -> None:
         for group in self._groups():
             group.save(str(directory))  # each rank writes its own shard
-        state = {"step": step, "kl_coef": self.kl_ctrl.value}
+        state = {"step": step, "kl_coef": self.kl_ctrl.value, "models": self.model_tensors}
         if self.sampler.adaptive:
             state["sampler"] = self.sampler.state_dict()
         atomic_write_json(directory / "trainer.json", state)
@@ -403,6 +404,8 @@ class RLTrainer:
             return 0
         step, directory = found
         state = _trainer_state(directory, step)  # before any shard loads: a bad one fails fast, naming the file
+        paths = {"actor": self.cfg.model.path, "critic": self.cfg.critic.model_path or self.cfg.model.path}
+        check_models(state.get("models"), self.model_tensors, directory, step, paths)
         self._restore_sampler(state, directory / "trainer.json", step)
         for group in self._groups():
             group.load(str(directory))

@@ -203,3 +203,44 @@ def test_an_emptied_step_and_a_binary_marker_fall_back_too(tmp_path, caplog):
                                               r"unreadable; step_000020: .*; step_000030: it is empty\)"):
         mgr.resume_point()  # a resume does not quietly start over (that would prune these steps)
     assert CheckpointManager(tmp_path / "new", keep_last=0).resume_point() is None  # never saved: start
+
+
+def test_a_model_of_another_shape_is_named_by_its_first_differing_tensor(tmp_path):
+    """check_models compares the tensor tables a step was saved with (trainer.json's "models") with this
+    run's: the first difference, in the checkpoint's order, names the tensor and both shapes."""
+    import dataclasses
+
+    from hybridflow.config import load_config
+    from hybridflow.models.config import DecoderConfig
+    from hybridflow.trainer.build import model_tensors
+    from hybridflow.trainer.checkpointing import check_models
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = load_config(os.path.join(root, "configs/tiny-ppo.yaml"))
+    demo = DecoderConfig.from_pretrained(os.path.join(root, "hybridflow/assets/demo_model"))  # 4 layers
+    saved = model_tensors(cfg, demo)
+    assert set(saved) == {"actor", "critic"} and saved["critic"]["output_layer.weight"] == [1, 128]
+    paths = {"actor": "/m/three", "critic": "/m/three"}
+
+    def refused(**change) -> str:
+        here = model_tensors(cfg, dataclasses.replace(demo, layer_windows=[], **change))
+        with pytest.raises(CheckpointError) as err:
+            check_models(saved, here, tmp_path / "step_000004", 4, paths)
+        assert err.value.step == 4 and "\n" not in str(err.value)
+        return str(err.value)
+
+    check_models(saved, model_tensors(cfg, demo), tmp_path, 4, paths)  # the same model: nothing to say
+    check_models(None, {}, tmp_path, 4, paths)  # saved before the tables were recorded: nothing to check
+    line = refused(num_layers=3)
+    assert line.startswith(f"trainer.resume=auto: {tmp_path}/step_000004: its actor does not fit this run's model "
+                           "/m/three: decoder.layers.3.input_layernorm.weight [128] is in the checkpoint and not in "
+                           "this model;")
+    assert "decoder.layers.0.mlp.linear_fc1.weight is [768, 128] in the checkpoint and [512, 128] in this " \
+           "model" in refused(intermediate_size=256)
+    assert "decoder.layers.4.input_layernorm.weight [128] is in this model and not in the checkpoint" in \
+        refused(num_layers=5)
+    with pytest.raises(CheckpointError, match=r"step_000004 holds no critic \(its run had none\)"):
+        check_models({"actor": saved["actor"]}, saved, tmp_path / "step_000004", 4, paths)
+    with pytest.raises(CheckpointError, match=r"trainer.json: its 'models' entry is not a table"):
+        check_models(["x"], saved, tmp_path, 4, paths)
+

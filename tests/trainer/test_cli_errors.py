@@ -616,3 +616,32 @@ def test_debug_shows_the_traceback_instead_of_the_line(tmp_path, capsys, repo):
         main(["--debug", *TRAIN, f"trainer.output_dir={tmp_path}", "actor.optim.lr=-1"])
     assert main([*TRAIN, f"trainer.output_dir={tmp_path}", "actor.optim.lr=-1"]) == 2
     assert "hybridflow: error: actor.optim.lr" in capsys.readouterr().err
+
+
+def _fewer_layers(d: Path):
+    """The demo model (4 layers) cut to its first 3."""
+    from safetensors.torch import load_file, save_file
+
+    _config_json(num_hidden_layers=3)(d)
+    weights = load_file(d / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if ".layers.3." not in k}, d / "model.safetensors")
+
+
+def test_resuming_with_a_model_of_another_shape_gets_one_line(previous_run, tmp_path, capsys, repo, monkeypatch):
+    """It ended in `KeyError: 'decoder.layers.3.input_layernorm.weight'` from a worker's load, with a traceback.
+    The controller now compares the tensors the step was saved with against this run's model first."""
+    from hybridflow.engine.megatron import MegatronEngine
+
+    def load(*_):
+        raise AssertionError("a worker read a shard before the model was checked")
+
+    monkeypatch.setattr(MegatronEngine, "load", load)
+    shutil.copytree(previous_run, tmp_path / "out")
+    model = _model(tmp_path, "three_layers", _fewer_layers)
+    argv = [*TRAIN, "trainer.total_steps=2", "trainer.resume=auto", f"trainer.output_dir={tmp_path / 'out'}",
+            f"model.path={model}"]
+    step = tmp_path / "out" / "tiny-grpo" / "checkpoints" / "step_000001"
+    _assert_line(_one_line(argv, capsys), 1, f"trainer.resume=auto: {step}: its actor does not fit this run's model "
+                                             f"{model}: decoder.layers.3.input_layernorm.weight [128] is in the "
+                                             "checkpoint and not in this model; resume with the model it was saved "
+                                             "with, or start over")
