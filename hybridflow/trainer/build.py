@@ -11,6 +11,7 @@ before this.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -94,6 +95,13 @@ def model_tensors(cfg: Config, model: DecoderConfig,
     if uses_critic(cfg):
         tables["critic"] = table(critic_model or model, "critic", value_head=True)
     return tables
+
+
+def weights_bytes(cfg: Config, tables: dict[str, dict[str, list[int]]]) -> int:
+    """The least a checkpoint of these models (`model_tensors`) takes on disk: their weights in model.dtype.
+    Adam's state, saved beside them once the optimizer has stepped, comes on top."""
+    per_value = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
+    return per_value * sum(math.prod(shape) for table in tables.values() for shape in table.values())
 
 
 @dataclass

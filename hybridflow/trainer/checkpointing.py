@@ -38,12 +38,32 @@ _PARTIAL = re.compile(r"^\.(tmp|old|pruned)-(step_\d+)-(\d+)$")
 HASHED_UP_TO = 1 << 20
 
 
-class CheckpointError(OSError):
-    """A checkpoint step could not be saved; earlier checkpoints are untouched."""
+# A write that fails for want of space: the errnos, and the texts that say so where no errno survives (torch's
+# zip writer reports a short write as "[enforce fail at inline_container.cc:672] . unexpected pos N vs M"; a
+# worker's error arrives on the controller as text).
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_TEXTS = ("unexpected pos", "PytorchStreamWriter failed writing", os.strerror(errno.ENOSPC),
+               os.strerror(errno.EDQUOT))
+# A failed write with less than this left on its filesystem is taken as the disk filling up.
+_NEARLY_FULL = 1 << 20
 
-    def __init__(self, step: int, message: str):
+
+class CheckpointError(OSError):
+    """A checkpoint step could not be saved (earlier checkpoints are untouched), or not resumed from.
+
+    One for a full disk carries errno ENOSPC and the step directory as its filename, as an OSError would, so
+    whoever reports full disks (the CLI) names it; its text is then "<what happened>: <directory>".
+    """
+
+    def __init__(self, step: int, message: str, code: Optional[int] = None, path: Optional[Path] = None):
         self.step = step
-        super().__init__(message)
+        if code is None:
+            super().__init__(message)
+        else:
+            super().__init__(code, message, str(path))
+
+    def __str__(self) -> str:
+        return super().__str__() if self.errno is None else f"{self.strerror}: {self.filename}"
 
 
 def step_dirname(step: int) -> str:
@@ -146,6 +166,25 @@ def check_models(saved: Any, here: dict[str, dict[str, list[int]]], directory: P
 
 # --- the manager -------------------------------------------------------------
 
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,} bytes"
+
+
+def _ran_out_of_space(exc: Optional[BaseException]) -> bool:
+    """Whether `exc` or an error it was raised from says the disk (or the quota) is full."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        code = exc.errno if isinstance(exc, OSError) else (getattr(exc, "os_error", None) or (None,))[0]
+        if code in _FULL_ERRNOS or any(text in str(exc) for text in _FULL_TEXTS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -241,14 +280,23 @@ class CheckpointManager:
                 return f"{name} is not the file that was saved (same size, other content)"
         return None
 
-    def save(self, step: int, write: Callable[[Path], None]) -> Path:
+    def save(self, step: int, write: Callable[[Path], None], expected_bytes: int = 0) -> Path:
         """Run `write(tmp_dir)`, then publish tmp_dir as `root/step_XXXXXX` and return it.
 
-        If `write` (or the fsync) fails, the temporary directory is removed,
-        existing checkpoints and the marker are left as they were, and a
-        CheckpointError naming the step is raised from the original error.
+        First the free space is checked against what the step will take: the
+        newest saved step's size, or `expected_bytes` (the caller's floor) if
+        larger; too little is a full-disk CheckpointError before anything is
+        written. If `write` (or the fsync) fails, the temporary directory is
+        removed, existing checkpoints and the marker are left as they were,
+        and a CheckpointError naming the step is raised from the original
+        error; a full-disk one when the error says the space ran out.
         """
         final = self.step_dir(step)
+        need, free = max(expected_bytes, self._newest_size()), shutil.disk_usage(self.root).free
+        if need > free:
+            raise CheckpointError(step, f"checkpoint step {step} was not saved: No space left on device (it needs "
+                                        f"about {_size(need)}, {_size(free)} are free; nothing was written, earlier "
+                                        "checkpoints are untouched)", errno.ENOSPC, final)
         tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -259,7 +307,13 @@ class CheckpointManager:
             atomic_write_json(tmp / MANIFEST, {"step": step, "files": files, "sha256": digests})
             _fsync_tree(tmp)
         except Exception as exc:
+            full = _ran_out_of_space(exc) or shutil.disk_usage(self.root).free < _NEARLY_FULL
             shutil.rmtree(tmp, ignore_errors=True)
+            said = (str(exc).strip().splitlines() or [""])[0]
+            if full:
+                raise CheckpointError(step, f"checkpoint step {step} was not saved: No space left on device "
+                                            f"({type(exc).__name__}: {said}; earlier checkpoints are untouched)",
+                                      errno.ENOSPC, final) from exc
             raise CheckpointError(step, f"checkpoint step {step} was not saved to {final}: "
                                         f"{type(exc).__name__}: {exc}") from exc
         except BaseException:  # KeyboardInterrupt: clean up, re-raise unchanged
@@ -269,6 +323,13 @@ class CheckpointManager:
         self._write_marker(final.name)
         self._prune(step)
         return final
+
+    def _newest_size(self) -> int:
+        """Bytes in the newest step directory (0 when none): what the next save will take, about."""
+        steps = self.all_steps()
+        if not steps:
+            return 0
+        return sum(p.stat().st_size for p in self.step_dir(steps[-1]).rglob("*") if p.is_file())
 
     def _publish(self, tmp: Path, final: Path) -> None:
         if final.exists():

@@ -48,7 +48,8 @@ from hybridflow.rewards.registry import DATA_SOURCE_REWARDS, default_reward, get
 from hybridflow.roles.actor import actor_update_plan
 from hybridflow.roles.critic import critic_update_plan
 from hybridflow.trainer import rl_steps as S
-from hybridflow.trainer.build import build_groups, model_tensors, needs_old_log_probs, needs_reference
+from hybridflow.trainer.build import (build_groups, model_tensors, needs_old_log_probs, needs_reference,
+                                      weights_bytes)
 from hybridflow.trainer.checkpointing import CheckpointError, CheckpointManager, atomic_write_json, check_models
 from hybridflow.trainer.interrupt import GracefulInterrupt
 from hybridflow.trainer.plot import plot_run
@@ -377,20 +378,31 @@ class RLTrainer:
         atomic_write_json(directory / "trainer.json", state)
 
     def save_checkpoint(self, step: int) -> Path:
+        floor = weights_bytes(self.cfg, self.model_tensors)  # the free space a save needs at least
         if not self.spmd_driver:
-            return self.ckpt.save(step, lambda d: self._write_checkpoint(step, d))
+            return self.ckpt.save(step, lambda d: self._write_checkpoint(step, d), floor)
         # Under torchrun every rank drives: rank 0 owns the directory (tmp,
         # rename, pruning) and tells the others where to write their shards.
         import torch.distributed as dist
 
+        told = []
+
         def write(directory: Path) -> None:
             dist.broadcast_object_list([str(directory)], src=0)
+            told.append(directory)
             self._write_checkpoint(step, directory)
 
         if dist.get_rank() == 0:
-            return self.ckpt.save(step, write)
+            try:
+                return self.ckpt.save(step, write, floor)
+            except CheckpointError as exc:
+                if not told:  # refused before writing (too little free space): the others wait to hear where
+                    dist.broadcast_object_list([(exc.strerror or str(exc), exc.errno, exc.filename)], src=0)
+                raise
         where = [None]
         dist.broadcast_object_list(where, src=0)
+        if isinstance(where[0], tuple):
+            raise CheckpointError(step, *where[0])
         for group in self._groups():
             group.save(where[0])
         return Path(where[0])

@@ -244,3 +244,61 @@ def test_a_model_of_another_shape_is_named_by_its_first_differing_tensor(tmp_pat
     with pytest.raises(CheckpointError, match=r"trainer.json: its 'models' entry is not a table"):
         check_models(["x"], saved, tmp_path, 4, paths)
 
+
+def test_too_little_free_space_is_a_full_disk_before_anything_is_written(tmp_path, monkeypatch):
+    """The free space is checked against the newest step's size (or the caller's floor, if larger) first."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    good = mgr.save(10, _writer("good"))
+    size = sum(p.stat().st_size for p in good.rglob("*") if p.is_file())
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - size + 1, size - 1))
+    written = []
+    with pytest.raises(CheckpointError) as err:
+        mgr.save(20, written.append)
+    assert written == [] and err.value.errno == errno.ENOSPC and err.value.step == 20
+    assert str(err.value) == (f"checkpoint step 20 was not saved: No space left on device (it needs about {size:,} "
+                              f"bytes, {size - 1:,} bytes are free; nothing was written, earlier checkpoints are "
+                              f"untouched): {tmp_path}/step_000020")
+    assert mgr.latest() == (10, good) and _hidden(tmp_path) == []
+    with pytest.raises(CheckpointError, match=r"it needs about 2.0 MiB, [\d,]+ bytes are free"):
+        CheckpointManager(tmp_path / "first", keep_last=2).save(1, _writer("a"), expected_bytes=2 << 20)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - size, size))
+    assert mgr.save(20, _writer("fits")) == tmp_path / "step_000020"  # exactly enough is enough
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4992 vs 4880"),  # torch.save's zip
+    OSError(28, "No space left on device"),
+    OSError(122, "Disk quota exceeded"),
+], ids=["torch zip writer", "ENOSPC", "EDQUOT"])
+def test_a_writer_running_out_of_space_is_a_full_disk_naming_the_step(tmp_path, error):
+    import errno
+
+    mgr = CheckpointManager(tmp_path, keep_last=1)
+    good = mgr.save(10, _writer("good"))
+
+    def write(d):
+        (d / "shard_0.bin").write_bytes(b"x" * 1000)  # part-way through
+        raise error
+
+    with pytest.raises(CheckpointError) as err:
+        mgr.save(20, write)
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(tmp_path / "step_000020")
+    assert str(err.value).startswith("checkpoint step 20 was not saved: No space left on device (")
+    assert str(error).splitlines()[0] in str(err.value) and str(err.value).endswith(str(tmp_path / "step_000020"))
+    assert err.value.__cause__ is error
+    assert mgr.latest() == (10, good) and mgr.all_steps() == [10] and _hidden(tmp_path) == []
+
+
+def test_other_write_errors_stay_what_they_are(tmp_path):
+    def write(d):
+        raise RuntimeError("the worker died")
+
+    with pytest.raises(CheckpointError) as err:
+        CheckpointManager(tmp_path, keep_last=1).save(3, write)
+    assert err.value.errno is None
+    assert str(err.value) == f"checkpoint step 3 was not saved to {tmp_path}/step_000003: RuntimeError: the worker died"
