@@ -4,37 +4,31 @@ The process joins `torch.distributed` (`hybridflow.parallel.process_group`)
 and then initialises megatron-core's model-parallel groups for a layout.
 Nothing here assumes a world of one: the rank and sizes always come from the
 process group. The layout was checked against the device count and the
-model when the config was validated (`config/validate.py`).
+model when the config was validated (`config/validate.py`); the layout this
+returns is the `ParallelDims` the rest of the run uses (the run plan's, when
+one is given), so no second description of where a rank sits exists.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Optional
 
 import torch.distributed as dist
 
 from hybridflow.config.schema import ParallelConfig
+from hybridflow.parallel.layout import ParallelDims
 from hybridflow.parallel.process_group import init_process_group
 
-__all__ = ["Layout", "destroy", "init_model_parallel", "init_process_group"]
+__all__ = ["destroy", "init_model_parallel", "init_process_group"]
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where this process sits: ranks and sizes of its Megatron groups."""
+def init_model_parallel(parallel: ParallelConfig, device: str = "cpu",
+                        layout: Optional[ParallelDims] = None) -> ParallelDims:
+    """Initialise megatron-core's TP/PP/CP/DP groups for `parallel` (idempotent per layout); returns the
+    layout over the process group's world.
 
-    world: int
-    rank: int
-    tp: int
-    pp: int
-    cp: int
-    dp: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-
-
-def init_model_parallel(parallel: ParallelConfig, device: str = "cpu") -> Layout:
-    """Initialise megatron-core's TP/PP/CP/DP groups for `parallel` (idempotent per layout)."""
+    layout: the run plan's layout for this role; it must be the one the world and `parallel`'s degrees
+        make (else ValueError). This rank's coordinates in it are megatron-core's own ranks (checked).
+    """
     from megatron.core import parallel_state as ps
 
     init_process_group(device)
@@ -42,6 +36,9 @@ def init_model_parallel(parallel: ParallelConfig, device: str = "cpu") -> Layout
     size = parallel.tp * parallel.pp * parallel.cp
     if world % size:
         raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {size}")
+    dims = ParallelDims.for_world(world, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp)
+    if layout is not None and layout != dims:
+        raise ValueError(f"the run plan's layout {layout} is not the {dims} of this world and {parallel}")
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                 ps.get_context_parallel_world_size())
@@ -53,9 +50,13 @@ def init_model_parallel(parallel: ParallelConfig, device: str = "cpu") -> Layout
             tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
             context_parallel_size=parallel.cp,
             virtual_pipeline_model_parallel_size=parallel.virtual_pp)
-    return Layout(world=world, rank=dist.get_rank(), tp=parallel.tp, pp=parallel.pp, cp=parallel.cp,
-                  dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-                  pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank())
+    here = dims.coord(dist.get_rank())
+    megatron = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    if (here.tp, here.pp, here.dp, dims.dp) != megatron:
+        raise RuntimeError(f"rank {dist.get_rank()} sits at {here} of {dims}, but megatron-core gives it "
+                           f"tp, pp, dp rank and dp size {megatron}")
+    return dims
 
 
 def destroy() -> None:

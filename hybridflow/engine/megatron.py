@@ -34,13 +34,14 @@ from hybridflow.config.schema import OptimConfig, ParallelConfig
 from hybridflow.data import fields as F
 from hybridflow.data.batch import pad_with_empty_rows
 from hybridflow.engine.build import HiddenOutput, RopePositions, build_model, transformer_config, use_fused_adam
-from hybridflow.engine.distributed import Layout, init_model_parallel
+from hybridflow.engine.distributed import init_model_parallel
 from hybridflow.engine.packing import (left_align_index, pack_rows, share_prompt_rows, to_cpu, unalign,
                                        unpack_sequences, unshare_rows)
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.checkpoint import resolve_dtype
 from hybridflow.models.config import DecoderConfig
 from hybridflow.models.sharding import unshard_tensor
+from hybridflow.parallel.layout import Coord, ParallelDims
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
@@ -77,24 +78,31 @@ class MegatronEngine:
     positions only, fused with the log-prob (`kernels.fused_linear`), so no
     [tokens, vocab] logits are ever held. `self.fused_output` says which.
     layer_kernels=True (on CPU) runs the norms, SwiGLU and RoPE as one-pass C++ kernels (engine/cpu_layers.py).
+    layout: the run plan's `ParallelDims` for this role (checked against the process group); without one
+    the layout is the world's at `parallel`'s degrees. `self.layout` is it, and `self.coord` this rank's
+    place in it; `parallel` supplies the settings a layout does not hold (virtual_pp, sequence_parallel,
+    distributed_optimizer).
     """
 
     def __init__(self, model_cfg: DecoderConfig, parallel: ParallelConfig,
                  optim: Optional[OptimConfig] = None, *, device: str = "cpu", dtype: str = "float32",
                  make_vocab_size_divisible_by: int = 128, value_head: bool = False,
-                 total_steps: int = 1, seed: int = 0, fused_output: bool = False, layer_kernels: bool = True):
+                 total_steps: int = 1, seed: int = 0, fused_output: bool = False, layer_kernels: bool = True,
+                 layout: Optional[ParallelDims] = None):
         if device == "cpu":
             from hybridflow.engine import cpu_compat
             cpu_compat.apply()
         self.cfg, self.parallel, self.device = model_cfg, parallel, device
         self.dtype = resolve_dtype(dtype)
         self.value_head = value_head
-        self.layout: Layout = init_model_parallel(parallel, device)
+        self.layout: ParallelDims = init_model_parallel(parallel, device, layout)
+        self.rank = dist.get_rank()
+        self.coord: Coord = self.layout.coord(self.rank)
         # The vocab-parallel (tp > 1) log-prob needs the sharded logits; there the layer stays.
-        self.fused_output = fused_output and not value_head and parallel.tp == 1
+        self.fused_output = fused_output and not value_head and self.layout.tp == 1
         from megatron.core import tensor_parallel
         tensor_parallel.model_parallel_cuda_manual_seed(seed)  # Megatron's named RNG streams
-        self.bridge = get_bridge(model_cfg, make_vocab_size_divisible_by, parallel.tp)
+        self.bridge = get_bridge(model_cfg, make_vocab_size_divisible_by, self.layout.tp)
         self.tconfig = transformer_config(model_cfg, parallel, self.dtype, device, layer_kernels)
         self.rope = RopePositions()  # per-row positions for shared-prompt rows (`_forward_step`)
         self.module = build_model(model_cfg, self.tconfig, self.bridge.padded_vocab, self.dtype, self.torch_device,
@@ -197,7 +205,7 @@ class MegatronEngine:
 
     def _tied_output_copy(self) -> bool:
         """The last stage's copy of a tied embedding (pp > 1): loaded from the embedding, never exported."""
-        return (self.cfg.tie_word_embeddings and not self.value_head and self.parallel.pp > 1
+        return (self.cfg.tie_word_embeddings and not self.value_head and self.layout.pp > 1
                 and "output_layer.weight" in self.named_params())
 
     def load_hf_state_dict(self, hf: dict[str, Tensor]) -> None:
@@ -220,7 +228,7 @@ class MegatronEngine:
         """Copy this rank's slices, as `read` (a `bridge.SliceReader`) gives them, into its parameters in
         place (DDP buffers keep their storage)."""
         params = self.named_params()
-        tp_rank, tp = self.layout.tp_rank, self.layout.tp
+        tp_rank, tp = self.coord.tp, self.layout.tp
         self.bridge.check_hf_names(read.keys())
         for entry, local in self.stage_entries():
             params[local].copy_(self.bridge.read_shard(entry, read, tp_rank, tp))
@@ -266,20 +274,20 @@ class MegatronEngine:
         rank holds at most its own and one other stage's; `traffic` counts
         every broadcast a rank joins, and the bytes of the ones it receives.
         """
-        if self.parallel.pp == 1:
+        if self.layout.pp == 1:
             yield mine
             return
         from megatron.core import parallel_state as ps
 
         group = ps.get_pipeline_model_parallel_group()
         for stage, src in enumerate(dist.get_process_group_ranks(group)):
-            own = stage == self.layout.pp_rank
+            own = stage == self.coord.pp
             box = [to_cpu(mine) if own else None]
             dist.broadcast_object_list(box, src=src, group=group)
             if traffic is not None:
                 size = sum(t.numel() * t.element_size() for t in box[0].values())
                 if own:  # the root sends its stage to every other stage
-                    traffic.add(0, size * (self.parallel.pp - 1))
+                    traffic.add(0, size * (self.layout.pp - 1))
                 else:
                     traffic.add(size)
             yield box[0]
@@ -288,7 +296,7 @@ class MegatronEngine:
         """The model in HF names, one pipeline stage at a time (a generator every rank must run through):
         what a streamed export writes as it goes."""
         for part in self.each_stage(self.stage_state()):
-            yield self.bridge.megatron_to_hf(part, partial=self.parallel.pp > 1)
+            yield self.bridge.megatron_to_hf(part, partial=self.layout.pp > 1)
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The full model in HF names and layout (gathered over TP, then stage by stage over PP)."""
@@ -298,7 +306,7 @@ class MegatronEngine:
 
     def generation_state(self) -> dict[str, Tensor]:
         """Generation-layout names -> *views* of this rank's parameters (tp = pp = 1: the whole model)."""
-        if self.layout.tp > 1 or self.parallel.pp > 1:
+        if self.layout.tp > 1 or self.layout.pp > 1:
             raise NotImplementedError("a sharded engine has no whole-model views; gather it (full_state)")
         return self.bridge.megatron_to_generation(self.named_params())
 
@@ -359,15 +367,15 @@ class MegatronEngine:
 
         if not forward_only and self.optimizer is None:
             raise RuntimeError("this engine is frozen (built without an optimizer)")
-        if packed and (self.parallel.pp > 1 or any(w is not None for w in self.cfg.layer_windows)):
+        if packed and (self.layout.pp > 1 or any(w is not None for w in self.cfg.layer_windows)):
             raise ValueError("packed micro-batches need pp = 1 and full attention in every layer")
-        if share_prompts and (packed or self.parallel.pp > 1 or self.parallel.cp > 1
+        if share_prompts and (packed or self.layout.pp > 1 or self.layout.cp > 1
                               or any(w is not None for w in self.cfg.layer_windows)):
             raise ValueError("shared-prompt micro-batches need pp = 1, cp = 1, full attention in every layer "
                              "and no token packing")
         rows = [len(mb[F.INPUT_IDS]) for mb in micro_batches]
         size = max(rows)
-        data = [(pad_with_empty_rows(mb, size) if self.parallel.pp > 1 else mb, n) for mb, n in zip(micro_batches, rows)]
+        data = [(pad_with_empty_rows(mb, size) if self.layout.pp > 1 else mb, n) for mb, n in zip(micro_batches, rows)]
         self.model.train(not forward_only)
         with torch.set_grad_enabled(not forward_only):
             reports = get_forward_backward_func()(
@@ -378,7 +386,7 @@ class MegatronEngine:
         return self._from_last_stage(to_cpu(reports))  # reports leave the engine as CPU tensors, like batches
 
     def _from_last_stage(self, reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        if self.parallel.pp == 1:
+        if self.layout.pp == 1:
             return reports
         from megatron.core import parallel_state as ps
 
@@ -448,8 +456,8 @@ class MegatronEngine:
 
     def shard_path(self, directory: Path) -> Path:
         """This rank's file inside a checkpoint directory."""
-        lay = self.layout
-        return Path(directory) / f"engine_tp{lay.tp_rank}_pp{lay.pp_rank}_dp{lay.dp_rank}.pt"
+        c = self.coord
+        return Path(directory) / f"engine_tp{c.tp}_pp{c.pp}_dp{c.dp}.pt"
 
     def save(self, directory: Path) -> None:
         """Write this rank's shard (`state_dict`) into `directory`."""

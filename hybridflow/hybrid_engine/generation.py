@@ -34,7 +34,7 @@ class ViewWeights:
 
     def __init__(self, engine: MegatronEngine):
         self.model = generation_model(engine)
-        self.mesh = (engine.layout.rank, engine.layout.world, True)  # (replica, replicas, answers)
+        self.mesh = (engine.rank, engine.layout.world_size, True)  # (replica, replicas, answers)
 
     def release(self) -> None:
         """Nothing to free: the views are the training weights."""

@@ -20,13 +20,13 @@ from hybridflow.models.sharding import unshard_tensor
 def training_shard(engine) -> Optional[dict[str, Any]]:
     """{"tp_rank", "tp", "tensors": global megatron name -> this rank's piece}; None outside replica 0
     (the other replicas hold the same pieces)."""
-    lay = engine.layout
-    if lay.dp_rank != 0:
+    here = engine.coord
+    if here.dp != 0:
         return None
     params = engine.named_params()
     tensors = {e.megatron: params[local].detach().cpu() for e, local in engine.stage_entries()
-               if lay.tp_rank == 0 or e.shard.dim is not None}
-    return {"tp_rank": lay.tp_rank, "tp": lay.tp, "tensors": tensors}
+               if here.tp == 0 or e.shard.dim is not None}
+    return {"tp_rank": here.tp, "tp": engine.layout.tp, "tensors": tensors}
 
 
 def assemble(shards: Iterable[Optional[dict[str, Any]]], bridge: LlamaBridge) -> dict[str, torch.Tensor]:

@@ -50,7 +50,7 @@ from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel
 from hybridflow.hybrid_engine.traffic import Traffic
 from hybridflow.models.decoder import Decoder
 from hybridflow.models.sharding import shard_tensor, unshard_tensor
-from hybridflow.parallel.layout import Coord, ParallelDims
+from hybridflow.parallel.layout import Coord
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
@@ -70,26 +70,25 @@ class GroupedWeights:
 
     def __init__(self, engine: MegatronEngine, tg: int, grouping: str = "hybridflow",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        lay = engine.layout
+        train, rank = engine.layout, engine.rank  # the training layout, as the engine (and the run plan) hold it
         self.engine, self.tg, self.grouping, self.bucket_bytes = engine, tg, grouping, bucket_bytes
-        self.dims = ParallelDims(tp=lay.tp, pp=lay.pp, dp=lay.dp)
-        if grouping == "full" and lay.dp > 1:
+        if grouping == "full" and train.dp > 1:
             raise ValueError("the 'full' baseline gathers within one training replica; it is built for d = 1, "
-                             f"got d = {lay.dp}")
+                             f"got d = {train.dp}")
         element = torch.empty((), dtype=engine.dtype).element_size()
-        self.plan = plan_reshard(bridge_params(engine.bridge, element), self.dims, GenLayout(tg=tg), grouping)
-        me = self.plan.gen_coords[lay.rank]
+        self.plan = plan_reshard(bridge_params(engine.bridge, element), train, GenLayout(tg=tg), grouping)
+        me = self.plan.gen_coords[rank]
         self.tg_rank = me.tg_rank
-        index, count = self.plan.generation_replica(lay.rank)
+        index, count = self.plan.generation_replica(rank)
         self.mesh = (index, count, me.tg_rank == 0)  # the generation replica this rank serves; who answers
         self.entries = {e.megatron: e for e in engine.bridge.entries()}
         # k consecutive TP ranks of one stage gather among themselves: a micro-DP group (hybridflow), or
         # the whole TP group (vanilla: everything, then cut); `full` uses megatron's TP group per tensor.
-        self.k = lay.tp // tg if grouping == "hybridflow" else lay.tp
-        gather = [[self.dims.rank(Coord(tp=j * self.k + i, cp=0, dp=d, pp=s)) for i in range(self.k)]
-                  for d in range(lay.dp) for s in range(lay.pp) for j in range(lay.tp // self.k)]
-        self.gather_group = _new_groups(gather)[lay.rank]
-        gen_tp = _new_groups([list(g) for g in self.plan.gen_tp_groups])[lay.rank]
+        self.k = train.tp // tg if grouping == "hybridflow" else train.tp
+        gather = [[train.rank(Coord(tp=j * self.k + i, cp=0, dp=d, pp=s)) for i in range(self.k)]
+                  for d in range(train.dp) for s in range(train.pp) for j in range(train.tp // self.k)]
+        self.gather_group = _new_groups(gather)[rank]
+        gen_tp = _new_groups([list(g) for g in self.plan.gen_tp_groups])[rank]
         parallel = GroupTensorParallel(gen_tp, engine.bridge.padded_vocab) if tg > 1 else None
         model = Decoder(engine.cfg, parallel) if parallel is not None else Decoder(engine.cfg)
         self.model = model.to(device=engine.torch_device, dtype=engine.dtype).eval()
@@ -192,6 +191,6 @@ def _refuse_released(*args, **kwargs):
 
 def generation_weights(engine: MegatronEngine, tg: int = 1, grouping: str = "hybridflow"):
     """The actor's generation weights: views at tp = pp = 1, else a `GroupedWeights` at `tg`."""
-    if engine.layout.tp == 1 and engine.parallel.pp == 1:
+    if engine.layout.tp == 1 and engine.layout.pp == 1:
         return ViewWeights(engine)
     return GroupedWeights(engine, tg, grouping)

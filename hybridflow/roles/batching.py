@@ -181,7 +181,7 @@ def response_log_probs(output: Tensor, batch: dict[str, Tensor], engine,
     if tp == 1:
         return logprob_entropy(logits[..., :vocab], labels)
     width = logits.shape[-1]
-    start = engine.layout.tp_rank * width
+    start = engine.coord.tp * width
     padded = torch.arange(start, start + width, device=logits.device) >= vocab
     if padded.any():
         logits = logits.masked_fill(padded, -1e30)

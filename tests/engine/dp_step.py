@@ -22,7 +22,7 @@ def main(out: str) -> None:
     cfg, hf, batch, optim, actor_cfg = dp_case()
     engine = MegatronEngine(cfg, ParallelConfig(), optim, total_steps=10)
     engine.load_hf_state_dict(hf)
-    rank, world = engine.layout.dp_rank, engine.layout.dp
+    rank, world = engine.coord.dp, engine.layout.dp
     assert world == 2, world
     actor = Actor(actor_cfg, engine)
     rows, steps = rows_for_plan(batch, actor.plan(len(batch[F.INPUT_IDS]), step=0, replicas=world)[rank])

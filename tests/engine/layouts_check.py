@@ -52,7 +52,7 @@ def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str) -> dict:
     generation = GroupedWeights(actor_engine, 1)  # tg = 1: every rank gathers the whole model
     layout = actor_engine.layout
     rows = len(case.batch["input_ids"])
-    mine, steps = rows_for_plan(case.batch, actor.plan(rows, step=0, replicas=layout.dp)[layout.dp_rank])
+    mine, steps = rows_for_plan(case.batch, actor.plan(rows, step=0, replicas=layout.dp)[actor_engine.coord.dp])
     out["metrics"] = actor.update_share(mine, steps)
     out["weights"] = actor_engine.hf_state_dict()
     gen = dict(generation.model.named_parameters())
@@ -77,7 +77,7 @@ def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str) -> dict:
     if (tp, pp) in ((2, 2), (2, 1)):
         shards = os.path.join(ckpt_dir, f"tp{tp}_pp{pp}")
         actor_engine.save(shards)
-        steps = actor.plan(rows, step=1, replicas=layout.dp)[layout.dp_rank]
+        steps = actor.plan(rows, step=1, replicas=layout.dp)[actor_engine.coord.dp]
         again = actor.update_share(*rows_for_plan(case.batch, steps))
         restored = MegatronEngine(case.cfg, parallel, case.optim, total_steps=10)
         restored.load(shards)

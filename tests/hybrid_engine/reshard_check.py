@@ -30,7 +30,7 @@ def run(tp: int, pp: int, tg: int, hf_path: str) -> dict:
     case = layout_case(hf_path)
     engine = MegatronEngine(case.cfg, ParallelConfig(tp=tp, pp=pp), case.optim, total_steps=10)
     engine.load_hf_checkpoint(hf_path)
-    rank, out = engine.layout.rank, {}
+    rank, out = engine.rank, {}
     switches = {g: GroupedWeights(engine, tg, g) for g in GROUPINGS}
     for g, weights in switches.items():
         out[g] = {"one_bucket": weights.refresh(), "planned_bytes": weights.plan.bytes_received(rank),
