@@ -13,7 +13,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.config.schema import Config
 from hybridflow.config.validate import validate
 from hybridflow.utils import nearest_name, shown_value

@@ -1,24 +1,26 @@
-"""Every cross-field check of a config: combinations of values that cannot run.
+"""Every config check: combinations of values that cannot run, and what the files named cannot give.
 
 Single values are type-checked by the loader; here live the rules that tie
 keys together, each failure a `ConfigError` naming the key path to change.
-This module is the one home of such checks (docs/architecture.md, "Where a
-change goes"); nothing downstream re-checks them.
+This module is the one place a `ConfigError` about a config is raised
+(docs/architecture.md, "Where a change goes"); nothing downstream re-checks
+these. What the config implies (devices, layouts, replicas, multiples) is
+not computed here but in the run plan (`config/plan.py`), which the later
+checks are handed.
 
-Two entry points, both run before any worker starts:
+Three entry points, all run before any worker starts:
 
 - `validate(cfg)`: the config alone (placement, layouts, batch sizes,
   sampling, registry names). `load_config` calls it.
-- `check_runnable(cfg, model)`: what also needs the world outside the
-  config: the model's own shape (heads, layers) against the layouts, paths
-  that must exist, the launcher, whether torch can reach the device, and
-  settings this trainer cannot run yet (a config for them still loads and
-  prints). The trainer calls it once it has read the model's config.json.
-
-It also resolves the derived quantities those checks rely on, so other code
-asks here instead of redoing the arithmetic: which devices a role runs on
-(`devices_for`), whether Ray launches the groups (`uses_ray`), and how many
-processes and data-parallel replicas each role has (`role_layout`).
+- `check_runnable(cfg, plan, model)`: what also needs the run plan and the
+  world outside the config: the model's own shape (heads, layers) against
+  the layouts, paths that must exist, the launcher, whether torch can reach
+  the device, and settings this trainer cannot run yet (a config for them
+  still loads and prints). The trainer calls it once it has read the
+  model's config.json (`load_model_config`).
+- what the trainer reads at build time, checked as it is read:
+  `load_model_config`, `load_tokenizer`, `check_prompt_count`,
+  `load_reward_function`.
 """
 from __future__ import annotations
 
@@ -28,119 +30,18 @@ import os
 import socket
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
-from hybridflow.config.errors import ConfigError
-from hybridflow.config.schema import Config, ParallelConfig, PlacementConfig
-# A module reference, not the class: `parallel.layout` imports ConfigError from this package, so
-# importing `hybridflow.parallel` first must find this module importable while layout is half-done.
-from hybridflow.parallel import layout as _layout
+from hybridflow.config.plan import PROCESS_LAYOUT_KEYS, RunPlan, devices_for, engine_parallel, role_world
+from hybridflow.config.schema import Config, DataConfig, ModelConfig, ParallelConfig, RewardConfig
+from hybridflow.errors import ConfigError
 
 RAY_ADDRESS_TIMEOUT_S = 5.0
 
 if TYPE_CHECKING:
+    from hybridflow.data.tokenizer import Tokenizer
     from hybridflow.models.config import DecoderConfig
-
-ROLES = tuple(f.name for f in dataclasses.fields(PlacementConfig))  # rollout, reward, training, ...
-
-
-# --------------------------------------------------------------------------- derived
-
-def run_dir(cfg: Config) -> Path:
-    """Where a run writes its metrics, checkpoints and exports: trainer.output_dir / trainer.experiment."""
-    return Path(cfg.trainer.output_dir) / cfg.trainer.experiment
-
-
-def placement(cfg: Config) -> dict[str, list[int]]:
-    """role -> its listed devices (an empty list meaning every device)."""
-    return dataclasses.asdict(cfg.placement)
-
-
-def devices_for(cfg: Config, role: str) -> list[int]:
-    """Device indices a role runs on: its placement, or every device.
-
-    The reference always shares the actor's processes, so an empty
-    `placement.reference` means `placement.training`'s devices.
-    """
-    placed = placement(cfg)
-    if role not in placed:
-        raise ValueError(f"unknown role {role!r}; placement roles are {list(ROLES)}")
-    if placed[role]:
-        return list(placed[role])
-    if role == "reference":
-        return devices_for(cfg, "training")
-    return list(range(cfg.trainer.n_devices))
-
-
-def uses_ray(cfg: Config) -> bool:
-    """Whether worker groups run as Ray actors (else in-process, or this rank's share under torchrun)."""
-    t = cfg.trainer
-    if t.launcher != "auto":
-        return t.launcher == "ray"
-    if "WORLD_SIZE" in os.environ:  # launched by torchrun: every rank drives its own share
-        return False
-    return t.n_devices > 1 or t.ray_address is not None
-
-
-def role_world(cfg: Config, role: str) -> int:
-    """Processes of a role's worker group: its placement under Ray, the job's ranks otherwise."""
-    if uses_ray(cfg):
-        return len(devices_for(cfg, role))
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def engine_roles(cfg: Config) -> dict[str, tuple[str, ParallelConfig]]:
-    """Placement role -> (key path, parallel section) of each role that runs a Megatron engine."""
-    return {"training": ("actor.parallel", cfg.actor.parallel), "critic": ("critic.parallel", cfg.critic.parallel),
-            "reference": ("reference.parallel", reference_parallel(cfg))}
-
-
-def reference_parallel(cfg: Config) -> ParallelConfig:
-    """The reference's layout: the actor's unless given (and then checked to be equal)."""
-    return cfg.reference.parallel or cfg.actor.parallel
-
-
-def role_layout(cfg: Config, role: str) -> "_layout.ParallelDims":
-    """The p-t-d(-c) layout of an engine role ("training", "critic" or "reference")."""
-    path, par = engine_roles(cfg)[role]
-    return _layout.ParallelDims.for_world(role_world(cfg, role), tp=par.tp, pp=par.pp, cp=par.cp, key=path)
-
-
-def rollout_apart(cfg: Config) -> bool:
-    """Rollout has its own worker group (placed on other devices than training)."""
-    return sorted(devices_for(cfg, "rollout")) != sorted(devices_for(cfg, "training")) and uses_ray(cfg)
-
-
-def uses_critic(cfg: Config) -> bool:
-    return cfg.algorithm.adv_estimator == "gae"
-
-
-def row_multiple(cfg: Config) -> int:
-    """Training rows must come in multiples of this: equal shares for the actor's and critic's DP replicas."""
-    return math.lcm(role_layout(cfg, "training").dp, role_layout(cfg, "critic").dp if uses_critic(cfg) else 1)
-
-
-def rollout_replicas(cfg: Config) -> int:
-    """Generation replicas, each generating its own share of the prompts: the rollout group's processes
-    when it is apart (tg = 1), else the actor's processes over the generation layout's `tg * pg`."""
-    if rollout_apart(cfg):
-        return role_world(cfg, "rollout")
-    return role_world(cfg, "training") // (cfg.rollout.tg * cfg.rollout.pg)
-
-
-def prompt_multiple(cfg: Config) -> int:
-    """Prompts must come in multiples of this: equal shares for the generation and training replicas."""
-    return math.lcm(row_multiple(cfg), rollout_replicas(cfg))
-
-
-def chunk_prompts(cfg: Config) -> int:
-    """Prompts per rollout chunk: dataflow.min_batch_for_reward responses (whole prompts), or the whole batch."""
-    size, want = cfg.data.train_batch_size, cfg.dataflow.min_batch_for_reward
-    if want > 0:
-        multiple = prompt_multiple(cfg)
-        per_prompt = -(-want // cfg.rollout.n)
-        size = -(-per_prompt // multiple) * multiple  # equal shares for the ranks
-    return size
+    from hybridflow.parallel.layout import ParallelDims
 
 
 # --------------------------------------------------------------------------- config alone
@@ -149,7 +50,7 @@ def _check_placement(cfg: Config) -> None:
     n = cfg.trainer.n_devices
     if n < 1:
         raise ConfigError("trainer.n_devices", f"must be >= 1, got {n}")
-    for role, devices in placement(cfg).items():
+    for role, devices in dataclasses.asdict(cfg.placement).items():
         if len(set(devices)) != len(devices):
             raise ConfigError(f"placement.{role}", f"lists a device twice: {devices}")
         bad = [d for d in devices if not 0 <= d < n]
@@ -166,7 +67,10 @@ def _check_layout(par: ParallelConfig, n: int, path: str, device: str) -> None:
     for key, value in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp)):
         if value < 1:
             raise ConfigError(f"{path}.{key}", f"must be >= 1, got {value}")
-    _layout.ParallelDims.for_world(n, tp=par.tp, pp=par.pp, cp=par.cp, key=path)
+    size = par.tp * par.pp * par.cp
+    if n % size:
+        raise ConfigError(path, f"tp*pp*cp = {par.tp}*{par.pp}*{par.cp} = {size} does not divide the {n} device(s) "
+                          "this role runs on")
     if par.virtual_pp is not None and (par.pp < 2 or par.virtual_pp < 1):
         raise ConfigError(f"{path}.virtual_pp", "needs pp >= 2 and a value >= 1")
     if par.sequence_parallel and device == "cpu":
@@ -194,22 +98,22 @@ def _check_generation_layout(cfg: Config) -> None:
         raise ConfigError("rollout.pg", f"must divide actor.parallel.pp={pp}, got {ro.pg}")
 
 
-def _check_not_built(cfg: Config) -> None:
+def _check_not_built(cfg: Config, plan: RunPlan) -> None:
     """Settings the schema accepts but this trainer cannot run yet."""
     ro = cfg.rollout
     if ro.pg > 1:
         raise ConfigError("rollout.pg", f"{ro.pg}: generation pipelining is not built yet; the 3D-HybridEngine "
                           "merges the actor's pipeline stages into one generation stage (pg = 1)")
-    if ro.tg > 1 and rollout_apart(cfg):
+    if ro.tg > 1 and plan.rollout_apart:
         raise ConfigError("rollout.tg", f"{ro.tg}: a rollout group placed apart from training generates at "
                           "tg = 1 (each rollout process reassembles the whole model from the actor's shards); "
                           "tg > 1 is the colocated 3D-HybridEngine layout")
-    train = role_layout(cfg, "training")
+    train = plan.layouts["training"]
     if ro.grouping == "full" and train.dp > 1 and train.model_parallel_size > 1:
         raise ConfigError("rollout.grouping", f"'full' (the DeepSpeed-Chat baseline) gathers within one training "
                           f"replica and is built for one (the actor has {train.dp}); use "
                           "'hybridflow' or 'vanilla'")
-    for path, par in engine_roles(cfg).values():
+    for path, par in engine_parallel(cfg).values():
         if par.virtual_pp is not None:
             raise ConfigError(f"{path}.virtual_pp", "the interleaved pipeline schedule is not built yet")
         if par.cp > 1:
@@ -338,14 +242,9 @@ def _check_optim(cfg: Config) -> None:
             raise ConfigError(f"{path}.warmup_steps", f"must be >= 0, got {optim.warmup_steps}")
 
 
-# What one process's megatron-core layout fixes: roles sharing a process (the critic with the actor,
-# under torchrun always, under Ray when trainer/build.py colocates them) must agree on these.
-PROCESS_LAYOUT_KEYS = ("tp", "pp", "cp")
-
-
-def _check_one_process_layout(cfg: Config) -> None:
+def _check_one_process_layout(cfg: Config, plan: RunPlan) -> None:
     """Without Ray the actor's and critic's groups live in the same processes, which hold one megatron-core layout."""
-    if uses_ray(cfg) or not uses_critic(cfg):
+    if plan.uses_ray or not plan.uses_critic:
         return
     a, c = cfg.actor.parallel, cfg.critic.parallel
     for key in PROCESS_LAYOUT_KEYS:
@@ -356,34 +255,34 @@ def _check_one_process_layout(cfg: Config) -> None:
                               f"and their megatron-core layout; got {mine}")
 
 
-def _check_async_ranks(cfg: Config) -> None:
+def _check_async_ranks(cfg: Config, plan: RunPlan) -> None:
     """The async DataFlow runs a stage per thread. Under Ray the controller sends each call to all ranks
     before the next; torchrun ranks each run their own threads, whose calls (and so collectives) could
     interleave in a different order on each rank."""
-    if cfg.dataflow.async_execution and not uses_ray(cfg) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if cfg.dataflow.async_execution and not plan.uses_ray and plan.job_world > 1:
         raise ConfigError("dataflow.async_execution", "needs trainer.launcher=ray with several processes: "
                           "under torchrun each rank would order the stages' collectives on its own")
 
 
-def _check_mini_batches(cfg: Config) -> None:
+def _check_mini_batches(cfg: Config, plan: RunPlan) -> None:
     """A mini-batch (in responses) splits evenly over the DP replicas that each take a share of it."""
     responses = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
-    roles = [("training", "actor")] + ([("critic", "critic")] if uses_critic(cfg) else [])
+    roles = [("training", "actor")] + ([("critic", "critic")] if plan.uses_critic else [])
     for role, name in roles:
-        dp = role_layout(cfg, role).dp
+        dp = plan.layouts[role].dp
         if responses % dp:
             raise ConfigError("actor.ppo_mini_batch_size", f"{cfg.actor.ppo_mini_batch_size} prompts x rollout.n="
                               f"{cfg.rollout.n} = {responses} responses per mini-batch do not split over the "
                               f"{name}'s {dp} data-parallel replicas")
 
 
-def _check_shares(cfg: Config) -> None:
+def _check_shares(cfg: Config, plan: RunPlan) -> None:
     """Prompts split evenly over the ranks: per step and per rollout chunk."""
-    multiple, batch = prompt_multiple(cfg), cfg.data.train_batch_size
+    multiple, batch = plan.prompt_multiple, cfg.data.train_batch_size
     if batch % multiple:
-        raise ConfigError("data.train_batch_size", f"{batch} prompts do not split evenly over the {rollout_replicas(cfg)} "
-                          f"generation replicas and the data-parallel replicas (need a multiple of {multiple})")
-    size = chunk_prompts(cfg)
+        raise ConfigError("data.train_batch_size", f"{batch} prompts do not split evenly over the "
+                          f"{plan.generation_replicas} generation replicas and the data-parallel replicas (need a multiple of {multiple})")
+    size = plan.chunk_prompts
     if batch % size:
         raise ConfigError("dataflow.min_batch_for_reward", f"{cfg.dataflow.min_batch_for_reward} responses make "
                           f"chunks of {size} prompts, which do not divide data.train_batch_size={batch}")
@@ -394,7 +293,7 @@ def validate(cfg: Config) -> Config:
     if not cfg.model.path:
         raise ConfigError("model.path", "is required: a directory holding an HF config.json and weights")
     _check_placement(cfg)
-    for role, (path, par) in engine_roles(cfg).items():
+    for role, (path, par) in engine_parallel(cfg).items():
         _check_layout(par, role_world(cfg, role), path, cfg.trainer.device)
     _check_reference_layout(cfg)
     _check_generation_layout(cfg)
@@ -408,9 +307,10 @@ def validate(cfg: Config) -> Config:
 
 # --------------------------------------------------------------------------- with the world outside
 
-def _check_previous_run(cfg: Config) -> None:
-    """Starting afresh where a previous run lives would truncate its metrics and prune its checkpoints."""
-    t, where = cfg.trainer, run_dir(cfg)
+def _check_previous_run(cfg: Config, where: Path) -> None:
+    """Starting afresh in `where` (the run directory), where a previous run lives, would truncate its metrics
+    and prune its checkpoints."""
+    t = cfg.trainer
     if t.resume == "auto" or t.overwrite:
         return
     metrics = where / "metrics.jsonl"
@@ -423,13 +323,13 @@ def _check_previous_run(cfg: Config) -> None:
                           "(or choose another trainer.output_dir / trainer.experiment)")
 
 
-def _check_output_dir(cfg: Config) -> None:
+def _check_output_dir(run_dir: Path) -> None:
     """The run directory can be created and written: its nearest existing ancestor is a writable directory.
 
     Tried, not only asked (os.access): root passes every permission check, yet cannot create a directory on
     a read-only mount or under /proc.
     """
-    where = run_dir(cfg).absolute()
+    where = run_dir.absolute()
     existing = next(p for p in (where, *where.parents) if p.exists())
     if not existing.is_dir():
         raise ConfigError("trainer.output_dir", f"{existing} is a file, so {where} cannot be created")
@@ -495,32 +395,56 @@ def _check_ray_address(cfg: Config) -> None:
                           f"({exc.strerror or type(exc).__name__}); is the cluster's head node running?") from None
 
 
-def check_runnable(cfg: Config, model: "DecoderConfig", critic_model: Optional["DecoderConfig"] = None) -> None:
-    """ConfigError for what the config and the models' own config.json / the machine cannot run together.
+def check_model_split(dims: "ParallelDims", key: str, *, num_heads: int, num_kv_heads: int, num_layers: int,
+                      ffn_size: Optional[int] = None, virtual_pp: Optional[int] = None) -> None:
+    """ConfigError naming `key`.tp / .pp where the model cannot be split at the degrees of `dims`.
+
+    TP splits whole attention heads and whole KV-head groups (Megatron's
+    grouped QKV keeps each group on one rank), so it divides both; PP
+    splits whole layers, evenly (and `virtual_pp` chunks per stage). The
+    vocabulary is padded to a multiple of `make_vocab_size_divisible_by *
+    tp`, so it always splits.
+    """
+    if num_heads % dims.tp:
+        raise ConfigError(f"{key}.tp", f"{dims.tp} does not divide the model's {num_heads} attention heads")
+    if num_kv_heads % dims.tp:
+        raise ConfigError(f"{key}.tp", f"{dims.tp} does not divide the model's {num_kv_heads} KV heads "
+                          "(each rank holds whole query groups)")
+    if ffn_size is not None and ffn_size % dims.tp:
+        raise ConfigError(f"{key}.tp", f"{dims.tp} does not divide the model's {ffn_size} MLP features")
+    chunks = dims.pp * (virtual_pp or 1)
+    if num_layers % chunks:
+        what = f"pp*virtual_pp = {dims.pp}*{virtual_pp}" if virtual_pp else f"pp = {dims.pp}"
+        raise ConfigError(f"{key}.pp", f"{what} does not divide the model's {num_layers} layers")
+
+
+def check_runnable(cfg: Config, plan: RunPlan, model: "DecoderConfig",
+                   critic_model: Optional["DecoderConfig"] = None) -> None:
+    """ConfigError for what the config, its run plan and the models' own config.json / the machine cannot
+    run together.
 
     critic_model: the config.json at critic.model_path, when one is given (else the actor's model).
     """
-    _check_not_built(cfg)
-    for role, (path, par) in engine_roles(cfg).items():
-        if role == "critic" and not uses_critic(cfg):
+    _check_not_built(cfg, plan)
+    for role, (path, par) in engine_parallel(cfg).items():
+        if role == "critic" and not plan.uses_critic:
             continue  # no critic in this run
         shape = critic_model if role == "critic" and critic_model is not None else model
-        role_layout(cfg, role).check_model(path, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
-                                          num_layers=shape.num_layers, ffn_size=shape.intermediate_size,
-                                          virtual_pp=par.virtual_pp)
-    _check_one_process_layout(cfg)
-    _check_async_ranks(cfg)
+        check_model_split(plan.layouts[role], path, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                          num_layers=shape.num_layers, ffn_size=shape.intermediate_size, virtual_pp=par.virtual_pp)
+    _check_one_process_layout(cfg, plan)
+    _check_async_ranks(cfg, plan)
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     if longest > model.max_position_embeddings:
         raise ConfigError("data.max_response_length", f"data.max_prompt_length + data.max_response_length = "
                           f"{longest} exceeds the model's max_position_embeddings ({model.max_position_embeddings})")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files", "is empty: give at least one .parquet or .jsonl file of prompts")
-    _check_output_dir(cfg)
+    _check_output_dir(plan.run_dir)
     _check_ray_address(cfg)
-    _check_previous_run(cfg)
-    _check_shares(cfg)
-    _check_mini_batches(cfg)
+    _check_previous_run(cfg, plan.run_dir)
+    _check_shares(cfg, plan)
+    _check_mini_batches(cfg, plan)
     _check_packing(cfg, model)
     if cfg.reward.model_path is not None and not Path(cfg.reward.model_path).exists():
         raise ConfigError("reward.model_path", f"reward model path does not exist: {cfg.reward.model_path}")
@@ -530,9 +454,77 @@ def check_runnable(cfg: Config, model: "DecoderConfig", critic_model: Optional["
     if cfg.critic.model_path is not None and not Path(cfg.critic.model_path).exists():
         raise ConfigError("critic.model_path", f"critic model path does not exist: {cfg.critic.model_path}")
     # In-process and torchrun workers run here; Ray workers may sit on other nodes (their pools check).
-    if cfg.trainer.device == "cuda" and not uses_ray(cfg):
+    if cfg.trainer.device == "cuda" and not plan.uses_ray:
         import torch
 
         if not torch.cuda.is_available():
             why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
             raise ConfigError("trainer.device", f"'cuda' but {why} (torch {torch.__version__}); use cpu")
+
+
+# --------------------------------------------------------------------------- what the trainer reads, as it reads it
+# The workers read the same files again without checking: by then the trainer has read them here.
+
+def load_model_config(path: Optional[str], key: str) -> "DecoderConfig":
+    """The HF config at `path`, its weights' headers checked against it; a ConfigError naming `key` otherwise."""
+    from hybridflow.models.checkpoint import check_hf_checkpoint
+    from hybridflow.models.config import DecoderConfig, ModelConfigError
+
+    if not path:
+        raise ConfigError(key, "no model path given")
+    if not Path(path).exists():
+        raise ConfigError(key, f"model path does not exist: {path}")
+    if not Path(path).is_dir():
+        raise ConfigError(key, f"{path} is a file; give the model's directory (config.json and safetensors)")
+    try:
+        cfg = DecoderConfig.from_pretrained(path)
+        check_hf_checkpoint(path, cfg)  # the weights' headers: before any worker starts loading them
+    except (FileNotFoundError, ModelConfigError) as exc:
+        raise ConfigError(key, str(exc)) from None
+    return cfg
+
+
+def load_tokenizer(model: ModelConfig, model_cfg: "DecoderConfig") -> "Tokenizer":
+    """The run's tokenizer (model.tokenizer_path, else model.path); it must fit the model's vocabulary."""
+    from hybridflow.data.tokenizer import Tokenizer
+
+    path = model.tokenizer_path or model.path
+    if not Path(path).exists():
+        raise ConfigError("model.tokenizer_path", f"tokenizer path does not exist: {path}")
+    try:
+        tok = Tokenizer.from_path(path)
+    except ValueError as exc:  # a malformed tokenizer.json or tokenizer_config.json
+        raise ConfigError("model.tokenizer_path", str(exc)) from None
+    if tok.vocab_size > model_cfg.vocab_size:
+        raise ConfigError("model.tokenizer_path", f"tokenizer at {path} has {tok.vocab_size} tokens but "
+                          f"the model at {model.path} has vocab_size {model_cfg.vocab_size}")
+    return tok
+
+
+def check_prompt_count(data: DataConfig, usable: int) -> None:
+    """A training batch fits in the `usable` training prompts the dataset holds (known once it is read)."""
+    from hybridflow.data.dataset import batches_per_epoch
+
+    if batches_per_epoch(usable, data.train_batch_size) == 0:
+        raise ConfigError("data.train_batch_size", f"{data.train_batch_size} is larger than the "
+                          f"{usable} usable training prompts")
+
+
+def load_reward_function(reward: RewardConfig, datasets: Iterable[Any]) -> Callable:
+    """The rule-based reward function `reward.function` names; 'default' must know every data_source of
+    `datasets` (the PromptDatasets the run reads)."""
+    from hybridflow.rewards.registry import DATA_SOURCE_REWARDS, default_reward, get_reward_fn
+
+    try:  # a "file.py:fn" spec imports user code, which may fail in any way
+        fn = get_reward_fn(reward.function)
+    except Exception as exc:
+        raise ConfigError("reward.function", f"{reward.function!r}: {type(exc).__name__}: {exc}") from None
+    if fn is default_reward:  # it picks a verifier per row: every data_source needs one now
+        for dataset in datasets:
+            unknown = sorted({r.data_source for r in dataset.records} - set(DATA_SOURCE_REWARDS))
+            if unknown:
+                raise ConfigError("reward.function", f"'default' has no reward for data_source {unknown[0]!r} "
+                                  f"(in {', '.join(map(str, dataset.files))}); it knows "
+                                  f"{sorted(DATA_SOURCE_REWARDS)}: set reward.function to a name or "
+                                  "'file.py:function'")
+    return fn

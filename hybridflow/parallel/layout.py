@@ -10,11 +10,14 @@ apart:
 So with t=2, p=2, d=2 the TP groups are [0,1] [2,3] [4,5] [6,7], the DP
 groups [0,2] [1,3] [4,6] [5,7] and the pipelines [0,4] [1,5] [2,6] [3,7].
 
-A `ParallelDims` is built once per role from its config section and the
-number of processes the role runs on, and is passed to whatever needs
-groups (the engine, layout-aware dispatch, the 3D-HybridEngine's plan);
-nothing recomputes rank arithmetic elsewhere. It is pure Python, imports
-no torch.distributed and is tested without processes.
+A `ParallelDims` is built once per role, in the run plan
+(`config/plan.py`), from its config section and the number of processes
+the role runs on, and is passed to whatever needs groups (the engine,
+layout-aware dispatch, the 3D-HybridEngine's plan); nothing recomputes rank
+arithmetic elsewhere. Whether a config's degrees fit its processes and its
+model is a config check (`config/validate.py`): this module imports no
+config. It is pure Python, imports no torch.distributed and is tested
+without processes.
 
 Group names (`GROUPS`): "tp", "cp", "dp", "pp", and "mp" (model parallel:
 the tp x cp x pp ranks that together hold one replica). The generation
@@ -24,9 +27,6 @@ of these coordinates.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
-from hybridflow.config.errors import ConfigError
 
 DIMS = ("tp", "cp", "dp", "pp")  # fastest-varying first
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -60,15 +60,15 @@ class ParallelDims:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
     @classmethod
-    def for_world(cls, world: int, *, tp: int = 1, pp: int = 1, cp: int = 1, key: str = "") -> "ParallelDims":
+    def for_world(cls, world: int, *, tp: int = 1, pp: int = 1, cp: int = 1) -> "ParallelDims":
         """The layout of `world` processes at the given model-parallel degrees; dp is what is left.
 
-        key: the config section the degrees come from, named in the error.
+        A config whose degrees do not divide its role's processes never gets here: `config/validate.py`
+        refuses it, naming the key.
         """
         model_parallel = tp * pp * cp
         if model_parallel < 1 or world % model_parallel:
-            raise ConfigError(key, f"tp*pp*cp = {tp}*{pp}*{cp} = {model_parallel} does not divide the "
-                              f"{world} device(s) this role runs on")
+            raise ValueError(f"tp*pp*cp = {tp}*{pp}*{cp} = {model_parallel} does not divide a world of {world}")
         return cls(tp=tp, pp=pp, dp=world // model_parallel, cp=cp)
 
     # -- sizes and coordinates ------------------------------------------------
@@ -131,29 +131,6 @@ class ParallelDims:
         """The answering rank of each DP replica, in DP order."""
         last = self.pp - 1
         return [self.rank(Coord(tp=0, cp=0, dp=d, pp=last)) for d in range(self.dp)]
-
-    # -- the model must split this way -----------------------------------------
-    def check_model(self, key: str, *, num_heads: int, num_kv_heads: int, num_layers: int,
-                    ffn_size: Optional[int] = None, virtual_pp: Optional[int] = None) -> None:
-        """ConfigError naming `key`.tp / .pp / .cp where the model cannot be split at these degrees.
-
-        TP splits whole attention heads and whole KV-head groups (Megatron's
-        grouped QKV keeps each group on one rank), so it divides both; PP
-        splits whole layers, evenly (and `virtual_pp` chunks per stage). The
-        vocabulary is padded to a multiple of `make_vocab_size_divisible_by *
-        tp`, so it always splits.
-        """
-        if num_heads % self.tp:
-            raise ConfigError(f"{key}.tp", f"{self.tp} does not divide the model's {num_heads} attention heads")
-        if num_kv_heads % self.tp:
-            raise ConfigError(f"{key}.tp", f"{self.tp} does not divide the model's {num_kv_heads} KV heads "
-                              "(each rank holds whole query groups)")
-        if ffn_size is not None and ffn_size % self.tp:
-            raise ConfigError(f"{key}.tp", f"{self.tp} does not divide the model's {ffn_size} MLP features")
-        chunks = self.pp * (virtual_pp or 1)
-        if num_layers % chunks:
-            what = f"pp*virtual_pp = {self.pp}*{virtual_pp}" if virtual_pp else f"pp = {self.pp}"
-            raise ConfigError(f"{key}.pp", f"{what} does not divide the model's {num_layers} layers")
 
     def __str__(self) -> str:
         text = f"p{self.pp}-t{self.tp}-d{self.dp}"

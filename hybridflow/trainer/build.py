@@ -1,24 +1,23 @@
-"""Building a run's worker groups from the config: the one place its sections are handed out.
+"""Building a run's worker groups from the config and its run plan: the one place its sections are handed out.
 
 Each worker gets a spec holding only the sections it uses
-(`hybridflow.workers.specs`); numbers several sections decide together are
-computed here once. Which groups exist follows from the config: a critic
-only for GAE, a reward-model group only with `reward.model_path`, a rollout
-group only when `placement.rollout` differs from `placement.training` under
-Ray. Checks of the config itself live in `config/validate.py` and have run
-before this.
+(`hybridflow.workers.specs`) and the numbers the run plan (`config/plan.py`)
+computed for it: its layout, its LR schedule's length. Which groups exist,
+and which share processes, the plan says too: a critic only for GAE, a
+reward-model group only with `reward.model_path`, a rollout group only when
+rollout is placed apart from training under Ray. Nothing here derives
+them again. Checks of the config itself live in `config/validate.py` and
+have run before this.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from hybridflow.config.plan import RunPlan, reference_parallel
 from hybridflow.config.schema import Config
-from hybridflow.config.validate import (PROCESS_LAYOUT_KEYS, ROLES, devices_for, reference_parallel, role_layout,
-                                        rollout_apart, uses_critic, uses_ray)
 from hybridflow.controller.local_group import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ResourcePool, pools_from_placement
 from hybridflow.models.bridge import get_bridge
@@ -28,43 +27,17 @@ from hybridflow.workers.rl_workers import (ActorGroup, ActorRolloutRefWorker, Cr
 from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutWorkerSpec, Run
 
 
-def needs_reference(cfg: Config) -> bool:
-    """KL against the initial policy, in the reward or as a loss."""
-    return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
-
-
-def needs_old_log_probs(cfg: Config) -> bool:
-    """Whether the old log-probs need a forward pass of their own.
-
-    They are the log-probs of the policy that generated the batch. When the
-    update makes one optimizer step (one epoch, the whole batch one
-    mini-batch), that policy is still the current one while the loss is
-    computed, so the update's own log-probs, detached, are the old ones (TRL
-    skips the pass the same way; verl does not). KL in the reward reads them
-    before the update, so it keeps the pass.
-    """
-    a = cfg.actor
-    one_step = a.ppo_epochs == 1 and cfg.data.train_batch_size <= a.ppo_mini_batch_size
-    return not (a.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward)
-
-
-def optimizer_steps(cfg: Config) -> int:
-    """Optimizer steps of the whole run: the LR schedule's length."""
-    a, n = cfg.actor, cfg.rollout.n
-    rows = cfg.data.train_batch_size * n
-    return cfg.trainer.total_steps * a.ppo_epochs * -(-rows // max(1, a.ppo_mini_batch_size * n))
-
-
 def _run(cfg: Config) -> Run:
     return Run(device=cfg.trainer.device, seed=cfg.trainer.seed)
 
 
-def actor_spec(cfg: Config) -> ActorWorkerSpec:
+def actor_spec(cfg: Config, plan: RunPlan) -> ActorWorkerSpec:
     reference = dataclasses.replace(cfg.reference, parallel=reference_parallel(cfg))
     return ActorWorkerSpec(run=_run(cfg), model=cfg.model, actor=cfg.actor, rollout=cfg.rollout,
-                           reference=reference if needs_reference(cfg) else None,
-                           max_response_length=cfg.data.max_response_length, optimizer_steps=optimizer_steps(cfg),
-                           layout=role_layout(cfg, "training"), generates=not rollout_apart(cfg))
+                           reference=reference if plan.needs_reference else None,
+                           max_response_length=cfg.data.max_response_length,
+                           optimizer_steps=plan.optimizer_steps["actor"], layout=plan.layouts["training"],
+                           generates=not plan.rollout_apart)
 
 
 def rollout_spec(cfg: Config) -> RolloutWorkerSpec:
@@ -72,27 +45,27 @@ def rollout_spec(cfg: Config) -> RolloutWorkerSpec:
                              max_response_length=cfg.data.max_response_length)
 
 
-def critic_spec(cfg: Config) -> CriticWorkerSpec:
+def critic_spec(cfg: Config, plan: RunPlan) -> CriticWorkerSpec:
     return CriticWorkerSpec(run=_run(cfg), model=cfg.model, path=cfg.critic.model_path or cfg.model.path,
-                            critic=cfg.critic, mini_batch_size=cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
-                            optimizer_steps=optimizer_steps(cfg), layout=role_layout(cfg, "critic"))
+                            critic=cfg.critic, mini_batch_size=plan.mini_batch_responses,
+                            optimizer_steps=plan.optimizer_steps["critic"], layout=plan.layouts["critic"])
 
 
-def model_tensors(cfg: Config, model: DecoderConfig,
+def model_tensors(cfg: Config, plan: RunPlan, model: DecoderConfig,
                   critic_model: Optional[DecoderConfig] = None) -> dict[str, dict[str, list[int]]]:
     """Checkpoint name ("actor", "critic") -> {Megatron parameter: full shape} of each model the run
     checkpoints, from the bridge as the engines build them (vocabulary padded for the role's TP; the critic's
     output layer is its one-value head). Saved with each checkpoint and compared when a run resumes, so a
     model of another shape is refused before any worker reads a shard."""
     def table(decoder: DecoderConfig, role: str, value_head: bool) -> dict[str, list[int]]:
-        bridge = get_bridge(decoder, cfg.model.make_vocab_size_divisible_by, role_layout(cfg, role).tp)
+        bridge = get_bridge(decoder, cfg.model.make_vocab_size_divisible_by, plan.layouts[role].tp)
         shapes = bridge.megatron_shapes()
         if value_head:
             shapes["output_layer.weight"] = (1, decoder.hidden_size)
         return {name: list(shape) for name, shape in shapes.items()}
 
     tables = {"actor": table(model, "training", value_head=False)}
-    if uses_critic(cfg):
+    if plan.uses_critic:
         tables["critic"] = table(critic_model or model, "critic", value_head=True)
     return tables
 
@@ -119,46 +92,37 @@ class Groups:
         return self.rollout or self.actor
 
 
-def _local_pool(cfg: Config) -> ResourcePool:
+def _local_pool(plan: RunPlan) -> ResourcePool:
     """This job's devices without Ray: one per process (torchrun's WORLD_SIZE), of the configured type.
 
     The pool's type decides the workers' backend (NCCL or gloo) and whether CUDA stays visible to them.
     """
-    return ResourcePool(list(range(int(os.environ.get("WORLD_SIZE", "1")))), cfg.trainer.device)
+    return ResourcePool(list(range(plan.job_world)), plan.device)
 
 
-def role_pools(cfg: Config) -> dict[str, ResourcePool]:
+def role_pools(plan: RunPlan) -> dict[str, ResourcePool]:
     """Placement role -> its pool under Ray; roles placed on one device set share one pool."""
-    return pools_from_placement({role: devices_for(cfg, role) for role in ROLES}, cfg.trainer.device)
+    return pools_from_placement(plan.devices, plan.device)
 
 
-def colocate_critic(cfg: Config, pools: dict[str, ResourcePool]) -> bool:
-    """The critic's workers join the actor's processes (one process per device, as under torchrun and in
-    verl's colocated workers) when it is placed on the actor's devices in the actor's megatron-core
-    layout: a process holds one layout. Else it gets processes of its own."""
-    a, c = cfg.actor.parallel, cfg.critic.parallel
-    return pools["critic"] is pools["training"] and all(getattr(a, k) == getattr(c, k) for k in PROCESS_LAYOUT_KEYS)
+def build_groups(cfg: Config, plan: RunPlan) -> Groups:
+    """The run's worker groups. Under Ray a critic on the actor's devices in the actor's megatron-core layout
+    (`plan.colocate_critic`: a process holds one layout) and a reward model on the actor's devices
+    (`plan.colocate_reward_model`: an HF classifier holds none) join the actor's processes, one process per
+    device as under torchrun and in verl's colocated workers; otherwise a role gets processes of its own."""
+    if not plan.uses_ray:
+        def local(worker_cls: type, spec) -> LocalWorkerGroup:
+            return LocalWorkerGroup(worker_cls, _local_pool(plan), spec)
 
-
-def colocate_reward_model(pools: dict[str, ResourcePool]) -> bool:
-    """The reward model's workers join the actor's processes when it is placed on the actor's devices: an
-    HF classifier holds no megatron-core layout, so the actor's processes can hold it whatever theirs is."""
-    return pools["reward"] is pools["training"]
-
-
-def build_groups(cfg: Config) -> Groups:
-    critic = uses_critic(cfg)
-    reward_model = cfg.reward.model_path is not None
-    if not uses_ray(cfg):
-        return Groups(ActorGroup(LocalWorkerGroup(ActorRolloutRefWorker, _local_pool(cfg), actor_spec(cfg))),
-                      CriticGroup(LocalWorkerGroup(CriticWorker, _local_pool(cfg), critic_spec(cfg))) if critic else None,
-                      RewardModelGroup(LocalWorkerGroup(RewardModelWorker, _local_pool(cfg), cfg.reward)) if reward_model else None)
+        return Groups(ActorGroup(local(ActorRolloutRefWorker, actor_spec(cfg, plan))),
+                      CriticGroup(local(CriticWorker, critic_spec(cfg, plan))) if plan.uses_critic else None,
+                      RewardModelGroup(local(RewardModelWorker, cfg.reward)) if plan.uses_reward_model else None)
     from hybridflow.controller.ray_setup import init_ray
     from hybridflow.controller.ray_group import RayWorkerGroup
 
     init_ray(address=cfg.trainer.ray_address)
-    pools = role_pools(cfg)
-    actor = RayWorkerGroup(ActorRolloutRefWorker, pools["training"], actor_spec(cfg))
+    pools = role_pools(plan)
+    actor = RayWorkerGroup(ActorRolloutRefWorker, pools["training"], actor_spec(cfg, plan))
 
     def beside_actor(worker_cls: type, role: str, spec, colocate: bool) -> RayWorkerGroup:
         """`role`'s group: in the actor's processes, or in processes of its own on its pool."""
@@ -166,8 +130,8 @@ def build_groups(cfg: Config) -> Groups:
 
     return Groups(
         ActorGroup(actor),
-        CriticGroup(beside_actor(CriticWorker, "critic", critic_spec(cfg), colocate_critic(cfg, pools)))
-        if critic else None,
-        RewardModelGroup(beside_actor(RewardModelWorker, "reward", cfg.reward, colocate_reward_model(pools)))
-        if reward_model else None,
-        RolloutGroup(RayWorkerGroup(RolloutWorker, pools["rollout"], rollout_spec(cfg))) if rollout_apart(cfg) else None)
+        CriticGroup(beside_actor(CriticWorker, "critic", critic_spec(cfg, plan), plan.colocate_critic))
+        if plan.uses_critic else None,
+        RewardModelGroup(beside_actor(RewardModelWorker, "reward", cfg.reward, plan.colocate_reward_model))
+        if plan.uses_reward_model else None,
+        RolloutGroup(RayWorkerGroup(RolloutWorker, pools["rollout"], rollout_spec(cfg))) if plan.rollout_apart else None)

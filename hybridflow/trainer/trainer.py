@@ -33,29 +33,26 @@ from typing import Any, Callable, Optional
 import torch
 
 from hybridflow.algos import build_kl_controller
-from hybridflow.config.errors import ConfigError
+from hybridflow.config.plan import RunPlan
 from hybridflow.config.schema import Config
-from hybridflow.config.validate import check_runnable, chunk_prompts, run_dir
+from hybridflow.config.validate import (check_prompt_count, check_runnable, load_model_config, load_reward_function,
+                                        load_tokenizer)
 from hybridflow.controller.dispatch import PerReplica, concat_batches
-from hybridflow.controller.local_group import LocalWorkerGroup
 from hybridflow.controller.worker import WorkerError
 from hybridflow.dataflow import DataFlow, Node, NodeError
 from hybridflow.data import fields as F
 from hybridflow.data.batch import rows_for_plan, take_rows, tensor_fields
-from hybridflow.data.dataset import PromptDataset, batches_per_epoch
+from hybridflow.data.dataset import PromptDataset
 from hybridflow.data.sampler import PromptSampler
-from hybridflow.rewards.registry import DATA_SOURCE_REWARDS, default_reward, get_reward_fn
 from hybridflow.roles.actor import actor_update_plan
 from hybridflow.roles.critic import critic_update_plan
 from hybridflow.trainer import rl_steps as S
-from hybridflow.trainer.build import (build_groups, model_tensors, needs_old_log_probs, needs_reference,
-                                      weights_bytes)
+from hybridflow.trainer.build import build_groups, model_tensors, weights_bytes
 from hybridflow.trainer.checkpointing import CheckpointError, CheckpointManager, atomic_write_json, check_models
 from hybridflow.trainer.interrupt import GracefulInterrupt
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.utils import mix_seed
-from hybridflow.workers.rl_workers import load_model_config, load_tokenizer
 
 Metrics = dict[str, float]
 
@@ -71,11 +68,6 @@ class TrainingError(RuntimeError):
 def mean_of_ranks(metrics: dict[str, Any]) -> dict[str, float]:
     """DP_SPLIT gathers each rank's float metrics into a list: average them."""
     return {k: sum(v) / len(v) if isinstance(v, list) else float(v) for k, v in metrics.items()}
-
-
-def replicas(role, mesh: str) -> int:
-    """The data-parallel replicas of a role's group in `mesh`."""
-    return role.group.mesh(mesh)[0].dp_size
 
 
 def shares(batch: dict[str, Any], plan: list[list[torch.Tensor]]) -> tuple[PerReplica, PerReplica]:
@@ -110,39 +102,27 @@ class RLTrainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         t = cfg.trainer
-        self.run_dir = run_dir(cfg)
+        self.plan = plan = RunPlan.from_config(cfg)  # what the config implies, computed once
+        self.run_dir = plan.run_dir
         self.model_cfg = load_model_config(cfg.model.path, "model.path")
         critic_cfg = load_model_config(cfg.critic.model_path, "critic.model_path") if cfg.critic.model_path else None
-        check_runnable(cfg, self.model_cfg, critic_cfg)  # the last config checks, before any worker starts
-        self.model_tensors = model_tensors(cfg, self.model_cfg, critic_cfg)  # recorded in each checkpoint
+        check_runnable(cfg, plan, self.model_cfg, critic_cfg)  # the last config checks, before any worker starts
+        self.model_tensors = model_tensors(cfg, plan, self.model_cfg, critic_cfg)  # recorded in each checkpoint
         self.tokenizer = load_tokenizer(cfg.model, self.model_cfg)
         self.train_set = PromptDataset(cfg.data, self.tokenizer, cfg.data.train_files)
         self.val_set = PromptDataset(cfg.data, self.tokenizer, cfg.data.val_files) if cfg.data.val_files else None
         self.val_count = 0 if self.val_set is None else \
             min(len(self.val_set), cfg.data.val_max_samples or len(self.val_set))
-        if batches_per_epoch(len(self.train_set), cfg.data.train_batch_size) == 0:  # checked once the data is read
-            raise ConfigError("data.train_batch_size", f"{cfg.data.train_batch_size} is larger than the "
-                              f"{len(self.train_set)} usable training prompts")
+        check_prompt_count(cfg.data, len(self.train_set))  # checked once the data is read
         d = cfg.data
         self.sampler = PromptSampler(self.train_set, d.train_batch_size, d.shuffle, d.seed, d.skip_uniform_passes)
-        try:  # a "file.py:fn" spec imports user code, which may fail in any way
-            self.reward_fn = get_reward_fn(cfg.reward.function)
-        except Exception as exc:
-            raise ConfigError("reward.function", f"{cfg.reward.function!r}: {type(exc).__name__}: {exc}") from None
-        if self.reward_fn is default_reward:  # it picks a verifier per row: every data_source needs one now
-            for dataset in filter(None, (self.train_set, self.val_set)):
-                unknown = sorted({r.data_source for r in dataset.records} - set(DATA_SOURCE_REWARDS))
-                if unknown:
-                    raise ConfigError("reward.function", f"'default' has no reward for data_source {unknown[0]!r} "
-                                      f"(in {', '.join(map(str, dataset.files))}); it knows "
-                                      f"{sorted(DATA_SOURCE_REWARDS)}: set reward.function to a name or "
-                                      "'file.py:function'")
+        self.reward_fn = load_reward_function(cfg.reward, filter(None, (self.train_set, self.val_set)))
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                            cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
-        self.needs_ref = needs_reference(cfg)
-        self.needs_old = needs_old_log_probs(cfg)
-        self.chunk_prompts = chunk_prompts(cfg)
-        groups = build_groups(cfg)
+        self.needs_ref = plan.needs_reference
+        self.needs_old = plan.needs_old_log_probs
+        self.chunk_prompts = plan.chunk_prompts
+        groups = build_groups(cfg, plan)
         self.actor, self.critic, self.reward_model = groups.actor, groups.critic, groups.reward_model
         # Rollout apart from training (groups.rollout) works on a copy of the
         # actor's weights, refreshed before the first rollout after each update.
@@ -150,7 +130,7 @@ class RLTrainer:
         self.rollout_group = groups.generation
         self.rollout_weights_stale = False
         # Launched by torchrun: every rank runs this loop over its LocalWorkerGroup share.
-        self.spmd_driver = isinstance(self.actor.group, LocalWorkerGroup) and self.actor.world_size > 1
+        self.spmd_driver = not plan.uses_ray and plan.job_world > 1
         self.is_main = not self.spmd_driver or int(os.environ.get("RANK", "0")) == 0
         self.flow = self._build_flow()
         self.batch_stages = self._build_batch_stages()
@@ -230,12 +210,12 @@ class RLTrainer:
         if rows == 0:
             return {"actor/skipped": 1.0}
         self.actor.release_generation()  # switch back to training: the generation weights are freed
-        stats, cfg, seed = {}, self.cfg, self.cfg.trainer.seed
+        stats, cfg, seed, layouts = {}, self.cfg, self.cfg.trainer.seed, self.plan.layouts
         if self.critic is not None:
-            plan = critic_update_plan(cfg.critic, cfg.actor.ppo_mini_batch_size * cfg.rollout.n, seed, step, rows,
-                                      replicas(self.critic, "critic"))
+            plan = critic_update_plan(cfg.critic, self.plan.mini_batch_responses, seed, step, rows,
+                                      layouts["critic"].dp)
             stats.update(mean_of_ranks(self.critic.update_critic(*shares(batch, plan))))
-        plan = actor_update_plan(cfg.actor, cfg.rollout.n, seed, step, rows, replicas(self.actor, "actor"))
+        plan = actor_update_plan(cfg.actor, cfg.rollout.n, seed, step, rows, layouts["training"].dp)
         stats.update(mean_of_ranks(self.actor.update_actor(*shares(batch, plan))))
         stats.update(self.transition())
         return stats

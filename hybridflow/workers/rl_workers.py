@@ -25,7 +25,6 @@ from typing import Any, Optional
 
 import torch
 
-from hybridflow.config.errors import ConfigError
 from hybridflow.config.schema import ModelConfig, OptimConfig, ParallelConfig, RewardConfig
 from hybridflow.controller.dispatch import Dispatch, register
 from hybridflow.controller.transfer import ObjectHandle
@@ -36,10 +35,10 @@ from hybridflow.data.tokenizer import Tokenizer
 from hybridflow.engine import MegatronEngine
 from hybridflow.hybrid_engine import generation_weights
 from hybridflow.hybrid_engine.publish import assemble, training_shard
-from hybridflow.models.checkpoint import (check_hf_checkpoint, load_decoder, save_hf_checkpoint,
-                                         save_hf_checkpoint_parts)
+from hybridflow.models.checkpoint import load_decoder, save_hf_checkpoint, save_hf_checkpoint_parts
 from hybridflow.models.bridge import get_bridge
-from hybridflow.models.config import DecoderConfig, ModelConfigError
+from hybridflow.models.config import DecoderConfig
+from hybridflow.parallel.layout import ParallelDims
 from hybridflow.roles import Actor, Critic, Reference, Rollout
 from hybridflow.roles.actor import LOG_PROB_FIELDS
 from hybridflow.roles.actor import UPDATE_FIELDS as ACTOR_UPDATE_FIELDS
@@ -51,45 +50,22 @@ from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutW
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
-def load_model_config(path: str, key: str) -> DecoderConfig:
-    """The HF config at `path`; a missing path is a ConfigError naming `key`."""
-    if not path:
-        raise ConfigError(key, "no model path given")
-    if not Path(path).exists():
-        raise ConfigError(key, f"model path does not exist: {path}")
-    if not Path(path).is_dir():
-        raise ConfigError(key, f"{path} is a file; give the model's directory (config.json and safetensors)")
-    try:
-        cfg = DecoderConfig.from_pretrained(path)
-        check_hf_checkpoint(path, cfg)  # the weights' headers: before any worker starts loading them
-    except (FileNotFoundError, ModelConfigError) as exc:
-        raise ConfigError(key, str(exc)) from None
-    return cfg
-
-
-def load_tokenizer(model: ModelConfig, model_cfg: DecoderConfig) -> Tokenizer:
-    """The run's tokenizer (model.tokenizer_path, else model.path); it must fit the model's vocabulary."""
-    path = model.tokenizer_path or model.path
-    if not Path(path).exists():
-        raise ConfigError("model.tokenizer_path", f"tokenizer path does not exist: {path}")
-    try:
-        tok = Tokenizer.from_path(path)
-    except ValueError as exc:  # a malformed tokenizer.json or tokenizer_config.json
-        raise ConfigError("model.tokenizer_path", str(exc)) from None
-    if tok.vocab_size > model_cfg.vocab_size:
-        raise ConfigError("model.tokenizer_path", f"tokenizer at {path} has {tok.vocab_size} tokens but "
-                          f"the model at {model.path} has vocab_size {model_cfg.vocab_size}")
-    return tok
+def read_tokenizer(model: ModelConfig) -> Tokenizer:
+    """The run's tokenizer (model.tokenizer_path, else model.path), which the trainer checked
+    (`config.validate.load_tokenizer`) before any worker started."""
+    return Tokenizer.from_path(model.tokenizer_path or model.path)
 
 
 def build_engine(run: Run, model: ModelConfig, path: str, optim: Optional[OptimConfig], parallel: ParallelConfig,
-                 optimizer_steps: int = 1, value_head: bool = False) -> MegatronEngine:
-    """An engine loaded from the HF checkpoint at `path`; its LR schedule spans `optimizer_steps`."""
+                 layout: ParallelDims, optimizer_steps: int = 1, value_head: bool = False) -> MegatronEngine:
+    """An engine at the run plan's `layout`, loaded from the HF checkpoint at `path` (checked by the trainer);
+    its LR schedule spans `optimizer_steps`."""
     engine = MegatronEngine(
-        load_model_config(path, "critic.model_path" if value_head else "model.path"), parallel, optim,
+        DecoderConfig.from_pretrained(path), parallel, optim,
         device=run.device, dtype=model.dtype, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
         value_head=value_head, total_steps=optimizer_steps, seed=run.seed,
-        fused_output=model.use_fused_kernels and not value_head, layer_kernels=model.cpu_layer_kernels)
+        fused_output=model.use_fused_kernels and not value_head, layer_kernels=model.cpu_layer_kernels,
+        layout=layout)
     engine.load_hf_checkpoint(path)  # this rank's slices only
     return engine
 
@@ -153,16 +129,16 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         prepare_process(self)
         torch.manual_seed(spec.run.seed)
         self.spec = spec
-        self.model_cfg = load_model_config(spec.model.path, "model.path")
-        self.tokenizer = load_tokenizer(spec.model, self.model_cfg)
+        self.model_cfg = DecoderConfig.from_pretrained(spec.model.path)
+        self.tokenizer = read_tokenizer(spec.model)
         self.engine = build_engine(spec.run, spec.model, spec.model.path, spec.actor.optim, spec.actor.parallel,
-                                   spec.optimizer_steps)
+                                   spec.layout, spec.optimizer_steps)
         self.register_mesh("actor", spec.layout)
         self.actor = Actor(spec.actor, self.engine, samples_per_prompt=spec.rollout.n,
                            temperature=spec.rollout.temperature, seed=spec.run.seed)
         self.reference = None
         if spec.reference is not None:
-            engine = build_engine(spec.run, spec.model, spec.model.path, None, spec.reference.parallel)
+            engine = build_engine(spec.run, spec.model, spec.model.path, None, spec.reference.parallel, spec.layout)
             self.reference = Reference(spec.reference, engine, temperature=spec.rollout.temperature)
         # Generation: views of the engine at tp = pp = 1, else a tg-way model the 3D-HybridEngine refills;
         # none when a rollout group apart generates.
@@ -225,7 +201,7 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         extra = tuple(tok_dir / f for f in TOKENIZER_FILES if (tok_dir / f).is_file())
         hf_config = self.model_cfg.to_hf_dict()
         hf_config["torch_dtype"] = model.dtype
-        stages = self.engine.parallel.pp
+        stages = self.engine.layout.pp
         if stages == 1:
             return str(save_hf_checkpoint(next(parts), hf_config, path, extra_files=extra))
         return str(save_hf_checkpoint_parts(parts, stages, hf_config, path, extra_files=extra))
@@ -242,8 +218,8 @@ class RolloutWorker(_Generates):
 
     def __init__(self, spec: RolloutWorkerSpec):
         prepare_process(self)
-        model_cfg = load_model_config(spec.model.path, "model.path")
-        self.tokenizer = load_tokenizer(spec.model, model_cfg)
+        model_cfg = DecoderConfig.from_pretrained(spec.model.path)
+        self.tokenizer = read_tokenizer(spec.model)
         self.bridge = get_bridge(model_cfg, spec.model.make_vocab_size_divisible_by)
         self.model = load_decoder(spec.model.path, spec.model.dtype).to(spec.run.device).eval()
         self.register_replica("generation", self.rank, self.world_size, True)  # tg = 1: every rank a replica
@@ -272,7 +248,7 @@ class CriticWorker(EngineWorker):
         prepare_process(self)
         torch.manual_seed(spec.run.seed)
         self.engine = build_engine(spec.run, spec.model, spec.path, spec.critic.optim, spec.critic.parallel,
-                                   spec.optimizer_steps, value_head=True)
+                                   spec.layout, spec.optimizer_steps, value_head=True)
         self.register_mesh("critic", spec.layout)
         self.critic = Critic(spec.critic, self.engine, mini_batch_size=spec.mini_batch_size, seed=spec.run.seed)
 

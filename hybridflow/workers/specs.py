@@ -1,9 +1,10 @@
 """The parts of the config each worker is handed (rule 5, docs/conventions.md: each component gets only its part).
 
-The trainer builds these from the whole `Config` (`trainer/build.py`); a
-worker never sees sections it does not use. Values several sections decide
-together (the LR schedule's length, the critic's mini-batch in responses)
-are computed once there and arrive here as plain numbers.
+The trainer builds these from the whole `Config` and its run plan
+(`trainer/build.py`); a worker never sees sections it does not use. Values
+several sections decide together (the layout, the LR schedule's length, the
+critic's mini-batch in responses) are computed once in the run plan
+(`config/plan.py`) and arrive here as plain numbers and a `ParallelDims`.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class ActorWorkerSpec:
     reference: Optional[ReferenceConfig]  # None: no KL term, so no reference engine; its `parallel` is resolved
     max_response_length: int  # data.max_response_length: new tokens per response
     optimizer_steps: int  # the LR schedule's length
-    layout: ParallelDims  # the actor's (and reference's) p-t-d layout over the group
+    layout: ParallelDims  # the actor's (and reference's) p-t-d layout over the group: the engines' own
     generates: bool = True  # False when a rollout group apart generates: no generation weights here
 
 

@@ -6,6 +6,8 @@ import pytest
 
 from hybridflow.config import (
     ActorConfig, Config, ConfigError, DataConfig, dump_config, load_config, to_dict)
+from hybridflow.config.validate import check_model_split
+from hybridflow.parallel import ParallelDims
 
 BASE = ["model.path=/models/tiny", "data.train_files=[a.parquet]"]
 
@@ -155,37 +157,55 @@ def _model(**overrides):
     (["trainer.n_devices=4", "actor.parallel.tp=4"], "actor.parallel.tp", "does not divide the model's 2 KV heads"),
 ])
 def test_checks_that_need_the_model_or_the_launcher(overrides, path, fragment):
-    from hybridflow.config import check_runnable
+    from hybridflow.config import RunPlan, check_runnable
 
     cfg = load_config(None, BASE + overrides)
     with pytest.raises(ConfigError) as err:
-        check_runnable(cfg, _model())
+        check_runnable(cfg, RunPlan.from_config(cfg), _model())
     assert err.value.path == path and fragment in str(err.value)
 
 
 def test_the_critic_layout_is_checked_against_the_critics_own_model():
-    from hybridflow.config import check_runnable
+    from hybridflow.config import RunPlan, check_runnable
 
     cfg = load_config(None, BASE + ["algorithm.adv_estimator=gae", "trainer.n_devices=2", "critic.parallel.tp=2",
                                     "data.train_batch_size=4", "actor.ppo_mini_batch_size=2"])
-    check_runnable(cfg, _model())  # the actor's model splits 2 ways
+    check_runnable(cfg, RunPlan.from_config(cfg), _model())  # the actor's model splits 2 ways
     with pytest.raises(ConfigError, match="critic.parallel.tp: 2 does not divide the model's 3 attention heads"):
-        check_runnable(cfg, _model(), critic_model=_model(num_heads=3, num_kv_heads=1))
+        check_runnable(cfg, RunPlan.from_config(cfg), _model(), critic_model=_model(num_heads=3, num_kv_heads=1))
     with pytest.raises(ConfigError, match="critic.parallel.tp: 2 does not divide the model's 95 MLP features"):
-        check_runnable(cfg, _model(), critic_model=_model(intermediate_size=95))
+        check_runnable(cfg, RunPlan.from_config(cfg), _model(), critic_model=_model(intermediate_size=95))
 
 
 def test_under_torchrun_layouts_follow_the_processes_and_the_critic_shares_the_actors(monkeypatch):
     """torchrun sets WORLD_SIZE: layouts are checked against it, not trainer.n_devices; and without Ray the
     critic lives in the actor's processes, which hold one megatron-core layout."""
-    from hybridflow.config import check_runnable
+    from hybridflow.config import RunPlan, check_runnable
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     load_config(None, BASE + ["actor.parallel.tp=2"])  # 2 processes, though trainer.n_devices is 1
     cfg = load_config(None, BASE + ["algorithm.adv_estimator=gae", "critic.parallel.tp=2"])
     with pytest.raises(ConfigError, match="critic.parallel.tp: must equal actor.parallel.tp=1 without Ray"):
-        check_runnable(cfg, _model())
+        check_runnable(cfg, RunPlan.from_config(cfg), _model())
     with pytest.raises(ConfigError, match="dataflow.async_execution: needs trainer.launcher=ray"):
-        check_runnable(load_config(None, BASE + ["dataflow.async_execution=true"]), _model())
+        cfg = load_config(None, BASE + ["dataflow.async_execution=true"])
+        check_runnable(cfg, RunPlan.from_config(cfg), _model())
     monkeypatch.setenv("WORLD_SIZE", "1")
-    check_runnable(load_config(None, BASE + ["dataflow.async_execution=true"]), _model())  # one process: fine
+    cfg = load_config(None, BASE + ["dataflow.async_execution=true"])
+    check_runnable(cfg, RunPlan.from_config(cfg), _model())  # one process: fine
+
+
+@pytest.mark.parametrize("dims, model, key", [
+    (ParallelDims(tp=3), dict(num_heads=4, num_kv_heads=2, num_layers=2), "actor.parallel.tp"),
+    (ParallelDims(tp=4), dict(num_heads=8, num_kv_heads=2, num_layers=2), "actor.parallel.tp"),
+    (ParallelDims(pp=3), dict(num_heads=4, num_kv_heads=2, num_layers=4), "actor.parallel.pp"),
+])
+def test_model_split_names_the_key(dims, model, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        check_model_split(dims, "actor.parallel", **model)
+
+
+def test_model_split_virtual_pipeline():
+    check_model_split(ParallelDims(pp=2), "actor.parallel", num_heads=4, num_kv_heads=2, num_layers=4, virtual_pp=2)
+    with pytest.raises(ConfigError, match=r"pp\*virtual_pp = 2\*3 does not divide the model's 4 layers"):
+        check_model_split(ParallelDims(pp=2), "actor.parallel", num_heads=4, num_kv_heads=2, num_layers=4, virtual_pp=3)

@@ -3,7 +3,7 @@ import pytest
 
 from hybridflow.config import ConfigError, devices_for, validate
 from hybridflow.config.schema import Config
-from hybridflow.config.validate import ROLES
+from hybridflow.config.plan import ROLES
 from hybridflow.controller import ResourcePool, pools_from_placement
 
 

@@ -326,25 +326,25 @@ def test_cuda_device_without_cuda_is_a_config_error(tmp_path):
 
 
 def test_gpu_scale_configs_against_their_model_shapes(tmp_path):
-    from hybridflow.config import check_runnable
+    from hybridflow.config import RunPlan, check_runnable
     from hybridflow.models import DecoderConfig
 
     qwen_05b = DecoderConfig(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                              num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64)
     cfg = load_config(ROOT / "configs" / "qwen2.5-0.5b-grpo-gsm8k.yaml", ["trainer.device=cpu",
                                                                         f"trainer.output_dir={tmp_path}"])
-    check_runnable(cfg, qwen_05b)  # tp=2 over 8 devices: runnable now
+    check_runnable(cfg, RunPlan.from_config(cfg), qwen_05b)  # tp=2 over 8 devices: runnable now
     cfg.actor.parallel.tp = 4  # 14 heads do not split 4 ways
     with pytest.raises(ConfigError, match="actor.parallel.tp: 4 does not divide the model.s 14 attention heads"):
-        check_runnable(cfg, qwen_05b)
+        check_runnable(cfg, RunPlan.from_config(cfg), qwen_05b)
     qwen_7b = DecoderConfig(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                             num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128)
     cfg = load_config(ROOT / "configs" / "qwen2.5-7b-ppo-gsm8k.yaml", ["trainer.device=cpu",
                                                                      f"trainer.output_dir={tmp_path}"])
-    check_runnable(cfg, qwen_7b)  # tp=4 -> tg=2: runnable now
+    check_runnable(cfg, RunPlan.from_config(cfg), qwen_7b)  # tp=4 -> tg=2: runnable now
     cfg.rollout.pg = 2
     with pytest.raises(ConfigError, match="rollout.pg: 2: generation pipelining is not built yet"):
-        check_runnable(cfg, qwen_7b)
+        check_runnable(cfg, RunPlan.from_config(cfg), qwen_7b)
 
 
 def test_validation_can_be_capped_skipped_and_reports_progress(tmp_path, caplog):
@@ -398,8 +398,9 @@ def test_skipping_old_log_probs_gives_the_same_update(tmp_path):
     assert got[3]["val/accuracy"] == want[3]["val/accuracy"]
     # Anything that reads the old log-probs before the update keeps their pass.
     for extra in (["actor.ppo_epochs=2"], ["actor.ppo_mini_batch_size=4"], ["algorithm.use_kl_in_reward=true", "reference.enabled=true"]):
-        from hybridflow.trainer.build import needs_old_log_probs
-        assert needs_old_log_probs(config("tiny-grpo.yaml", tmp_path, "actor.ppo_mini_batch_size=8", *extra))
+        from hybridflow.config import RunPlan
+        assert RunPlan.from_config(config("tiny-grpo.yaml", tmp_path, "actor.ppo_mini_batch_size=8", *extra)
+                                   ).needs_old_log_probs
 
 
 LAYOUTS = {
@@ -484,13 +485,12 @@ def test_uniform_rows_are_the_groups_without_signal_and_above_a_floor():
 def test_the_critic_joins_the_actors_processes_only_on_its_devices_and_layout(tmp_path):
     """Under Ray a critic on the actor's devices in the actor's megatron-core layout runs in the actor's
     processes (RayWorkerGroup.colocated); placed apart, or in another layout, it gets its own."""
-    from hybridflow.trainer.build import colocate_critic, role_pools
+    from hybridflow.config import RunPlan
 
     ray4 = ["trainer.n_devices=4", "trainer.launcher=ray"]
 
     def colocated(*overrides):
-        cfg = config("tiny-ppo.yaml", tmp_path, *ray4, *overrides)
-        return colocate_critic(cfg, role_pools(cfg))
+        return RunPlan.from_config(config("tiny-ppo.yaml", tmp_path, *ray4, *overrides)).colocate_critic
 
     assert colocated()
     assert colocated("actor.parallel.tp=2", "critic.parallel.tp=2")
@@ -502,12 +502,12 @@ def test_the_critic_joins_the_actors_processes_only_on_its_devices_and_layout(tm
 def test_the_reward_model_joins_the_actors_processes_only_on_its_devices(tmp_path):
     """Under Ray a reward model placed on the actor's devices (the default: every device) runs in the
     actor's processes; on a device set of its own it gets its own processes."""
-    from hybridflow.trainer.build import colocate_reward_model, role_pools
+    from hybridflow.config import RunPlan
 
     rm = ["trainer.n_devices=4", "trainer.launcher=ray", f"reward.model_path={ROOT / 'hybridflow/assets/tiny_reward_model'}"]
 
     def colocated(*overrides):
-        return colocate_reward_model(role_pools(config("tiny-grpo.yaml", tmp_path, *rm, *overrides)))
+        return RunPlan.from_config(config("tiny-grpo.yaml", tmp_path, *rm, *overrides)).colocate_reward_model
 
     assert colocated()
     assert colocated("actor.parallel.tp=2")  # an HF classifier: any megatron-core layout of the actor's

@@ -1,4 +1,9 @@
-"""`ConfigError`: the one exception every config check raises (a leaf module, so any layer may import it)."""
+"""`ConfigError`: the one exception every config check raises.
+
+A leaf module that imports nothing from hybridflow, so any layer may import it
+without importing the config package; `hybridflow.config` re-exports it
+(`from hybridflow.config import ConfigError`).
+"""
 from __future__ import annotations
 
 

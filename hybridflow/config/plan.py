@@ -1,0 +1,193 @@
+"""The run plan: every quantity a run derives from its config, computed once (`RunPlan.from_config`).
+
+A config says what the user asked for; the plan says what follows from it:
+which devices and how many processes each role has, each engine role's
+`ParallelDims`, whether Ray launches the groups, whether rollout has a group
+of its own, which groups share processes, how many generation replicas the
+prompts split over, and the batch arithmetic (prompt and row multiples, the
+rollout chunk, the LR schedule's length). `trainer/build.py`, the trainer and
+the worker specs read it; none of them redo the arithmetic.
+
+The plan assumes a config that `validate` accepted (layouts divide their
+roles' processes, placements exist); the checks that need its numbers
+(`check_runnable`) take it as given. It reads the environment once, when it
+is built: torchrun's `WORLD_SIZE` decides whether this job is one rank of
+several without Ray. `hybridflow config CONFIG` prints it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridflow.config.schema import Config, ParallelConfig, PlacementConfig
+from hybridflow.parallel.layout import ParallelDims
+
+ROLES = tuple(f.name for f in dataclasses.fields(PlacementConfig))  # rollout, reward, training, ...
+ENGINE_ROLES = ("training", "critic", "reference")  # the placement roles that run a megatron-core engine
+# What one process's megatron-core layout fixes: roles sharing a process (the critic with the actor,
+# under torchrun always, under Ray when their devices and these degrees agree) must agree on these.
+PROCESS_LAYOUT_KEYS = ("tp", "pp", "cp")
+
+
+# --------------------------------------------------------------------------- from the config alone
+# The few derivations `validate` needs before a plan can be built (the devices and process count
+# each layout is checked against); the plan is made of the same functions.
+
+def devices_for(cfg: Config, role: str) -> list[int]:
+    """Device indices a role runs on: its placement, or every device.
+
+    The reference always shares the actor's processes, so an empty
+    `placement.reference` means `placement.training`'s devices.
+    """
+    placed = dataclasses.asdict(cfg.placement)
+    if role not in placed:
+        raise ValueError(f"unknown role {role!r}; placement roles are {list(ROLES)}")
+    if placed[role]:
+        return list(placed[role])
+    if role == "reference":
+        return devices_for(cfg, "training")
+    return list(range(cfg.trainer.n_devices))
+
+
+def job_world() -> int:
+    """Processes of this job outside Ray: torchrun's WORLD_SIZE, else 1."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def uses_ray(cfg: Config) -> bool:
+    """Whether worker groups run as Ray actors (else in-process, or this rank's share under torchrun)."""
+    t = cfg.trainer
+    if t.launcher != "auto":
+        return t.launcher == "ray"
+    if "WORLD_SIZE" in os.environ:  # launched by torchrun: every rank drives its own share
+        return False
+    return t.n_devices > 1 or t.ray_address is not None
+
+
+def role_world(cfg: Config, role: str) -> int:
+    """Processes of a role's worker group: its placement under Ray, the job's ranks otherwise."""
+    return len(devices_for(cfg, role)) if uses_ray(cfg) else job_world()
+
+
+def reference_parallel(cfg: Config) -> ParallelConfig:
+    """The reference's parallel section: the actor's unless given (and then checked to be equal)."""
+    return cfg.reference.parallel or cfg.actor.parallel
+
+
+def engine_parallel(cfg: Config) -> dict[str, tuple[str, ParallelConfig]]:
+    """Engine role -> (key path, parallel section) of each placement role that runs a megatron-core engine."""
+    return {"training": ("actor.parallel", cfg.actor.parallel), "critic": ("critic.parallel", cfg.critic.parallel),
+            "reference": ("reference.parallel", reference_parallel(cfg))}
+
+
+def run_dir(cfg: Config) -> Path:
+    """Where a run writes its metrics, checkpoints and exports: trainer.output_dir / trainer.experiment."""
+    return Path(cfg.trainer.output_dir) / cfg.trainer.experiment
+
+
+# --------------------------------------------------------------------------- the plan
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a valid config implies for the run, computed once (`from_config`)."""
+
+    device: str  # "cpu" | "cuda"
+    uses_ray: bool  # worker groups are Ray actors; else in-process, or this rank's share under torchrun
+    job_world: int  # this job's processes outside Ray (torchrun's WORLD_SIZE, else 1)
+    devices: dict[str, tuple[int, ...]]  # placement role -> its device indices (used under Ray)
+    worlds: dict[str, int]  # placement role -> processes of its worker group
+    layouts: dict[str, ParallelDims]  # engine role ("training", "critic", "reference") -> its p-t-d layout
+    uses_critic: bool  # GAE: a critic group exists
+    uses_reward_model: bool  # reward.model_path: a reward-model group exists
+    rollout_apart: bool  # rollout has a group of its own, on other devices than training (Ray only)
+    colocate_critic: bool  # under Ray, the critic's workers join the actor's processes
+    colocate_reward_model: bool  # under Ray, the reward model's workers join the actor's processes
+    generation_replicas: int  # the prompts split over these (each generates its own share)
+    row_multiple: int  # training rows come in multiples of this (actor and critic DP shares)
+    prompt_multiple: int  # prompts come in multiples of this (generation and training shares)
+    chunk_prompts: int  # prompts per rollout chunk of the DataFlow
+    needs_reference: bool  # KL against the initial policy, in the reward or as a loss
+    needs_old_log_probs: bool  # the old log-probs need a forward pass of their own
+    mini_batch_responses: int  # responses per optimizer step: actor.ppo_mini_batch_size * rollout.n
+    optimizer_steps: dict[str, int]  # "actor", "critic" -> the LR schedule's length
+    run_dir: Path  # trainer.output_dir / trainer.experiment
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "RunPlan":
+        """The plan of a config `validate` accepted (under the environment this process runs in)."""
+        ray, world = uses_ray(cfg), job_world()
+        devices = {role: tuple(devices_for(cfg, role)) for role in ROLES}
+        worlds = {role: len(devices[role]) if ray else world for role in ROLES}
+        layouts = {role: ParallelDims.for_world(worlds[role], tp=par.tp, pp=par.pp, cp=par.cp)
+                   for role, (_, par) in engine_parallel(cfg).items()}
+        critic = cfg.algorithm.adv_estimator == "gae"
+        apart = ray and sorted(devices["rollout"]) != sorted(devices["training"])
+        on_actor_devices = {role: sorted(devices[role]) == sorted(devices["training"]) for role in ROLES}
+        a, c = cfg.actor.parallel, cfg.critic.parallel
+        same_process_layout = all(getattr(a, k) == getattr(c, k) for k in PROCESS_LAYOUT_KEYS)
+        # Generation replicas: the rollout group's processes when it is apart (tg = 1), else the actor's
+        # processes over the generation layout's tg * pg.
+        replicas = worlds["rollout"] if apart else worlds["training"] // (cfg.rollout.tg * cfg.rollout.pg)
+        rows = math.lcm(layouts["training"].dp, layouts["critic"].dp if critic else 1)
+        prompts = math.lcm(rows, replicas)
+        steps = optimizer_steps(cfg)
+        return cls(
+            device=cfg.trainer.device, uses_ray=ray, job_world=world, devices=devices, worlds=worlds,
+            layouts=layouts, uses_critic=critic, uses_reward_model=cfg.reward.model_path is not None,
+            rollout_apart=apart, colocate_critic=on_actor_devices["critic"] and same_process_layout,
+            colocate_reward_model=on_actor_devices["reward"], generation_replicas=replicas, row_multiple=rows,
+            prompt_multiple=prompts, chunk_prompts=chunk_prompts(cfg, prompts),
+            needs_reference=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss,
+            needs_old_log_probs=needs_old_log_probs(cfg),
+            mini_batch_responses=cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
+            optimizer_steps={"actor": steps, "critic": steps}, run_dir=run_dir(cfg))
+
+    def describe(self) -> dict:
+        """The plan as plain YAML-able data (what `hybridflow config` prints)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "layouts":
+                value = {role: str(dims) for role, dims in value.items()}
+            elif f.name == "devices":
+                value = {role: list(devices) for role, devices in value.items()}
+            elif isinstance(value, Path):
+                value = str(value)
+            out[f.name] = value
+        return out
+
+
+def chunk_prompts(cfg: Config, multiple: int) -> int:
+    """Prompts per rollout chunk: dataflow.min_batch_for_reward responses (whole prompts, rounded up to a
+    multiple of `multiple` for equal shares), or the whole batch."""
+    size, want = cfg.data.train_batch_size, cfg.dataflow.min_batch_for_reward
+    if want > 0:
+        per_prompt = -(-want // cfg.rollout.n)
+        size = -(-per_prompt // multiple) * multiple
+    return size
+
+
+def needs_old_log_probs(cfg: Config) -> bool:
+    """Whether the old log-probs need a forward pass of their own.
+
+    They are the log-probs of the policy that generated the batch. When the
+    update makes one optimizer step (one epoch, the whole batch one
+    mini-batch), that policy is still the current one while the loss is
+    computed, so the update's own log-probs, detached, are the old ones (TRL
+    skips the pass the same way; verl does not). KL in the reward reads them
+    before the update, so it keeps the pass.
+    """
+    a = cfg.actor
+    one_step = a.ppo_epochs == 1 and cfg.data.train_batch_size <= a.ppo_mini_batch_size
+    return not (a.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward)
+
+
+def optimizer_steps(cfg: Config) -> int:
+    """Optimizer steps of the whole run, the LR schedule's length: the actor's epochs and mini-batches
+    per step (the critic's schedule has the same length; critic.ppo_epochs does not enter it)."""
+    a, n = cfg.actor, cfg.rollout.n
+    rows = cfg.data.train_batch_size * n
+    return cfg.trainer.total_steps * a.ppo_epochs * -(-rows // max(1, a.ppo_mini_batch_size * n))
