@@ -63,3 +63,18 @@ def test_the_plan_is_frozen_plain_data(monkeypatch, tmp_path):
     assert pickle.loads(pickle.dumps(p)) == p
     described = p.describe()
     assert described["layouts"]["training"] == "p1-t1-d1" and described["run_dir"] == str(tmp_path / "e")
+
+
+def test_cli_config_prints_the_plan_as_comments(capsys):
+    """`hybridflow config` shows the plan; its output still loads as the config it printed."""
+    from pathlib import Path
+
+    import yaml
+
+    from hybridflow.cli import main
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny-grpo.yaml"
+    assert main(["config", str(config), "trainer.n_devices=2", "trainer.launcher=ray"]) == 0
+    out = capsys.readouterr().out
+    assert "# run plan" in out and "#   layouts: {training: p1-t1-d2" in out and "#   generation_replicas: 2" in out
+    assert yaml.safe_load(out) == yaml.safe_load(out.split("# run plan")[0])
