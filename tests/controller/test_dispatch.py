@@ -119,3 +119,30 @@ def test_meshes_are_checked():
         check_mesh("actor", [MeshCoord(0, 1, True), MeshCoord(1, 2, True)])
     with pytest.raises(ValueError, match="only applies to DP_SPLIT"):
         register("one_to_all", mesh="actor")
+
+
+def test_a_padded_answer_loses_the_padded_rows_and_their_samples():
+    """`strip_padding` drops padded rows, also from answers with k rows per batch row (a rollout's n
+    samples of each prompt, prompt-major); values that are not per-row stay."""
+    from hybridflow.controller.dispatch import strip_padding
+
+    real = torch.tensor([True, True, False])
+    answer = {"prompt_rows": torch.arange(3), "samples": torch.arange(6), "names": ["a", "b", "c"], "loss": 0.5}
+    out = strip_padding(answer, real)
+    assert out["prompt_rows"].tolist() == [0, 1] and out["samples"].tolist() == [0, 1, 2, 3]
+    assert out["names"] == ["a", "b"] and out["loss"] == 0.5
+    assert strip_padding(answer, None) is answer
+
+
+def test_reads_are_declared_for_dp_split_only():
+    from hybridflow.controller.dispatch import call_batch, method_reads, register
+
+    @register(Dispatch.DP_SPLIT, reads=("x",))
+    def f(self, batch):
+        return batch
+
+    assert method_reads(f) == ("x",)
+    (shipped,), real = call_batch(f, ({"x": torch.arange(3), "y": torch.arange(3)},), 2)
+    assert list(shipped) == ["x"] and shipped["x"].tolist() == [0, 1, 2, 2] and real.tolist() == [True] * 3 + [False]
+    with pytest.raises(ValueError, match="reads only applies to DP_SPLIT"):
+        register(Dispatch.ONE_TO_ALL, reads=("x",))

@@ -104,6 +104,29 @@ def test_dp_split_round_trip_in_order(echo_group):
     assert out["rank"] == [0] * 4 + [1] * 4
 
 
+def test_dp_split_ships_declared_fields_pads_uneven_batches_and_strips_the_padding(echo_group):
+    """A method registered with reads=... receives only those fields; 3 rows over 2 ranks are padded to 4
+    (the last row repeated) and the answer holds the 3 real rows; each call's tensor bytes are counted."""
+    batch = {"x": torch.arange(3.0), "names": ["a", "b", "c"], "unused": torch.zeros(3, 1000)}
+    before = echo_group.shipped_bytes
+    out = echo_group.call(Echo.double_read, batch)
+    assert out["x"].tolist() == [0.0, 2.0, 4.0] and out["names"] == ["A", "B", "C"]
+    assert out["fields"] == [["names", "x"]] * 3
+    assert echo_group.shipped_bytes - before == 4 * 4  # 4 float32 rows of x; "unused" never left
+    out = echo_group.call(Echo.double, {"x": torch.arange(5.0), "names": list("abcde")})
+    assert out["names"] == list("ABCDE") and out["rank"] == [0, 0, 0, 1, 1]
+
+
+def test_per_replica_arguments_reach_their_replica_as_they_are(echo_group):
+    from hybridflow.controller.dispatch import PerReplica
+
+    rows = PerReplica([{"names": ["a", "b", "c"]}, {"names": ["d"]}])  # shares of unequal size
+    out = echo_group.call(Echo.share, rows, PerReplica([[0, 1], [2]]))
+    assert out == {"names": [["a", "b", "c"], ["d"]], "steps": [[0, 1], [2]]}
+    with pytest.raises(ValueError, match="holds 1 values for 2 replicas"):
+        echo_group.call(Echo.share, PerReplica([{"names": ["a"]}]), [0])
+
+
 def test_one_to_all_rank_zero_all_to_all(echo_group):
     assert echo_group.call(Echo.tag) == "rank0"
     assert echo_group.call(Echo.add, [1, 2], b=[10, 20]) == [11, 122]

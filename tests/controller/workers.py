@@ -29,6 +29,17 @@ class Echo(Worker):
         out["rank"] = [self.rank] * len(batch["names"])
         return out
 
+    @register(Dispatch.DP_SPLIT, reads=("x", "names"))
+    def double_read(self, batch: dict) -> dict:
+        """`double` of a method that declares what it reads: it fails if more fields arrive."""
+        assert sorted(batch) == ["names", "x"], sorted(batch)
+        return {**double_batch(batch), "fields": [sorted(batch)] * len(batch["names"])}
+
+    @register(Dispatch.DP_SPLIT)
+    def share(self, rows: dict, steps: list) -> dict:
+        """What a replica received of PerReplica arguments, as one row."""
+        return {"names": [rows["names"]], "steps": [steps]}
+
     @register(Dispatch.ONE_TO_ALL)
     def whoami(self) -> dict:
         keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
