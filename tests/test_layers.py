@@ -24,9 +24,6 @@ ALLOWED = {
     # By design: the user-facing `from hybridflow.utils import load_hf_model` (docs/api.md), imported on
     # first use, so the helpers in utils stay a leaf for everything else.
     ("hybridflow/utils/__init__.py", "rollout"): "lazy re-export of load_hf_model for users",
-    # For now: workers/rl_workers.py's reward-model worker imports load_hf_model from models.hf; when it
-    # imports it from hybridflow.utils, models/hf.py's __getattr__ and this entry go.
-    ("hybridflow/models/hf.py", "rollout"): "forwards load_hf_model until workers/ imports it from utils",
 }
 # Package __init__ files that import non-leaves although their package holds a leaf (see
 # test_a_leaf_loads_only_leaves). For now: config/__init__.py imports loader and validate eagerly, so

@@ -133,7 +133,6 @@ class RunPlan:
         replicas = worlds["rollout"] if apart else worlds["training"] // (cfg.rollout.tg * cfg.rollout.pg)
         rows = math.lcm(layouts["training"].dp, layouts["critic"].dp if critic else 1)
         prompts = math.lcm(rows, replicas)
-        steps = optimizer_steps(cfg)
         return cls(
             device=cfg.trainer.device, uses_ray=ray, job_world=world, devices=devices, worlds=worlds,
             layouts=layouts, uses_critic=critic, uses_reward_model=cfg.reward.model_path is not None,
@@ -143,7 +142,8 @@ class RunPlan:
             needs_reference=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss,
             needs_old_log_probs=needs_old_log_probs(cfg),
             mini_batch_responses=cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
-            optimizer_steps={"actor": steps, "critic": steps}, run_dir=run_dir(cfg))
+            optimizer_steps={"actor": optimizer_steps(cfg, cfg.actor.ppo_epochs),
+                             "critic": optimizer_steps(cfg, cfg.critic.ppo_epochs)}, run_dir=run_dir(cfg))
 
     def describe(self) -> dict:
         """The plan as plain YAML-able data (what `hybridflow config` prints)."""
@@ -185,9 +185,9 @@ def needs_old_log_probs(cfg: Config) -> bool:
     return not (a.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward)
 
 
-def optimizer_steps(cfg: Config) -> int:
-    """Optimizer steps of the whole run, the LR schedule's length: the actor's epochs and mini-batches
-    per step (the critic's schedule has the same length; critic.ppo_epochs does not enter it)."""
-    a, n = cfg.actor, cfg.rollout.n
+def optimizer_steps(cfg: Config, epochs: int) -> int:
+    """Optimizer steps of the whole run for a role taking `epochs` passes per update, its LR schedule's
+    length: epochs x mini-batches per step (at most: dropped uniform groups leave fewer rows)."""
+    n = cfg.rollout.n
     rows = cfg.data.train_batch_size * n
-    return cfg.trainer.total_steps * a.ppo_epochs * -(-rows // max(1, a.ppo_mini_batch_size * n))
+    return cfg.trainer.total_steps * epochs * -(-rows // max(1, cfg.actor.ppo_mini_batch_size * n))

@@ -148,13 +148,3 @@ def load_classifier(path: Path, device: torch.device, dtype: Optional[torch.dtyp
     model = transformers.AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     return RewardModel(model.to(device).eval(), tokenizer, path, device)
-
-
-def __getattr__(name: str) -> Any:
-    # `from hybridflow.models.hf import load_hf_model` (workers/rl_workers.py's reward-model worker) keeps
-    # working until that import reads `hybridflow.utils`; then this upward import and its allow-list entry in
-    # tests/test_layers.py go.
-    if name == "load_hf_model":
-        from hybridflow.rollout.hf import load_hf_model
-        return load_hf_model
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -267,7 +267,7 @@ class RewardModelWorker(Worker):
     """An HF sequence classifier scoring (prompt, response) pairs, on the devices of placement.reward."""
 
     def __init__(self, cfg: RewardConfig):
-        from hybridflow.models.hf import load_hf_model
+        from hybridflow.rollout.hf import load_hf_model
 
         prepare_process(self)
         self.cfg = cfg

@@ -26,7 +26,7 @@ def test_ray_layouts_replicas_and_multiples(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     p = plan("trainer.n_devices=4", "actor.parallel.tp=2", "critic.parallel.tp=4", "rollout.tg=1",
              "algorithm.adv_estimator=gae", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
-             "trainer.total_steps=3")
+             "trainer.total_steps=3", "critic.ppo_epochs=2")
     assert p.uses_ray and p.devices["training"] == (0, 1, 2, 3) and p.worlds["critic"] == 4
     assert p.layouts["training"] == ParallelDims(tp=2, dp=2) and p.layouts["critic"] == ParallelDims(tp=4)
     assert p.layouts["reference"] == p.layouts["training"]
@@ -34,7 +34,8 @@ def test_ray_layouts_replicas_and_multiples(monkeypatch):
     assert p.colocate_reward_model  # the default placement: every device
     assert p.generation_replicas == 4 and p.row_multiple == 2 and p.prompt_multiple == 4
     assert p.mini_batch_responses == 4
-    assert p.optimizer_steps == {"actor": 3 * 2, "critic": 3 * 2}  # steps x mini-batches per step
+    # steps x epochs x mini-batches per step: each role's own epochs
+    assert p.optimizer_steps == {"actor": 3 * 1 * 2, "critic": 3 * 2 * 2}
 
 
 def test_rollout_apart_and_chunks(monkeypatch):

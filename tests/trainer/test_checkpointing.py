@@ -210,26 +210,27 @@ def test_a_model_of_another_shape_is_named_by_its_first_differing_tensor(tmp_pat
     run's: the first difference, in the checkpoint's order, names the tensor and both shapes."""
     import dataclasses
 
-    from hybridflow.config import load_config
+    from hybridflow.config import RunPlan, load_config
     from hybridflow.models.config import DecoderConfig
     from hybridflow.trainer.build import model_tensors
     from hybridflow.trainer.checkpointing import check_models
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_config(os.path.join(root, "configs/tiny-ppo.yaml"))
+    plan = RunPlan.from_config(cfg)
     demo = DecoderConfig.from_pretrained(os.path.join(root, "hybridflow/assets/demo_model"))  # 4 layers
-    saved = model_tensors(cfg, demo)
+    saved = model_tensors(cfg, plan, demo)
     assert set(saved) == {"actor", "critic"} and saved["critic"]["output_layer.weight"] == [1, 128]
     paths = {"actor": "/m/three", "critic": "/m/three"}
 
     def refused(**change) -> str:
-        here = model_tensors(cfg, dataclasses.replace(demo, layer_windows=[], **change))
+        here = model_tensors(cfg, plan, dataclasses.replace(demo, layer_windows=[], **change))
         with pytest.raises(CheckpointError) as err:
             check_models(saved, here, tmp_path / "step_000004", 4, paths)
         assert err.value.step == 4 and "\n" not in str(err.value)
         return str(err.value)
 
-    check_models(saved, model_tensors(cfg, demo), tmp_path, 4, paths)  # the same model: nothing to say
+    check_models(saved, model_tensors(cfg, plan, demo), tmp_path, 4, paths)  # the same model: nothing to say
     check_models(None, {}, tmp_path, 4, paths)  # saved before the tables were recorded: nothing to check
     line = refused(num_layers=3)
     assert line.startswith(f"trainer.resume=auto: {tmp_path}/step_000004: its actor does not fit this run's model "
