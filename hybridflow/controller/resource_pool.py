@@ -119,7 +119,7 @@ def pools_from_placement(placement: Mapping[str, Sequence[int]], device: str) ->
     """role -> pool; roles with the same device set get the same pool object.
 
     placement: role -> the device indices it runs on, already resolved (an
-        empty `placement:` list is every device: `config.validate.devices_for`)
+        empty `placement:` list is every device: `config.plan.devices_for`)
         and checked when the config was loaded (`config/validate.py`).
     device: "cpu" or "cuda" (`trainer.device`).
     Call `release()` on any pool at the end of a GPU job to return the GPUs.
