@@ -247,7 +247,7 @@ class TrainerConfig:
     # a new metrics file, and the old checkpoints are pruned as new ones are saved).
     overwrite: bool = False
     loggers: list[LoggerName] = field(default_factory=lambda: ["console", "jsonl"])
-    # A Ray cluster to join ("auto" or "host:port"), with its own auth and bind settings (README: Security);
+    # A Ray cluster to join ("auto" or "host:port"), with its own auth and bind settings (SECURITY.md);
     # None starts a private local one: loopback only, token auth on.
     ray_address: Optional[str] = None
     # Where the worker groups run: "ray" (one Ray actor per device), "local"
