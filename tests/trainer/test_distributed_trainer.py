@@ -74,23 +74,15 @@ def test_grpo_colocated_on_two_ray_workers_matches_the_single_process_run(tmp_pa
     assert len(list((summary["checkpoint"] / "actor").glob("engine_*.pt"))) == 2  # one shard file per rank
 
 
-def test_ppo_split_placement_critic_on_its_own_devices(tmp_path):
+def test_ppo_split_placement_critic_on_its_own_devices(tmp_path, single):
     """Actor+rollout+reference on devices 0-1, the critic on 2-3 (four Ray processes, both roles at
-    DP2): the same metrics as one process, up to summation order, over two mini-batches per epoch."""
-    from tests.trainer.test_trainer import learned
-
-    common = ["trainer.total_steps=2"]
+    TP1 x DP2): three steps of two epochs of two mini-batches equal one process's to 1e-5."""
     _, records = run("tiny-ppo.yaml", tmp_path / "split", "trainer.n_devices=4", "trainer.launcher=ray",
                      "placement.training=[0,1]", "placement.rollout=[0,1]", "placement.reference=[0,1]",
-                     "placement.critic=[2,3]", *common)
-    _, single = run("tiny-ppo.yaml", tmp_path / "one", *common)
-    split, one = learned(records), learned(single)
+                     "placement.critic=[2,3]", *THREE_STEPS)
     for key in ("critic/vf_loss", "actor/pg_loss", "actor/kl", "actor/kl_loss"):
-        assert math.isfinite(split[2][key]), key
-    for step in (1, 2):
-        assert split[step].keys() == one[step].keys()
-        for key, value in one[step].items():
-            assert split[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+        assert math.isfinite(records[3][key]), key
+    _assert_same_metrics({"one": single("tiny-ppo.yaml")[1], "split": records}, (1, 2, 3), rel=1e-5, abs_=1e-6)
 
 
 def test_grpo_rollout_apart_from_training_matches_the_single_process_run(tmp_path):
