@@ -77,6 +77,11 @@ def take_rows(batch: Any, index: Tensor | Sequence[int]) -> Any:
     return tuple(items) if isinstance(batch, tuple) else items
 
 
+def repeat_rows(batch: Any, n: int) -> Any:
+    """Each row `n` times in a row, prompt-major (the generator's order for `n` samples of each prompt)."""
+    return take_rows(batch, torch.arange(row_count(batch)).repeat_interleave(n))
+
+
 def split_rows(batch: Any, n: int) -> list[Any]:
     """`n` equal consecutive row chunks (views); the rows must divide (pad first with `pad_rows`)."""
     rows = row_count(batch)

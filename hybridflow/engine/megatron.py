@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from hybridflow.config.schema import OptimConfig, ParallelConfig
 from hybridflow.data import fields as F
-from hybridflow.data.batch import pad_with_empty_rows
+from hybridflow.data.batch import pad_with_empty_rows, slice_rows
 from hybridflow.engine.build import HiddenOutput, RopePositions, build_model, transformer_config, use_fused_adam
 from hybridflow.engine.distributed import init_model_parallel
 from hybridflow.engine.packing import (left_align_index, pack_rows, share_prompt_rows, to_cpu, unalign,
@@ -341,7 +341,7 @@ class MegatronEngine:
         if output.shape[-1] == 1:
             output = output.squeeze(-1)
         if rows < len(output):  # rows added only to give every pipeline micro-batch one shape
-            output, batch = output[:rows], {k: v[:rows] for k, v in batch.items()}
+            output, batch = output[:rows], slice_rows(batch, 0, rows)
         return step_fn(output, batch)
 
     def run(self, micro_batches: list[dict[str, Any]], step_fn: StepFn,

@@ -6,12 +6,13 @@ from training it owns a copy, refreshed from the actor before each rollout.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from hybridflow.config.schema import RolloutConfig
 from hybridflow.data import fields as F
+from hybridflow.data.batch import chunk_rows, repeat_rows
 from hybridflow.data.tokenizer import Tokenizer
 from hybridflow.rollout import GenerationOutput, Generator, SamplingParams
 from hybridflow.utils import mix_seed
@@ -34,11 +35,6 @@ def pad_columns(t: torch.Tensor, width: int, value) -> torch.Tensor:
     if t.shape[1] >= width:
         return t
     return torch.cat([t, t.new_full((t.shape[0], width - t.shape[1]), value)], dim=1)
-
-
-def repeat_rows(values: Sequence[Any], n: int) -> list[Any]:
-    """Prompt-major repeat, matching the generator's row order."""
-    return [v for v in values for _ in range(n)]
 
 
 def response_texts(responses: torch.Tensor, mask: torch.Tensor, tokenizer: Tokenizer) -> list[str]:
@@ -91,8 +87,8 @@ class Rollout:
         keys = mix_seed(seed, torch.as_tensor(prompts[F.INDEX], dtype=torch.long))
         # rollout.batch_size_per_device: generate this rank's prompts that many at a time.
         size = self.cfg.batch_size_per_device or len(ids)
-        parts = [self.generator.generate(ids[i:i + size], mask[i:i + size], params, row_keys=keys[i:i + size])
-                 for i in range(0, len(ids), size)]
+        parts = [self.generator.generate(c["ids"], c["mask"], params, row_keys=c["keys"])
+                 for c in chunk_rows({"ids": ids, "mask": mask, "keys": keys}, size)]
         if pad or self.world_size > 1 or len(parts) > 1:  # concatenated batches need one width
             width = params.max_new_tokens
         else:

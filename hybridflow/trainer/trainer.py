@@ -41,7 +41,7 @@ from hybridflow.controller.dispatch import PerReplica, concat_batches
 from hybridflow.controller.worker import WorkerError
 from hybridflow.dataflow import DataFlow, Node, NodeError
 from hybridflow.data import fields as F
-from hybridflow.data.batch import rows_for_plan, take_rows, tensor_fields
+from hybridflow.data.batch import chunk_rows, rows_for_plan, take_rows, tensor_fields
 from hybridflow.data.dataset import PromptDataset
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.roles.actor import actor_update_plan
@@ -187,9 +187,8 @@ class RLTrainer:
         Returns the batch, its metrics and the flow's result (timings).
         """
         prompts = self.prompts(step)
-        rows, size = len(prompts[F.INPUT_IDS]), self.chunk_prompts
         seed = mix_seed(self.cfg.trainer.seed, step)
-        chunks = [(seed, {k: v[start:start + size] for k, v in prompts.items()}) for start in range(0, rows, size)]
+        chunks = [(seed, chunk) for chunk in chunk_rows(prompts, self.chunk_prompts)]
         try:
             result = self.flow.run(chunks, async_execution=self.cfg.dataflow.async_execution, min_batch=1)
         except NodeError as exc:  # a worker (or the reward function) failed inside a stage: report that error

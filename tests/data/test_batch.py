@@ -4,8 +4,8 @@ import torch
 
 from hybridflow.data import fields as F
 from hybridflow.data.batch import (chunk_by_tokens, chunk_rows, concat, mask_padding, mini_batch_plan,
-                                   mini_batch_rows, pad_rows, row_count, rows_for_plan, select_fields, split_rows,
-                                   take_rows, unpad)
+                                   mini_batch_rows, pad_rows, repeat_rows, row_count, rows_for_plan, select_fields,
+                                   slice_rows, split_rows, take_rows, unpad)
 
 
 def _batch(rows: int = 5) -> dict:
@@ -24,6 +24,9 @@ def test_rows_are_taken_split_chunked_and_joined_with_their_lists():
     joined = concat(halves)
     assert joined[F.UID] == batch[F.UID] and torch.equal(joined[F.INPUT_IDS], batch[F.INPUT_IDS])
     assert [row_count(c) for c in chunk_rows(batch, 4)] == [4, 2]
+    assert slice_rows(batch, 1, 3)[F.UID] == ["u1", "u2"]
+    twice = repeat_rows(take_rows(batch, torch.tensor([0, 1])), 2)  # prompt-major: the generator's order
+    assert twice[F.UID] == ["u0", "u0", "u1", "u1"] and twice[F.INPUT_IDS][:, 0].tolist() == [0, 0, 3, 3]
     assert select_fields(batch, (F.UID, F.VALUES)) == {F.UID: batch[F.UID]}
     with pytest.raises(ValueError, match="does not split evenly over 4"):
         split_rows(batch, 4)
