@@ -65,30 +65,21 @@ def _timed(fn, sink: list):
     return wrapper
 
 
-def _nbytes(value) -> int:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_nbytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
-
-
 @contextlib.contextmanager
 def _count_shipped(sink: list):
     """Count the tensor bytes every worker-group call delivers to its ranks, in any tree (the dispatch
     modes' split rules, which every tree's groups go through, are wrapped while this is open)."""
     from dataclasses import replace
 
+    import torch
+    from torch.utils._pytree import tree_leaves
+
     from hybridflow.controller import dispatch as D
 
     def counted(split):
         def wrapper(*args, **kwargs):
             per_rank = split(*args, **kwargs)
-            sink.append(sum(_nbytes(a) + _nbytes(k) for a, k in per_rank))
+            sink.append(sum(t.nbytes for t in tree_leaves(per_rank) if isinstance(t, torch.Tensor)))
             return per_rank
         return wrapper
 

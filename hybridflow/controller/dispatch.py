@@ -55,6 +55,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 from hybridflow.data.batch import concat, pad_rows, row_count, select_fields, split_rows, unpad
 
@@ -166,15 +167,7 @@ def strip_padding(answer: Any, real: Optional[Tensor]) -> Any:
 
 def shipped_bytes(per_rank: PerRank) -> int:
     """The tensor bytes a call's arguments deliver, summed over the ranks (what each rank receives)."""
-    def size(value: Any) -> int:
-        if isinstance(value, Tensor):
-            return value.numel() * value.element_size()
-        if isinstance(value, dict):
-            return sum(size(v) for v in value.values())
-        if isinstance(value, (list, tuple)):
-            return sum(size(v) for v in value)
-        return 0
-    return sum(size(args) + size(kwargs) for args, kwargs in per_rank)
+    return sum(leaf.nbytes for leaf in tree_leaves(per_rank) if isinstance(leaf, Tensor))
 
 
 def _rows_of(value: Any) -> int:
