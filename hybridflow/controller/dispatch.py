@@ -34,9 +34,12 @@ replica and concatenates what the ranks return, field by field: tensors with
 `torch.cat`, lists and tuples joined, anything else (floats, strings, 0-d
 tensors) gathered into one list entry per rank. A batch whose rows do not
 divide is padded (its last row repeated) and the padding is stripped from
-per-row answers (`call_batch`, `strip_padding`). Chunks are views of the
-caller's batch; `RayWorkerGroup` sends each as a numpy view of its own rows
-(no copy on the driver; see `_Array` in transfer.py).
+per-row answers (`call_batch`, `strip_padding`); per-rank values in an
+answer come back `Gathered` and are never stripped (a per-rank 1-d tensor
+would read as rows: answers keep tensors per-row). Chunks are views of the
+caller's batch (a padded batch is a copy); `RayWorkerGroup` sends each as a
+numpy view of its own rows (no copy on the driver; see `_Array` in
+transfer.py).
 
 **Fields.** A method registered with `reads=(...)` receives only those
 fields of its batch: the controller ships 4 tensors to a log-prob pass, not
@@ -57,7 +60,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from hybridflow.data.batch import concat, pad_rows, row_count, select_fields, split_rows, unpad
+from hybridflow.data.batch import Gathered, concat, pad_rows, row_count, select_fields, split_rows, unpad
 
 _ATTR = "__hybridflow_dispatch__"
 _MESH_ATTR = "__hybridflow_mesh__"
@@ -148,14 +151,18 @@ def call_batch(fn: Callable, args: tuple, replicas: int) -> tuple[tuple, Optiona
 
     if isinstance(args[0], PerReplica):
         return (PerReplica(needed(b) for b in args[0]), *args[1:]), None
-    batch, real = pad_rows(needed(args[0]), replicas)
+    try:
+        batch, real = pad_rows(needed(args[0]), replicas)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"DP_SPLIT method {fn.__qualname__} (reads {reads or 'every field'}) needs a batch "
+                        f"(dict of tensors/lists, tensor or list) first: {exc}") from None
     return (batch, *args[1:]), None if bool(real.all()) else real
 
 
 def strip_padding(answer: Any, real: Optional[Tensor]) -> Any:
     """A DP_SPLIT answer without the rows `call_batch` padded. Per-row fields with k rows per batch row
     (a rollout's n samples of each prompt, prompt-major) lose the padded rows' k; other values stay."""
-    if real is None:
+    if real is None or isinstance(answer, Gathered):  # one value per rank, not rows
         return answer
     if isinstance(answer, dict):
         return {k: strip_padding(v, real) for k, v in answer.items()}

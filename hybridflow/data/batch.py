@@ -116,9 +116,14 @@ def chunk_by_tokens(batch: dict[str, Tensor], max_tokens: int) -> list[dict[str,
     return [slice_rows(batch, a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+class Gathered(list):
+    """One value per part, gathered by `concat` (not rows: padding is never stripped from it)."""
+
+
 def concat(parts: Sequence[Any]) -> Any:
     """Inverse of `split_rows`: tensors `torch.cat`-ed, lists and tuples joined, field by field; values
-    that are not per-row (floats, strings, 0-d tensors) are gathered into one list entry per part."""
+    that are not per-row (floats, strings, 0-d tensors) are gathered into a `Gathered` list, an entry
+    per part."""
     first = parts[0]
     if isinstance(first, dict):
         keys = list(first)
@@ -135,7 +140,7 @@ def concat(parts: Sequence[Any]) -> Any:
         return tuple(item for part in parts for item in part)
     if all(p is None for p in parts):
         return None
-    return list(parts)
+    return Gathered(parts)
 
 
 def pad_rows(batch: Any, multiple: int) -> tuple[Any, Tensor]:

@@ -56,6 +56,10 @@ class Actor:
 
     def update(self, batch: dict[str, Any], step: int) -> dict[str, float]:
         """PPO epochs over this process's rows (the whole update's: one replica)."""
+        if self.engine.layout.dp > 1:
+            raise ValueError(f"update() takes every row of the update in one replica; at dp = "
+                             f"{self.engine.layout.dp} give each replica its share: update_share(*rows_for_plan(batch, "
+                             f"self.plan(rows, step, dp)[replica]))")
         return self.update_share(batch, self.plan(len(batch[F.INPUT_IDS]), step)[0])
 
     def update_share(self, batch: dict[str, Any], steps: list[Tensor]) -> dict[str, float]:

@@ -87,9 +87,10 @@ def train_mini_batch(engine, mini: dict[str, Tensor], micro_batch_size: int, los
 
     max_tokens > 0 packs token-budgeted micro-batches (`data.batch.chunk_by_tokens`);
     share_prompts runs a micro-batch's rows with one prompt as one row.
-    Metrics are averaged over micro-batches, except the `summed` ones (loss
-    shares: summed over micro-batches and DP ranks, and checked to be finite
-    before the step); `{prefix}/grad_norm` and `{prefix}/lr` come from the step.
+    Metrics are those of the global mini-batch (`global_metrics`: averaged over
+    its real rows, except the `summed` loss shares, which are checked to be
+    finite before the step); `{prefix}/grad_norm` and `{prefix}/lr` come from
+    the step.
     """
     from megatron.core import parallel_state as ps
 
@@ -103,6 +104,7 @@ def train_mini_batch(engine, mini: dict[str, Tensor], micro_batch_size: int, los
 
     def step_fn(out: Tensor, mb: dict[str, Tensor]):
         loss, metrics = loss_fn(out, mb, denom)
+        metrics[_ROWS] = float(mb[F.RESPONSE_MASK].bool().any(-1).sum())  # 0 for a micro-batch of padding
         return loss * scale, metrics
 
     engine.zero_grad()
@@ -110,10 +112,7 @@ def train_mini_batch(engine, mini: dict[str, Tensor], micro_batch_size: int, los
     check_reports_finite(reports, summed, group)
     stats = engine.step()
     check_finite(f"{prefix}/grad_norm", stats.grad_norm)
-    out = mean_metrics(reports)
-    for key in summed:
-        if key in out:
-            out[key] = summed_share(reports, key, group)
+    out = global_metrics(reports, summed, group)
     out.update({f"{prefix}/grad_norm": stats.grad_norm, f"{prefix}/lr": stats.lr})
     return out
 
@@ -135,12 +134,26 @@ def global_count(mask: Tensor, mode: str, group=None) -> Tensor:
     return count
 
 
-def summed_share(reports: list[dict[str, Any]], key: str, group=None) -> float:
-    """A loss reported as shares of the global mini-batch loss: summed over micro-batches and DP ranks."""
-    total = torch.tensor(sum(r[key] for r in reports), dtype=torch.float64)
+_ROWS = "_rows"  # a micro-batch report's weight: its real rows
+
+
+def global_metrics(reports: list[dict[str, Any]], summed: tuple[str, ...], group=None) -> dict[str, float]:
+    """The micro-batch reports of every DP rank as the global mini-batch's metrics, in one all-reduce.
+
+    `summed` keys (loss shares of the global mini-batch loss) are summed; the
+    others are averaged weighted by each micro-batch's real rows, so a
+    micro-batch of padding rows counts nowhere and every layout reports what
+    one process does. Every rank gets the same figures.
+    """
+    keys = sorted({k for r in reports for k, v in r.items() if k != _ROWS and isinstance(v, (int, float))})
+    sums = [[sum(float(r[k]) for r in reports if k in r), 1.0] if k in summed else
+            [sum(r[_ROWS] * float(r[k]) for r in reports if k in r), sum(r[_ROWS] for r in reports if k in r)]
+            for k in keys]
+    total = torch.tensor(sums, dtype=torch.float64).view(-1, 2)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
-    return total.item()
+    return {k: (total[i, 0].item() if k in summed else (total[i, 0] / total[i, 1]).item() if total[i, 1] > 0 else 0.0)
+            for i, k in enumerate(keys)}
 
 
 def mean_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:

@@ -37,11 +37,11 @@ from hybridflow.config.plan import RunPlan
 from hybridflow.config.schema import Config
 from hybridflow.config.validate import (check_prompt_count, check_runnable, load_model_config, load_reward_function,
                                         load_tokenizer)
-from hybridflow.controller.dispatch import PerReplica, concat_batches
+from hybridflow.controller.dispatch import PerReplica, concat_batches, method_reads
 from hybridflow.controller.worker import WorkerError
 from hybridflow.dataflow import DataFlow, Node, NodeError
 from hybridflow.data import fields as F
-from hybridflow.data.batch import chunk_rows, rows_for_plan, take_rows, tensor_fields
+from hybridflow.data.batch import chunk_rows, rows_for_plan, select_fields, take_rows
 from hybridflow.data.dataset import PromptDataset
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.roles.actor import actor_update_plan
@@ -53,6 +53,7 @@ from hybridflow.trainer.interrupt import GracefulInterrupt
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.utils import mix_seed
+from hybridflow.workers.rl_workers import ActorRolloutRefWorker, CriticWorker
 
 Metrics = dict[str, float]
 
@@ -70,10 +71,10 @@ def mean_of_ranks(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: sum(v) / len(v) if isinstance(v, list) else float(v) for k, v in metrics.items()}
 
 
-def shares(batch: dict[str, Any], plan: list[list[torch.Tensor]]) -> tuple[PerReplica, PerReplica]:
-    """Each replica's rows of `batch` (each row once) and its steps renumbered into them: the two
-    arguments of an update call. Only the per-row tensors are shipped."""
-    parts = [rows_for_plan(tensor_fields(batch), steps) for steps in plan]
+def shares(batch: dict[str, Any], plan: list[list[torch.Tensor]], method) -> tuple[PerReplica, PerReplica]:
+    """Each replica's rows of `batch` (each row once; with several epochs, the rows any of its shares use)
+    and its steps renumbered into them: the two arguments of the update `method`, cut to what it reads."""
+    parts = [rows_for_plan(select_fields(batch, method_reads(method)), steps) for steps in plan]
     return PerReplica(rows for rows, _ in parts), PerReplica(steps for _, steps in parts)
 
 
@@ -213,9 +214,9 @@ class RLTrainer:
         if self.critic is not None:
             plan = critic_update_plan(cfg.critic, self.plan.mini_batch_responses, seed, step, rows,
                                       layouts["critic"].dp)
-            stats.update(mean_of_ranks(self.critic.update_critic(*shares(batch, plan))))
+            stats.update(mean_of_ranks(self.critic.update_critic(*shares(batch, plan, CriticWorker.update_critic))))
         plan = actor_update_plan(cfg.actor, cfg.rollout.n, seed, step, rows, layouts["training"].dp)
-        stats.update(mean_of_ranks(self.actor.update_actor(*shares(batch, plan))))
+        stats.update(mean_of_ranks(self.actor.update_actor(*shares(batch, plan, ActorRolloutRefWorker.update_actor))))
         stats.update(self.transition())
         return stats
 

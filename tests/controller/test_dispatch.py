@@ -131,6 +131,8 @@ def test_a_padded_answer_loses_the_padded_rows_and_their_samples():
     out = strip_padding(answer, real)
     assert out["prompt_rows"].tolist() == [0, 1] and out["samples"].tolist() == [0, 1, 2, 3]
     assert out["names"] == ["a", "b"] and out["loss"] == 0.5
+    per_rank = concat_batches([{"loss": 0.1}, {"loss": 0.2}])  # two ranks, one real row: still two values
+    assert strip_padding(per_rank, torch.tensor([True, False]))["loss"] == [0.1, 0.2]
     assert strip_padding(answer, None) is answer
 
 
@@ -146,3 +148,7 @@ def test_reads_are_declared_for_dp_split_only():
     assert list(shipped) == ["x"] and shipped["x"].tolist() == [0, 1, 2, 2] and real.tolist() == [True] * 3 + [False]
     with pytest.raises(ValueError, match="reads only applies to DP_SPLIT"):
         register(Dispatch.ONE_TO_ALL, reads=("x",))
+    with pytest.raises(ValueError, match=r"f \(reads \('x',\)\) needs a batch .* empty batch dict"):
+        call_batch(f, ({"y": torch.arange(3)},), 2)  # none of the fields it reads
+    with pytest.raises(TypeError, match="needs a batch"):
+        call_batch(f, (3,), 2)

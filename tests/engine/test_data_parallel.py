@@ -22,3 +22,27 @@ def test_dp2_update_equals_dp1_update(two_process_launch):
     for name, value in engine.hf_state_dict().items():
         # Adam's first step is ~lr * sign(grad): allow sign flips of ~0 gradients.
         torch.testing.assert_close(dp2["weights"][name], value, atol=0.05 * optim.lr, rtol=0, msg=name)
+
+
+def test_padding_rows_change_no_loss_gradient_or_metric():
+    """A share padded with masked rows (-1 in the plan) takes the same step and reports the same metrics:
+    the padding is in no loss, gradient, token count or average, even as micro-batches of padding alone."""
+    import dataclasses
+
+    from hybridflow.data import fields as F
+
+    cfg, hf, batch, optim, actor_cfg = dp_case()
+    rows = torch.arange(len(batch[F.INPUT_IDS]))
+
+    def update(index):
+        engine = MegatronEngine(cfg, ParallelConfig(), optim, total_steps=10)
+        engine.load_hf_state_dict(hf)
+        actor = Actor(dataclasses.replace(actor_cfg, ppo_micro_batch_size=1), engine)
+        return actor.update_share(batch, [index]), engine.hf_state_dict()
+
+    (plain, weights), (padded, padded_weights) = update(rows), update(torch.cat([rows, torch.full((3,), -1)]))
+    assert padded.keys() == plain.keys() and {"actor/entropy", "actor/clip_frac", "actor/pg_loss"} <= plain.keys()
+    for key, value in plain.items():
+        assert padded[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    for name, value in weights.items():
+        torch.testing.assert_close(padded_weights[name], value, atol=1e-7, rtol=0, msg=name)
