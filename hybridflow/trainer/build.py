@@ -54,11 +54,12 @@ def critic_spec(cfg: Config, plan: RunPlan) -> CriticWorkerSpec:
 def model_tensors(cfg: Config, plan: RunPlan, model: DecoderConfig,
                   critic_model: Optional[DecoderConfig] = None) -> dict[str, dict[str, list[int]]]:
     """Checkpoint name ("actor", "critic") -> {Megatron parameter: full shape} of each model the run
-    checkpoints, from the bridge as the engines build them (vocabulary padded for the role's TP; the critic's
-    output layer is its one-value head). Saved with each checkpoint and compared when a run resumes, so a
-    model of another shape is refused before any worker reads a shard."""
+    checkpoints, from the bridge (the vocabulary padded as at TP 1, so the table describes the model, not the
+    layout: `checkpoint_layouts` records that; the critic's output layer is its one-value head). Saved with
+    each checkpoint and compared when a run resumes, so a model of another shape is refused before any
+    worker reads a shard."""
     def table(decoder: DecoderConfig, role: str, value_head: bool) -> dict[str, list[int]]:
-        bridge = get_bridge(decoder, cfg.model.make_vocab_size_divisible_by, plan.layouts[role].tp)
+        bridge = get_bridge(decoder, cfg.model.make_vocab_size_divisible_by, 1)
         shapes = bridge.megatron_shapes()
         if value_head:
             shapes["output_layer.weight"] = (1, decoder.hidden_size)
@@ -68,6 +69,14 @@ def model_tensors(cfg: Config, plan: RunPlan, model: DecoderConfig,
     if plan.uses_critic:
         tables["critic"] = table(critic_model or model, "critic", value_head=True)
     return tables
+
+
+def checkpoint_layouts(plan: RunPlan) -> dict[str, str]:
+    """Checkpoint name -> the layout its shards are written at (one file per rank), e.g. "p1-t2-d1"."""
+    out = {"actor": str(plan.layouts["training"])}
+    if plan.uses_critic:
+        out["critic"] = str(plan.layouts["critic"])
+    return out
 
 
 def weights_bytes(cfg: Config, tables: dict[str, dict[str, list[int]]]) -> int:

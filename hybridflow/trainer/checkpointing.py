@@ -142,6 +142,20 @@ def _first_difference(saved: dict[str, list[int]], here: dict[str, list[int]]) -
     return None if extra is None else f"{extra} {list(here[extra])} is in this model and not in the checkpoint"
 
 
+def check_layouts(saved: Any, here: dict[str, str], directory: Path, step: int) -> None:
+    """Refuse to resume from `directory` when its shards were written at another layout (`saved`, checkpoint
+    name -> "p1-t2-d1"; None for a step saved before layouts were recorded): each rank reads the shard of its
+    own coordinates, so a run resumes at the layout it saved at."""
+    if not isinstance(saved, dict):
+        return
+    for name, layout in here.items():
+        if name in saved and saved[name] != layout:
+            raise CheckpointError(step, f"trainer.resume=auto: {directory}: its {name} was saved at layout "
+                                        f"{saved[name]} (one shard per rank) and this run trains it at {layout}; "
+                                        f"resume at the saved layout ({'actor' if name == 'actor' else 'critic'}"
+                                        ".parallel, trainer.n_devices, placement)")
+
+
 def check_models(saved: Any, here: dict[str, dict[str, list[int]]], directory: Path, step: int,
                  paths: dict[str, str]) -> None:
     """Refuse to resume from `directory` when the models it was saved from (`saved`, checkpoint name ->

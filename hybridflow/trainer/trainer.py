@@ -47,8 +47,9 @@ from hybridflow.data.sampler import PromptSampler
 from hybridflow.roles.actor import actor_update_plan
 from hybridflow.roles.critic import critic_update_plan
 from hybridflow.trainer import rl_steps as S
-from hybridflow.trainer.build import build_groups, model_tensors, weights_bytes
-from hybridflow.trainer.checkpointing import CheckpointError, CheckpointManager, atomic_write_json, check_models
+from hybridflow.trainer.build import build_groups, checkpoint_layouts, model_tensors, weights_bytes
+from hybridflow.trainer.checkpointing import (CheckpointError, CheckpointManager, atomic_write_json, check_layouts,
+                                              check_models)
 from hybridflow.trainer.interrupt import GracefulInterrupt
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
@@ -352,7 +353,8 @@ class RLTrainer:
     def _write_checkpoint(self, step: int, directory: Path) -> None:
         for group in self._groups():
             group.save(str(directory))  # each rank writes its own shard
-        state = {"step": step, "kl_coef": self.kl_ctrl.value, "models": self.model_tensors}
+        state = {"step": step, "kl_coef": self.kl_ctrl.value, "models": self.model_tensors,
+                 "layouts": checkpoint_layouts(self.plan)}
         if self.sampler.adaptive:
             state["sampler"] = self.sampler.state_dict()
         atomic_write_json(directory / "trainer.json", state)
@@ -398,6 +400,7 @@ class RLTrainer:
         state = _trainer_state(directory, step)  # before any shard loads: a bad one fails fast, naming the file
         paths = {"actor": self.cfg.model.path, "critic": self.cfg.critic.model_path or self.cfg.model.path}
         check_models(state.get("models"), self.model_tensors, directory, step, paths)
+        check_layouts(state.get("layouts"), checkpoint_layouts(self.plan), directory, step)
         self._restore_sampler(state, directory / "trainer.json", step)
         for group in self._groups():
             group.load(str(directory))

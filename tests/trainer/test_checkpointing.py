@@ -303,3 +303,28 @@ def test_other_write_errors_stay_what_they_are(tmp_path):
         CheckpointManager(tmp_path, keep_last=1).save(3, write)
     assert err.value.errno is None
     assert str(err.value) == f"checkpoint step 3 was not saved to {tmp_path}/step_000003: RuntimeError: the worker died"
+
+
+def test_a_resume_at_another_layout_is_named_as_one(tmp_path):
+    """The model tables describe the model whatever the layout (a vocabulary padded for TP 2 is the same
+    model); the layout each checkpoint's shards were written at is checked on its own, in one line."""
+    from hybridflow.config import RunPlan, load_config
+    from hybridflow.models.config import DecoderConfig
+    from hybridflow.trainer.build import checkpoint_layouts, model_tensors
+    from hybridflow.trainer.checkpointing import check_layouts
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    demo = DecoderConfig.from_pretrained(os.path.join(root, "hybridflow/assets/demo_model"))
+    plans = {tp: RunPlan.from_config(load_config(os.path.join(root, "configs/tiny-ppo.yaml"), [
+        "trainer.n_devices=2", "trainer.launcher=ray", f"actor.parallel.tp={tp}", f"critic.parallel.tp={tp}"]))
+        for tp in (1, 2)}
+    cfg = load_config(os.path.join(root, "configs/tiny-ppo.yaml"))
+    assert model_tensors(cfg, plans[1], demo) == model_tensors(cfg, plans[2], demo)
+    saved, here = checkpoint_layouts(plans[1]), checkpoint_layouts(plans[2])
+    assert saved == {"actor": "p1-t1-d2", "critic": "p1-t1-d2"}
+    check_layouts(saved, saved, tmp_path, 3)
+    check_layouts(None, here, tmp_path, 3)  # saved before layouts were recorded: nothing to check
+    with pytest.raises(CheckpointError) as err:
+        check_layouts(saved, here, tmp_path / "step_000003", 3)
+    assert str(err.value).startswith(f"trainer.resume=auto: {tmp_path}/step_000003: its actor was saved at layout "
+                                     "p1-t1-d2 (one shard per rank) and this run trains it at p1-t2-d1")
