@@ -163,6 +163,31 @@ def test_ppo_with_the_actor_at_dp2_and_the_critic_at_tp2_matches_the_single_proc
     _assert_same_metrics({"one": single("tiny-ppo.yaml")[1], "dp2": records}, (1, 2, 3), rel=1e-5)
 
 
+def test_torchrun_over_two_nodes_on_loopback_matches_the_single_process_run(tmp_path, single):
+    """Two torchrun launchers, one per "node" (`--nnodes 2 --node-rank 0|1`, static rendezvous on
+    127.0.0.1), one rank each, as the multi-node command in docs/architecture.md: PPO with actor and
+    critic at DP2 across the two nodes takes the one-process steps (three steps, to 1e-5)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "hybridflow.cli", "train", "configs/tiny-ppo.yaml", f"trainer.output_dir={tmp_path / 'nodes'}",
+         *THREE_STEPS], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)]
+    errors = [node.communicate(timeout=240)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(e[-2000:] for e in errors)
+    records = read_metrics(tmp_path / "nodes" / "tiny-ppo" / "metrics.jsonl")
+    _assert_same_metrics({"one": single("tiny-ppo.yaml")[1], "two nodes": records}, (1, 2, 3), rel=1e-5)
+
+
 def test_killed_worker_stops_the_step_with_its_rank_named(tmp_path):
     """SIGKILL an actor process mid-step: the controller raises WorkerError naming a rank, no hang.
 
