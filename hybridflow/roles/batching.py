@@ -45,6 +45,16 @@ def update_plan(rows: int, mini_batch_size: int, epochs: int, replicas: int, see
     return mini_batch_plan(rows, mini_batch_size, epochs, replicas, torch.Generator().manual_seed(seed))
 
 
+def one_replica_steps(role, batch: dict[str, Any], step: int) -> list[Tensor]:
+    """A role's (`Actor`, `Critic`) steps at `step` when its one replica holds every row of the update;
+    refused at dp > 1, where each replica trains on its share (`update_share`)."""
+    dp = role.engine.layout.dp
+    if dp > 1:
+        raise ValueError(f"update() takes every row of the update in one replica; at dp = {dp} give each "
+                         "replica its share: update_share(*rows_for_plan(batch, plan(rows, step, dp)[replica]))")
+    return role.plan(len(batch[F.INPUT_IDS]), step)[0]
+
+
 def planned_mini_batches(data: dict[str, Tensor], steps: list[Tensor]) -> Iterator[dict[str, Tensor]]:
     """This replica's share of each global mini-batch, in step order (`data.batch.mini_batch_plan`:
     `steps` index `data`'s rows, -1 a masked padding row)."""

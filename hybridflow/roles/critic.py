@@ -10,7 +10,7 @@ from hybridflow.algos import value_loss
 from hybridflow.config.schema import CriticConfig
 from hybridflow.data import fields as F
 from hybridflow.roles.batching import (forward_only, mean_metrics, planned_mini_batches, response_slice,
-                                       train_mini_batch, update_plan)
+                                       one_replica_steps, train_mini_batch, update_plan)
 from hybridflow.utils import mix_seed
 
 UPDATE_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.VALUES, F.RETURNS)
@@ -49,11 +49,7 @@ class Critic:
 
     def update(self, batch: dict[str, Any], step: int) -> dict[str, float]:
         """Value-loss epochs over this process's rows (the whole update's: one replica)."""
-        if self.engine.layout.dp > 1:
-            raise ValueError(f"update() takes every row of the update in one replica; at dp = "
-                             f"{self.engine.layout.dp} give each replica its share: update_share(*rows_for_plan(batch, "
-                             f"self.plan(rows, step, dp)[replica]))")
-        return self.update_share(batch, self.plan(len(batch[F.INPUT_IDS]), step)[0])
+        return self.update_share(batch, one_replica_steps(self, batch, step))
 
     def update_share(self, batch: dict[str, Any], steps: list[Tensor]) -> dict[str, float]:
         """One optimizer step per entry of `steps`, on this replica's share of that global mini-batch

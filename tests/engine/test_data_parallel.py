@@ -46,3 +46,16 @@ def test_padding_rows_change_no_loss_gradient_or_metric():
         assert padded[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     for name, value in weights.items():
         torch.testing.assert_close(padded_weights[name], value, atol=1e-7, rtol=0, msg=name)
+
+
+def test_update_of_a_whole_batch_is_refused_at_dp2():
+    """`update()` trains one replica on every row; at dp > 1 each replica must get its share instead."""
+    from types import SimpleNamespace
+
+    from hybridflow.roles.batching import one_replica_steps
+
+    role = SimpleNamespace(engine=SimpleNamespace(layout=SimpleNamespace(dp=2)), plan=lambda rows, step: [[]])
+    with pytest.raises(ValueError, match="at dp = 2 give each replica its share"):
+        one_replica_steps(role, {"input_ids": torch.zeros(4, 2)}, 0)
+    role.engine.layout.dp = 1
+    assert one_replica_steps(role, {"input_ids": torch.zeros(4, 2)}, 0) == []
