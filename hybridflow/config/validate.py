@@ -266,7 +266,7 @@ def _check_async_ranks(cfg: Config, plan: RunPlan) -> None:
 
 def _check_mini_batches(cfg: Config, plan: RunPlan) -> None:
     """A mini-batch (in responses) splits evenly over the DP replicas that each take a share of it."""
-    responses = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+    responses = plan.mini_batch_responses
     roles = [("training", "actor")] + ([("critic", "critic")] if plan.uses_critic else [])
     for role, name in roles:
         dp = plan.layouts[role].dp

@@ -219,9 +219,10 @@ def batch_size(batch: Any) -> int:
 
 def split_batch(batch: Any, n: int) -> list[Any]:
     """`n` equal row chunks in order (views of the batch's tensors)."""
-    batch_size(batch)
     try:
         return split_rows(batch, n)
+    except TypeError as exc:
+        raise TypeError(f"DP_SPLIT needs a batch (dict of tensors/lists, tensor or list) first: {exc}") from None
     except ValueError as exc:
         raise ValueError(f"DP_SPLIT: {exc}") from None
 
@@ -229,9 +230,9 @@ def split_batch(batch: Any, n: int) -> list[Any]:
 def concat_batches(parts: Sequence[Any]) -> Any:
     """Inverse of `split_batch` on what the ranks return (see the module docstring)."""
     try:
-        return concat(parts)
-    except ValueError as exc:  # "part r has keys ...": the parts are the ranks' answers
-        raise ValueError(f"DP_SPLIT: {str(exc).replace('part ', 'rank ').replace(' has keys', ' returned')}") from None
+        return concat(parts, "rank")
+    except ValueError as exc:
+        raise ValueError(f"DP_SPLIT: {exc}") from None
 
 
 # --------------------------------------------------------------------------- modes

@@ -120,18 +120,18 @@ class Gathered(list):
     """One value per part, gathered by `concat` (not rows: padding is never stripped from it)."""
 
 
-def concat(parts: Sequence[Any]) -> Any:
+def concat(parts: Sequence[Any], name: str = "part") -> Any:
     """Inverse of `split_rows`: tensors `torch.cat`-ed, lists and tuples joined, field by field; values
     that are not per-row (floats, strings, 0-d tensors) are gathered into a `Gathered` list, an entry
-    per part."""
+    per part. `name` is what errors call a part (e.g. "rank")."""
     first = parts[0]
     if isinstance(first, dict):
         keys = list(first)
         for i, part in enumerate(parts):
             if not isinstance(part, dict) or list(part) != keys:
                 got = list(part) if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"part {i} has keys {got}, part 0 has {keys}")
-        return {key: concat([part[key] for part in parts]) for key in keys}
+                raise ValueError(f"{name} {i} returned {got}, {name} 0 returned keys {keys}")
+        return {key: concat([part[key] for part in parts], name) for key in keys}
     if all(isinstance(p, Tensor) and p.dim() > 0 for p in parts):
         return torch.cat(list(parts))
     if all(isinstance(p, list) for p in parts):

@@ -213,11 +213,11 @@ class RLTrainer:
         self.actor.release_generation()  # switch back to training: the generation weights are freed
         stats, cfg, seed, layouts = {}, self.cfg, self.cfg.trainer.seed, self.plan.layouts
         if self.critic is not None:
-            plan = critic_update_plan(cfg.critic, self.plan.mini_batch_responses, seed, step, rows,
-                                      layouts["critic"].dp)
-            stats.update(mean_of_ranks(self.critic.update_critic(*shares(batch, plan, CriticWorker.update_critic))))
-        plan = actor_update_plan(cfg.actor, cfg.rollout.n, seed, step, rows, layouts["training"].dp)
-        stats.update(mean_of_ranks(self.actor.update_actor(*shares(batch, plan, ActorRolloutRefWorker.update_actor))))
+            minis = critic_update_plan(cfg.critic, self.plan.mini_batch_responses, seed, step, rows,
+                                       layouts["critic"].dp)
+            stats.update(mean_of_ranks(self.critic.update_critic(*shares(batch, minis, CriticWorker.update_critic))))
+        minis = actor_update_plan(cfg.actor, cfg.rollout.n, seed, step, rows, layouts["training"].dp)
+        stats.update(mean_of_ranks(self.actor.update_actor(*shares(batch, minis, ActorRolloutRefWorker.update_actor))))
         stats.update(self.transition())
         return stats
 
