@@ -16,17 +16,14 @@ loaded, so a wrong one fails at start-up instead of mid-training.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
-import sys
 from pathlib import Path
-from types import MappingProxyType, ModuleType
+from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from hybridflow.rewards.arithmetic import arithmetic_reward, chat_arithmetic_reward, mentions_answer
 from hybridflow.rewards.gsm8k import gsm8k_flexible_reward, gsm8k_reward
-from hybridflow.utils import nearest_name
+from hybridflow.utils import load_source_file, nearest_name
 
 __all__ = ["RewardFn", "register_reward", "get_reward_fn", "registered_rewards", "default_reward",
            "DATA_SOURCE_REWARDS"]
@@ -83,25 +80,6 @@ def _suggest(word: str, options: list[str]) -> str:
     return f"{hint}known: {', '.join(sorted(options))}"
 
 
-def _load_module(path: Path) -> ModuleType:
-    resolved = path.resolve()
-    # A stable, unique module name per file: functions defined there pickle by
-    # reference within this process and two files named rewards.py do not clash.
-    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
-    module_name = f"hybridflow_reward_{resolved.stem}_{digest}"
-    spec = importlib.util.spec_from_file_location(module_name, resolved)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"reward file {path} is not a Python source file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(module_name, None)
-        raise
-    return module
-
-
 def _load_from_file(spec: str) -> RewardFn:
     file_part, _, fn_name = spec.rpartition(":")
     if not file_part or not fn_name:
@@ -109,7 +87,7 @@ def _load_from_file(spec: str) -> RewardFn:
     path = Path(file_part).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"reward file not found: {path} (from reward spec {spec!r})")
-    module = _load_module(path)
+    module = load_source_file(path, "hybridflow_reward")
     fn = getattr(module, fn_name, None)
     if fn is None:
         functions = sorted(name for name, value in vars(module).items()

@@ -10,14 +10,19 @@ load the layers above them. That lazy re-export is the user-facing API
 from __future__ import annotations
 
 import difflib
+import hashlib
+import importlib.util
 import reprlib
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 if TYPE_CHECKING:
     from hybridflow.rollout.hf import CausalLM, HFModel, RewardModel, load_hf_model
 
-__all__ = ["CausalLM", "HFModel", "RewardModel", "SEED_STRIDE", "load_hf_model", "mix_seed", "nearest_name",
-           "shown_value"]
+__all__ = ["CausalLM", "HFModel", "RewardModel", "SEED_STRIDE", "load_hf_model", "load_source_file", "mix_seed",
+           "nearest_name", "shown_value"]
 
 _LAZY = {"CausalLM", "HFModel", "RewardModel", "load_hf_model"}
 
@@ -62,3 +67,26 @@ def mix_seed(seed: Any, key: Any) -> Any:
     every place that derives a per-step or per-row seed uses this one rule.
     """
     return seed * SEED_STRIDE + key
+
+
+def load_source_file(path: Path, prefix: str) -> ModuleType:
+    """Import a user's Python file (a reward or environment given as `file.py:function`) without packaging.
+
+    The module gets a stable name unique to the file (`prefix`, stem, a digest of the resolved path):
+    functions defined there pickle by reference within this process, and two files named rewards.py do
+    not clash.
+    """
+    resolved = Path(path).resolve()
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
+    module_name = f"{prefix}_{resolved.stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(module_name, resolved)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{path} is not a Python source file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    return module
