@@ -108,14 +108,17 @@ class LlamaBridge:
         return out
 
     # -- one tensor ---------------------------------------------------------
-    def _fuse(self, e: ParamEntry, parts: list[torch.Tensor]) -> torch.Tensor:
+    def fuse_parts(self, e: ParamEntry, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Entry `e`'s HF tensors (in `e.hf` order) as its one fused tensor; engines loading weights by HF
+        name one entry at a time call it too."""
         if e.fuse == "qkv":
             return fuse_qkv(*parts, self.cfg)
         if e.fuse == "gate_up":
             return torch.cat(parts, dim=0)
         return parts[0]
 
-    def _split(self, e: ParamEntry, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def split_parts(self, e: ParamEntry, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Inverse of `fuse_parts`: entry `e`'s tensor as its HF tensors, in `e.hf` order."""
         if e.fuse == "qkv":
             return split_qkv(t, self.cfg)
         if e.fuse == "gate_up":
@@ -137,7 +140,7 @@ class LlamaBridge:
         """
         cfg, spec = self.cfg, e.shard
         if spec.dim is None or tp == 1:
-            t = self._fuse(e, [read(n) for n in e.hf])
+            t = self.fuse_parts(e, [read(n) for n in e.hf])
             return self._pad_vocab(t) if e.vocab else t
         if e.vocab:  # rows [start, stop) of the padded vocabulary
             per = self.padded_vocab // tp
@@ -182,7 +185,7 @@ class LlamaBridge:
         self.check_hf_names(hf.keys())
         out = {}
         for e in entries:
-            t = self._fuse(e, [hf[n] for n in e.hf])
+            t = self.fuse_parts(e, [hf[n] for n in e.hf])
             out[name(e)] = self._pad_vocab(t) if (pad and e.vocab) else t
         return out
 
@@ -197,7 +200,7 @@ class LlamaBridge:
             t = sd[name(e)]
             if e.vocab:
                 t = t[: self.cfg.vocab_size]
-            out.update(zip(e.hf, self._split(e, t)))
+            out.update(zip(e.hf, self.split_parts(e, t)))
         return out
 
     def hf_to_megatron(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
