@@ -1,0 +1,211 @@
+"""The cost model: memory, time and communication of one role on one rank, as plain functions.
+
+Every function takes the model's shapes (`DecoderConfig`), the work's shapes, a layout and a `DeviceSpec`,
+and returns bytes or seconds. Nothing here measures; `search.py` composes these into an iteration and
+`calibrate.py` fits the device's efficiency factors to a measured run. What is modelled, and what is not:
+
+- Parameters are counted exactly for the megatron-core layout hybridflow trains (`rank_params`): padded
+  vocabulary, grouped QKV (with Qwen2's bias), `[gate; up]`, replicated norms, embedding on the first
+  pipeline stage, final norm and output layer (or the critic's scalar value head) on the last.
+- Training state follows the engine (`engine/megatron.py`): gradients in an fp32 buffer
+  (`grad_reduce_in_fp32`), Adam's two moments in fp32 plus an fp32 master copy when the weights are
+  16-bit (12 bytes per parameter), sharded over data-parallel ranks by the distributed optimizer.
+- Activations per layer and token follow the local layer spec (no Transformer Engine, no sequence
+  parallelism): the stored inputs of both norms and matmuls, Q/K/V, the SwiGLU halves and the unfused
+  attention's softmax (`heads * seq` per token). Full recomputation keeps one layer input per token.
+  1F1B keeps `min(p, micro-batches)` micro-batches in flight on the first stage.
+- Time is FLOPs over peak times an efficiency per kind of work (GEMM, attention), a decode step is the
+  slower of its FLOPs and its bytes (weights and KV cache) over memory bandwidth, plus a per-layer launch
+  overhead; collectives are ring all-reduces (`2 (g-1)/g` of the bytes) over the link the group spans.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hybridflow.models.config import DecoderConfig
+from hybridflow.models.sharding import padded_vocab_size
+from hybridflow.planner.devices import DeviceSpec
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A role's parallel degrees on its devices: p-t-d, and where its ranks start among all devices."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def __str__(self) -> str:
+        return f"p{self.pp}-t{self.tp}-d{self.dp}"
+
+
+# --------------------------------------------------------------------------- parameters
+
+def layer_params(cfg: DecoderConfig, tp: int = 1) -> int:
+    """Parameters of one decoder layer on one of `tp` ranks (norms replicated, the rest split)."""
+    h, hq = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    split = cfg.qkv_size * h + (cfg.qkv_size if cfg.qkv_bias else 0) + hq * h + 3 * cfg.intermediate_size * h
+    return split // tp + 2 * h
+
+
+def stage_params(cfg: DecoderConfig, stage: int, tp: int = 1, pp: int = 1, divisible_by: int = 128,
+                 value_head: bool = False) -> int:
+    """Parameters pipeline stage `stage` of `pp` holds on each of its `tp` ranks (megatron-core's layout).
+
+    value_head: the critic, whose output layer is one replicated row. Tied embeddings with pp > 1 keep a
+    copy of the embedding on the last stage, as megatron-core does.
+    """
+    h = cfg.hidden_size
+    vocab = padded_vocab_size(cfg.vocab_size, divisible_by, tp) * h // tp
+    n = layer_params(cfg, tp) * (cfg.num_layers // pp)
+    last = stage == pp - 1
+    if stage == 0:
+        n += vocab
+    if last:
+        n += h  # final norm
+        if value_head:
+            n += h
+        elif not cfg.tie_word_embeddings or pp > 1:
+            n += vocab
+    return n
+
+
+def rank_params(cfg: DecoderConfig, tp: int = 1, pp: int = 1, divisible_by: int = 128,
+                value_head: bool = False) -> int:
+    """The most parameters any rank holds (the stage that bounds memory)."""
+    return max(stage_params(cfg, s, tp, pp, divisible_by, value_head) for s in range(pp))
+
+
+def total_params(cfg: DecoderConfig, divisible_by: int = 128, value_head: bool = False) -> int:
+    """Parameters of the whole model, vocabulary padded as megatron-core pads it at TP 1."""
+    return stage_params(cfg, 0, 1, 1, divisible_by, value_head)
+
+
+def matmul_params(cfg: DecoderConfig, value_head: bool = False) -> int:
+    """Parameters that take part in a matrix product per token (all but the embedding lookup and norms)."""
+    h = cfg.hidden_size
+    per_layer = layer_params(cfg) - 2 * h - (cfg.qkv_size if cfg.qkv_bias else 0)
+    return cfg.num_layers * per_layer + (h if value_head else cfg.vocab_size * h)
+
+
+# --------------------------------------------------------------------------- memory (bytes per rank)
+
+def weight_bytes(params: int, dtype_bytes: int) -> int:
+    return params * dtype_bytes
+
+
+def grad_bytes(params: int) -> int:
+    """The engine's gradient buffer is fp32 whatever the weights' dtype (grad_reduce_in_fp32)."""
+    return params * FP32
+
+
+def optimizer_bytes(params: int, dtype_bytes: int, dp: int = 1, distributed: bool = True) -> int:
+    """Adam: two fp32 moments, plus an fp32 master copy of 16-bit weights (12 or 8 bytes per parameter),
+    split over the `dp` ranks by the distributed optimizer."""
+    per = 3 * FP32 if dtype_bytes < FP32 else 2 * FP32
+    shards = dp if distributed else 1
+    return -(-params * per // shards)
+
+
+def activation_bytes_per_token(cfg: DecoderConfig, seq: int, tp: int, dtype_bytes: int,
+                               recompute: bool = False) -> float:
+    """Bytes one layer keeps per token of a micro-batch for its backward pass, on one of `tp` ranks."""
+    if recompute:
+        return cfg.hidden_size * dtype_bytes
+    h, hq, ffn = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size
+    stored = 4 * h + (cfg.qkv_size + hq) / tp + 3 * ffn / tp  # norm and matmul inputs, QKV, gate/up, SwiGLU out
+    softmax = cfg.num_heads / tp * seq  # unfused attention keeps its probabilities
+    return (stored + softmax) * dtype_bytes
+
+
+def activation_bytes(cfg: DecoderConfig, layout: Layout, micro: int, seq: int, micro_batches: int,
+                     dtype_bytes: int, recompute: bool = False, logits: bool = True) -> int:
+    """Activations a training rank holds at its peak: the first stage's layers for the micro-batches
+    1F1B keeps in flight, one layer's full set while recomputing, and the last stage's fp32 logits."""
+    tokens = micro * seq
+    layers = cfg.num_layers // layout.pp
+    in_flight = min(layout.pp, max(1, micro_batches))
+    kept = layers * in_flight * tokens * activation_bytes_per_token(cfg, seq, layout.tp, dtype_bytes, recompute)
+    if recompute:
+        kept += tokens * activation_bytes_per_token(cfg, seq, layout.tp, dtype_bytes)
+    vocab = padded_vocab_size(cfg.vocab_size, 128, layout.tp) // layout.tp if logits else 1
+    return int(kept + tokens * vocab * FP32)
+
+
+def kv_cache_bytes(cfg: DecoderConfig, tokens: int, dtype_bytes: int, tg: int = 1, pg: int = 1) -> int:
+    """Keys and values of `tokens` positions, on one of `tg * pg` generation ranks:
+    2 * layers * kv_heads * head_dim * tokens * bytes / (tg * pg)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * tokens * dtype_bytes // (tg * pg)
+
+
+# --------------------------------------------------------------------------- compute
+
+def forward_flops(cfg: DecoderConfig, tokens: int, ctx: float, value_head: bool = False) -> tuple[float, float]:
+    """(GEMM, attention) FLOPs of a forward pass over `tokens` positions that each attend to `ctx` keys."""
+    gemm = 2.0 * matmul_params(cfg, value_head) * tokens
+    attention = 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx * tokens
+    return gemm, attention
+
+
+def compute_time(gemm: float, attention: float, ranks: int, device: DeviceSpec) -> float:
+    """Seconds for FLOPs shared evenly by `ranks` devices, at the device's GEMM and attention efficiency."""
+    peak = device.peak_flops * ranks
+    return gemm / (peak * device.efficiency["gemm"]) + attention / (peak * device.efficiency["attention"])
+
+
+def decode_step_time(cfg: DecoderConfig, batch: int, ctx: float, weights: float, tg: int,
+                     device: DeviceSpec, dtype_bytes: int) -> float:
+    """One decode step of `batch` rows at context `ctx` on one of `tg` ranks: reading its weights share and
+    the KV cache, or its FLOPs, whichever is slower, plus the layers' launch overhead and TP all-reduces."""
+    read = weights + kv_cache_bytes(cfg, int(batch * ctx), dtype_bytes, tg)
+    memory = read / (device.memory_bw * device.efficiency["decode"])
+    gemm, attention = forward_flops(cfg, batch, ctx)
+    flops = compute_time(gemm / tg, attention / tg, 1, device)
+    tp = 2 * cfg.num_layers * allreduce_time(batch * cfg.hidden_size * dtype_bytes, tg, tg, device)
+    return max(memory, flops) + cfg.num_layers * device.layer_overhead + tp
+
+
+# --------------------------------------------------------------------------- communication
+
+def link_bandwidth(device: DeviceSpec, span: int) -> float:
+    """Bytes/s between the ranks of a group whose members lie within `span` consecutive devices."""
+    fast = span <= device.devices_per_node
+    return (device.intra_bw if fast else device.inter_bw) * device.efficiency["comm"]
+
+
+def allreduce_time(nbytes: float, group: int, span: int, device: DeviceSpec) -> float:
+    """A ring all-reduce of `nbytes` over `group` ranks spanning `span` devices: 2 (g-1)/g of the bytes."""
+    if group <= 1:
+        return 0.0
+    return 2 * (group - 1) / group * nbytes / link_bandwidth(device, span) + 2 * (group - 1) * device.link_latency
+
+
+def gather_time(nbytes_received: float, group: int, span: int, device: DeviceSpec) -> float:
+    """An all-gather (or a reduce-scatter) in which each rank receives `nbytes_received`."""
+    if group <= 1 or nbytes_received <= 0:
+        return 0.0
+    return nbytes_received / link_bandwidth(device, span) + (group - 1) * device.link_latency
+
+
+def transition_bytes(model_bytes: float, tp: int, pp: int, tg: int, pg: int = 1) -> float:
+    """Bytes each rank receives when the 3D-HybridEngine (paper grouping) switches to generation:
+    (t*p - tg*pg) / (tg*pg * t*p) * M (docs/design.md section 3)."""
+    return (tp * pp - tg * pg) / (tg * pg * tp * pp) * model_bytes
+
+
+def pipeline_factor(pp: int, micro_batches: int) -> float:
+    """1F1B's time over the bubble-free time: (m + p - 1) / m."""
+    m = max(1, micro_batches)
+    return (m + pp - 1) / m
+
+
+def micro_batch_count(rows: int, dp: int, micro: int) -> int:
+    """Micro-batches each data-parallel rank runs for `rows` rows split over `dp` ranks."""
+    return max(1, math.ceil(rows / dp / max(1, micro)))

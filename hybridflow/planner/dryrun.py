@@ -1,0 +1,93 @@
+"""Dry-run at full scale without weights: the real models on the meta device, the real reshard plan.
+
+The cost model counts parameters and transition bytes by formula; here the same figures come from the
+objects a run builds: the plain `Decoder` (the generation model, built on `torch.device("meta")` with
+one rank's tensor-parallel shapes, so no memory is allocated) and the 3D-HybridEngine's `plan_reshard`
+over megatron-core's parameter shapes (`LlamaBridge.megatron_shapes`). `hybridflow plan` prints both
+side by side; a 70B model on 64 ranks takes seconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.hybrid_engine.plan import GenLayout, bridge_params, plan_reshard
+from hybridflow.models.bridge import get_bridge
+from hybridflow.models.config import DecoderConfig
+from hybridflow.models.decoder import Decoder
+from hybridflow.models.sharding import padded_vocab_size
+from hybridflow.parallel.layout import ParallelDims
+from hybridflow.planner import cost
+from hybridflow.planner.cost import Layout
+
+
+class _MetaTP:
+    """A tensor-parallel context that only gives shapes (rank 0 of `size`): nothing runs on meta tensors."""
+
+    def __init__(self, size: int, padded_vocab: int):
+        self.rank, self.size, self.padded_vocab = 0, size, padded_vocab
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never called on meta
+        raise RuntimeError("a meta model is for counting, not running")
+
+    gather_vocab = all_reduce
+
+
+def meta_decoder(cfg: DecoderConfig, tp: int = 1, divisible_by: int = 128) -> Decoder:
+    """One tensor-parallel rank's generation model, on the meta device (shapes only, no memory)."""
+    parallel = _MetaTP(tp, padded_vocab_size(cfg.vocab_size, divisible_by, tp)) if tp > 1 else None
+    with torch.device("meta"):
+        return Decoder(cfg, parallel) if parallel else Decoder(cfg)
+
+
+def stage_numel(model: Decoder, stage: int, pp: int) -> int:
+    """Parameters of pipeline stage `stage` of `pp`: the embedding first, whole layers, norm and head last."""
+    per = model.full_cfg.num_layers // pp
+    total = sum(p.numel() for i, layer in enumerate(model.layers) if i // per == stage for p in layer.parameters())
+    if stage == 0:
+        total += model.embed.weight.numel()
+    if stage == pp - 1:
+        total += model.norm.weight.numel() + (model.lm_head.weight.numel() if model.lm_head is not None else 0)
+    return total
+
+
+@dataclass(frozen=True)
+class DryRun:
+    layout: Layout
+    tg: int
+    exact_params: list[int]  # per pipeline stage, on each TP rank (meta model)
+    model_params: list[int]  # the cost model's figures for the same
+    exact_transition: int  # the most bytes any rank receives in the reshard plan
+    model_transition: float  # the cost model's formula
+    plan_ranks: int
+
+    def lines(self, dtype_bytes: int) -> list[str]:
+        gib = 1024 ** 3
+        out = [f"dry-run, actor {self.layout} -> generation tg{self.tg} (meta-device Decoder, plan_reshard over "
+               f"{self.plan_ranks} ranks):"]
+        for s, (exact, model) in enumerate(zip(self.exact_params, self.model_params)):
+            out.append(f"  stage {s}: params per rank exact {exact:,} ({exact * dtype_bytes / gib:.2f} GiB), "
+                       f"cost model {model:,} (diff {model - exact:+,})")
+        out.append(f"  transition bytes per rank: exact {self.exact_transition:,} "
+                   f"({self.exact_transition / gib:.2f} GiB), cost model {self.model_transition:,.0f} "
+                   f"(ratio {self.model_transition / max(1, self.exact_transition):.4f})")
+        return out
+
+
+def dry_run(cfg: DecoderConfig, layout: Layout, tg: int, dtype_bytes: int, divisible_by: int = 128) -> DryRun:
+    """Exact parameter counts per rank and transition bytes per rank for the actor's layout.
+
+    The plan is built for one training replica (dp = 1): with the paper's grouping a rank gathers only
+    within its replica, so the bytes per rank do not depend on dp.
+    """
+    model = meta_decoder(cfg, layout.tp, divisible_by)
+    exact = [stage_numel(model, s, layout.pp) for s in range(layout.pp)]
+    estimate = [cost.stage_params(cfg, s, layout.tp, layout.pp, divisible_by) for s in range(layout.pp)]
+    params = bridge_params(get_bridge(cfg, divisible_by, layout.tp), dtype_bytes)
+    plan = plan_reshard(params, ParallelDims(tp=layout.tp, pp=layout.pp, dp=1), GenLayout(tg=tg))
+    moved = max(plan.bytes_received(r) for r in range(plan.train.world_size))
+    total = cost.total_params(cfg, divisible_by) * dtype_bytes
+    return DryRun(layout=layout, tg=tg, exact_params=exact, model_params=estimate, exact_transition=moved,
+                  model_transition=cost.transition_bytes(total, layout.tp, layout.pp, tg),
+                  plan_ranks=plan.train.world_size)

@@ -1,0 +1,147 @@
+"""What `hybridflow plan` prints and writes: the ranked table, the best candidate's detail, the config
+overlay and the throughput scenario.
+
+The overlay is the run's config with the planner's choices written in (layouts, generation TP,
+micro-batches, placement, device count): `hybridflow train OVERLAY.yaml` runs it as it is. It is written
+atomically (a temporary file renamed into place) and loaded back through `load_config` before the
+planner reports success, so a plan the config checks refuse is never left on disk.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from hybridflow.planner.devices import GIB
+from hybridflow.planner.roles import Workload
+from hybridflow.planner.search import Candidate
+
+RESOURCES = {"compute": "compute (GEMM/attention)", "decode": "decode steps (memory bandwidth + launches)",
+             "tp": "TP collectives", "pp": "pipeline sends", "dp": "DP gradient reduction", "link": "weight transfer",
+             "overhead": "layer launch overhead"}
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def table(fits: list[Candidate], misfits: list[Candidate], wl: Workload, top: int) -> list[str]:
+    """The ranked table (fitting candidates, fastest first) and the first candidates that do not fit."""
+    lines = [f"{'#':>3} {'placement and layouts':58s} {'iter s':>7s} {'prompts/day':>12s} "
+             f"{'GiB/rank':>14s}  bottleneck"]
+    for i, c in enumerate(fits[:top], 1):
+        stage, resource, share = c.bottleneck()
+        peaks = "/".join(_gib(v) for v in c.device_peak.values())
+        lines.append(f"{i:3d} {c.label():58s} {c.iteration_s:7.1f} {c.prompts_per_day(wl.prompts):12,.0f} "
+                     f"{peaks:>14s}  {stage} {resource.split('.')[-1]} ({share:.0%})")
+    lines.append(f"    {len(fits)} candidates fit, {len(misfits)} do not; the first that do not:")
+    for c in sorted(misfits, key=_overshoot)[:top]:
+        lines.append(f"    - {c.label()}: {c.reason}")
+    return lines
+
+
+def _overshoot(c: Candidate) -> float:
+    """How far a misfit is from fitting, for listing the nearest first."""
+    try:
+        return float(c.reason.split(" GiB over")[0].rsplit("(", 1)[-1].rsplit(": ", 1)[-1])
+    except (ValueError, AttributeError):
+        return float("inf")
+
+
+def detail(c: Candidate, wl: Workload) -> list[str]:
+    """Memory per rank per role and seconds per stage of one candidate."""
+    lines = [f"best: {c.label()}; update micro-batches {c.micro}; decode batch {c.decode_batch} rows x "
+             f"{c.waves} wave(s) per generation replica ({c.replicas} replicas)",
+             "  memory per rank per role (GiB):"]
+    for role, parts in c.memory.items():
+        text = ", ".join(f"{k} {_gib(v)}" for k, v in parts.items())
+        lines.append(f"    {role:13s} {_gib(sum(parts.values())):>6s}  ({text})")
+    lines.append("  peak per device (GiB): " + ", ".join(f"{k} {_gib(v)}" for k, v in c.device_peak.items()))
+    lines.append("  seconds per stage (critical path):")
+    for stage, parts in c.stages.items():
+        text = ", ".join(f"{k} {v:.2f}" for k, v in parts.items() if v >= 0.005)
+        lines.append(f"    {stage:13s} {sum(parts.values()):7.2f}  ({text})")
+    stage, resource, share = c.bottleneck()
+    kind = RESOURCES.get(resource.split(".")[-1], resource)
+    lines.append(f"  iteration {c.iteration_s:.1f} s -> {c.prompts_per_day(wl.prompts):,.0f} prompts/day; "
+                 f"bottleneck: {stage} {kind}, {share:.0%} of the iteration")
+    return lines
+
+
+def overlay_data(c: Candidate, base: dict, uses_critic: bool, device: str) -> dict:
+    """The base config's data with the candidate's choices written in."""
+    data = copy.deepcopy(base)
+
+    def section(key: str) -> dict:
+        if not isinstance(data.get(key), dict):
+            data[key] = {}
+        return data[key]
+    n = sum(c.devices.values())
+    trainer = section("trainer")
+    trainer["n_devices"] = n
+    trainer["device"] = "cpu" if device == "cpu" else "cuda"
+    actor = section("actor")
+    actor["parallel"] = {**(actor.get("parallel") or {}), "tp": c.actor.tp, "pp": c.actor.pp}
+    actor["ppo_micro_batch_size"] = c.micro.get("actor", actor.get("ppo_micro_batch_size", 8))
+    if uses_critic and c.critic is not None:
+        critic = section("critic")
+        critic["parallel"] = {**(critic.get("parallel") or {}), "tp": c.critic.tp, "pp": c.critic.pp}
+        critic["ppo_micro_batch_size"] = c.micro.get("critic", critic.get("ppo_micro_batch_size", 8))
+    section("rollout")["tg"] = c.tg
+    data["placement"] = _placement(c)
+    return data
+
+
+def _placement(c: Candidate) -> dict:
+    """Device indices per role: empty lists (every device) when colocated, else consecutive blocks."""
+    if c.placement == "colocated":
+        return {}
+    start, blocks = 0, {}
+    for group, count in c.devices.items():
+        blocks[group] = list(range(start, start + count))
+        start += count
+    actor = blocks["actor"]
+    side = blocks.get("critic", actor)
+    return {"training": actor, "reference": actor, "rollout": blocks.get("rollout", actor), "critic": side,
+            "reward": side}
+
+
+def write_overlay(path: Path, data: dict, header: list[str]) -> None:
+    """Write `data` as YAML under a comment header, atomically (temp file in the same directory, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(f"# {line}\n" for line in header) + yaml.safe_dump(data, sort_keys=False)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def scenario(best: Optional[Candidate], wl: Workload, gpus: int, target: float,
+             enough: Optional[Candidate]) -> list[str]:
+    """Whether `target` prompts a day is reachable on `gpus` devices, and on how many if not."""
+    lines = [f"scenario: {target:,.0f} prompts/day on {gpus} devices ({wl.prompts} prompts x {wl.n} sample(s) a "
+             f"step, prompts {wl.prompt_len:.0f} and responses {wl.response_len:.0f} tokens)"]
+    if best is None:
+        lines.append("  no layout fits on this many devices")
+    else:
+        got = best.prompts_per_day(wl.prompts)
+        verdict = "reachable" if got >= target else "NOT reachable"
+        lines.append(f"  predicted {got:,.0f} prompts/day with {best.label()}: {verdict} "
+                     f"({got / target:.2f}x the target)")
+    if best is None or best.prompts_per_day(wl.prompts) < target:
+        if enough is None:
+            lines.append("  not reachable on any device count the search tried")
+        else:
+            n = sum(enough.devices.values())
+            lines.append(f"  reachable with {n} devices: {enough.label()}, "
+                         f"{enough.prompts_per_day(wl.prompts):,.0f} prompts/day")
+    return lines

@@ -1,0 +1,178 @@
+"""Per-role costs on one rank: what a training role, a forward-only role and the rollout hold and spend.
+
+Built from the plain functions of `cost.py` and the shapes of one iteration (`Workload`, read from the
+run's config). Each function returns named parts (`{"weights": bytes, ...}`, `{"compute": s, "tp": s,
+...}`) so the search can report the bottleneck resource, not only a total. Roles:
+
+- actor and critic (`train_memory`, `train_time`): weights, fp32 gradients, Adam, activations; the
+  update's passes over every row, `ppo_epochs` times, one optimizer step per mini-batch;
+- reference, old log-probs, critic values and a reward model (`forward_memory`, `forward_time`): one
+  forward pass over every row;
+- rollout (`rollout_cost`): prefill once per prompt, then decode steps of a static batch as large as the
+  memory left for the KV cache allows (more rows than fit run in waves, as the built-in generator's
+  `rollout.batch_size_per_device` chunks do).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from hybridflow.config.schema import Config
+from hybridflow.models.config import DecoderConfig
+from hybridflow.planner import cost
+from hybridflow.planner.cost import Layout
+from hybridflow.planner.devices import DeviceSpec
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The shapes of one iteration, from the config; lengths are means for time, maxima for memory."""
+
+    prompts: int
+    n: int
+    prompt_len: float
+    response_len: float
+    max_len: int
+    dtype_bytes: int
+    divisible_by: int
+    actor_micro: int
+    critic_micro: int
+    forward_micro: int
+    mini_batch_rows: int
+    actor_epochs: int
+    critic_epochs: int
+    needs_reference: bool
+    needs_old_log_probs: bool
+    uses_critic: bool
+    distributed_optimizer: bool
+    reward_model: Optional[DecoderConfig] = None
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.n
+
+    @property
+    def seq(self) -> float:
+        return self.prompt_len + self.response_len
+
+    @classmethod
+    def from_config(cls, cfg: Config, prompt_len: Optional[float] = None, response_len: Optional[float] = None,
+                    reward_model: Optional[DecoderConfig] = None) -> "Workload":
+        """Mean lengths default to the maxima (every response runs to `max_response_length`)."""
+        from hybridflow.config.plan import needs_old_log_probs
+
+        d = cfg.data
+        return cls(prompts=d.train_batch_size, n=cfg.rollout.n,
+                   prompt_len=float(prompt_len if prompt_len is not None else d.max_prompt_length),
+                   response_len=float(response_len if response_len is not None else d.max_response_length),
+                   max_len=d.max_prompt_length + d.max_response_length, dtype_bytes=DTYPE_BYTES[cfg.model.dtype],
+                   divisible_by=cfg.model.make_vocab_size_divisible_by, actor_micro=cfg.actor.ppo_micro_batch_size,
+                   critic_micro=cfg.critic.ppo_micro_batch_size, forward_micro=cfg.rollout.log_prob_micro_batch_size,
+                   mini_batch_rows=cfg.actor.ppo_mini_batch_size * cfg.rollout.n, actor_epochs=cfg.actor.ppo_epochs,
+                   critic_epochs=cfg.critic.ppo_epochs,
+                   needs_reference=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss,
+                   needs_old_log_probs=needs_old_log_probs(cfg), uses_critic=cfg.algorithm.adv_estimator == "gae",
+                   distributed_optimizer=cfg.actor.parallel.distributed_optimizer, reward_model=reward_model)
+
+
+def _span(layout: Layout, dim: str) -> int:
+    """Devices a group of dimension `dim` spans (megatron-core order: tp fastest, then dp, then pp)."""
+    return {"tp": layout.tp, "dp": layout.tp * layout.dp, "pp": layout.world}[dim]
+
+
+def train_memory(model: DecoderConfig, wl: Workload, layout: Layout, micro: int, value_head: bool = False,
+                 recompute: bool = False) -> dict[str, int]:
+    """A training rank's bytes: weights, gradients, optimizer state, activations at the update's peak."""
+    params = cost.rank_params(model, layout.tp, layout.pp, wl.divisible_by, value_head)
+    m = cost.micro_batch_count(wl.mini_batch_rows, layout.dp, micro)
+    return {"weights": cost.weight_bytes(params, wl.dtype_bytes), "grads": cost.grad_bytes(params),
+            "optimizer": cost.optimizer_bytes(params, wl.dtype_bytes, layout.dp, wl.distributed_optimizer),
+            "activations": cost.activation_bytes(model, layout, micro, wl.max_len, m, wl.dtype_bytes, recompute,
+                                                 logits=not value_head)}
+
+
+def _passes(model: DecoderConfig, wl: Workload, layout: Layout, device: DeviceSpec, micro: int, rows: int,
+            passes: float, value_head: bool) -> dict[str, float]:
+    """Seconds of `passes` forward-equivalents over `rows` rows (3 = forward and backward), split by
+    resource; activations cross TP twice per layer and pass, and pipeline stages once per pass."""
+    tokens = rows * wl.seq
+    gemm, attention = cost.forward_flops(model, tokens, wl.seq, value_head)
+    m = cost.micro_batch_count(rows, layout.dp, micro)
+    bubble = cost.pipeline_factor(layout.pp, m)
+    activation = micro * wl.seq * model.hidden_size * wl.dtype_bytes
+    layers = model.num_layers // layout.pp
+    calls = m * layers * math.ceil(passes)
+    return {"compute": passes * cost.compute_time(gemm, attention, layout.world, device) * bubble,
+            "tp": 2 * passes * m * layers * cost.allreduce_time(activation, layout.tp, _span(layout, "tp"), device),
+            "pp": (passes * m * activation / cost.link_bandwidth(device, _span(layout, "pp"))
+                   if layout.pp > 1 else 0.0),
+            "overhead": calls * device.layer_overhead}
+
+
+def train_time(model: DecoderConfig, wl: Workload, layout: Layout, device: DeviceSpec, micro: int, epochs: int,
+               value_head: bool = False, recompute: bool = False) -> dict[str, float]:
+    """The update of one role: `epochs` passes over every row (forward and backward, one more forward with
+    recompute) and the gradient reduction over DP once per mini-batch."""
+    minis = max(1, math.ceil(wl.rows / wl.mini_batch_rows))
+    out = {k: v * epochs for k, v in _passes(model, wl, layout, device, micro, wl.rows,
+                                              4.0 if recompute else 3.0, value_head).items()}
+    params = cost.rank_params(model, layout.tp, layout.pp, wl.divisible_by, value_head)
+    if wl.distributed_optimizer:  # reduce-scatter fp32 gradients, all-gather the weights
+        share = (layout.dp - 1) / layout.dp * params * (cost.FP32 + wl.dtype_bytes)
+        dp = cost.gather_time(share, layout.dp, _span(layout, "dp"), device)
+    else:
+        dp = cost.allreduce_time(params * cost.FP32, layout.dp, _span(layout, "dp"), device)
+    out["dp"] = epochs * minis * dp
+    return out
+
+
+def forward_memory(model: DecoderConfig, wl: Workload, layout: Layout, micro: int,
+                   value_head: bool = False) -> dict[str, int]:
+    """A forward-only rank: its weights and one layer's activations of a micro-batch plus the logits."""
+    params = cost.rank_params(model, layout.tp, layout.pp, wl.divisible_by, value_head)
+    one = Layout(tp=layout.tp, pp=model.num_layers, dp=layout.dp)  # one layer's activations live at a time
+    return {"weights": cost.weight_bytes(params, wl.dtype_bytes),
+            "activations": cost.activation_bytes(model, one, micro, wl.max_len, 1, wl.dtype_bytes,
+                                                 logits=not value_head)}
+
+
+def forward_time(model: DecoderConfig, wl: Workload, layout: Layout, device: DeviceSpec, micro: int,
+                 value_head: bool = False) -> dict[str, float]:
+    return _passes(model, wl, layout, device, micro, wl.rows, 1.0, value_head)
+
+
+@dataclass(frozen=True)
+class RolloutCost:
+    time: dict[str, float]
+    memory: dict[str, int]
+    batch: int  # rows decoded at once per replica
+    waves: int
+
+
+def rollout_cost(model: DecoderConfig, wl: Workload, tg: int, replicas: int, device: DeviceSpec,
+                 free_bytes: float, weights: float) -> Optional[RolloutCost]:
+    """Generation on each of `replicas` groups of `tg` ranks, the KV cache filling `free_bytes`; None when
+    not even one row's cache (and its logits) fits."""
+    rows = math.ceil(wl.rows / replicas)
+    per_row = cost.kv_cache_bytes(model, wl.max_len, wl.dtype_bytes, tg) + model.vocab_size * cost.FP32
+    fit = int(free_bytes // per_row) if free_bytes > 0 else 0
+    if fit < 1:
+        return None
+    batch = min(rows, fit)
+    waves = math.ceil(rows / batch)
+    prompt_tokens = max(1, batch // wl.n) * wl.prompt_len  # a prompt is prefilled once for its n samples
+    gemm, attention = cost.forward_flops(model, int(prompt_tokens), wl.prompt_len / 2)
+    activation = prompt_tokens * model.hidden_size * wl.dtype_bytes
+    prefill = cost.compute_time(gemm / tg, attention / tg, 1, device) + model.num_layers * device.layer_overhead
+    prefill_tp = 2 * model.num_layers * cost.allreduce_time(activation, tg, tg, device)
+    ctx = wl.prompt_len + wl.response_len / 2
+    step = cost.decode_step_time(model, batch, ctx, weights, tg, device, wl.dtype_bytes)
+    step_tp = 2 * model.num_layers * cost.allreduce_time(batch * model.hidden_size * wl.dtype_bytes, tg, tg, device)
+    time = {"compute": waves * prefill, "tp": waves * (prefill_tp + wl.response_len * step_tp),
+            "decode": waves * wl.response_len * (step - step_tp)}
+    memory = {"kv_cache": cost.kv_cache_bytes(model, batch * wl.max_len, wl.dtype_bytes, tg),
+              "logits": batch * model.vocab_size * cost.FP32}
+    return RolloutCost(time=time, memory=memory, batch=batch, waves=waves)

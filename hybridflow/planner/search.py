@@ -1,0 +1,314 @@
+"""The search: every placement and parallel size the trainer can run, costed and ranked.
+
+Placements (HybridFlow's auto-mapping, §6 of the paper, restricted to what hybridflow builds):
+
+- `colocated`: every role on every device, one after another; the actor generates in its `tg` layout
+  through the 3D-HybridEngine (the reference shares the actor's processes, the critic may hold its own
+  layout in processes of its own on the same devices);
+- `split-critic`: the actor (with rollout and reference) on some devices, the critic (and a reward
+  model) on the rest; preparation and update of the two groups overlap;
+- `split-all`: rollout on devices of its own at tg = 1 (what the trainer builds for a rollout group
+  apart: every rollout process holds the whole model, refreshed by a broadcast), actor and critic apart.
+
+Parallel sizes: training `p-t-d` per role (TP within a node, dividing heads, KV heads and MLP features;
+PP dividing the layers), generation `tg` dividing the actor's TP, replicas = devices / tg. A candidate
+is kept only where the config's batch arithmetic splits evenly (mini-batch rows over each DP degree,
+prompts over generation replicas), as `config/validate.py` demands. Memory is checked against a usable
+fraction of the device (`USABLE`); a candidate that does not fit names the phase, role and GiB over.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from hybridflow.models.config import DecoderConfig
+from hybridflow.planner import cost, roles
+from hybridflow.planner.cost import Layout
+from hybridflow.planner.devices import GIB, DeviceSpec
+from hybridflow.planner.roles import Workload
+
+PLACEMENTS = ("colocated", "split-critic", "split-all")
+USABLE = 0.92  # of a device's memory: the CUDA context, NCCL buffers and allocator fragmentation take the rest
+SECONDS_PER_DAY = 86400
+
+
+@dataclass
+class Candidate:
+    placement: str
+    devices: dict[str, int]  # group ("actor", "critic", "rollout") -> devices
+    actor: Layout
+    critic: Optional[Layout]
+    tg: int
+    replicas: int
+    stages: dict[str, dict[str, float]] = field(default_factory=dict)  # stage -> resource -> seconds
+    memory: dict[str, dict[str, int]] = field(default_factory=dict)  # role -> part -> bytes per rank
+    device_peak: dict[str, int] = field(default_factory=dict)  # device group -> peak bytes per rank
+    iteration_s: float = 0.0
+    micro: dict[str, int] = field(default_factory=dict)  # role -> update micro-batch (sequences per device)
+    decode_batch: int = 0
+    waves: int = 0
+    reason: Optional[str] = None  # why it does not fit
+
+    @property
+    def fits(self) -> bool:
+        return self.reason is None
+
+    def prompts_per_day(self, prompts: int) -> float:
+        return SECONDS_PER_DAY / self.iteration_s * prompts if self.iteration_s else 0.0
+
+    def bottleneck(self) -> tuple[str, str, float]:
+        """(stage, resource, share of the iteration) of the largest single cost on the critical path."""
+        stage, resource, seconds = max(((s, r, t) for s, parts in self.stages.items() for r, t in parts.items()),
+                                       key=lambda x: x[2])
+        return stage, resource, seconds / self.iteration_s if self.iteration_s else 0.0
+
+    def label(self) -> str:
+        split = "/".join(f"{k}{v}" for k, v in self.devices.items())
+        critic = f" critic {self.critic}" if self.critic else ""
+        return f"{self.placement} [{split}] actor {self.actor} tg{self.tg}{critic}"
+
+
+def layouts(world: int, model: DecoderConfig, device: DeviceSpec, wl: Workload) -> list[Layout]:
+    """Every p-t-d of `world` devices the model splits into and the batch arithmetic allows."""
+    out = []
+    for tp in (1, 2, 4, 8, 16):
+        if tp > device.devices_per_node or model.num_heads % tp or model.num_kv_heads % tp \
+                or model.intermediate_size % tp:
+            continue
+        for pp in (1, 2, 4, 8, 16):
+            if model.num_layers % pp or world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            if wl.mini_batch_rows % dp or wl.prompts % dp:
+                continue
+            out.append(Layout(tp=tp, pp=pp, dp=dp))
+    return out
+
+
+def _splits(n: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Ways to cut `n` devices into `parts` groups, in units of an eighth of `n` (at least one device)."""
+    unit = max(1, n // 8)
+    counts = range(unit, n, unit)
+    if parts == 2:
+        yield from ((a, n - a) for a in counts)
+    else:
+        yield from ((a, b, n - a - b) for a in counts for b in counts if n - a - b >= unit)
+
+
+def _total(parts: dict[str, int]) -> int:
+    return sum(parts.values())
+
+
+class Planner:
+    """Costs candidates of one job (model, workload, device, device count)."""
+
+    def __init__(self, model: DecoderConfig, wl: Workload, device: DeviceSpec):
+        self.model, self.wl, self.device = model, wl, device
+        self.usable = device.memory_bytes * USABLE
+        self.model_bytes = cost.total_params(model, wl.divisible_by) * wl.dtype_bytes
+
+    # -- the roles of one candidate ----------------------------------------------------------------
+    def _states(self, layout: Layout, value_head: bool) -> int:
+        """Weights, gradients and optimizer state of a training rank (what does not depend on the batch)."""
+        parts = roles.train_memory(self.model, self.wl, layout, 1, value_head)
+        return _total(parts) - parts["activations"]
+
+    def static_actor(self, a: Layout) -> int:
+        ref = cost.rank_params(self.model, a.tp, a.pp, self.wl.divisible_by) * self.wl.dtype_bytes
+        return self._states(a, False) + (ref if self.wl.needs_reference else 0)
+
+    def static_critic(self, k: Optional[Layout], reward_layout: Layout) -> int:
+        out = self._states(k, True) if self.wl.uses_critic else 0
+        rm = self.wl.reward_model
+        if rm is not None:
+            out += cost.rank_params(rm, reward_layout.tp, reward_layout.pp, self.wl.divisible_by, True) \
+                * self.wl.dtype_bytes
+        return out
+
+    def _micro(self, layout: Layout, budget: float, start: int, value_head: bool) -> int:
+        """The largest micro-batch (halving from the config's) whose update activations fit `budget`."""
+        micro = start
+        while micro > 1:
+            m = cost.micro_batch_count(self.wl.mini_batch_rows, layout.dp, micro)
+            if cost.activation_bytes(self.model, layout, micro, self.wl.max_len, m, self.wl.dtype_bytes,
+                                     logits=not value_head) <= budget:
+                break
+            micro //= 2
+        return micro
+
+    def _actor_side(self, c: Candidate, budget: float) -> tuple[int, dict[str, int], dict[str, float]]:
+        """Static bytes of the actor's ranks, their transient peaks by phase, and their stage times;
+        `budget`: bytes the actor's ranks may fill (the micro-batch is halved until its activations fit)."""
+        m, wl, a, dev = self.model, self.wl, c.actor, self.device
+        static = self.static_actor(a)
+        c.micro["actor"] = micro = self._micro(a, budget - static, wl.actor_micro, False)
+        c.memory["actor"] = roles.train_memory(m, wl, a, micro)
+        phases = {"actor update": c.memory["actor"]["activations"]}
+        times = {"actor_update": roles.train_time(m, wl, a, dev, micro, wl.actor_epochs)}
+        forward = roles.forward_memory(m, wl, a, wl.forward_micro)
+        if wl.needs_reference:
+            c.memory["reference"] = forward
+            times["reference"] = roles.forward_time(m, wl, a, dev, wl.forward_micro)
+        if wl.needs_old_log_probs:
+            times["old_log_probs"] = roles.forward_time(m, wl, a, dev, wl.forward_micro)
+        if wl.needs_reference or wl.needs_old_log_probs:
+            phases["log-prob passes"] = forward["activations"]
+        return static, phases, times
+
+    def _critic_side(self, c: Candidate, budget: float) -> tuple[int, dict[str, int], dict[str, float]]:
+        m, wl, dev = self.model, self.wl, self.device
+        layout = c.critic or c.actor
+        static, phases, times = self.static_critic(c.critic, layout), {}, {}
+        if wl.uses_critic:
+            k = c.critic
+            c.micro["critic"] = micro = self._micro(k, budget - static, wl.critic_micro, True)
+            c.memory["critic"] = roles.train_memory(m, wl, k, micro, value_head=True)
+            phases["critic update"] = c.memory["critic"]["activations"]
+            times["critic_update"] = roles.train_time(m, wl, k, dev, micro, wl.critic_epochs, True)
+            times["values"] = roles.forward_time(m, wl, k, dev, wl.forward_micro, value_head=True)
+        if wl.reward_model is not None:
+            c.memory["reward_model"] = roles.forward_memory(wl.reward_model, wl, layout, wl.forward_micro, True)
+            phases["reward model"] = c.memory["reward_model"]["activations"]
+            times["reward_model"] = roles.forward_time(wl.reward_model, wl, layout, dev, wl.forward_micro, True)
+        return static, phases, times
+
+    def _rollout(self, c: Candidate, free: float, weights: float) -> Optional[dict[str, float]]:
+        r = roles.rollout_cost(self.model, self.wl, c.tg, c.replicas, self.device, free, weights)
+        if r is None:
+            per_row = cost.kv_cache_bytes(self.model, self.wl.max_len, self.wl.dtype_bytes, c.tg)
+            c.reason = f"rollout: one sequence's KV cache does not fit ({(per_row - free) / GIB:.1f} GiB over)"
+            return None
+        c.memory["rollout"] = {"weights": int(weights), **r.memory}
+        c.decode_batch, c.waves = r.batch, r.waves
+        return r.time
+
+    def _check(self, c: Candidate, group: str, static: int, phases: dict[str, int]) -> bool:
+        """Record the group's peak; set the reason (phase, GiB over) when it exceeds the usable memory."""
+        name, transient = max(phases.items(), key=lambda kv: kv[1]) if phases else ("weights", 0)
+        c.device_peak[group] = static + transient
+        if static + transient > self.usable and c.reason is None:
+            over = (static + transient - self.usable) / GIB
+            c.reason = f"{group} devices, {name}: {over:.1f} GiB over (of {self.usable / GIB:.0f} GiB usable)"
+        return c.reason is None
+
+    # -- placements --------------------------------------------------------------------------------
+    def colocated(self, n: int, actor: Layout, critic: Optional[Layout], tg: int) -> Candidate:
+        c = Candidate("colocated", {"all": n}, actor, critic, tg, n // tg)
+        both = self.static_actor(actor) + self.static_critic(critic, critic or actor)
+        a_static, a_phases, a_times = self._actor_side(c, self.usable - both + self.static_actor(actor))
+        k_static, k_phases, k_times = self._critic_side(c, self.usable - both + self.static_critic(critic,
+                                                                                                   critic or actor))
+        static = a_static + k_static
+        gen_weights = self.model_bytes / tg
+        extra = gen_weights - c.memory["actor"]["weights"]  # the generation shard holds the training shard
+        phases = {**a_phases, **k_phases}
+        if not self._check(c, "all", static, phases):
+            return c
+        times = self._rollout(c, self.usable - static - extra, gen_weights)
+        if times is None:
+            return c
+        c.device_peak["all"] = max(c.device_peak["all"], static + int(extra) + _total(c.memory["rollout"])
+                                   - c.memory["rollout"]["weights"])
+        moved = cost.transition_bytes(self.model_bytes, actor.tp, actor.pp, tg)
+        c.stages = {"rollout": times, "transition": {
+            "link": cost.gather_time(moved, actor.tp * actor.pp // tg, actor.tp, self.device)}, **a_times, **k_times}
+        c.iteration_s = sum(_total_s(t) for t in c.stages.values())
+        return c
+
+    def split(self, placement: str, devices: dict[str, int], actor: Layout, critic: Optional[Layout],
+              tg: int) -> Candidate:
+        """split-critic (rollout with the actor) or split-all (rollout on `devices['rollout']` at tg = 1)."""
+        apart = placement == "split-all"
+        replicas = devices["rollout"] if apart else devices["actor"] // tg
+        c = Candidate(placement, devices, actor, critic, tg, replicas)
+        a_static, a_phases, a_times = self._actor_side(c, self.usable)
+        k_static, k_phases, k_times = self._critic_side(c, self.usable)
+        if not self._check(c, "actor", a_static, a_phases):
+            return c
+        if (critic is not None or self.wl.reward_model is not None) and not self._check(c, "critic", k_static,
+                                                                                          k_phases):
+            return c
+        if apart:
+            free = self.usable - self.model_bytes
+            times = self._rollout(c, free, self.model_bytes)
+            sync = {"link": self.model_bytes / cost.link_bandwidth(self.device, sum(devices.values()))}
+        else:
+            extra = self.model_bytes / tg - c.memory["actor"]["weights"]
+            times = self._rollout(c, self.usable - a_static - extra, self.model_bytes / tg)
+            moved = cost.transition_bytes(self.model_bytes, actor.tp, actor.pp, tg)
+            sync = {"link": cost.gather_time(moved, actor.tp * actor.pp // tg, actor.tp, self.device)}
+        if times is None:
+            return c
+        prep_a = {k: v for k, v in a_times.items() if k != "actor_update"}
+        prep_k = {k: v for k, v in k_times.items() if k != "critic_update"}
+        c.stages = {"rollout": times, "transition": sync,
+                    "preparation": _slower(prep_a, prep_k), "update": _slower(
+                        {"actor_update": a_times["actor_update"]},
+                        {"critic_update": k_times["critic_update"]} if "critic_update" in k_times else {})}
+        c.iteration_s = sum(_total_s(t) for t in c.stages.values())
+        return c
+
+    # -- the search --------------------------------------------------------------------------------
+    def candidates(self, n: int, placements: tuple[str, ...] = PLACEMENTS) -> list[Candidate]:
+        wl, m, dev = self.wl, self.model, self.device
+        out = []
+        if "colocated" in placements:
+            for a in layouts(n, m, dev, wl):
+                for k in (layouts(n, m, dev, wl) if wl.uses_critic else [None]):
+                    out += [self.colocated(n, a, k, tg) for tg in _tgs(a, wl, n)]
+        if "split-critic" in placements and (wl.uses_critic or wl.reward_model is not None) and n > 1:
+            for na, nc in _splits(n, 2):
+                for a in layouts(na, m, dev, wl):
+                    for k in layouts(nc, m, dev, wl):
+                        out += [self.split("split-critic", {"actor": na, "critic": nc}, a, k, tg)
+                                for tg in _tgs(a, wl, na)]
+        if "split-all" in placements and n > 1:
+            cuts = _splits(n, 3) if wl.uses_critic else ((r, n - r, 0) for r, _ in _splits(n, 2))
+            for nr, na, nc in cuts:
+                if wl.prompts % nr:
+                    continue
+                for a in layouts(na, m, dev, wl):
+                    for k in (layouts(nc, m, dev, wl) if nc else [None]):
+                        devices = {"rollout": nr, "actor": na, **({"critic": nc} if nc else {})}
+                        out.append(self.split("split-all", devices, a, k, 1))
+        return out
+
+
+def _tgs(actor: Layout, wl: Workload, n: int) -> list[int]:
+    """Generation TP sizes: divisors of the actor's TP whose replicas split the prompts evenly."""
+    return [tg for tg in (1, 2, 4, 8, 16) if actor.tp % tg == 0 and wl.prompts % (n // tg) == 0]
+
+
+def _total_s(parts: dict[str, float]) -> float:
+    return sum(parts.values())
+
+
+def _slower(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The resources of whichever of two overlapping groups of stages takes longer (its stages summed)."""
+    def merged(stages: dict[str, dict[str, float]]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, parts in stages.items():
+            for resource, seconds in parts.items():
+                out[f"{name}.{resource}"] = out.get(f"{name}.{resource}", 0.0) + seconds
+        return out
+    ma, mb = merged(a), merged(b)
+    return ma if _total_s(ma) >= _total_s(mb) else mb
+
+
+def rank(candidates: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
+    """(fitting candidates fastest first, the others) ."""
+    fits = sorted((c for c in candidates if c.fits), key=lambda c: c.iteration_s)
+    return fits, [c for c in candidates if not c.fits]
+
+
+def gpus_needed(planner: Planner, start: int, prompts_per_day: float, limit: int = 1024) -> Optional[Candidate]:
+    """The best candidate on the fewest devices (in whole nodes from `start`) reaching `prompts_per_day`."""
+    step = planner.device.devices_per_node
+    n = max(step, math.ceil(start / step) * step)
+    while n <= limit:
+        fits, _ = rank(planner.candidates(n))
+        if fits and fits[0].prompts_per_day(planner.wl.prompts) >= prompts_per_day:
+            return fits[0]
+        n += step
+    return None
