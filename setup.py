@@ -37,6 +37,7 @@ setup(
     version="0.1.0",
     description="Megatron-centric framework for reinforcement learning on large language models",
     packages=find_packages(include=["hybridflow", "hybridflow.*"]),
+    package_data={"hybridflow.planner": ["*.yaml"]},  # device specs and known architectures of `hybridflow plan`
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require=EXTRAS,
