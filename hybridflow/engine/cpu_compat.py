@@ -190,6 +190,10 @@ def _megatron_modules():
         import megatron.core.models.gpt  # noqa: F401
         import megatron.core.optimizer  # noqa: F401
         import megatron.core.pipeline_parallel  # noqa: F401
+        # dist_checkpointing's save and load (the reshard tool) call torch.cuda for a device and a sync.
+        import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
+        import megatron.core.dist_checkpointing.strategies.state_dict_saver  # noqa: F401
+        import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
     return [m for n, m in list(sys.modules.items()) if n.startswith("megatron.") and m is not None]
 
 
