@@ -249,7 +249,7 @@ def open_source(path: str | Path, role: str = "actor", config: Optional[str | Pa
         raise ConfigError("--role", f"{role!r} is not one of {ROLES}")
     if _hf_dir(path):
         return Source("hf", path, read_config(Path(config or path), "SRC config.json"),
-                      role="critic" if _is_critic_hf(path) else "actor")
+                      role="critic" if _is_critic_hf(path) else role)  # an LM -> a critic: fresh value head
     if _dist_dir(path):
         return Source("dist", path, read_config(Path(config or path), "SRC config.json"), role=role)
     role_dir, step = _role_dir(path, role)
