@@ -405,7 +405,8 @@ class RLTrainer:
         for group in self._groups():
             group.load(str(directory))
         self.transition()
-        self.kl_ctrl.value = state["kl_coef"]
+        if "kl_coef" in state:  # absent where `hybridflow reshard` made the step from an HF model (step 0)
+            self.kl_ctrl.value = state["kl_coef"]
         log.info("resumed from %s (step %d)", directory, step)
         return step
 
