@@ -1,0 +1,86 @@
+"""`hybridflow plan`: the ranked table, the misfits' reasons, the written config, the scenario, bad input."""
+import dataclasses
+
+import pytest
+
+from hybridflow.config import RunPlan, load_config
+from hybridflow.config.validate import check_model_split
+from hybridflow.errors import ConfigError
+from hybridflow.planner import cli
+from hybridflow.planner.cost import Layout
+from hybridflow.planner.devices import get_device
+from hybridflow.planner.roles import Workload
+from hybridflow.planner.search import Planner, gpus_needed, rank
+from tests.planner.test_cost import QWEN7B
+
+CONFIG_7B = "configs/qwen2.5-7b-ppo-gsm8k.yaml"
+
+
+def test_the_best_7b_plan_on_16_a100s_is_written_as_a_config_that_loads(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    assert cli.main([CONFIG_7B, "--gpus", "16", "--device", "a100", "--out", str(out), "--top", "3",
+                     "--prompts-per-day", "1e6"]) == 0
+    text = capsys.readouterr().out
+    assert "candidates fit" in text and "bottleneck" in text and "transition bytes per rank: exact" in text
+    assert "scenario: 1,000,000 prompts/day on 16 devices" in text
+    cfg = load_config(out)  # as `hybridflow train` reads it: every config check passes
+    header = out.read_text().splitlines()[1]  # "# best candidate: colocated [all16] actor p2-t2-d4 tg2 ..."
+    assert f"actor p{cfg.actor.parallel.pp}-t{cfg.actor.parallel.tp}-" in header and f"tg{cfg.rollout.tg}" in header
+    assert cfg.trainer.n_devices == 16 and cfg.trainer.device == "cuda" and cfg.rollout.tg in (1, 2, 4, 8)
+    assert cfg.data.train_batch_size == 1024 and cfg.model.path == "models/Qwen2.5-7B-Instruct"  # the base kept
+    plan = RunPlan.from_config(cfg)
+    for role in ("training", "critic"):
+        check_model_split(plan.layouts[role], role, num_heads=28, num_kv_heads=4, num_layers=28, ffn_size=18944)
+    assert cfg.data.train_batch_size % plan.prompt_multiple == 0
+    assert plan.mini_batch_responses % plan.layouts["training"].dp == 0
+    assert not list(tmp_path.glob(".plan.yaml.*"))  # the temporary file was renamed into place
+
+
+def test_a_70b_job_on_64_h100s_dry_runs_with_exact_bytes(capsys):
+    assert cli.main(["configs/llama3-70b-ppo-gsm8k.yaml", "--gpus", "64", "--device", "h100", "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "70.55 B parameters" in text and "plan_reshard over" in text and "(diff +0)" in text
+
+
+def test_misfits_name_the_role_and_the_gib_over():
+    cfg = load_config(CONFIG_7B, ["trainer.n_devices=16"])
+    small = dataclasses.replace(get_device("a100"), memory_bytes=24 * 1024 ** 3)
+    fits, misfits = rank(Planner(QWEN7B, Workload.from_config(cfg), small).candidates(8))
+    assert not fits and misfits
+    assert all(" GiB over" in c.reason and ("update" in c.reason or "rollout" in c.reason or "passes" in c.reason)
+               for c in misfits)
+    # Every colocated candidate holds actor, critic and reference: the 7B states alone overflow 24 GiB at d1.
+    c = Planner(QWEN7B, Workload.from_config(cfg), small).colocated(8, Layout(1, 1, 8), Layout(1, 1, 8), 1)
+    assert c.reason.startswith("all devices, ") and float(c.reason.split(": ")[1].split()[0]) > 10
+
+
+def test_more_memory_or_devices_never_makes_the_best_plan_slower():
+    cfg = load_config(CONFIG_7B, ["trainer.n_devices=16"])
+    wl = Workload.from_config(cfg)
+    a100, h200 = get_device("a100"), get_device("h200")
+    best = {n: rank(Planner(QWEN7B, wl, a100).candidates(n))[0][0].iteration_s for n in (8, 16)}
+    assert best[16] < best[8]
+    assert rank(Planner(QWEN7B, wl, h200).candidates(16))[0][0].iteration_s < best[16]
+
+
+def test_the_scenario_finds_how_many_devices_reach_a_target(capsys):
+    cfg = load_config(CONFIG_7B, ["trainer.n_devices=16"])
+    planner = Planner(QWEN7B, Workload.from_config(cfg), get_device("a100"))
+    enough = gpus_needed(planner, 17, 3e6)
+    assert enough is not None and enough.prompts_per_day(1024) >= 3e6 and sum(enough.devices.values()) > 16
+    assert cli.main([CONFIG_7B, "--gpus", "16", "--prompts-per-day", "3e6", "--no-dry-run", "--top", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "NOT reachable" in text and f"reachable with {sum(enough.devices.values())} devices" in text
+
+
+def test_bad_input_is_one_error_naming_the_key(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        cli.main([str(tmp_path / "missing.yaml"), "--gpus", "8"])
+    with pytest.raises(ConfigError, match="--device: unknown device 'b200'"):
+        cli.main([CONFIG_7B, "--gpus", "8", "--device", "b200"])
+    with pytest.raises(ConfigError, match="model.path: no config.json in 'models/Mystery-9B'"):
+        cli.main([CONFIG_7B, "model.path=models/Mystery-9B", "--gpus", "8"])
+    with pytest.raises(ConfigError, match="--placements: unknown"):
+        cli.main([CONFIG_7B, "--gpus", "8", "--placements", "colocated,everywhere"])
+    with pytest.raises(ConfigError, match="actor.parallel.tpp: unknown key"):
+        cli.main([CONFIG_7B, "actor.parallel.tpp=2", "--gpus", "8"])
