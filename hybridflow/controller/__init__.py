@@ -8,6 +8,7 @@
 - group.py: `WorkerGroup`, what both groups share (`call` under the dispatch modes, meshes);
   `RoleGroup` + `remote` for typed views of a group;
 - ray_group.py: `RayWorkerGroup`, one Ray actor per device;
+- ray_nodes.py: which Ray node each rank runs on; naming a node that left the cluster mid-run;
 - local_group.py: `LocalWorkerGroup`, in-process or this rank's share under torchrun;
 - transfer.py: `ObjectHandle`, a value passed from one group to another through
   the object store by reference (e.g. actor weights to a separate rollout group).

@@ -17,7 +17,9 @@ method carries the worker's traceback text; a dying process (crash, SIGKILL,
 OOM) is reported as soon as Ray notices, and `call_timeout` (seconds, default
 None = wait) bounds a hung call. A group is SPMD — when one rank fails the
 others are stuck in collectives — so any failure kills every actor of the
-group before `WorkerError` is raised.
+group before `WorkerError` is raised. Each rank's Ray node is recorded (and
+logged) at start; when a call fails because a node left the cluster, the error
+names that node and the ranks and roles it held (`ray_nodes.py`).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from typing import Any, Optional
 
 from hybridflow.controller.dispatch import Dispatch, PerRank, answering, collect, dispatch, flat_mesh, shipped_bytes
 from hybridflow.controller.group import WorkerGroup
+from hybridflow.controller.ray_nodes import NodeOf, describe_lost, log_placement, lost_nodes
 from hybridflow.controller.resource_pool import ResourcePool
 from hybridflow.controller.transfer import pack, unpack, unpack_results
 from hybridflow.controller.worker import Worker, WorkerContext, WorkerError, construct_worker, first_os_error
@@ -72,14 +75,14 @@ class _Host:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
         self.workers: dict[str, Worker] = {}
 
-    def node_address(self) -> tuple[str, int]:
-        """This node's IP and a port free on it now (rank 0's becomes the master port)."""
+    def node_address(self) -> tuple[str, int, str]:
+        """This node's IP, a port free on it now (rank 0's becomes the master port) and its Ray node id."""
         import ray
 
         address = ray.util.get_node_ip_address()
         with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
             s.bind((address, 0))
-            return address, s.getsockname()[1]
+            return address, s.getsockname()[1], ray.get_runtime_context().get_node_id()
 
     def pid(self) -> int:
         return os.getpid()
@@ -128,6 +131,12 @@ class _HostSet:
         self.lock = threading.Lock()
         self.slots: set[str] = set()
         self.dead: Optional[WorkerError] = None
+        self.nodes: list[NodeOf] = []  # rank -> the Ray node its process runs on
+
+    @property
+    def roles(self) -> str:
+        """The worker classes in these processes, for messages ("ActorRolloutRefWorker, CriticWorker")."""
+        return ", ".join(sorted(self.slots)) or "no worker"
 
     def kill(self) -> None:
         """Kill every actor (idempotent). The pool's reservation stays for other groups."""
@@ -214,6 +223,7 @@ class RayWorkerGroup(WorkerGroup):
                           for h, ctx in zip(host_set.hosts, host_set.contexts)], "__init__", STARTUP_TIMEOUT_S)
             self._set_meshes(self._gather([h.meshes.remote(slot) for h in host_set.hosts], "__init__",
                                           STARTUP_TIMEOUT_S))
+            log_placement(slot, host_set.nodes)
         except BaseException:
             self.shutdown()
             raise
@@ -231,9 +241,10 @@ class RayWorkerGroup(WorkerGroup):
         for rank in range(self.world_size):
             self._set.hosts.append(host.options(max_restarts=0, **pool.actor_options(rank)).remote(pool.device))
         addresses = self._gather([h.node_address.remote() for h in self._set.hosts], "start", STARTUP_TIMEOUT_S)
-        master_addr, master_port = addresses[0]
+        master_addr, master_port, _ = addresses[0]
+        self._set.nodes = [NodeOf(node_id, ip) for ip, _, node_id in addresses]
         # On GPU, Ray shows each actor only its own GPU: that is local device 0.
-        local_ranks = (_local_ranks([ip for ip, _ in addresses]) if pool.device == "cpu"
+        local_ranks = (_local_ranks([node.ip for node in self._set.nodes]) if pool.device == "cpu"
                        else [0] * self.world_size)
         self._set.contexts = [WorkerContext(rank, self.world_size, local, master_addr, master_port, pool.device)
                               for rank, local in enumerate(local_ranks)]
@@ -247,6 +258,11 @@ class RayWorkerGroup(WorkerGroup):
     def pids(self) -> list[int]:
         """Process id of each rank's actor (debugging; tests kill one)."""
         return self._gather([h.pid.remote() for h in self._live_hosts()], "pid", self.call_timeout)
+
+    def nodes(self) -> list[NodeOf]:
+        """The Ray node (id and IP) each rank runs on, in rank order, as recorded when the processes started."""
+        self._live_hosts()
+        return list(self._set.nodes)
 
     def _call(self, name: str, mode: Dispatch, args: tuple, kwargs: dict) -> Any:
         hosts = self._live_hosts()
@@ -369,12 +385,30 @@ class RayWorkerGroup(WorkerGroup):
         return first
 
     def _fail(self, error: WorkerError) -> None:
-        """Tear down the processes (and so every group on them) and raise `error`."""
+        """Tear down the processes (and so every group on them) and raise `error`, naming any lost node."""
+        error = self._with_lost_nodes(error)
         self._dead = error
         if self._set is not None:
             self._set.dead = self._set.dead or error
             self._set.kill()
         raise error
+
+    def _with_lost_nodes(self, error: WorkerError) -> WorkerError:
+        """`error`, its reason extended with each node of this group's processes that has left the cluster.
+
+        Whichever rank reported first (the lost one, or a peer whose collective broke), the node is what a
+        user must act on. A cluster that cannot be asked leaves the error as it was."""
+        host_set = self._set
+        if host_set is None or not host_set.nodes:
+            return error
+        try:
+            lost = lost_nodes(host_set.nodes)
+        except Exception:  # the GCS itself is unreachable: the workers' own report is all there is
+            return error
+        if not lost:
+            return error
+        reason = f"{error.reason}; {describe_lost(host_set.roles, host_set.nodes, lost)}"
+        return WorkerError(error.rank, error.method, reason, error.traceback, error.os_error)
 
     def shutdown(self) -> None:
         """Let go of this group's workers (idempotent); the processes end with the last group on them.
