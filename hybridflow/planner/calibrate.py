@@ -8,8 +8,9 @@ used (for `ppo`, the demo with bench_e2e's PPO overrides). Fitting, in order:
 1. GEMM efficiency from the update (the training passes are almost all matrix products);
 2. decode efficiency and the per-layer launch overhead, scaled together, from the rollout (a step of a
    small model is launch-bound, of a large one bandwidth-bound: one factor moves both);
-3. the forward passes (log_probs, values) keep a residual factor each, the ratio of measured to
-   predicted after 1-2, since their kernels differ from the update's (fused log-probs, a value head).
+3. the rollout and the forward passes (log_probs, values) keep a residual factor each, the ratio of
+   measured to predicted after 1-2: their kernels differ from the update's (the C++ decode loop, fused
+   log-probs, a value head), and a FLOP-bound decode step of a small model does not move with 2.
 
 `predict` then gives every stage's seconds for any config on the calibrated device; a test checks the
 prediction against a second measurement at another batch size.
@@ -80,16 +81,25 @@ def fit(evaluate, device: DeviceSpec, measured: dict[str, float], rounds: int = 
             ratio = gemm / device.efficiency["gemm"]
             device = device.with_efficiency(gemm=min(1.0, gemm),
                                             attention=min(1.0, device.efficiency["attention"] * ratio))
-        c = evaluate(device)
-        prefill, decode = c.stages["rollout"].get("compute", 0.0), c.stages["rollout"].get("decode", 0.0)
-        if measured["rollout"] > prefill and decode > 0:
-            g = (measured["rollout"] - prefill) / decode
-            device = device.with_efficiency(decode=min(1.0, device.efficiency["decode"] / g),
-                                            layer_overhead=device.layer_overhead * g)
+        device = _fit_rollout(evaluate, device, measured["rollout"])
     predicted = bench_stages(evaluate(device))
-    residual = {k: measured[k] / predicted[k] for k in ("log_probs", "values")
+    residual = {k: measured[k] / predicted[k] for k in ("rollout", "log_probs", "values")
                 if predicted[k] > 0 and measured[k] > 0}
     return Calibrated(device=device, residual=residual)
+
+
+def _fit_rollout(evaluate, device: DeviceSpec, seconds: float, rounds: int = 8) -> DeviceSpec:
+    """Scale the decode efficiency down and the launch overhead up by one factor until the rollout takes
+    `seconds` (a capped efficiency or a FLOP-bound step leaves part of the time unmoved: hence rounds)."""
+    for _ in range(rounds):
+        rollout = evaluate(device).stages["rollout"]
+        total = sum(rollout.values())
+        if total <= 0 or abs(total / seconds - 1) < 1e-3:
+            break
+        g = seconds / total
+        device = device.with_efficiency(decode=min(1.0, device.efficiency["decode"] / g),
+                                        layer_overhead=device.layer_overhead * g)
+    return device
 
 
 def measured_lengths(figures: dict[str, float], rows: int) -> tuple[float, float]:

@@ -94,7 +94,7 @@ def _calibrated(args, planner: Planner, cfg) -> tuple[Planner, list[str]]:
     fitted = calibrate.fit(evaluate, planner.device, figures)
     predicted = fitted.scale(calibrate.bench_stages(evaluate(fitted.device)))
     lines = [f"calibrated on {args.calibrate} ({args.calibrate_algo}, {n} process(es)): {fitted.device.describe()}",
-             f"  residual factors of the forward passes: {fitted.residual}",
+             f"  residual factors (rollout and forward passes): {fitted.residual}",
              "  stage      measured s  predicted s"]
     lines += [f"  {k:10s} {figures[k]:10.4f} {predicted[k]:12.4f}" for k in calibrate.BENCH_STAGES]
     return Planner(planner.model, planner.wl, fitted.device), lines

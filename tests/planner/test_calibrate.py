@@ -1,12 +1,14 @@
 """Calibration against measurement: fit the CPU spec to one `bench e2e` run on 2 processes, then predict
 another run's stage times (half the batch) within 30%."""
+import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from hybridflow.planner import calibrate
+from hybridflow.errors import ConfigError
+from hybridflow.planner import calibrate, cli
 from hybridflow.planner.cli import _load, build_parser, resolve_model
 from hybridflow.planner.cost import Layout
 from hybridflow.planner.devices import get_device
@@ -65,3 +67,26 @@ def test_a_fit_on_one_run_predicts_another_within_30_percent(ray_cluster, capsys
     assert all(abs(e) < 0.3 for e in errors.values()), errors
     # The fit moved the factors off the file's placeholders (a fit that changed nothing would pass vacuously).
     assert fitted.device.efficiency["gemm"] != get_device("cpu").efficiency["gemm"]
+
+
+def test_the_fit_reproduces_the_stages_it_was_fitted_to_and_the_cli_reports_it(tmp_path, capsys):
+    """In-sample: after the fit, the update and rollout are the measured ones; `--calibrate` prints the table.
+    (The figures are a bench file's shape with round numbers; the slow test above measures real ones.)"""
+    figures = {"rollout": 0.06, "reward": 0.001, "log_probs": 0.12, "values": 0.07, "advantages": 0.0,
+               "update": 0.78, "transition": 0.003, "other": 0.002, "step": 1.0, "tokens": 7168.0,
+               "answer_tokens": 5.0}
+    planner = _planner(TWO_PROCESSES, figures)
+    fitted = calibrate.fit(_evaluate(planner), get_device("cpu"), figures)
+    predicted = fitted.scale(calibrate.bench_stages(_evaluate(planner)(fitted.device)))
+    for stage in ("rollout", "update", "log_probs", "values"):
+        assert predicted[stage] == pytest.approx(figures[stage], rel=0.02), stage
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps({"results": {"ppo": figures}}))
+    assert cli.main(["configs/demo.yaml", *bench_e2e.ALGOS["ppo"], *TWO_PROCESSES, "--gpus", "2", "--device", "cpu",
+                     "--calibrate", str(path), "--no-dry-run", "--top", "1"]) == 0
+    assert "calibrated on" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="--calibrate-algo: .* holds \\['ppo'\\], not 'grpo'"):
+        cli.main(["configs/demo.yaml", "--gpus", "2", "--calibrate", str(path), "--calibrate-algo", "grpo"])
+    path.write_text("[]")
+    with pytest.raises(ConfigError, match="not the JSON of `hybridflow bench e2e --json`"):
+        cli.main(["configs/demo.yaml", "--gpus", "2", "--calibrate", str(path)])
