@@ -1,18 +1,25 @@
 """Kernel benchmark: each kernel against its eager reference, side by side in one run.
 
-    python benchmarks/bench_kernels.py [--quick]
+    python benchmarks/bench_kernels.py [--quick] [--json PATH]
 
 Prints time (median of repeats), the speed-up reference / kernel, and the
-extra peak memory of each (bytes allocated during the call, from
-torch.profiler's allocation events, since process RSS is too coarse) with
-the ratio kernel / reference.
+extra peak memory of each with the ratio kernel / reference: for log-prob
+and the fused output layer, bytes allocated during the call from
+torch.profiler's allocation events (process RSS is too coarse at these
+sizes); for GAE, whose reference is a Python loop of thousands of small ops
+that the profiler would slow by orders of magnitude, the rise of the
+process's peak resident memory during the call (`peak_memory.py`; marked
+`rss`). `--json PATH` writes every row.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -22,6 +29,9 @@ from hybridflow.kernels.masked import masked_whiten
 from hybridflow.kernels import (
     fused_linear_logprob_entropy, fused_linear_reference, gae, gae_reference, logprob_entropy,
     logprob_entropy_reference)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (hybridflow bench runs this by path)
+from peak_memory import mib, peak_extra_mib, ratio  # noqa: E402
 
 
 def _time(fn, repeats: int) -> float:
@@ -49,12 +59,17 @@ def _peak_extra_bytes(fn) -> int:
     return peak
 
 
-def _row(name, ref_fn, fast_fn, repeats, memory=True):
+def _row(name, ref_fn, fast_fn, repeats, memory="allocated") -> dict:
+    """Time both, then their extra peak memory: allocated bytes (profiler) or the resident high-water mark."""
     t_ref, t_fast = _time(ref_fn, repeats), _time(fast_fn, repeats)
-    m_ref = _peak_extra_bytes(ref_fn) if memory else 0
-    m_fast = _peak_extra_bytes(fast_fn) if memory else 0
-    mem = f"{m_ref / 2**20:9.1f} {m_fast / 2**20:9.1f} {m_fast / max(m_ref, 1):6.3f}" if memory else " " * 33
-    print(f"{name:44s} {t_ref * 1e3:10.2f} {t_fast * 1e3:10.2f} {t_ref / t_fast:7.1f}x {mem}", flush=True)
+    if memory == "rss":
+        m_ref, m_fast = peak_extra_mib(ref_fn)[1], peak_extra_mib(fast_fn)[1]
+    else:
+        m_ref, m_fast = _peak_extra_bytes(ref_fn) / 2**20, _peak_extra_bytes(fast_fn) / 2**20
+    print(f"{name:44s} {t_ref * 1e3:10.2f} {t_fast * 1e3:10.2f} {t_ref / t_fast:7.1f}x {mib(m_ref)} {mib(m_fast)} "
+          f"{ratio(m_fast, m_ref)} {memory}", flush=True)
+    return {"kernel": name, "ref_ms": t_ref * 1e3, "ours_ms": t_fast * 1e3, "speedup": t_ref / t_fast,
+            "ref_peak_mib": m_ref, "ours_peak_mib": m_fast, "memory": memory}
 
 
 def gae_inputs(t: int, device: str = "cpu", rows: int = 64):
@@ -64,20 +79,22 @@ def gae_inputs(t: int, device: str = "cpu", rows: int = 64):
     return r, v, (torch.rand(rows, t, generator=g, device=device) > 0.1).float()
 
 
-def bench_gae(sizes, repeats):
+def bench_gae(sizes, repeats) -> list[dict]:
+    rows = []
     for t in sizes:
         r, v, m = gae_inputs(t)
-        _row(f"gae B=64 T={t} (loop ref vs cpu)", lambda: gae_reference(r, v, m, 0.99, 0.95),
-             lambda: gae(r, v, m, 0.99, 0.95, backend="cpu"), repeats, memory=False)
+        rows.append(_row(f"gae B=64 T={t} (loop ref vs cpu)", lambda: gae_reference(r, v, m, 0.99, 0.95),
+                         lambda: gae(r, v, m, 0.99, 0.95, backend="cpu"), repeats, memory="rss"))
         # What PPO runs (verl's compute_gae_advantage_return: the loop, then masked_whiten): the
         # reference that way, against the scan with the whitening fused in, and the scan followed by
         # masked_whiten (the path before the fusion).
         whitened_ref = lambda: masked_whiten(gae_reference(r, v, m, 0.99, 0.95)[0], m)  # noqa: E731
-        _row(f"gae+whiten B=64 T={t} (loop+whiten vs fused)", whitened_ref,
-             lambda: gae(r, v, m, 0.99, 0.95, backend="cpu", whiten=True), repeats, memory=False)
-        _row(f"gae+whiten B=64 T={t} (cpu+whiten vs fused)",
-             lambda: masked_whiten(gae(r, v, m, 0.99, 0.95, backend="cpu")[0], m),
-             lambda: gae(r, v, m, 0.99, 0.95, backend="cpu", whiten=True), repeats, memory=False)
+        rows.append(_row(f"gae+whiten B=64 T={t} (loop+whiten vs fused)", whitened_ref,
+                         lambda: gae(r, v, m, 0.99, 0.95, backend="cpu", whiten=True), repeats, memory="rss"))
+        rows.append(_row(f"gae+whiten B=64 T={t} (cpu+whiten vs fused)",
+                         lambda: masked_whiten(gae(r, v, m, 0.99, 0.95, backend="cpu")[0], m),
+                         lambda: gae(r, v, m, 0.99, 0.95, backend="cpu", whiten=True), repeats, memory="rss"))
+    return rows
 
 
 def logprob_step(fn, logits, labels, backward: bool):
@@ -97,31 +114,18 @@ def _logprob_case(n, v, backward):
     return lambda fn: logprob_step(fn, logits, labels, backward)
 
 
-def bench_logprob(shapes, repeats):
+def bench_logprob(shapes, repeats) -> list[dict]:
+    rows = []
     for n, v in shapes:
         for backward in (False, True):
             run = _logprob_case(n, v, backward)
-            _row(f"logprob+entropy {n}x{v} {'fwd+bwd' if backward else 'fwd'}",
-                 run(logprob_entropy_reference), run(lambda x, y: logprob_entropy(x, y, backend="cpu")),
-                 repeats)
+            rows.append(_row(f"logprob+entropy {n}x{v} {'fwd+bwd' if backward else 'fwd'}",
+                             run(logprob_entropy_reference), run(lambda x, y: logprob_entropy(x, y, backend="cpu")),
+                             repeats))
+    return rows
 
 
-def _peak_rss_extra_mib(fn) -> float:
-    """Peak resident memory during `fn()` beyond what was resident before it (Linux: VmHWM after
-    resetting it through /proc/self/clear_refs). Counts every allocation, the extensions' too,
-    which the profiler's per-op events do not."""
-    def status(key):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = status("VmRSS:")
-    fn()
-    return (status("VmHWM:") - base) / 2**20
-
-
-def bench_logprob_in_place(shapes, hidden: int = 896):
+def bench_logprob_in_place(shapes, hidden: int = 896) -> list[dict]:
     """Forward + backward of the C++ kernel with the backward out of place and in place, peak RSS.
 
     - slice: log-probs of the response columns of a model output [2, n/2 + 1, V] (the actor today).
@@ -131,6 +135,7 @@ def bench_logprob_in_place(shapes, hidden: int = 896):
     """
     print(f"\n{'C++ log-prob backward, peak RSS':52s} {'out-of-place MiB':>17s} {'in-place MiB':>13s} "
           f"{'logits MiB':>11s}")
+    rows = []
     for n, v in shapes:
         g = torch.Generator().manual_seed(0)
         out = torch.randn(2, n // 2 + 1, v, generator=g).requires_grad_(True)
@@ -142,9 +147,9 @@ def bench_logprob_in_place(shapes, hidden: int = 896):
                 (lp.sum() + ent.sum()).backward()
                 out.grad = None
             return go
-        before = _peak_rss_extra_mib(sliced(lambda t: t[:, :-1].contiguous()))  # the caller's copy: kept
-        after = _peak_rss_extra_mib(sliced(lambda t: t[:, :-1]))
-        print(f"{f'slice of a model output, {n}x{v}':52s} {before:17.0f} {after:13.0f} {n * v * 4 / 2**20:11.0f}")
+        before = peak_extra_mib(sliced(lambda t: t[:, :-1].contiguous()))[1]  # the caller's copy: kept
+        after = peak_extra_mib(sliced(lambda t: t[:, :-1]))[1]
+        rows.append(_in_place_row(f"slice of a model output, {n}x{v}", before, after, n * v * 4 / 2**20))
         del out
         h = torch.randn(n, hidden, generator=g).requires_grad_(True)
         w = (torch.randn(v, hidden, generator=g) * 0.02).requires_grad_(True)
@@ -156,12 +161,20 @@ def bench_logprob_in_place(shapes, hidden: int = 896):
                 h.grad = w.grad = None
             return go
         head(False)()  # first touch of w.grad's pages etc.
-        before, after = _peak_rss_extra_mib(head(False)), _peak_rss_extra_mib(head(True))
-        print(f"{f'output layer on {n} positions, h={hidden} -> {v}':52s} {before:17.0f} {after:13.0f} "
-              f"{n * v * 4 / 2**20:11.0f}", flush=True)
+        before, after = peak_extra_mib(head(False))[1], peak_extra_mib(head(True))[1]
+        rows.append(_in_place_row(f"output layer on {n} positions, h={hidden} -> {v}", before, after,
+                                  n * v * 4 / 2**20))
+    return rows
 
 
-def bench_fused(n, hiddens, vocab, repeats):
+def _in_place_row(name: str, out_of_place, in_place, logits_mib: float) -> dict:
+    print(f"{name:52s} {mib(out_of_place, 17)} {mib(in_place, 13)} {logits_mib:11.0f}", flush=True)
+    return {"case": name, "out_of_place_peak_mib": out_of_place, "in_place_peak_mib": in_place,
+            "logits_mib": logits_mib}
+
+
+def bench_fused(n, hiddens, vocab, repeats) -> list[dict]:
+    rows = []
     for h in hiddens:
         g = torch.Generator().manual_seed(0)
         hidden = torch.randn(n, h, generator=g).requires_grad_(True)
@@ -174,8 +187,9 @@ def bench_fused(n, hiddens, vocab, repeats):
                 (lp.sum() + ent.sum()).backward()
                 hidden.grad = weight.grad = None
             return go
-        _row(f"fused linear {n}x{h}->{vocab} fwd+bwd", run(fused_linear_reference),
-             run(fused_linear_logprob_entropy), repeats)
+        rows.append(_row(f"fused linear {n}x{h}->{vocab} fwd+bwd", run(fused_linear_reference),
+                         run(fused_linear_logprob_entropy), repeats))
+    return rows
 
 
 def main() -> None:
@@ -183,25 +197,33 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes, for a smoke run")
     parser.add_argument("--only", default="gae,logprob,fused", help="comma-separated subset")
     parser.add_argument("--hidden", default="896,3584", help="hidden sizes for the fused linear case")
+    parser.add_argument("--json", help="also write every row's figures here")
     args = parser.parse_args()
-    only = set(args.only.split(","))
+    only = {"gae", "logprob", "fused"} if args.quick else set(args.only.split(","))
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
     print(f"{'kernel':44s} {'ref ms':>10s} {'ours ms':>10s} {'speedup':>8s} "
-          f"{'ref MiB':>9s} {'ours MiB':>9s} {'mem':>6s}")
-    if args.quick:
-        bench_gae([128], 2)
-        bench_logprob([(256, 4096)], 2)
-        bench_logprob_in_place([(256, 4096)])
-        bench_fused(256, [64], 4096, 2)
-        return
+          f"{'ref MiB':>9s} {'ours MiB':>9s} {'mem':>6s} memory")
+    rows, in_place = [], []
     if "gae" in only:
-        bench_gae([512, 2048, 8192], 3)
+        rows += bench_gae([128] if args.quick else [512, 2048, 8192], 2 if args.quick else 3)
     if "logprob" in only:
-        bench_logprob([(4096, 32000), (4096, 151936)], 3)
-        bench_logprob_in_place([(4096, 32000), (4096, 151936)])
+        shapes = [(256, 4096)] if args.quick else [(4096, 32000), (4096, 151936)]
+        rows += bench_logprob(shapes, 2 if args.quick else 3)
+        in_place = bench_logprob_in_place(shapes)
     if "fused" in only:
-        bench_fused(4096, [int(h) for h in args.hidden.split(",")], 151936, 1)
+        rows += (bench_fused(256, [64], 4096, 2) if args.quick
+                 else bench_fused(4096, [int(h) for h in args.hidden.split(",")], 151936, 1))
+    if args.json:
+        _write_json(args.json, {"quick": args.quick, "kernels": rows, "logprob_backward_peak_rss": in_place})
+
+
+def _write_json(path: str, figures: dict) -> None:
+    """Write `figures` whole or not at all (temp file, then rename)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(figures, f, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

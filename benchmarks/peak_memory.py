@@ -1,0 +1,72 @@
+"""Peak resident memory of one measured call, for the benchmarks that compare a candidate with a baseline.
+
+`peak_extra_mib(fn)` runs `fn()` and returns its result and how far this
+process's resident memory rose above what was resident just before the call
+(MiB). Linux keeps a high-water mark of resident memory (VmHWM in
+/proc/self/status) that writing "5" to /proc/self/clear_refs resets, so each
+call gets a mark of its own and the candidate and the baseline can be
+measured one after the other in one process. It counts every allocation
+(torch's, a C++ extension's, HF's), which allocator hooks and the profiler's
+per-op events do not; the price is page granularity, fine at the sizes
+these benchmarks use. Where the mark cannot be reset (not Linux, a locked
+down /proc) the figure is None and the tables print '-'.
+
+`peak_rss_mib()` is the process's whole high-water mark (`ru_maxrss`), for a
+benchmark that runs each side in a process of its own.
+"""
+from __future__ import annotations
+
+import gc
+import resource
+import sys
+from typing import Any, Callable, Optional
+
+_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def reset_peak() -> Optional[int]:
+    """Start a new high-water mark; returns the resident bytes now, or None where that is not possible."""
+    gc.collect()
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("5")
+        return _status_bytes("VmRSS:")
+    except OSError:
+        return None
+
+
+def peak_since(base: Optional[int]) -> Optional[float]:
+    """MiB the high-water mark rose above `base` (from reset_peak), or None."""
+    if base is None:
+        return None
+    return (_status_bytes("VmHWM:") - base) / 2**20
+
+
+def peak_extra_mib(fn: Callable[[], Any]) -> tuple[Any, Optional[float]]:
+    """(fn(), peak resident MiB during the call beyond what was resident before it)."""
+    base = reset_peak()
+    out = fn()
+    return out, peak_since(base)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory since it started (MiB; ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def mib(value: Optional[float], width: int = 9) -> str:
+    """A MiB figure for a table column; '-' where it could not be measured."""
+    return f"{value:{width}.1f}" if value is not None else f"{'-':>{width}s}"
+
+
+def ratio(new: Optional[float], base: Optional[float], width: int = 6) -> str:
+    """new / base for a table column; '-' where either is missing or the base is ~0 (under a page)."""
+    if new is None or base is None or base < 4 / 1024:
+        return f"{'-':>{width}s}"
+    return f"{new / base:{width}.3f}"
