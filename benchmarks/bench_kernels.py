@@ -8,14 +8,13 @@ and the fused output layer, bytes allocated during the call from
 torch.profiler's allocation events (process RSS is too coarse at these
 sizes); for GAE, whose reference is a Python loop of thousands of small ops
 that the profiler would slow by orders of magnitude, the rise of the
-process's peak resident memory during the call (`peak_memory.py`; marked
+process's peak resident memory during the call (`figures.py`; marked
 `rss`). `--json PATH` writes every row.
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -31,7 +30,7 @@ from hybridflow.kernels import (
     logprob_entropy_reference)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (hybridflow bench runs this by path)
-from peak_memory import mib, peak_extra_mib, ratio  # noqa: E402
+from figures import mib, peak_extra_mib, ratio, write_json  # noqa: E402
 
 
 def _time(fn, repeats: int) -> float:
@@ -215,15 +214,7 @@ def main() -> None:
         rows += (bench_fused(256, [64], 4096, 2) if args.quick
                  else bench_fused(4096, [int(h) for h in args.hidden.split(",")], 151936, 1))
     if args.json:
-        _write_json(args.json, {"quick": args.quick, "kernels": rows, "logprob_backward_peak_rss": in_place})
-
-
-def _write_json(path: str, figures: dict) -> None:
-    """Write `figures` whole or not at all (temp file, then rename)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(figures, f, indent=1)
-    os.replace(tmp, path)
+        write_json(args.json, {"quick": args.quick, "kernels": rows, "logprob_backward_peak_rss": in_place})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Peak resident memory of one measured call, for the benchmarks that compare a candidate with a baseline.
+"""What the benchmarks share: the peak resident memory of one measured call, and writing their figures.
 
 `peak_extra_mib(fn)` runs `fn()` and returns its result and how far this
 process's resident memory rose above what was resident just before the call
@@ -13,10 +13,16 @@ down /proc) the figure is None and the tables print '-'.
 
 `peak_rss_mib()` is the process's whole high-water mark (`ru_maxrss`), for a
 benchmark that runs each side in a process of its own.
+
+`write_json(path, figures)` writes a benchmark's `--json` file whole or not
+at all (a temp file renamed into place), so a benchmark killed half-way
+leaves no truncated file for `bench all` or a later comparison to read.
 """
 from __future__ import annotations
 
 import gc
+import json
+import os
 import resource
 import sys
 from typing import Any, Callable, Optional
@@ -70,3 +76,16 @@ def ratio(new: Optional[float], base: Optional[float], width: int = 6) -> str:
     if new is None or base is None or base < 4 / 1024:
         return f"{'-':>{width}s}"
     return f"{new / base:{width}.3f}"
+
+
+def write_json(path, figures: dict) -> None:
+    """Write `figures` to `path` (str or Path) as JSON: a temp file beside it, then a rename."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(figures, f, indent=1)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
