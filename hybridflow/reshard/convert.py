@@ -133,6 +133,8 @@ def _dtype(name: str) -> torch.dtype:
 def run(req: Request, out: Callable[[str], None] = print) -> Optional[Result]:
     """The conversion `req` asks for; with `dry_run` only the plan is printed (returns None)."""
     source = open_source(req.src, req.role, req.config)
+    if not req.dry_run:
+        clear_dead_runs(req.dst.absolute())  # before the checks: a DST moved aside by a killed run is back
     check_request(source, req)
     with source.open() as reader:
         plan = build_plan(source, req, reader)
@@ -222,6 +224,30 @@ def write_atomically(dst: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def clear_dead_runs(dst: Path) -> None:
+    """Clean up after conversions into `dst` that were killed (their process is gone): a partial output
+    `.NAME.reshard-tmp-PID` is removed; an old DST moved aside for `--overwrite` (`.NAME.reshard-old-PID`,
+    killed between the two renames) is put back where DST is missing, else removed."""
+    for entry in sorted(dst.parent.glob(f".{dst.name}.reshard-*-*")):
+        kind, pid = entry.name.rsplit("-", 2)[-2:]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        if kind == "old" and not dst.exists():
+            os.replace(entry, dst)
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's
+        return True
+    return True
 
 
 def progress_bar(total: int, stream=None, width: int = 30) -> Callable[[int, str], None]:

@@ -90,7 +90,10 @@ def _trainer_state(directory: Path, step: int) -> dict[str, Any]:
     path = directory / "trainer.json"
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(state, dict) or not math.isfinite(float(state["kl_coef"])):
+        if not isinstance(state, dict):
+            raise ValueError("not a JSON object")
+        # Step 0 from `hybridflow reshard` (an HF model at a layout) has no KL coefficient yet: the config's.
+        if ("kl_coef" in state or state.get("step") != 0) and not math.isfinite(float(state["kl_coef"])):
             raise ValueError("no finite kl_coef")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(step, f"trainer.resume=auto: {path} is not a trainer state this run can resume "
