@@ -8,7 +8,12 @@ small single-process CPU run; the files in `configs/` override them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
+
+# The rollout engines (rollout.engine, `Node(engine=...)`, `load_hf_model(engine=...)`): the one list of their
+# names; `hybridflow.rollout.backend` builds each.
+EngineName = Literal["builtin", "vllm"]
+ENGINES: tuple[str, ...] = get_args(EngineName)
 
 # The metrics backends trainer/tracking.py builds (its LOGGERS): checked by the loader like any choice.
 LoggerName = Literal["console", "jsonl", "tensorboard"]
@@ -83,7 +88,10 @@ class OptimConfig:
 class RolloutConfig:
     """Generation: engine, sampling and the generation layout (pg-tg)."""
 
-    engine: Literal["builtin", "vllm"] = "builtin"
+    engine: EngineName = "builtin"
+    # The actor's weights reach an engine that keeps its own copy (vLLM) as (HF name, tensor) buckets of at most
+    # this many MiB, one transfer each: no second whole model is built on the way.
+    weight_bucket_mb: int = 64
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0

@@ -119,9 +119,25 @@ def _check_not_built(cfg: Config, plan: RunPlan) -> None:
         if par.cp > 1:
             raise ConfigError(f"{path}.cp", "context parallelism needs Transformer Engine's attention, which "
                               "the engine's local layer spec does not use")
-    if cfg.rollout.engine != "builtin":
-        raise ConfigError("rollout.engine", f"{cfg.rollout.engine!r} is not wired into the trainer yet; it "
-                          "generates with the built-in engine ('builtin')")
+    _check_engine(cfg)
+
+
+def _check_engine(cfg: Config) -> None:
+    """The rollout engine can run this layout, and vLLM is installed when it is named (a ConfigError that
+    says how to install it; a warning for a version outside the tested range)."""
+    ro = cfg.rollout
+    if ro.weight_bucket_mb < 1:
+        raise ConfigError("rollout.weight_bucket_mb", f"must be >= 1 (MiB per weight push), got "
+                          f"{ro.weight_bucket_mb}")
+    if ro.engine != "vllm":
+        return
+    if ro.tg > 1:
+        raise ConfigError("rollout.tg", f"{ro.tg}: the vLLM engine generates at tg = 1 (one engine per process, "
+                          "each given the whole model); vLLM's own tensor parallelism across the training "
+                          "processes is not wired. Use rollout.tg=1 or rollout.engine=builtin")
+    from hybridflow.rollout.vllm_backend import import_vllm
+
+    import_vllm()
 
 
 def _check_sampling(cfg: Config) -> None:

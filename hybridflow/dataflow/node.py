@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["ENGINES", "Node", "NodeError"]
-
-ENGINES = ("builtin", "vllm")
+__all__ = ["Node", "NodeError"]
 
 
 class NodeError(RuntimeError):
@@ -59,6 +57,9 @@ class Node:
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"node {name!r}: batch_size must be None or an int >= 1, got {batch_size!r}")
         if engine is not None:
+            # The one list of engine names; imported here because `import hybridflow` stays free of torch.
+            from hybridflow.config.schema import ENGINES
+
             if engine not in ENGINES:
                 raise ValueError(f"node {name!r}: engine must be one of {ENGINES} or None, got {engine!r}")
             if not callable(getattr(model, "use_engine", None)):

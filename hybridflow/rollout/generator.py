@@ -19,6 +19,10 @@ strings are given.
 
 Weights are read from the model's parameters at each call (the hybrid engine
 hands over a decoder whose parameters are views of the training weights).
+It implements the rollout interface (`backend.RolloutBackend`): `load_weights`
+copies (HF name, tensor) pairs into the model through the bridge, for a
+rollout group apart from training that holds its own copy; `release` and
+`resume` have nothing to free.
 
 On the CPU the prefill and the decode steps after it run in two C++ calls
 (`csrc/cpu/decode.cpp`, `decode="auto"`): the same layers and sampler with
@@ -36,10 +40,11 @@ it, runs the loop below. The two agree to float rounding (tests).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
+from hybridflow.models.bridge import get_bridge
 from hybridflow.models.decoder import Decoder
 from hybridflow.models.kv_cache import KVCache
 from hybridflow.rollout.sampling import SamplingParams, sample
@@ -74,6 +79,43 @@ class Generator:
         self.pad_token_id = pad_token_id
         self.tokenizer = tokenizer  # anything with .decode(list[int]) -> str; needed for stop strings
         self.decode = decode
+
+    @torch.no_grad()
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy (HF name, tensor) pairs into the model, in place; the bytes taken.
+
+        The parts of a fused tensor (q/k/v, gate/up) may come in any order and bucket: each entry is
+        fused and copied once its last part arrives. A name the model does not have, or an entry left
+        incomplete, is a KeyError naming it.
+        """
+        if self.model.parallel.size > 1:
+            raise ValueError("load_weights takes whole HF tensors; this generator holds a tensor-parallel shard")
+        bridge = get_bridge(self.model.cfg)
+        entries = {name: e for e in bridge.entries() for name in e.hf}
+        params = dict(self.model.named_parameters())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        taken = 0
+        for name, tensor in named:
+            if name not in entries:
+                if name == "lm_head.weight" and self.model.cfg.tie_word_embeddings:
+                    continue  # a tied checkpoint's copy of the embedding
+                raise KeyError(f"weight {name!r} is not a tensor of this {self.model.cfg.model_type} model")
+            e = entries[name]
+            parts = pending.setdefault(e.generation, {})
+            parts[name] = tensor
+            taken += tensor.numel() * tensor.element_size()
+            if len(parts) == len(e.hf):
+                params[e.generation].copy_(bridge.fuse_parts(e, [parts[n] for n in e.hf]))
+                del pending[e.generation]
+        if pending:
+            raise KeyError(f"weights left incomplete: {sorted(pending)[:3]} lack some of their HF parts")
+        return taken
+
+    def release(self) -> None:
+        """Nothing to free: the model's weights are the generation weights."""
+
+    def resume(self) -> None:
+        """Nothing to take back (see `release`)."""
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,

@@ -13,8 +13,10 @@ layer because a causal LM generates with the `Generator`; what loading needs
 below it (devices, dtypes, config.json, prompt ids, the classifier) is in
 `models/hf.py`. Users import `load_hf_model` from `hybridflow.utils`.
 
-`engine="vllm"` uses vLLM's offline `LLM` when the package imports and
-otherwise warns and falls back to the built-in engine.
+`engine="vllm"` generates with the vLLM backend (`rollout/vllm_backend.py`,
+the trainer's own) when the package imports, its weights pushed from the
+loaded decoder, never read again from disk; otherwise it warns and falls back
+to the built-in engine.
 """
 from __future__ import annotations
 
@@ -25,8 +27,10 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from hybridflow.models.hf import (RewardModel, as_chat, load_classifier, prompt_ids, read_config, resolve_device,
+from hybridflow.errors import ConfigError
+from hybridflow.models.hf import (RewardModel, load_classifier, prompt_ids, read_config, resolve_device,
                                   resolve_dtype)
+from hybridflow.rollout.backend import ENGINES, RolloutBackend, hf_named
 from hybridflow.rollout.generator import Generator
 from hybridflow.rollout.sampling import SamplingParams
 
@@ -34,16 +38,15 @@ __all__ = ["CausalLM", "ENGINES", "HFModel", "RewardModel", "load_hf_model"]
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("builtin", "vllm")
-_VLLM_MISSING = ("engine='vllm' requested but vLLM is not installed "
-                 "(pip install 'hybridflow[vllm]'); falling back to the built-in engine")
+_VLLM_MISSING = ("engine='vllm' requested but vLLM is not installed or does not import ({}); falling back to the "
+                 "built-in engine")
 
 
 class CausalLM:
     """A causal LM that turns prompts into (prompt, response) pairs.
 
     Runs on the built-in engine (plain `Decoder` + `Generator`), or on vLLM
-    when `use_engine("vllm")` finds it installed.
+    when `use_engine("vllm")` finds it installed; `backend` is the engine in use.
     """
 
     def __init__(self, decoder: Any, tokenizer: Any, path: Path, device: torch.device,
@@ -56,23 +59,38 @@ class CausalLM:
         if pad is None:
             raise ValueError(f"tokenizer at {path} has neither a pad nor an EOS token")
         self.generator = Generator(decoder, pad_token_id=pad, tokenizer=tokenizer)
+        self.backend: RolloutBackend = self.generator
         self.engine = "builtin"
-        self._vllm: Any = None
+        self._vllm: Any = None  # built on first use, then kept
         self.use_engine(engine)
 
     def use_engine(self, engine: str) -> "CausalLM":
-        """Switch to "builtin" or "vllm"; vLLM missing -> a warning and the built-in engine."""
+        """Switch to "builtin" or "vllm"; vLLM missing -> a warning and the built-in engine.
+
+        The vLLM engine is built once, from this model's config.json, and takes the decoder's weights
+        by a push (the same path as the trainer's weight sync).
+        """
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        self.backend, self.engine = self.generator, "builtin"
         if engine == "vllm":
             try:
-                import vllm  # noqa: F401
-            except ImportError:
-                logger.warning(_VLLM_MISSING)
-                warnings.warn(_VLLM_MISSING, RuntimeWarning, stacklevel=2)
-                engine = "builtin"
-        self.engine = engine
+                self.backend = self._vllm_backend()
+                self.engine = "vllm"
+            except ConfigError as exc:  # the package is missing: the DataFlow API promises a fallback
+                message = _VLLM_MISSING.format(exc)
+                logger.warning(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
         return self
+
+    def _vllm_backend(self) -> RolloutBackend:
+        if self._vllm is None:
+            from hybridflow.rollout.vllm_backend import VLLMBackend
+
+            dtype = str(self.model.embed.weight.dtype).removeprefix("torch.")
+            self._vllm = VLLMBackend(str(self.path), self.tokenizer, dtype=dtype, device=self.device.type)
+            self._vllm.load_weights(hf_named(self.model))
+        return self._vllm
 
     def _wants_chat(self, chat: Optional[bool]) -> bool:
         if chat is None:
@@ -115,10 +133,6 @@ class CausalLM:
         if not prompts:
             return []
         chat = self._wants_chat(chat)
-        if self.engine == "vllm":
-            texts = as_chat(self.tokenizer, prompts) if chat else prompts
-            pairs = self._generate_vllm(texts, max_new_tokens, temperature, n, seed, **sampling)
-            return [(prompts[i // n], response) for i, (_, response) in enumerate(pairs)]
         params = self.sampling_params(max_new_tokens, temperature, n, **sampling)
         input_ids, mask = self._encode(prompts, chat)
         rng = torch.Generator(device=self.device).manual_seed(seed)
@@ -138,7 +152,7 @@ class CausalLM:
     def complete(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: Any,
                  generator: Optional[torch.Generator] = None) -> list[str]:
         """Responses to left-padded prompt ids [B, T], decoded without special tokens (B * params.n rows)."""
-        out = self.generator.generate(input_ids, attention_mask, params, generator=generator)
+        out = self.backend.generate(input_ids, attention_mask, params, generator=generator)
         rows = [[t for t, m in zip(r, mk) if m] for r, mk in
                 zip(out.responses.tolist(), out.response_mask.tolist())]
         return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
@@ -170,18 +184,6 @@ class CausalLM:
         logits = self.model.logits(self.model.hidden_states(input_ids, mask)[:, -1])[:, digits].float()
         values = torch.arange(1, scale + 1, dtype=torch.float32, device=logits.device)
         return (logits.softmax(-1) * values).sum(-1).cpu().tolist()
-
-    def _generate_vllm(self, prompts: list[str], max_new_tokens: int, temperature: float,
-                       n: int, seed: int, **sampling: Any) -> list[tuple[str, str]]:
-        # Not exercised by the test suite (vLLM is an optional GPU extra).
-        import vllm
-
-        if self._vllm is None:
-            self._vllm = vllm.LLM(model=str(self.path), seed=seed)
-        params = vllm.SamplingParams(max_tokens=max_new_tokens, temperature=temperature, n=n,
-                                     seed=seed, **sampling)
-        outs = self._vllm.generate(prompts, params)
-        return [(prompt, c.text) for prompt, o in zip(prompts, outs) for c in o.outputs]
 
     def __repr__(self) -> str:
         return f"CausalLM({str(self.path)!r}, device={self.device}, engine={self.engine!r})"

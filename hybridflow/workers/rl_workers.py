@@ -4,6 +4,9 @@
   engine, the generator and (optionally) the frozen reference live in one
   process; the generator's weights are views of the engine's at tp = pp = 1,
   else the generation shard the 3D-HybridEngine refills after each update.
+  The rollout engine is the one `rollout.engine` names, built by
+  `rollout.build_backend` (the worker never chooses); an engine with its own
+  copy of the weights (vLLM) takes them by a push after each refill.
 - `RolloutWorker`: rollout on devices apart from training, on a copy of the
   actor's weights that the controller refreshes after each update (each
   actor rank publishes its own shard to the object store; only handles pass
@@ -44,7 +47,7 @@ from hybridflow.roles.actor import LOG_PROB_FIELDS
 from hybridflow.roles.actor import UPDATE_FIELDS as ACTOR_UPDATE_FIELDS
 from hybridflow.roles.critic import UPDATE_FIELDS as CRITIC_UPDATE_FIELDS
 from hybridflow.roles.critic import VALUE_FIELDS
-from hybridflow.rollout import Generator
+from hybridflow.rollout import RolloutBackend, build_backend, sync_weights
 from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutWorkerSpec, Run
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
@@ -147,19 +150,40 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
             self.generation = generation_weights(self.engine, spec.rollout.tg, spec.rollout.grouping)
             replica, replicas, answers = self.generation.mesh
             self.register_replica("generation", replica, replicas, answers)
-            generator = Generator(self.generation.model, self.tokenizer.pad_token_id, self.tokenizer)
-            self.rollout = Rollout(spec.rollout, spec.max_response_length, generator, self.tokenizer, replicas)
+            self.backend = build_backend(spec.rollout, self.generation.model, self.tokenizer, spec.model.path,
+                                         seed=spec.run.seed, device=spec.run.device)
+            self._push_generation()  # an engine with its own copy starts from placeholder weights
+            self.rollout = Rollout(spec.rollout, spec.max_response_length, self.backend, self.tokenizer, replicas)
+
+    def _push_generation(self) -> dict[str, float]:
+        """The refilled generation weights into an engine that keeps its own copy (nothing for the built-in
+        one, which generates from them); that copy made, the 3D-HybridEngine's is freed at once."""
+        pushed = sync_weights(self.backend, self.generation.model, self.spec.model.make_vocab_size_divisible_by)
+        if pushed:
+            self.generation.release()
+        return pushed
 
     @register(Dispatch.RANK_ZERO)
     def refresh_generation(self) -> dict[str, float]:
-        """Switch to generation: bring its weights up to the trained ones; the `reshard/*` figures."""
-        return self.generation.refresh() if self.generation is not None else {}
+        """Switch to generation: bring its weights up to the trained ones; the `reshard/*` figures (with the
+        push into the rollout engine's own copy, where it keeps one, in its time)."""
+        if self.generation is None:
+            return {}
+        self.backend.resume()
+        metrics = self.generation.refresh()
+        pushed = self._push_generation()
+        if pushed:
+            metrics.update(pushed)
+            metrics["reshard/time_s"] += pushed["reshard/push_time_s"]
+        return metrics
 
     @register(Dispatch.ONE_TO_ALL)
     def release_generation(self) -> None:
-        """Switch back to training: free the generation weights (nothing to free for views)."""
+        """Switch back to training: free the generation weights (nothing to free for views) and the rollout
+        engine's memory where it can."""
         if self.generation is not None:
             self.generation.release()
+            self.backend.release()
 
     @register(Dispatch.ONE_TO_ALL)
     def publish_weights(self) -> Optional[ObjectHandle]:
@@ -221,21 +245,19 @@ class RolloutWorker(_Generates):
         model_cfg = DecoderConfig.from_pretrained(spec.model.path)
         self.tokenizer = read_tokenizer(spec.model)
         self.bridge = get_bridge(model_cfg, spec.model.make_vocab_size_divisible_by)
-        self.model = load_decoder(spec.model.path, spec.model.dtype).to(spec.run.device).eval()
+        model = load_decoder(spec.model.path, spec.model.dtype).to(spec.run.device).eval()
         self.register_replica("generation", self.rank, self.world_size, True)  # tg = 1: every rank a replica
-        generator = Generator(self.model, self.tokenizer.pad_token_id, self.tokenizer)
-        self.rollout = Rollout(spec.rollout, spec.max_response_length, generator, self.tokenizer, self.world_size)
+        self.backend: RolloutBackend = build_backend(spec.rollout, model, self.tokenizer, spec.model.path,
+                                                     seed=spec.run.seed, device=spec.run.device)
+        sync_weights(self.backend, model, spec.model.make_vocab_size_divisible_by)  # vLLM: the checkpoint's
+        self.rollout = Rollout(spec.rollout, spec.max_response_length, self.backend, self.tokenizer, self.world_size)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, handles: list[Optional[ObjectHandle]]) -> None:
         """Copy in the actor's weights, reassembled from every training rank's shard (fetched from the
-        object store)."""
+        object store), by HF name into the rollout engine."""
         state = assemble((h.get() for h in handles if h is not None), self.bridge)
-        with torch.no_grad():
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
-            if missing or unexpected:
-                raise KeyError(f"actor weights do not fit the rollout model: missing {missing[:3]}, "
-                               f"unexpected {unexpected[:3]}")
+        self.backend.load_weights(self.bridge.generation_to_hf(state).items())
 
 
 class CriticWorker(EngineWorker):

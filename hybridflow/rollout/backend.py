@@ -1,0 +1,118 @@
+"""The rollout interface every generation engine implements, and the one factory that builds an engine.
+
+    backend = build_backend(cfg.rollout, model, tokenizer, model_path)   # the config picks, never a worker
+    out = backend.generate(input_ids, attention_mask, params, row_keys=keys)       # -> GenerationOutput
+    backend.load_weights(hf_named(actor_model))   # (HF name, tensor) pairs; only engines with their own copy
+    backend.release(); ...train...; backend.resume()
+
+Two engines implement it: the built-in KV-cache `Generator` and vLLM
+(`vllm_backend.VLLMBackend`, the `hybridflow[vllm]` extra). Weights travel
+under HF names because that is the one naming every engine can load (vLLM's
+models take HF checkpoints; the built-in decoder maps them through the bridge),
+as a lazy iterator so that a sender never builds a second whole model:
+`hf_named` splits the generation model tensor by tensor and `buckets` groups
+the pairs into at most `rollout.weight_bucket_mb` MiB per transfer.
+
+`sync_weights` is what a worker calls after each update: an engine that
+generates from the very model the 3D-HybridEngine refreshes (the built-in one
+in the hybrid layout) moves nothing; one that keeps its own copy receives the
+weights and the push is counted in the `reshard/*` metrics.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Iterator, Optional, Protocol, runtime_checkable
+
+import torch
+
+from hybridflow.config.schema import ENGINES, RolloutConfig
+from hybridflow.errors import ConfigError
+from hybridflow.models.bridge import get_bridge
+from hybridflow.models.decoder import Decoder
+from hybridflow.rollout.generator import GenerationOutput, Generator
+from hybridflow.rollout.sampling import SamplingParams
+
+__all__ = ["ENGINES", "RolloutBackend", "buckets", "build_backend", "hf_named", "sync_weights"]
+
+Named = Iterable[tuple[str, torch.Tensor]]
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """What the rollout role, the agent loop and the DataFlow path call on a generation engine."""
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
+                 generator: Optional[torch.Generator] = None,
+                 row_keys: Optional[torch.Tensor] = None) -> GenerationOutput:
+        """Left-padded prompts [B, T] -> B * params.n rows, prompt-major; row_keys [B] seed each prompt's
+        samples so that they do not depend on the batch or rank that generates them."""
+
+    def load_weights(self, named: Named) -> int:
+        """Take new weights as (HF name, tensor) pairs, any order, any split into buckets; the bytes taken."""
+
+    def release(self) -> None:
+        """Free generation memory while the actor trains (a no-op where the engine cannot)."""
+
+    def resume(self) -> None:
+        """Take the memory back before the next rollout (a no-op where `release` is one)."""
+
+
+def hf_named(model: Decoder, make_vocab_size_divisible_by: int = 128) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tp = 1 generation model's weights as (HF name, tensor), one bridge entry at a time.
+
+    Fused tensors (QKV, [gate; up]) are split into their HF parts as they are reached, so at most one
+    entry's parts exist beside the model at a time; plain tensors are the parameters themselves (detached).
+    """
+    if model.parallel.size > 1:
+        raise ValueError("hf_named takes a tp = 1 model: HF names name whole tensors, this model holds "
+                         f"1/{model.parallel.size} of each")
+    bridge = get_bridge(model.cfg, make_vocab_size_divisible_by)
+    params = dict(model.named_parameters())
+    for e in bridge.entries():
+        yield from zip(e.hf, bridge.split_parts(e, params[e.generation].detach()))
+
+
+def buckets(named: Named, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`named` in lists of at most `bucket_bytes` (a larger tensor travels alone)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def sync_weights(backend: RolloutBackend, source: Decoder, make_vocab_size_divisible_by: int = 128
+                 ) -> dict[str, float]:
+    """Bring `backend` up to `source`'s weights: nothing when it generates from `source` itself, else a push
+    of (HF name, tensor) pairs. The push's bytes and seconds as `reshard/*` metrics (empty when none)."""
+    if getattr(backend, "model", None) is source:
+        return {}
+    start = time.perf_counter()
+    sent = backend.load_weights(hf_named(source, make_vocab_size_divisible_by))
+    return {"reshard/push_bytes": float(sent), "reshard/push_time_s": time.perf_counter() - start}
+
+
+def build_backend(cfg: RolloutConfig, model: Decoder, tokenizer: Any, model_path: str, seed: int = 0,
+                  device: str = "cpu") -> RolloutBackend:
+    """The engine `cfg.engine` names, generating for `model`'s architecture (`model_path`: its HF directory).
+
+    "builtin": a `Generator` on `model` itself. "vllm": an in-process vLLM engine of the same architecture
+    with placeholder weights; the caller pushes `model`'s with `sync_weights` before the first rollout.
+    """
+    if cfg.engine not in ENGINES:
+        raise ConfigError("rollout.engine", f"{cfg.engine!r} is not one of {list(ENGINES)}")
+    bucket_bytes = cfg.weight_bucket_mb * 2**20
+    if cfg.engine == "builtin":
+        return Generator(model, tokenizer.pad_token_id, tokenizer)
+    from hybridflow.rollout.vllm_backend import VLLMBackend
+
+    dtype = str(model.embed.weight.dtype).removeprefix("torch.")
+    return VLLMBackend(model_path, tokenizer, dtype=dtype, seed=seed, device=device, bucket_bytes=bucket_bytes)

