@@ -1,6 +1,6 @@
 """Rollout benchmark: the built-in Generator against HF `generate` on the same weights.
 
-    python benchmarks/bench_rollout.py [--quick] [--threads N] [--workload greedy|sampled]
+    python benchmarks/bench_rollout.py [--quick] [--threads N] [--workload greedy|sampled] [--json PATH]
 
 A small Llama-shaped model is built here with random weights, saved as an HF
 checkpoint and loaded by `transformers`, so both engines run identical
@@ -25,6 +25,11 @@ machine shift single timings. Two workloads:
   the CPU) and `no-drop` that loop with ended rows kept in the batch (as HF
   keeps them), on the same keyed samples as `ours`: `vs python` is what the
   C++ loop gains, `vs no-drop` what it and dropping ended rows gain.
+
+Both workloads also report each engine's peak memory for one batch: how far
+the process's resident high-water mark rises during one `generate` call
+(`figures.py`; the KV cache, logits and buffers each engine allocates), and
+`mem` = ours / HF (below 1: ours holds less). `--json PATH` writes the rows.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 
@@ -39,6 +45,9 @@ import torch
 
 from hybridflow.models import Decoder, DecoderConfig, save_decoder
 from hybridflow.rollout import Generator, SamplingParams
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (hybridflow bench runs this by path)
+from figures import mib, peak_extra_mib, ratio, write_json  # noqa: E402
 
 # "small": a Llama-shaped model where the matrix multiplies dominate a step;
 # "demo": the shape `make demo` generates with (hidden 128, 16-token vocab),
@@ -76,8 +85,14 @@ def _tokens_to_eos(responses: torch.Tensor, eos: tuple[int, ...]) -> int:
     return int(first.sum())
 
 
+def _peaks(ours_fn, hf_fn) -> tuple:
+    """Peak resident MiB of one call of each engine, measured one after the other (no_grad, as generation)."""
+    with torch.no_grad():
+        return peak_extra_mib(ours_fn)[1], peak_extra_mib(hf_fn)[1]
+
+
 def bench_sampled(ours: Generator, hf_model, batches, prompt_len: int, new_tokens: int,
-                  repeats: int, eos_ids: int) -> None:
+                  repeats: int, eos_ids: int) -> list[dict]:
     import hybridflow.rollout.generator as generator_module
 
     vocab = ours.model.cfg.vocab_size
@@ -95,6 +110,7 @@ def bench_sampled(ours: Generator, hf_model, batches, prompt_len: int, new_token
         finally:
             generator_module._COMPACT_AT = drop_at
 
+    rows = []
     for batch in batches:
         ids, mask = _prompts(batch, prompt_len, vocab)
         torch.manual_seed(0)
@@ -120,18 +136,24 @@ def bench_sampled(ours: Generator, hf_model, batches, prompt_len: int, new_token
                 tokens = {k: tokens[k] + counts[k] for k in tokens}
         rate = {k: tokens[k] / seconds[k] for k in tokens}
         length = {k: tokens[k] / (batch * repeats) for k in tokens}
+        peak_ours, peak_hf = _peaks(lambda: ours_keyed(ours, ids, mask, keys),
+                                    lambda: hf_model.generate(ids, attention_mask=mask, **hf_kwargs))
         print(f"{batch:6d} {prompt_len:7d} {new_tokens:7d} {rate['ours']:10.0f} {rate['python']:10.0f} "
               f"{rate['no-drop']:10.0f} {rate['hf']:10.0f} {rate['ours'] / rate['hf']:7.2f}x "
               f"{rate['ours'] / rate['python']:9.2f}x {rate['ours'] / rate['no-drop']:9.2f}x "
-              f"{length['ours'] / length['hf']:6.3f}   mean length ours {length['ours']:.0f}, HF {length['hf']:.0f}",
-              flush=True)
+              f"{length['ours'] / length['hf']:6.3f} {mib(peak_ours)} {mib(peak_hf)} {ratio(peak_ours, peak_hf)}"
+              f"   mean length ours {length['ours']:.0f}, HF {length['hf']:.0f}", flush=True)
+        rows.append({"workload": "sampled", "batch": batch, "tokens_per_s": rate, "mean_length": length,
+                     "peak_mib": {"ours": peak_ours, "hf": peak_hf}})
+    return rows
 
 
-def bench(ours: Generator, hf_model, batches, prompt_len: int, new_tokens: int, repeats: int) -> None:
+def bench(ours: Generator, hf_model, batches, prompt_len: int, new_tokens: int, repeats: int) -> list[dict]:
     vocab = ours.model.cfg.vocab_size
     params = SamplingParams(max_new_tokens=new_tokens, do_sample=False)
     hf_kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                      pad_token_id=PAD, eos_token_id=None)
+    rows = []
     for batch in batches:
         ids, mask = _prompts(batch, prompt_len, vocab)
         out = ours.generate(ids, mask, params)  # warm-up of both, and the agreement check
@@ -146,8 +168,14 @@ def bench(ours: Generator, hf_model, batches, prompt_len: int, new_tokens: int, 
                 t_hf.append(_time(lambda: hf_model.generate(ids, attention_mask=mask, **hf_kwargs)))
         t_ours, t_hf = statistics.median(t_ours), statistics.median(t_hf)
         tokens = batch * new_tokens
+        peak_ours, peak_hf = _peaks(lambda: ours.generate(ids, mask, params),
+                                    lambda: hf_model.generate(ids, attention_mask=mask, **hf_kwargs))
         print(f"{batch:6d} {prompt_len:7d} {new_tokens:7d} {tokens / t_ours:10.0f} {tokens / t_hf:10.0f} "
-              f"{t_hf / t_ours:7.2f}x {same:6.3f}", flush=True)
+              f"{t_hf / t_ours:7.2f}x {same:6.3f} {mib(peak_ours)} {mib(peak_hf)} {ratio(peak_ours, peak_hf)}",
+              flush=True)
+        rows.append({"workload": "greedy", "batch": batch, "tokens_per_s": {"ours": tokens / t_ours,
+                     "hf": tokens / t_hf}, "same": same, "peak_mib": {"ours": peak_ours, "hf": peak_hf}})
+    return rows
 
 
 def main() -> None:
@@ -166,6 +194,7 @@ def main() -> None:
                         help="greedy fixed-length decoding, RL-style sampling with EOS, or both")
     parser.add_argument("--eos-ids", type=int, default=64,
                         help="sampled: how many token ids end a row (P(end) per step ~ eos_ids/vocab)")
+    parser.add_argument("--json", help="also write every row's figures here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
@@ -181,21 +210,25 @@ def main() -> None:
           f"torch {torch.__version__}, transformers {transformers.__version__}")
     print(f"model: llama, hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads "
           f"({cfg.num_kv_heads} kv), ffn {cfg.intermediate_size}, vocab {cfg.vocab_size}, float32")
+    memory = f"{'ours MiB':>9s} {'HF MiB':>9s} {'mem':>6s}"
     header = (f"{'batch':>6s} {'prompt':>7s} {'new':>7s} {'ours tok/s':>10s} {'HF tok/s':>10s} "
-              f"{'speedup':>8s} {'same':>6s}")
+              f"{'speedup':>8s} {'same':>6s} {memory}")
     batches = [int(b) for b in args.batches.split(",")]
     prompt_len, new_tokens, repeats = args.prompt_len, args.new_tokens, args.repeats
     if args.quick:
         batches, prompt_len, new_tokens, repeats = [1, 4], 16, 8, 1
+    rows = []
     if args.workload in ("greedy", "both"):
         print(f"greedy, exactly {new_tokens} new tokens per row\n{header}")
-        bench(ours, hf_model, batches, prompt_len, new_tokens, repeats)
+        rows += bench(ours, hf_model, batches, prompt_len, new_tokens, repeats)
     if args.workload in ("sampled", "both"):
         print(f"sampled (temperature 1), {args.eos_ids} EOS ids of {cfg.vocab_size}, at most {new_tokens} "
               f"new tokens\n{'batch':>6s} {'prompt':>7s} {'new':>7s} {'ours tok/s':>10s} {'python':>10s} "
               f"{'no-drop':>10s} {'HF tok/s':>10s} {'vs HF':>8s} {'vs python':>10s} {'vs no-drop':>10s} "
-              f"{'len ratio':>6s}")
-        bench_sampled(ours, hf_model, batches, prompt_len, new_tokens, repeats, args.eos_ids)
+              f"{'len ratio':>6s} {memory}")
+        rows += bench_sampled(ours, hf_model, batches, prompt_len, new_tokens, repeats, args.eos_ids)
+    if args.json:
+        write_json(args.json, {"quick": args.quick, "shape": args.shape, "threads": args.threads, "rows": rows})
 
 
 if __name__ == "__main__":

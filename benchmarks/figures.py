@@ -8,7 +8,9 @@ call gets a mark of its own and the candidate and the baseline can be
 measured one after the other in one process. It counts every allocation
 (torch's, a C++ extension's, HF's), which allocator hooks and the profiler's
 per-op events do not; the price is page granularity, fine at the sizes
-these benchmarks use. Where the mark cannot be reset (not Linux, a locked
+these benchmarks use. Memory the allocator kept from earlier frees is handed
+back first (glibc `malloc_trim`), or a call reusing it would not show. Where
+the mark cannot be reset (not Linux, a locked
 down /proc) the figure is None and the tables print '-'.
 
 `peak_rss_mib()` is the process's whole high-water mark (`ru_maxrss`), for a
@@ -20,6 +22,7 @@ leaves no truncated file for `bench all` or a later comparison to read.
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -35,9 +38,19 @@ def _status_bytes(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 
+def _release_freed_memory() -> None:
+    """Hand memory the allocator keeps after frees back to the OS (glibc's malloc_trim), so that a call
+    which reuses it (the earlier timed runs freed exactly the buffers it needs) still raises the mark."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the mark may then under-count reused memory
+        pass
+
+
 def reset_peak() -> Optional[int]:
     """Start a new high-water mark; returns the resident bytes now, or None where that is not possible."""
     gc.collect()
+    _release_freed_memory()
     try:
         with open(_CLEAR_REFS, "w") as f:
             f.write("5")
