@@ -177,7 +177,8 @@ class Planner:
         r = roles.rollout_cost(self.model, self.wl, c.tg, c.replicas, self.device, free, weights)
         if r is None:
             per_row = cost.kv_cache_bytes(self.model, self.wl.max_len, self.wl.dtype_bytes, c.tg)
-            c.reason = f"rollout: one sequence's KV cache does not fit ({(per_row - free) / GIB:.1f} GiB over)"
+            c.reason = (f"rollout: generation weights ({weights / GIB:.1f} GiB) and one sequence's KV cache do not "
+                        f"fit beside the other roles' states ({(per_row - free) / GIB:.1f} GiB over)")
             return None
         c.memory["rollout"] = {"weights": int(weights), **r.memory}
         c.decode_batch, c.waves = r.batch, r.waves
@@ -189,7 +190,10 @@ class Planner:
         c.device_peak[group] = static + transient
         if static + transient > self.usable and c.reason is None:
             over = (static + transient - self.usable) / GIB
-            c.reason = f"{group} devices, {name}: {over:.1f} GiB over (of {self.usable / GIB:.0f} GiB usable)"
+            states = ", ".join(f"{role} {(sum(p.values()) - p.get('activations', 0)) / GIB:.1f}"
+                               for role, p in c.memory.items())
+            c.reason = (f"{group} devices, {name}: {over:.1f} GiB over (of {self.usable / GIB:.0f} GiB usable; "
+                        f"states {static / GIB:.1f} GiB [{states}] + {name} {transient / GIB:.1f} GiB)")
         return c.reason is None
 
     # -- placements --------------------------------------------------------------------------------
