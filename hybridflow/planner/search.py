@@ -192,7 +192,7 @@ class Planner:
             over = (static + transient - self.usable) / GIB
             states = ", ".join(f"{role} {(sum(p.values()) - p.get('activations', 0)) / GIB:.1f}"
                                for role, p in c.memory.items())
-            c.reason = (f"{group} devices, {name}: {over:.1f} GiB over (of {self.usable / GIB:.0f} GiB usable; "
+            c.reason = (f"{group} devices, {name}: {over:.2f} GiB over (of {self.usable / GIB:.0f} GiB usable; "
                         f"states {static / GIB:.1f} GiB [{states}] + {name} {transient / GIB:.1f} GiB)")
         return c.reason is None
 
