@@ -1,6 +1,7 @@
 """Controller benchmark: what one worker-group call costs beyond the work it does.
 
     python benchmarks/bench_controller.py [--calls N] [--rows R] [--world W] [--iteration STEPS] [--long-tail]
+                                          [--json PATH]
 
 A batch shaped like the demo's rollout batch (R rows x 14 tokens of int64 ids
 plus a mask, and per-row lists of prompt strings and rewards) goes through
@@ -10,7 +11,11 @@ LocalWorkerGroup. The worker method does nothing but time itself, so
 splitting, `ray.put`, the actor calls, `ray.get` and concatenation. Three
 calls per variant: an argument-free ONE_TO_ALL (the RPC floor), a DP_SPLIT
 returning nothing, and a DP_SPLIT returning a float [rows, 14] tensor (as a
-log-prob pass does). Medians over N calls after 3 warm-ups.
+log-prob pass does). Medians over N calls after 3 warm-ups. `driver MiB`
+is how far the driver's resident high-water mark rose over those N calls
+(`figures.py`): what splitting, packing and gathering hold at once, beside
+the in-process group and the clone-send path as baselines (the workers' own
+memory is in their processes).
 
 `--iteration STEPS` also times real demo GRPO steps with the actor in a
 one-process Ray group against the same steps in-process: the controller's
@@ -25,19 +30,25 @@ small ones) and puts only arguments that several ranks share. `ray x2
 clone-send` sends each chunk the way the group did before, cloned and
 pickled as torch tensors, instead of as numpy views of the batch (results
 return the same way in both; `--rows 4096 --tokens 2048` shows the
-difference on a 128 MiB batch).
+difference on a 128 MiB batch, in time and in driver memory).
+
+`--json PATH` writes every figure printed.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
 
 from hybridflow.controller import (Dispatch, LocalWorkerGroup, RayWorkerGroup, ResourcePool, Worker, init_ray,
                                    register)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (hybridflow bench runs this by path)
+from figures import mib, peak_since, reset_peak, write_json  # noqa: E402
 
 TOKENS = 14  # response tokens per row in the demo
 
@@ -102,16 +113,20 @@ def _worker_seconds(result) -> float:
     return max(seconds)  # ranks run in parallel: the slowest one bounds the call
 
 
-def _measure(call, calls: int) -> tuple[float, float]:
-    walls, works = [], []
+def _measure(call, calls: int) -> tuple[float, float, float | None]:
+    """Median wall and worker seconds over `calls` calls after 3 warm-ups, and the driver's peak MiB over them."""
+    walls, works, base = [], [], None
     for i in range(calls + 3):
+        if i == 3:
+            base = reset_peak()
         start = time.perf_counter()
         result = call()
         wall = time.perf_counter() - start
         if i >= 3:
             walls.append(wall)
             works.append(_worker_seconds(result))
-    return statistics.median(walls), statistics.median(works)
+        del result  # the mark is what one call holds, not one call's result kept beside the next call
+    return statistics.median(walls), statistics.median(works), peak_since(base)
 
 
 def measure_dispatch_overhead(calls: int = 20, rows: int = 256, world: int = 2, tokens: int = TOKENS) -> list[dict]:
@@ -129,9 +144,9 @@ def measure_dispatch_overhead(calls: int = 20, rows: int = 256, world: int = 2, 
             for label, call in (("ONE_TO_ALL ping()", lambda g=group: g.call(_Noop.ping)),
                                 ("DP_SPLIT consume(batch)", lambda g=group: g.call(_Noop.consume, batch)),
                                 ("DP_SPLIT log_probs(batch)", lambda g=group: g.call(_Noop.log_probs, batch))):
-                wall, work = _measure(call, calls)
+                wall, work, peak = _measure(call, calls)
                 rows_out.append({"group": name, "call": label, "wall_ms": wall * 1e3, "worker_ms": work * 1e3,
-                                 "overhead_ms": (wall - work) * 1e3})
+                                 "overhead_ms": (wall - work) * 1e3, "driver_peak_mib": peak})
     finally:
         for _, group in groups:
             group.shutdown()
@@ -246,14 +261,17 @@ def main() -> None:
     parser.add_argument("--long-tail", action="store_true", help="also time async vs sync on a long-tail rollout")
     parser.add_argument("--iteration", type=int, default=0, metavar="STEPS",
                         help="also time STEPS demo training steps on Ray vs in-process")
+    parser.add_argument("--json", help="also write every figure here")
     args = parser.parse_args()
     calls = 5 if args.quick else args.calls
     rows = measure_dispatch_overhead(calls=calls, rows=args.rows, world=args.world, tokens=args.tokens)
     print(f"machine: {os.cpu_count()} cores; batch {args.rows} rows x {args.tokens} tokens int64 (+ mask, 2 lists); "
           f"median of {calls} calls")
-    print(f"{'group':>16s} {'call':<26s} {'wall ms':>9s} {'worker ms':>10s} {'overhead ms':>12s}")
+    print(f"{'group':>16s} {'call':<26s} {'wall ms':>9s} {'worker ms':>10s} {'overhead ms':>12s} {'driver MiB':>10s}")
     for r in rows:
-        print(f"{r['group']:>16s} {r['call']:<26s} {r['wall_ms']:9.2f} {r['worker_ms']:10.3f} {r['overhead_ms']:12.2f}")
+        print(f"{r['group']:>16s} {r['call']:<26s} {r['wall_ms']:9.2f} {r['worker_ms']:10.3f} {r['overhead_ms']:12.2f} "
+              f"{mib(r['driver_peak_mib'], 10)}")
+    figures = {"rows": args.rows, "tokens": args.tokens, "calls": calls, "dispatch": rows}
     if args.long_tail:
         for launcher, where in (("local", "threads of one process"), ("ray", "a Ray process per stage")):
             lt = measure_async_long_tail(launcher=launcher)
@@ -264,11 +282,15 @@ def main() -> None:
                   f"rollout {lt['rollout_s']:.2f} s + reward {lt['reward_s']:.2f} s of work (sync); "
                   f"sync {lt['sync_s']:.2f} s, async {lt['async_s']:.2f} s -> async {lt['speedup']:.2f}x faster "
                   f"(identical outputs; perfect overlap would give {ideal:.2f}x)", flush=True)
+            figures.setdefault("long_tail", {})[launcher] = {k: v for k, v in lt.items() if k != "lengths"}
     if args.iteration:
         it = measure_iteration_overhead(steps=args.iteration)
         print(f"demo GRPO step (median of {args.iteration}): in-process {it['local_s'] * 1e3:.0f} ms, "
               f"Ray worker group {it['ray_s'] * 1e3:.0f} ms -> controller overhead "
               f"{it['overhead_s'] * 1e3:.0f} ms = {it['fraction']:.1%} of an iteration")
+        figures["iteration"] = it
+    if args.json:
+        write_json(args.json, figures)
 
 
 if __name__ == "__main__":
