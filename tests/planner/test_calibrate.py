@@ -45,8 +45,8 @@ def _measure_abba(runs: dict[str, list[str]], rounds: int = 2) -> dict[str, dict
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             seen[name].append(bench_e2e.measure("ppo", 2, 1, runs[name]))
-    return {name: {k: sum(f[k] for f in figures) / len(figures) for k in figures[0] if k != "code"}
-            for name, figures in seen.items()}
+    return {name: {k: sum(f[k] for f in figures) / len(figures) for k, v in figures[0].items()
+                   if isinstance(v, (int, float))} for name, figures in seen.items()}
 
 
 @pytest.mark.slow
