@@ -189,12 +189,28 @@ class RewardConfig:
     """Rule-based reward functions and an optional reward model."""
 
     # A registry name, or "path/to/file.py:function": that file is imported, top-level code included, like
-    # any Python config hook; give only code you trust. No other config key imports or runs code.
+    # any Python config hook; give only code you trust. Only env.function does the same.
     function: str = "default"
     model_path: Optional[str] = None  # HF sequence-classification checkpoint
     rule_weight: float = 1.0
     model_weight: float = 1.0
     micro_batch_size: int = 16
+
+
+@dataclass
+class EnvConfig:
+    """Multi-turn rollouts against an environment (hybridflow/envs, rollout/agent.py); no function: single-turn.
+
+    data.max_response_length bounds a whole trajectory (model turns, tool output and template glue).
+    """
+
+    # "calculator", "python", or "path/to/file.py:make_env" (a factory with no arguments; imported like
+    # reward.function: give only code you trust).
+    function: Optional[str] = None
+    max_turns: int = 4  # model turns per trajectory
+    max_turn_tokens: int = 128  # new tokens per model turn
+    # Tokens that end a model turn besides EOS, e.g. ["</tool_call>"] where the vocabulary has it as one token.
+    stop_tokens: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -273,6 +289,7 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     dataflow: DataflowConfig = field(default_factory=DataflowConfig)

@@ -156,6 +156,33 @@ def _check_sampling(cfg: Config) -> None:
             f"of the same prompt and needs n >= 2, got {ro.n}")
 
 
+def _check_env(cfg: Config) -> None:
+    """A multi-turn rollout's limits; its environment is loaded by check_runnable (`_check_env_function`)."""
+    env = cfg.env
+    if env.function is None:
+        return
+    if env.max_turns < 1:
+        raise ConfigError("env.max_turns", f"must be >= 1, got {env.max_turns}")
+    if not 1 <= env.max_turn_tokens <= cfg.data.max_response_length:
+        raise ConfigError("env.max_turn_tokens", f"must be in [1, data.max_response_length = "
+                          f"{cfg.data.max_response_length}] (the whole trajectory's budget), got {env.max_turn_tokens}")
+    if not cfg.data.apply_chat_template:
+        raise ConfigError("data.apply_chat_template", "env.function needs the chat template: tool results are "
+                          "rendered as its tool turns")
+
+
+def _check_env_function(cfg: Config) -> None:
+    """env.function loads and makes an environment (a user file's error names the key, before any worker)."""
+    if cfg.env.function is None:
+        return
+    from hybridflow.envs import load_env_factory
+
+    try:
+        load_env_factory(cfg.env.function)
+    except Exception as exc:
+        raise ConfigError("env.function", f"{cfg.env.function!r}: {type(exc).__name__}: {exc}") from None
+
+
 def _check_algorithm(cfg: Config) -> None:
     """Names the registries must know (built-in or registered by the user before loading)."""
     from hybridflow.algos import get_adv_estimator, get_policy_loss
@@ -314,6 +341,7 @@ def validate(cfg: Config) -> Config:
     _check_reference_layout(cfg)
     _check_generation_layout(cfg)
     _check_sampling(cfg)
+    _check_env(cfg)
     _check_algorithm(cfg)
     _check_coefficients(cfg)
     _check_batches(cfg)
@@ -462,6 +490,7 @@ def check_runnable(cfg: Config, plan: RunPlan, model: "DecoderConfig",
     _check_shares(cfg, plan)
     _check_mini_batches(cfg, plan)
     _check_packing(cfg, model)
+    _check_env_function(cfg)
     if cfg.reward.model_path is not None and not Path(cfg.reward.model_path).exists():
         raise ConfigError("reward.model_path", f"reward model path does not exist: {cfg.reward.model_path}")
     if cfg.reward.model_path is not None and not (Path(cfg.reward.model_path) / "config.json").is_file():

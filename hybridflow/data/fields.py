@@ -41,7 +41,9 @@ PROMPTS            LongTensor[B, T]      the left-padded prompt ids, kept once t
                                          response is appended to INPUT_IDS.
 RESPONSES          LongTensor[B, R]      generated ids, RIGHT-padded with the pad id.
 RESPONSE_MASK      LongTensor[B, R]      1 on generated tokens (EOS included),
-                                         0 on padding after it.
+                                         0 on padding after it, and 0 on tool
+                                         output and chat-template glue inside a
+                                         multi-turn response (rollout/agent.py).
 RESPONSE_TEXT      list[str]  (B)        decoded responses (special tokens skipped).
 UID                list[str]  (B)        group id: the n samples of one prompt share
                                          it (GRPO / RLOO baselines).
@@ -53,6 +55,9 @@ REF_LOG_PROBS      FloatTensor[B, R]     per-token log-probs of the frozen refer
 ENTROPY            FloatTensor[B, R]     per-token entropy of the actor's policy.
 VALUES             FloatTensor[B, R]     critic value estimate per response token.
 SCORES             FloatTensor[B]        sequence-level verifier / reward-model score.
+ENV_REWARDS        FloatTensor[B, R]     multi-turn rollouts only: each environment
+                                         step's reward on the last token of the
+                                         model turn it answers, zeros elsewhere.
 TOKEN_SCORES       FloatTensor[B, R]     SCORES placed on each sequence's last
                                          response token, zeros elsewhere.
 TOKEN_REWARDS      FloatTensor[B, R]     TOKEN_SCORES minus the KL penalty when
@@ -92,6 +97,7 @@ REF_LOG_PROBS = "ref_log_probs"
 ENTROPY = "entropy"
 VALUES = "values"
 SCORES = "scores"
+ENV_REWARDS = "env_rewards"
 TOKEN_SCORES = "token_scores"
 TOKEN_REWARDS = "token_rewards"
 ADVANTAGES = "advantages"
@@ -118,6 +124,7 @@ FIELD_SHAPES: Mapping[str, str] = MappingProxyType({
     ENTROPY: "FloatTensor[B, R]",
     VALUES: "FloatTensor[B, R]",
     SCORES: "FloatTensor[B]",
+    ENV_REWARDS: "FloatTensor[B, R]",
     TOKEN_SCORES: "FloatTensor[B, R]",
     TOKEN_REWARDS: "FloatTensor[B, R]",
     ADVANTAGES: "FloatTensor[B, R]",

@@ -3,26 +3,33 @@
 The generator is passed in (rule 6, docs/conventions.md): in the hybrid layout its weights
 are views of the actor engine's parameters; on a rollout group placed apart
 from training it owns a copy, refreshed from the actor before each rollout.
+With an `env` section the rollout is multi-turn (`rollout/agent.py`): the same
+batch fields, RESPONSES holding the whole trajectory, RESPONSE_MASK only the
+model's tokens, ATTENTION_MASK every token, ENV_REWARDS the environment's
+rewards and RESPONSE_TEXT the last model turn (the answer a rule reward reads).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from hybridflow.config.schema import RolloutConfig
+from hybridflow.config.schema import EnvConfig, RolloutConfig
 from hybridflow.data import fields as F
 from hybridflow.data.batch import chunk_rows, repeat_rows
 from hybridflow.data.tokenizer import Tokenizer
+from hybridflow.envs import load_env_factory
+from hybridflow.errors import ConfigError
 from hybridflow.rollout import GenerationOutput, Generator, SamplingParams
+from hybridflow.rollout.agent import AgentLimits, AgentLoop, AgentOutput, TemplateError
 from hybridflow.utils import mix_seed
 
 Batch = dict[str, Any]
 
 
 def sampling_params(cfg: RolloutConfig, max_new_tokens: int, tokenizer: Tokenizer,
-                    validation: bool = False) -> SamplingParams:
-    stop_ids = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
+                    validation: bool = False, more_stops: tuple[int, ...] = ()) -> SamplingParams:
+    stop_ids = tuple(i for i in (tokenizer.eos_token_id,) if i is not None) + more_stops
     common = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, stop=tuple(cfg.stop))
     if validation:
         return SamplingParams(temperature=cfg.val_temperature, do_sample=cfg.val_temperature > 0, n=1, **common)
@@ -69,10 +76,14 @@ class Rollout:
     """
 
     def __init__(self, cfg: RolloutConfig, max_new_tokens: int, generator: Generator, tokenizer: Tokenizer,
-                 world_size: int):
+                 world_size: int, env: Optional[EnvConfig] = None):
         self.cfg, self.generator, self.tokenizer, self.world_size = cfg, generator, tokenizer, world_size
-        self.sampling = {False: sampling_params(cfg, max_new_tokens, tokenizer),
-                         True: sampling_params(cfg, max_new_tokens, tokenizer, validation=True)}
+        self.max_new_tokens = max_new_tokens
+        self.agent, stops = None, ()
+        if env is not None and env.function is not None:
+            self.agent, stops = agent_loop(env, generator, tokenizer, max_new_tokens)
+        self.sampling = {False: sampling_params(cfg, max_new_tokens, tokenizer, more_stops=stops),
+                         True: sampling_params(cfg, max_new_tokens, tokenizer, validation=True, more_stops=stops)}
 
     def generate(self, prompts: Batch, seed: int, validation: bool = False, pad: bool = False) -> Batch:
         """This rank's prompts -> the rollout batch (fields in `data.fields`).
@@ -85,6 +96,8 @@ class Rollout:
         # Noise keyed by (seed, dataset row, sample): a prompt's samples do not
         # depend on the rank, chunk or batch it is generated in.
         keys = mix_seed(seed, torch.as_tensor(prompts[F.INDEX], dtype=torch.long))
+        if self.agent is not None:
+            return self._agent_generate(prompts, keys, params, pad)
         # rollout.batch_size_per_device: generate this rank's prompts that many at a time.
         size = self.cfg.batch_size_per_device or len(ids)
         parts = [self.generator.generate(c["ids"], c["mask"], params, row_keys=c["keys"])
@@ -100,3 +113,45 @@ class Rollout:
             response_mask=torch.cat([pad_columns(p.response_mask, width, 0) for p in parts]),
             log_probs=torch.cat([pad_columns(p.log_probs, width, 0.0) for p in parts]))
         return assemble_rollout(prompts, out, params.n, self.tokenizer)
+
+    def _agent_generate(self, prompts: Batch, keys: torch.Tensor, params: SamplingParams, pad: bool) -> Batch:
+        """This rank's prompts as multi-turn trajectories (all of them in one loop: its turns are batched)."""
+        ids, mask = prompts[F.INPUT_IDS], prompts[F.ATTENTION_MASK]
+        rows = [{"prompt": raw[-1]["content"], "ground_truth": truth, "extra_info": extra}
+                for raw, truth, extra in zip(prompts[F.RAW_PROMPT], prompts[F.GROUND_TRUTH], prompts[F.EXTRA_INFO])]
+        out = self.agent.run([row[m.bool()].tolist() for row, m in zip(ids, mask)], keys, params, rows)
+        return agent_batch(prompts, out, params.n, self.tokenizer,
+                           self.max_new_tokens if pad or self.world_size > 1 else None)
+
+
+def agent_loop(env: EnvConfig, backend: Any, tokenizer: Tokenizer, max_total_tokens: int
+               ) -> tuple[AgentLoop, tuple[int, ...]]:
+    """The multi-turn loop the `env` section describes, and the ids of env.stop_tokens; ConfigError naming
+    the key for a stop token that is not one token, or a chat template that cannot host tool turns."""
+    stops = []
+    for text in env.stop_tokens:
+        token_id = tokenizer.token_to_id(text)
+        if token_id is None:
+            raise ConfigError("env.stop_tokens", f"{text!r} is not one token of the vocabulary at "
+                                                 f"{tokenizer.name_or_path}")
+        stops.append(token_id)
+    limits = AgentLimits(env.max_turns, env.max_turn_tokens, max_total_tokens)
+    try:
+        return AgentLoop(backend, tokenizer, load_env_factory(env.function), limits), tuple(stops)
+    except TemplateError as exc:
+        raise ConfigError("env.function", f"the chat template at {tokenizer.name_or_path} cannot host tool turns: "
+                                          f"{exc}") from None
+
+
+def agent_batch(prompts: Batch, out: AgentOutput, n: int, tokenizer: Tokenizer, width: Optional[int]) -> Batch:
+    """The training batch of B prompts x n trajectories, responses right-padded to `width` (None: the longest)."""
+    width = width or max(len(t.ids) for t in out.trajectories)
+    parts = out.tensors(width, tokenizer.pad_token_id)
+    gen = GenerationOutput(prompts=prompts[F.INPUT_IDS].repeat_interleave(n, 0),
+                           prompt_mask=prompts[F.ATTENTION_MASK].long().repeat_interleave(n, 0),
+                           responses=parts["ids"], response_mask=parts["mask"], log_probs=parts["log_probs"])
+    batch = assemble_rollout(prompts, gen, n, tokenizer)
+    batch[F.ATTENTION_MASK] = torch.cat([gen.prompt_mask, parts["real"]], dim=1)  # tool tokens are attended to
+    batch[F.ENV_REWARDS] = parts["rewards"]
+    batch[F.RESPONSE_TEXT] = [t.answer for t in out.trajectories]
+    return batch

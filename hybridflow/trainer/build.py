@@ -37,12 +37,12 @@ def actor_spec(cfg: Config, plan: RunPlan) -> ActorWorkerSpec:
                            reference=reference if plan.needs_reference else None,
                            max_response_length=cfg.data.max_response_length,
                            optimizer_steps=plan.optimizer_steps["actor"], layout=plan.layouts["training"],
-                           generates=not plan.rollout_apart)
+                           generates=not plan.rollout_apart, env=cfg.env)
 
 
 def rollout_spec(cfg: Config) -> RolloutWorkerSpec:
     return RolloutWorkerSpec(run=_run(cfg), model=cfg.model, rollout=cfg.rollout,
-                             max_response_length=cfg.data.max_response_length)
+                             max_response_length=cfg.data.max_response_length, env=cfg.env)
 
 
 def critic_spec(cfg: Config, plan: RunPlan) -> CriticWorkerSpec:

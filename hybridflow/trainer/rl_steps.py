@@ -58,12 +58,26 @@ def _where(fn: Callable) -> str:
 
 
 def token_scores(scores: Tensor, mask: Tensor) -> Tensor:
-    """SCORES placed on each row's last response token [B, R]."""
+    """SCORES placed on each row's last response token [B, R]: the last 1 of the mask, which is not the
+    count of 1s minus one when a multi-turn response has tool tokens (mask 0) between the model's turns."""
     out = torch.zeros(mask.shape, dtype=torch.float32)
-    last = (mask.long().sum(-1) - 1).clamp(min=0)
+    m = mask.bool()
+    last = torch.where(m, torch.arange(m.shape[-1]), -1).amax(-1).clamp(min=0)
     rows = torch.arange(len(scores))
-    out[rows, last] = scores.float() * mask.bool().any(-1)
+    out[rows, last] = scores.float() * m.any(-1)
     return out
+
+
+def env_scores(batch: Batch) -> Tensor:
+    """A multi-turn batch's environment rewards per row [B] (their sum over turns); 0 without an environment."""
+    if F.ENV_REWARDS not in batch:
+        return torch.zeros(len(batch[F.RESPONSE_MASK]))
+    return batch[F.ENV_REWARDS].float().sum(-1)
+
+
+def env_token_rewards(batch: Batch) -> Tensor:
+    """ENV_REWARDS [B, R] where the rollout had an environment, else zeros: per-turn rewards for TOKEN_SCORES."""
+    return batch[F.ENV_REWARDS].float() if F.ENV_REWARDS in batch else torch.zeros(batch[F.RESPONSE_MASK].shape)
 
 
 def kl_in_reward(batch: Batch, kl_coef: float, kind: str) -> tuple[Tensor, float]:

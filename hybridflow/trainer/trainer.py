@@ -236,13 +236,16 @@ class RLTrainer:
         return self.rollout(prompts, seed, pad=self.chunk_prompts < self.cfg.data.train_batch_size)
 
     def _score(self, batch):
-        """SCORES: rule_weight * rule score (+ model_weight * reward-model score)."""
+        """SCORES: rule_weight * rule score (+ model_weight * reward-model score) (+ the environment's rewards
+        of a multi-turn rollout). TOKEN_SCORES: the first two on the last response token, each environment
+        reward on the turn it answers."""
         r = self.cfg.reward
-        batch[F.SCORES] = r.rule_weight * self._rule_scores(batch)
+        outcome = r.rule_weight * self._rule_scores(batch)
         if self.reward_model is not None:
             pairs = {F.PROMPT_TEXT: batch[F.PROMPT_TEXT], F.RESPONSE_TEXT: batch[F.RESPONSE_TEXT]}
-            batch[F.SCORES] = batch[F.SCORES] + r.model_weight * self._reward_model_scores(pairs)
-        batch[F.TOKEN_SCORES] = S.token_scores(batch[F.SCORES], batch[F.RESPONSE_MASK])
+            outcome = outcome + r.model_weight * self._reward_model_scores(pairs)
+        batch[F.SCORES] = outcome + S.env_scores(batch)
+        batch[F.TOKEN_SCORES] = S.token_scores(outcome, batch[F.RESPONSE_MASK]) + S.env_token_rewards(batch)
         batch[F.TOKEN_REWARDS] = batch[F.TOKEN_SCORES]
         return batch
 
@@ -336,7 +339,7 @@ class RLTrainer:
             items = [self.val_set[i] for i in range(start, min(start + size, self.val_count))]
             real = len(items)  # any count: DP_SPLIT pads for equal shares and strips the answer
             batch = self.rollout(self.val_set.collate(items), self.cfg.trainer.seed, validation=True)
-            batch[F.SCORES] = self._rule_scores(batch)
+            batch[F.SCORES] = self.cfg.reward.rule_weight * self._rule_scores(batch) + S.env_scores(batch)
             rows.append(batch)
             done += real
             if self.is_main:

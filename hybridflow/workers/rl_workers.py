@@ -153,7 +153,8 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
             self.backend = build_backend(spec.rollout, self.generation.model, self.tokenizer, spec.model.path,
                                          seed=spec.run.seed, device=spec.run.device)
             self._push_generation()  # an engine with its own copy starts from placeholder weights
-            self.rollout = Rollout(spec.rollout, spec.max_response_length, self.backend, self.tokenizer, replicas)
+            self.rollout = Rollout(spec.rollout, spec.max_response_length, self.backend, self.tokenizer, replicas,
+                                   env=spec.env)
 
     def _push_generation(self) -> dict[str, float]:
         """The refilled generation weights into an engine that keeps its own copy (nothing for the built-in
@@ -250,7 +251,8 @@ class RolloutWorker(_Generates):
         self.backend: RolloutBackend = build_backend(spec.rollout, model, self.tokenizer, spec.model.path,
                                                      seed=spec.run.seed, device=spec.run.device)
         sync_weights(self.backend, model, spec.model.make_vocab_size_divisible_by)  # vLLM: the checkpoint's
-        self.rollout = Rollout(spec.rollout, spec.max_response_length, self.backend, self.tokenizer, self.world_size)
+        self.rollout = Rollout(spec.rollout, spec.max_response_length, self.backend, self.tokenizer, self.world_size,
+                               env=spec.env)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, handles: list[Optional[ObjectHandle]]) -> None:

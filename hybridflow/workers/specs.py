@@ -8,10 +8,11 @@ critic's mini-batch in responses) are computed once in the run plan
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
-from hybridflow.config.schema import ActorConfig, CriticConfig, ModelConfig, ReferenceConfig, RolloutConfig
+from hybridflow.config.schema import (ActorConfig, CriticConfig, EnvConfig, ModelConfig, ReferenceConfig,
+                                      RolloutConfig)
 from hybridflow.parallel.layout import ParallelDims
 
 
@@ -36,6 +37,7 @@ class ActorWorkerSpec:
     optimizer_steps: int  # the LR schedule's length
     layout: ParallelDims  # the actor's (and reference's) p-t-d layout over the group: the engines' own
     generates: bool = True  # False when a rollout group apart generates: no generation weights here
+    env: EnvConfig = field(default_factory=EnvConfig)  # a multi-turn rollout's environment (none: single-turn)
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class RolloutWorkerSpec:
     model: ModelConfig
     rollout: RolloutConfig
     max_response_length: int
+    env: EnvConfig = field(default_factory=EnvConfig)
 
 
 @dataclass(frozen=True)
