@@ -15,7 +15,10 @@ median seconds, its share of the step and the step's tokens/s:
 
 and the megabytes of tensors the controller's calls delivered to the ranks
 in a step (what Ray would move; counted at the dispatch, so a baseline tree
-is counted the same way).
+is counted the same way), and the peak resident memory of the process over
+the timed steps (`peak_mib`: its high-water mark, reset after the warm-up
+steps, `figures.py`; models, optimizer states and the step's activations,
+all in this one process).
 
 GRPO is the demo as configured; PPO is the same task with GAE, a critic and a
 reference model (KL loss), and no uniform-group filter.
@@ -43,6 +46,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (hybridflow bench runs this by path)
+from figures import peak_since, reset_peak, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOW_STAGES = ("rollout", "reward", "log_probs", "values")
@@ -106,10 +112,12 @@ def measure(algo: str, steps: int, warmup: int, overrides: list[str]) -> dict:
     transition: list[float] = []
     trainer.batch_stages = [_timed(stage, batch_time) for stage in trainer.batch_stages]
     trainer.transition = _timed(trainer.transition, transition)
-    rows = []
+    rows, base = [], None
     try:
         with _count_shipped(shipped):
             for step in range(1, warmup + steps + 1):
+                if step == warmup + 1:
+                    base = reset_peak()
                 batch_time.clear()
                 transition.clear()
                 shipped.clear()
@@ -128,10 +136,12 @@ def measure(algo: str, steps: int, warmup: int, overrides: list[str]) -> dict:
                 row["tokens"] = metrics["batch/tokens"]
                 row["answer_tokens"] = metrics["response/length_mean"]
                 rows.append(row)
+        rise = peak_since(base)
     finally:
         trainer.shutdown()
     out = {name: statistics.median(r[name] for r in rows)
            for name in (*STAGES, "step", "tokens", "answer_tokens", "shipped_mb")}
+    out["peak_mib"] = None if rise is None else base / 2**20 + rise
     out["tokens_per_s"] = statistics.median(r["tokens"] / r["step"] for r in rows)
     import hybridflow
     out["code"] = str(Path(hybridflow.__file__).parent)  # which tree was measured
@@ -160,9 +170,14 @@ def table(results: dict, baseline: dict | None, label: str) -> str:
             if base.get("shipped_mb"):
                 lines.append(f"  {'MB shipped to ranks':26s} {base['shipped_mb']:9.2f} {res['shipped_mb']:9.2f} "
                              f"{res['shipped_mb'] / base['shipped_mb']:11.2f}x")
+            if base.get("peak_mib") and res.get("peak_mib"):
+                lines.append(f"  {'peak RSS MiB':26s} {base['peak_mib']:9.0f} {res['peak_mib']:9.0f} "
+                             f"{res['peak_mib'] / base['peak_mib']:11.2f}x")
         else:
             lines.append(f"  {'tokens/s':26s} {res['tokens_per_s']:9.0f}")
             lines.append(f"  {'MB shipped to ranks':26s} {res['shipped_mb']:9.2f}")
+            if res.get("peak_mib"):
+                lines.append(f"  {'peak RSS MiB':26s} {res['peak_mib']:9.0f}")
     return "\n".join(lines)
 
 
@@ -226,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     label = f"vs {args.baseline}" if args.baseline else "medians"
     print(table(results, baseline, label), flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"results": results, "baseline": baseline,
-                                         "baseline_rev": args.baseline, "steps": args.steps}, indent=1))
+        write_json(args.json, {"results": results, "baseline": baseline, "baseline_rev": args.baseline,
+                               "steps": args.steps})
     return 0
 
 

@@ -22,6 +22,7 @@ def test_measure_dispatch_overhead_reports_every_variant(ray_cluster):
                                                                       ("ray x2", "DP_SPLIT"), ("ray x2", "DP_SPLIT")]
     assert {r["group"] for r in rows} == {"ray x2", "ray x2 put-all", "ray x2 clone-send", "local x1"}
     assert all(r["wall_ms"] >= r["worker_ms"] >= 0 for r in rows)
+    assert all(r["driver_peak_mib"] is not None and r["driver_peak_mib"] >= 0 for r in rows)
 
 
 @pytest.mark.timeout(180)
