@@ -9,7 +9,8 @@ benchmark, the wall time and the peak resident memory of its process tree
 (sampled every 0.1 s with psutil: children such as torchrun ranks or Ray
 workers count), and a summary. `--json DIR` writes `DIR/all.json` (the
 summary) and passes `--json DIR/NAME.json` to each benchmark that writes
-its figures. One failing benchmark does not stop the others; the exit status
+its figures; those carry the peak memory each benchmark measures inside,
+side by side with its baseline (README.md). One failing benchmark does not stop the others; the exit status
 says whether all passed.
 
 Left out: `bench csrc`, which compares the C++ build of this tree with that of
@@ -20,7 +21,6 @@ hybridflow side runs here.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -28,13 +28,15 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # benchmarks/ (hybridflow bench runs this by path)
+from figures import write_json  # noqa: E402
 
 # name -> (arguments of the full run, of the --quick run, whether it takes --json).
 SUITE: dict[str, tuple[list[str], list[str], bool]] = {
-    "kernels": ([], ["--quick"], False),
+    "kernels": ([], ["--quick"], True),
     "layers": ([], ["--quick"], True),
-    "rollout": ([], ["--quick"], False),
-    "controller": ([], ["--quick"], False),
+    "rollout": ([], ["--quick"], True),
+    "controller": ([], ["--quick"], True),
     "reshard": ([], ["--quick"], False),
     "update_memory": ([], ["--layers", "1", "--batch", "4", "--micro", "4", "--prompt", "32", "--response", "32",
                            "--vocab", "8192", "--hidden", "256"], True),
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"argv": bench_argv, **run_one(name, bench_argv)}
     print("\n" + summary(results), flush=True)
     if args.json:
-        (args.json / "all.json").write_text(json.dumps({"quick": args.quick, "results": results}, indent=1))
+        write_json(args.json / "all.json", {"quick": args.quick, "results": results})
     return 0 if all(r["exit"] == 0 for r in results.values()) else 1
 
 
