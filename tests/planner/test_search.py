@@ -1,5 +1,6 @@
 """`hybridflow plan`: the ranked table, the misfits' reasons, the written config, the scenario, bad input."""
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -84,3 +85,22 @@ def test_bad_input_is_one_error_naming_the_key(tmp_path):
         cli.main([CONFIG_7B, "--gpus", "8", "--placements", "colocated,everywhere"])
     with pytest.raises(ConfigError, match="actor.parallel.tpp: unknown key"):
         cli.main([CONFIG_7B, "actor.parallel.tpp=2", "--gpus", "8"])
+
+
+def test_split_placements_are_written_as_configs_that_load(tmp_path):
+    """The best split-critic and split-all candidates, written like the best one: device blocks per role."""
+    from hybridflow.config.loader import _read_yaml
+    from hybridflow.planner import report
+
+    base = _read_yaml(Path(CONFIG_7B))
+    cfg = load_config(CONFIG_7B, ["trainer.n_devices=16"])
+    fits, _ = rank(Planner(QWEN7B, Workload.from_config(cfg), get_device("a100")).candidates(16))
+    for placement in ("split-critic", "split-all"):
+        best = next(c for c in fits if c.placement == placement)
+        out = tmp_path / f"{placement}.yaml"
+        report.write_overlay(out, report.overlay_data(best, base, True, "a100"), ["test"])
+        plan = RunPlan.from_config(load_config(out))
+        assert plan.rollout_apart == (placement == "split-all")
+        assert plan.layouts["training"].world_size == best.devices["actor"]
+        assert plan.layouts["critic"].world_size == best.devices["critic"]
+        assert set(plan.devices["critic"]).isdisjoint(plan.devices["training"])
