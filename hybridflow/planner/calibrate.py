@@ -113,10 +113,6 @@ def measured_candidate(planner: Planner, n: int, actor, critic, tg: int) -> Cand
     return planner.colocated(n, actor, critic, tg)
 
 
-def with_device(planner: Planner, device: DeviceSpec) -> Planner:
-    return Planner(planner.model, planner.wl, device)
-
-
 def errors(predicted: dict[str, float], measured: dict[str, float], floor: float = 0.01) -> dict[str, float]:
     """Relative error per stage that took at least `floor` seconds."""
     return {k: predicted[k] / measured[k] - 1 for k in BENCH_STAGES if measured.get(k, 0.0) >= floor}
