@@ -19,12 +19,23 @@ Bytes and collectives are what rank 0 received and joined, counted by the
 executors (and checked against the plan in tests/hybrid_engine); peak is the
 most generation-weight bytes held at once. Ratios are against `full` in the
 same run.
+
+`--tool [--model DIR]` measures the checkpoint resharding tool instead
+(`hybridflow reshard`, one process, no torchrun): each conversion of the HF
+model at DIR (default: the ~100M-parameter model above, random, written to a
+temporary directory) runs in a child process, side by side with two
+baselines: the same command with `--dry-run` (imports, the source's index
+and the plan: the floor), and a whole-model conversion (`load_hf_state_dict`
+then `save_hf_checkpoint`, what a tool that does not stream holds). Peak RSS
+is each child's high-water mark (`wait4`); "added" is above the dry run's.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -114,12 +125,102 @@ def _print(cfg, m: int, args, rows) -> None:
               f"{stats['reshard/collectives']:8.0f} {stats['reshard/peak_bytes'] / 2**20:9.0f}")
 
 
+# --- the checkpoint resharding tool -------------------------------------------
+
+TOOL_RUNS = (  # (label, source key, destination, options)
+    ("HF -> hybridflow t2 p2", "hf", "t2p2", ["--to", "hybridflow", "--tp", "2", "--pp", "2"]),
+    ("hybridflow t2 p2 -> HF", "t2p2", "hf_back", ["--to", "hf"]),
+    ("HF -> HF, 4 files", "hf", "hf_sharded", ["--to", "hf", "--max-shard-size", "{quarter}"]),
+    ("HF -> dist (tp 2)", "hf", "dist", ["--to", "dist", "--tp", "2"]),
+    ("dist -> HF", "dist", "hf_dist", ["--to", "hf"]),
+)
+WHOLE = ("from hybridflow.models.checkpoint import load_hf_state_dict as l, save_hf_checkpoint as s; import json, sys;"
+         " s(l(sys.argv[1]), json.load(open(sys.argv[1] + '/config.json')), sys.argv[2])")
+
+
+def _child(cmd: list[str]) -> tuple[float, int]:
+    """(seconds, peak RSS bytes) of a child process; fails loudly if it fails."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.read().decode()[-2000:]}")
+    return seconds, usage.ru_maxrss * 1024
+
+
+def write_tool_model(path: str, quick: bool) -> None:
+    """The ~100M-parameter model (`_model`), random, as an HF checkpoint (run in a child: see run_tool)."""
+    from hybridflow.models.bridge import get_bridge
+    from hybridflow.models.checkpoint import save_hf_checkpoint
+    from hybridflow.models.decoder import Decoder
+
+    cfg = _model(quick)
+    dec = Decoder(cfg).init_weights(std=0.02, seed=0)
+    save_hf_checkpoint(get_bridge(cfg).generation_to_hf({k: v.detach() for k, v in dec.state_dict().items()}),
+                       cfg.to_hf_dict(), path)
+
+
+def _tensor_bytes(model: str) -> list[int]:
+    """Bytes of every tensor of an HF checkpoint, from the safetensors headers (no torch in this process)."""
+    index = os.path.join(model, "model.safetensors.index.json")
+    files = (sorted(set(json.load(open(index))["weight_map"].values())) if os.path.isfile(index)
+             else ["model.safetensors"])
+    sizes = []
+    for name in files:
+        with open(os.path.join(model, name), "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        sizes += [b - a for key, v in header.items() if key != "__metadata__" for a, b in [v["data_offsets"]]]
+    return sizes
+
+
+def run_tool(args) -> None:
+    """The tool's table. This process imports no torch and holds no tensor: a child's peak RSS (`wait4`)
+    counts the memory it had when it started, and a parent holding the model would be counted in each."""
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tool = [sys.executable, os.path.join(root, "tools", "reshard.py")]
+    with tempfile.TemporaryDirectory(prefix="bench-reshard-tool-") as tmp:
+        paths = {"hf": args.model or os.path.join(tmp, "hf")}
+        if not args.model:
+            _child([sys.executable, os.path.abspath(__file__), "--write-tool-model", paths["hf"]]
+                   + (["--quick"] if args.quick else []))
+        sizes = _tensor_bytes(paths["hf"])
+        model, largest = sum(sizes), max(sizes)
+        print(f"model: {paths['hf']}: {model / 2**20:.0f} MiB of weights, largest tensor {largest / 2**20:.0f} MiB")
+        whole_s, whole = _child([sys.executable, "-c", WHOLE, paths["hf"], os.path.join(tmp, "whole")])
+        print(f"{'conversion':<24} {'time s':>7} {'peak MiB':>9} {'dry run':>8} {'added':>7} {'/ model':>8} "
+              f"{'/ largest':>9} {'vs whole':>9}")
+        for label, src, dst, options in TOOL_RUNS:
+            options = [o.format(quarter=str(model // 4 + 1)) for o in options]
+            paths[dst] = os.path.join(tmp, dst)
+            base = tool + [paths[src], paths[dst], *options, "--no-progress"]
+            _, floor = _child(base + ["--dry-run"])
+            seconds, peak = _child(base)
+            added = max(peak - floor, 0)
+            print(f"{label:<24} {seconds:7.1f} {peak / 2**20:9.0f} {floor / 2**20:8.0f} {added / 2**20:7.0f} "
+                  f"{added / model:8.2f} {added / largest:9.2f} {peak / whole:8.2f}x")
+        print(f"baseline, whole-model HF -> HF (load_hf_state_dict + save_hf_checkpoint): {whole_s:.1f} s, "
+              f"peak {whole / 2**20:.0f} MiB; 'vs whole' = peak / this peak")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small model (seconds), for tests")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
+    parser.add_argument("--tool", action="store_true", help="measure the checkpoint resharding tool (one process)")
+    parser.add_argument("--model", help="--tool: the HF model to convert (default: a random ~100M-parameter one)")
+    parser.add_argument("--write-tool-model", help=argparse.SUPPRESS)  # run_tool's child
     args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if args.write_tool_model:
+        write_tool_model(args.write_tool_model, args.quick)
+        return 0
+    if args.tool:
+        run_tool(args)
+        return 0
     if "WORLD_SIZE" not in os.environ:
         return _launch(sys.argv[1:])
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -68,8 +68,13 @@ class Result:
 
 
 def peak_rss() -> int:
-    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident memory so far, in bytes: VmHWM, the high-water mark of its own memory
+    since it started (getrusage's ru_maxrss would also count the parent's pages it was forked with)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def check_layout(source: Source, req: Request) -> None:

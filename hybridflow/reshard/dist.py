@@ -58,6 +58,10 @@ def plan_dist(cfg: DecoderConfig, dtype: torch.dtype, tp: int, divisible_by: int
     plan = Plan("dist", cfg, dtype, "actor", tp, 1, 1, divisible_by)
     bridge = get_bridge(cfg, divisible_by, tp)
     plan.items = [Item(FILE, name, tuple(shape), name) for name, shape in bridge.megatron_shapes().items()]
+    megatron = _meta_sharded_state_dict(cfg, bridge.padded_vocab, dtype)  # refused here, before a write
+    missing = [i.name for i in plan.items if i.name not in megatron]
+    if missing:
+        raise KeyError(f"megatron-core's GPTModel has no {missing[:3]} for this config")
     return plan
 
 

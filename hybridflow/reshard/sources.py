@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from safetensors import safe_open
 
 from hybridflow.errors import ConfigError
 from hybridflow.models.bridge import ParamEntry, get_bridge
@@ -96,7 +97,7 @@ class Source:
 
     def open(self):
         if self.kind == "hf":
-            return SafetensorsReader(self.path)
+            return SafetensorsFiles(self.path)
         if self.kind == "hybridflow":
             return ShardsReader(self)
         from hybridflow.reshard.dist import DistReader
@@ -113,6 +114,45 @@ def hf_names(cfg: DecoderConfig, value_head: bool) -> list[str]:
 def model_entries(cfg: DecoderConfig, value_head: bool) -> list[ParamEntry]:
     """The bridge's entries, less the vocabulary output layer for a critic (its value head is apart)."""
     return [e for e in get_bridge(cfg).entries() if not (value_head and e.megatron == "output_layer.weight")]
+
+
+class SafetensorsFiles:
+    """An HF checkpoint read a slice at a time (`bridge.SliceReader`), each read through its own
+    `safe_open(...).get_slice`, closed right after: the pages of a memory-mapped file that a read touches
+    count in the process's resident memory while the file stays mapped, so a reader that kept every file
+    open (`models.checkpoint.SafetensorsReader`) would end a conversion holding the whole model there."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._where: dict[str, str] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for file in SafetensorsReader(path).files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    self._where[name] = str(file)
+                    self._shapes[name] = tuple(f.get_slice(name).get_shape())
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._shapes:
+            raise KeyError(f"HF checkpoint {self.path} has no tensor {name!r}")
+        return self._shapes[name]
+
+    def __call__(self, name: str, rows: Optional[slice] = None, cols: Optional[slice] = None) -> torch.Tensor:
+        self.shape(name)
+        with safe_open(self._where[name], framework="pt") as f:
+            part = f.get_slice(name)
+            if rows is None and cols is None:
+                return part[:]
+            return part[rows] if cols is None else part[rows or slice(None), cols]
+
+    def __enter__(self) -> "SafetensorsFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 class MegatronReader:
@@ -166,28 +206,34 @@ class ShardsReader(MegatronReader):
 
     def __init__(self, source: Source):
         self.source = source
-        layout = source.layout
-        self._files = {}
-        for s in range(layout.pp):
-            for r in range(layout.tp):
-                path = source.path / shard_file(r, s)
-                state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-                if not isinstance(state, dict) or "model" not in state:
-                    raise ConfigError("SRC", f"{path} is not a hybridflow engine shard (no 'model' table)")
-                self._files[(r, s)] = state["model"]
+        for s in range(source.layout.pp):
+            for r in range(source.layout.tp):
+                self._model(r, s)  # every file readable, before anything is written
         super().__init__(source.cfg, source.value_head, self._gather)
+
+    def _model(self, tp_rank: int, stage: int) -> dict[str, torch.Tensor]:
+        """A rank's tensors, memory-mapped (read from disk as they are used; unmapped once dropped)."""
+        path = self.source.path / shard_file(tp_rank, stage)
+        state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+        if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+            raise ConfigError("SRC", f"{path} is not a hybridflow engine shard (no 'model' table)")
+        return state["model"]
 
     def _gather(self, megatron_name: str) -> torch.Tensor:
         cfg, layout = self.cfg, self.source.layout
         stage = stage_of(megatron_name, cfg.num_layers, layout.pp)
         name = local_name(megatron_name, cfg.num_layers, layout.pp)
-        shards = [self._files[(r, stage)] for r in range(layout.tp)]
-        if name not in shards[0]:
-            raise ConfigError("SRC", f"{self.source.path / shard_file(0, stage)} has no {name!r}: not a "
-                                     f"{cfg.model_type} model of this config, or not its {self.source.role}?")
-        if self.value_head and megatron_name == "output_layer.weight":
-            return shards[0][name]  # the value head is replicated
-        return unshard_tensor([s[name] for s in shards], spec_for(megatron_name))
+        pieces = []
+        for r in range(layout.tp):
+            model = self._model(r, stage)
+            if name not in model:
+                raise ConfigError("SRC", f"{self.source.path / shard_file(r, stage)} has no {name!r}: not a "
+                                         f"{cfg.model_type} model of this config, or not its {self.source.role}?")
+            pieces.append(model[name].clone())
+            del model
+            if self.value_head and megatron_name == "output_layer.weight":
+                return pieces[0]  # the value head is replicated
+        return unshard_tensor(pieces, spec_for(megatron_name))
 
 
 # --- finding what a path holds -----------------------------------------------

@@ -200,7 +200,7 @@ def write_safetensors(path: Path, items: list[Item], dtype: torch.dtype,
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for item, t in zip(items, tensors, strict=True):
-            f.write(_checked(item, t, dtype).view(torch.uint8).reshape(-1).numpy().tobytes())
+            f.write(memoryview(_checked(item, t, dtype).view(torch.uint8).reshape(-1).numpy()))
         f.flush()
         os.fsync(f.fileno())
 
