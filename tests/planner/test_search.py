@@ -104,3 +104,19 @@ def test_split_placements_are_written_as_configs_that_load(tmp_path):
         assert plan.layouts["training"].world_size == best.devices["actor"]
         assert plan.layouts["critic"].world_size == best.devices["critic"]
         assert set(plan.devices["critic"]).isdisjoint(plan.devices["training"])
+
+
+def test_a_reward_model_is_costed_where_it_is_placed(capsys):
+    """reward.model_path: its forward pass and weights join the critic's devices (or every device)."""
+    assert cli.main([CONFIG_7B, "reward.model_path=models/Qwen2.5-0.5B-Instruct", "--gpus", "16", "--top", "1",
+                     "--no-dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "reward model True" in text and "reward_model" in text.split("best:")[1]
+    cfg = load_config(CONFIG_7B, ["trainer.n_devices=16"])
+    rm = cli.resolve_model("models/Qwen2.5-0.5B-Instruct", "reward.model_path")
+    planner = Planner(QWEN7B, Workload.from_config(cfg, reward_model=rm), get_device("a100"))
+    split = planner.split("split-critic", {"actor": 8, "critic": 8}, Layout(tp=2, pp=1, dp=4), Layout(tp=1, pp=1, dp=8), 2)
+    without = Planner(QWEN7B, Workload.from_config(cfg), get_device("a100")).split(
+        "split-critic", {"actor": 8, "critic": 8}, Layout(tp=2, pp=1, dp=4), Layout(tp=1, pp=1, dp=8), 2)
+    assert split.device_peak["critic"] > without.device_peak["critic"]
+    assert split.device_peak["actor"] == without.device_peak["actor"]
