@@ -115,8 +115,9 @@ def test_a_reward_model_is_costed_where_it_is_placed(capsys):
     cfg = load_config(CONFIG_7B, ["trainer.n_devices=16"])
     rm = cli.resolve_model("models/Qwen2.5-0.5B-Instruct", "reward.model_path")
     planner = Planner(QWEN7B, Workload.from_config(cfg, reward_model=rm), get_device("a100"))
-    split = planner.split("split-critic", {"actor": 8, "critic": 8}, Layout(tp=2, pp=1, dp=4), Layout(tp=1, pp=1, dp=8), 2)
+    layouts = {"actor": Layout(tp=2, pp=1, dp=4), "critic": Layout(tp=1, pp=1, dp=8), "tg": 2}
+    split = planner.split("split-critic", {"actor": 8, "critic": 8}, *layouts.values())
     without = Planner(QWEN7B, Workload.from_config(cfg), get_device("a100")).split(
-        "split-critic", {"actor": 8, "critic": 8}, Layout(tp=2, pp=1, dp=4), Layout(tp=1, pp=1, dp=8), 2)
+        "split-critic", {"actor": 8, "critic": 8}, *layouts.values())
     assert split.device_peak["critic"] > without.device_peak["critic"]
     assert split.device_peak["actor"] == without.device_peak["actor"]
