@@ -184,14 +184,16 @@ class Planner:
         c.decode_batch, c.waves = r.batch, r.waves
         return r.time
 
-    def _check(self, c: Candidate, group: str, static: int, phases: dict[str, int]) -> bool:
-        """Record the group's peak; set the reason (phase, GiB over) when it exceeds the usable memory."""
+    def _check(self, c: Candidate, group: str, static: int, phases: dict[str, int],
+               held: tuple[str, ...] = ("actor", "reference", "critic", "reward_model")) -> bool:
+        """Record the group's peak; set the reason (phase, GiB over, the states of the roles `held` on the
+        group's devices) when it exceeds the usable memory."""
         name, transient = max(phases.items(), key=lambda kv: kv[1]) if phases else ("weights", 0)
         c.device_peak[group] = static + transient
         if static + transient > self.usable and c.reason is None:
             over = (static + transient - self.usable) / GIB
             states = ", ".join(f"{role} {(sum(p.values()) - p.get('activations', 0)) / GIB:.1f}"
-                               for role, p in c.memory.items())
+                               for role, p in c.memory.items() if role in held)
             c.reason = (f"{group} devices, {name}: {over:.2f} GiB over (of {self.usable / GIB:.0f} GiB usable; "
                         f"states {static / GIB:.1f} GiB [{states}] + {name} {transient / GIB:.1f} GiB)")
         return c.reason is None
@@ -228,10 +230,10 @@ class Planner:
         c = Candidate(placement, devices, actor, critic, tg, replicas)
         a_static, a_phases, a_times = self._actor_side(c, self.usable)
         k_static, k_phases, k_times = self._critic_side(c, self.usable)
-        if not self._check(c, "actor", a_static, a_phases):
+        if not self._check(c, "actor", a_static, a_phases, ("actor", "reference")):
             return c
-        if (critic is not None or self.wl.reward_model is not None) and not self._check(c, "critic", k_static,
-                                                                                          k_phases):
+        if (critic is not None or self.wl.reward_model is not None) and not self._check(
+                c, "critic", k_static, k_phases, ("critic", "reward_model")):
             return c
         if apart:
             free = self.usable - self.model_bytes

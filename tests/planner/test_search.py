@@ -53,6 +53,11 @@ def test_misfits_name_the_role_and_the_gib_over():
     # Every colocated candidate holds actor, critic and reference: the 7B states alone overflow 24 GiB at d1.
     c = Planner(QWEN7B, Workload.from_config(cfg), small).colocated(8, Layout(1, 1, 8), Layout(1, 1, 8), 1)
     assert c.reason.startswith("all devices, ") and float(c.reason.split(": ")[1].split()[0]) > 10
+    assert "[actor " in c.reason and "critic " in c.reason and "reference " in c.reason
+    # Split apart, the actor's devices list only the roles they hold.
+    c = Planner(QWEN7B, Workload.from_config(cfg), small).split(
+        "split-critic", {"actor": 4, "critic": 4}, Layout(tp=1, pp=1, dp=4), Layout(tp=1, pp=1, dp=4), 1)
+    assert c.reason.startswith("actor devices, ") and "critic" not in c.reason.split("[")[1]
 
 
 def test_more_memory_or_devices_never_makes_the_best_plan_slower():
