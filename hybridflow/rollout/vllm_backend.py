@@ -114,8 +114,15 @@ def _end_reload(worker: Any) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+    model, config = worker.get_model(), worker.vllm_config.model_config
     with set_current_vllm_config(worker.vllm_config):
-        finalize_layerwise_reload(worker.get_model(), worker.vllm_config.model_config)
+        finalize_layerwise_reload(model, config)
+        # A tied output layer shares the embedding's parameter, which took the new values, but on the CPU
+        # it computes from a packed copy made when it was processed; no bucket names it (the checkpoint
+        # has no lm_head), so it is processed again here, else it would keep the placeholder weights.
+        head = getattr(model, "lm_head", None)
+        if getattr(config.hf_config, "tie_word_embeddings", False) and hasattr(head, "quant_method"):
+            head.quant_method.process_weights_after_loading(head)
 
 
 class VLLMBackend:
