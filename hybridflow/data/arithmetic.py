@@ -13,10 +13,18 @@ instead (data_source ``"arithmetic_chat"``): ``"What is 17 + 25? Answer with
 the number only."``, whose answer is the plain sum (``"42"``), scored on the
 last integer of the response (:func:`hybridflow.rewards.arithmetic.chat_arithmetic_reward`).
 
+``--tool`` writes products the model is to compute with a calculator tool
+(``"What is 347 * 68?"``, 3-digit by 2-digit: beyond a small model's mental
+arithmetic), each prompt opening with a system message that names the tool
+call format and one worked example; data_source ``"arithmetic_chat"`` (the
+last integer is the answer). The multi-turn demo (`make demo-agent`) trains on
+them with the calculator environment (:mod:`hybridflow.envs`).
+
 Usage::
 
     python -m hybridflow.data.arithmetic --out data/arith --train 2000 --test 200 --digits 3 --seed 0
     python -m hybridflow.data.arithmetic --out data/addition-chat --train 4000 --test 200 --digits 2 --chat
+    python -m hybridflow.data.arithmetic --out data/calculator --train 2000 --test 100 --tool
 """
 from __future__ import annotations
 
@@ -28,7 +36,8 @@ from typing import Any, Sequence
 
 from hybridflow.data.dataset import write_parquet
 
-__all__ = ["CHAT_DATA_SOURCE", "DATA_SOURCE", "format_problem", "generate_arithmetic", "generate_splits", "write_parquet", "main"]
+__all__ = ["CHAT_DATA_SOURCE", "DATA_SOURCE", "TOOL_SYSTEM", "format_problem", "generate_arithmetic",
+           "generate_splits", "generate_tool_splits", "write_parquet", "main"]
 
 DATA_SOURCE = "arithmetic"
 CHAT_DATA_SOURCE = "arithmetic_chat"
@@ -53,6 +62,40 @@ def _row(a: int, b: int, digits: int, split: str, index: int, chat: bool = False
         "reward_model": {"style": "rule", "ground_truth": answer},
         "extra_info": {"split": split, "index": index, "a": a, "b": b, "digits": digits},
     }
+
+
+TOOL_SYSTEM = ('You can use a calculator: write <tool_call>{"name": "calculator", "arguments": {"expression": '
+               '"..."}}</tool_call> and its result comes back. Then answer with the number.')
+# One worked exchange in every prompt: a 135M instruct model rarely writes the call format from a description alone.
+TOOL_EXAMPLE = [
+    {"role": "user", "content": "What is 215 * 37?"},
+    {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "215 * 37"}}'
+                                     '</tool_call>'},
+    {"role": "tool", "content": "7955"},
+    {"role": "assistant", "content": "215 * 37 = 7955"},
+]
+
+
+def generate_tool_splits(n_train: int, n_test: int, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Disjoint train and held-out products a * b (a: 3 digits, b: 2 digits) asked of a model with a calculator.
+
+    Drawn without replacement from the 900 * 90 problems, as `generate_splits` draws its pairs.
+    """
+    if n_train + n_test > 900 * 90:
+        raise ValueError(f"only {900 * 90} distinct 3-digit x 2-digit products exist, asked for {n_train + n_test}")
+    codes = random.Random(seed).sample(range(900 * 90), n_train + n_test)
+    rows = []
+    for i, code in enumerate(codes):
+        a, b = 100 + code // 90, 10 + code % 90
+        split = "train" if i < n_train else "test"
+        rows.append({
+            "data_source": CHAT_DATA_SOURCE,
+            "prompt": [{"role": "system", "content": TOOL_SYSTEM}, *TOOL_EXAMPLE,
+                       {"role": "user", "content": f"What is {a} * {b}?"}],
+            "reward_model": {"style": "rule", "ground_truth": str(a * b)},
+            "extra_info": {"split": split, "index": i if i < n_train else i - n_train, "a": a, "b": b},
+        })
+    return rows[:n_train], rows[n_train:]
 
 
 def _sample_pairs(n: int, digits: int, seed: int) -> list[tuple[int, int]]:
@@ -107,9 +150,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chat", action="store_true",
                         help="ask as a question to an instruct model ('What is 17 + 25? ...'), plain sums")
+    parser.add_argument("--tool", action="store_true",
+                        help="3-digit x 2-digit products asked of a model with a calculator tool (--digits unused)")
     args = parser.parse_args(argv)
     try:
-        train, test = generate_splits(args.train, args.test, args.digits, args.seed, args.chat)
+        if args.tool:
+            train, test = generate_tool_splits(args.train, args.test, args.seed)
+        else:
+            train, test = generate_splits(args.train, args.test, args.digits, args.seed, args.chat)
     except ValueError as exc:
         parser.error(str(exc))
     for name, rows in (("train", train), ("test", test)):

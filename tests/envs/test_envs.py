@@ -113,3 +113,20 @@ def test_env_specs_load_by_name_and_file(tmp_path):
         load_env_factory(f"{path}:needs_args")
     with pytest.raises(ValueError, match="returned int, which has no reset"):
         load_env_factory(f"{path}:not_an_env")
+
+
+def test_tool_problems_are_disjoint_products_with_the_call_format():
+    from hybridflow.data.arithmetic import TOOL_SYSTEM, generate_tool_splits
+
+    train, test = generate_tool_splits(50, 10, seed=3)
+    assert len(train) == 50 and len(test) == 10
+    seen = {r["prompt"][-1]["content"] for r in train}
+    assert not seen & {r["prompt"][-1]["content"] for r in test}
+    for row in train + test:
+        a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+        assert 100 <= a < 1000 and 10 <= b < 100 and row["reward_model"]["ground_truth"] == str(a * b)
+        assert row["prompt"][0] == {"role": "system", "content": TOOL_SYSTEM}
+        assert row["prompt"][-1] == {"role": "user", "content": f"What is {a} * {b}?"}
+    env = make_calculator_env()  # the worked example in every prompt is a call the calculator accepts
+    env.reset("", ground_truth="7955")
+    assert env.step(train[0]["prompt"][2]["content"]) == ("7955", 0.0, False)
