@@ -100,6 +100,9 @@ class DistReader(MegatronReader):
         self._sharded = _meta_sharded_state_dict(source.cfg, stored.size[0], self.dtype)
         super().__init__(source.cfg, False, self._load_one)
 
+    def _dtype_of(self, megatron_name: str) -> torch.dtype:
+        return self.dtype
+
     def _load_one(self, megatron_name: str) -> torch.Tensor:
         if megatron_name not in self._sharded:
             raise KeyError(f"megatron-core's GPTModel has no {megatron_name!r} for this config")

@@ -126,11 +126,13 @@ class SafetensorsFiles:
         self.path = path
         self._where: dict[str, str] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
         for file in SafetensorsReader(path).files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    self._where[name] = str(file)
-                    self._shapes[name] = tuple(f.get_slice(name).get_shape())
+                    part = f.get_slice(name)
+                    self._where[name], self._shapes[name] = str(file), tuple(part.get_shape())
+                    self._dtypes[name] = part.get_dtype()
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -139,6 +141,12 @@ class SafetensorsFiles:
         if name not in self._shapes:
             raise KeyError(f"HF checkpoint {self.path} has no tensor {name!r}")
         return self._shapes[name]
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        self.shape(name)
+        if self._dtypes[name] not in _DTYPES:
+            raise ConfigError("SRC", f"{name} is stored as {self._dtypes[name]}; the tool converts F32, BF16, F16")
+        return _DTYPES[self._dtypes[name]]
 
     def __call__(self, name: str, rows: Optional[slice] = None, cols: Optional[slice] = None) -> torch.Tensor:
         self.shape(name)
@@ -176,6 +184,14 @@ class MegatronReader:
         if name not in self._shapes:
             raise KeyError(f"no tensor {name!r} in this checkpoint")
         return tuple(self._shapes[name])
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The dtype `name` is stored in, without reading it."""
+        entry = self._entry_of.get(name)
+        return self._dtype_of("output_layer.weight" if entry is None else entry.megatron)
+
+    def _dtype_of(self, megatron_name: str) -> torch.dtype:
+        raise NotImplementedError
 
     def _whole(self, name: str) -> torch.Tensor:
         if name == VALUE_HEAD and self.value_head:
@@ -218,6 +234,10 @@ class ShardsReader(MegatronReader):
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
             raise ConfigError("SRC", f"{path} is not a hybridflow engine shard (no 'model' table)")
         return state["model"]
+
+    def _dtype_of(self, megatron_name: str) -> torch.dtype:
+        stage = stage_of(megatron_name, self.cfg.num_layers, self.source.layout.pp)
+        return self._model(0, stage)[local_name(megatron_name, self.cfg.num_layers, self.source.layout.pp)].dtype
 
     def _gather(self, megatron_name: str) -> torch.Tensor:
         cfg, layout = self.cfg, self.source.layout
@@ -318,8 +338,8 @@ def _is_critic_hf(path: Path) -> bool:
 
 
 def hf_dtype(reader, name: str) -> torch.dtype:
-    """The dtype a source stores `name` in (one row is read)."""
-    dtype = reader(name, rows=slice(0, 1)).dtype
+    """The dtype a source stores `name` in (read from its index, not its data)."""
+    dtype = reader.stored_dtype(name)
     if dtype not in _DTYPES.values():
         raise ConfigError("SRC", f"{name} is stored as {dtype}; the tool converts float32, bfloat16 and float16")
     return dtype
