@@ -43,14 +43,27 @@ class Node:
       in-process executor runs every node where its model already is.
     - `batch_size`: at most this many items per `forward_fn` call (None: all
       the items the node receives at once).
+    - `env`: an environment factory (`hybridflow.envs`, e.g. `make_calculator_env`)
+      for a rollout node without a forward_fn: the node then runs the multi-turn
+      agent loop (`rollout.agent.agent_forward`), turning each prompt item into
+      (item, Episode) pairs. For limits or sampling of your own, pass
+      `forward_fn=agent_forward(make_env, limits, ...)` instead.
     """
 
     def __init__(self, name: str, model: Any = None,
                  forward_fn: Optional[Callable[[Any, list], Sequence]] = None,
                  engine: Optional[str] = None, placement: Optional[Sequence[int]] = None,
-                 batch_size: Optional[int] = None):
+                 batch_size: Optional[int] = None, env: Optional[Callable[[], Any]] = None):
         if not isinstance(name, str) or not name:
             raise ValueError(f"Node name must be a non-empty string, got {name!r}")
+        if env is not None:
+            if forward_fn is not None:
+                raise ValueError(f"node {name!r}: give env (the agent loop runs the model) or forward_fn, not both")
+            if not callable(env):
+                raise TypeError(f"node {name!r}: env must be a factory env() -> Environment, got {env!r}")
+            from hybridflow.rollout.agent import agent_forward  # torch: only for nodes that use it
+
+            forward_fn = agent_forward(env)
         if not callable(forward_fn):
             raise TypeError(f"node {name!r}: forward_fn must be a callable "
                             f"forward_fn(model, items) -> list, got {forward_fn!r}")

@@ -39,7 +39,8 @@ import torch
 from hybridflow.rollout.sampling import SamplingParams
 from hybridflow.utils import SEED_STRIDE
 
-__all__ = ["AgentLimits", "AgentLoop", "AgentOutput", "ChatGlue", "TemplateError", "Trajectory"]
+__all__ = ["AgentLimits", "AgentLoop", "AgentOutput", "ChatGlue", "Episode", "TemplateError", "Trajectory",
+           "agent_forward", "episodes"]
 
 
 class TemplateError(ValueError):
@@ -244,3 +245,50 @@ class AgentLoop:
             return
         t.add(glue, False)
         t.messages.append({"role": "tool", "content": str(observation)})
+
+
+@dataclass
+class Episode:
+    """A prompt's trajectory as a DataFlow passes it on: the response of its (prompt, response) pair."""
+
+    answer: str  # the last model turn
+    reward: float  # the environment's rewards, summed
+    turns: int
+    ended: str
+    messages: list[dict]  # the assistant and tool turns after the prompt
+    stats: dict
+
+    def __str__(self) -> str:
+        return self.answer
+
+
+def _messages(item: Any) -> list[dict]:
+    prompt = item["prompt"] if isinstance(item, dict) else item
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def episodes(model: Any, items: Sequence[Any], make_env: Callable[[], Any], limits: Optional[AgentLimits] = None,
+             temperature: float = 0.0, n: int = 1, seed: int = 0) -> list[tuple[Any, Episode]]:
+    """(item, Episode) pairs, n per item, for a generating model (`load_hf_model`'s CausalLM) and an environment.
+
+    items: prompt strings (one user turn) or dicts {"prompt": str or chat messages, "ground_truth": ...,
+    "extra_info": {...}}, the last two handed to `env.reset`. Greedy by default. Sampling is keyed by
+    (seed, item position, sample, turn).
+    """
+    tok = model.tokenizer
+    limits = limits or AgentLimits(max_turns=4, max_turn_tokens=128, max_total_tokens=512)
+    chats = [_messages(item) for item in items]
+    ids = [tok.encode(tok.render_prompt(chat), add_special_tokens=False) for chat in chats]
+    rows = [{"prompt": chat[-1]["content"], "ground_truth": item.get("ground_truth") if isinstance(item, dict) else None,
+             "extra_info": item.get("extra_info") if isinstance(item, dict) else None} for chat, item in zip(chats, items)]
+    params = model.sampling_params(limits.max_turn_tokens, temperature, n)
+    loop = AgentLoop(model.backend, tok, make_env, limits)
+    out = loop.run(ids, torch.arange(len(items)) + seed * SEED_STRIDE, params, rows)
+    return [(items[i // n], Episode(t.answer, sum(t.rewards), t.turns, t.ended, t.messages, t.stats))
+            for i, t in enumerate(out.trajectories)]
+
+
+def agent_forward(make_env: Callable[[], Any], limits: Optional[AgentLimits] = None, temperature: float = 0.0,
+                  n: int = 1, seed: int = 0) -> Callable[[Any, list], list]:
+    """A DataFlow `forward_fn(model, items)` running `episodes` (what `Node(..., env=make_env)` uses)."""
+    return lambda model, items: episodes(model, items, make_env, limits, temperature, n, seed)
