@@ -27,13 +27,16 @@ temporary directory) runs in a child process, side by side with two
 baselines: the same command with `--dry-run` (imports, the source's index
 and the plan: the floor), and a whole-model conversion (`load_hf_state_dict`
 then `save_hf_checkpoint`, what a tool that does not stream holds). Peak RSS
-is each child's high-water mark (`wait4`); "added" is above the dry run's.
+is each child's own high-water mark (VmHWM, which the tool prints); "added"
+is above the dry run's. `benchmarks/gpu_suite.py` runs it on a
+Qwen2.5-0.5B-shaped model.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import statistics
 import struct
 import subprocess
@@ -135,18 +138,22 @@ TOOL_RUNS = (  # (label, source key, destination, options)
     ("dist -> HF", "dist", "hf_dist", ["--to", "hf"]),
 )
 WHOLE = ("from hybridflow.models.checkpoint import load_hf_state_dict as l, save_hf_checkpoint as s; import json, sys;"
-         " s(l(sys.argv[1]), json.load(open(sys.argv[1] + '/config.json')), sys.argv[2])")
+         " from hybridflow.reshard.convert import peak_rss;"
+         " s(l(sys.argv[1]), json.load(open(sys.argv[1] + '/config.json')), sys.argv[2]);"
+         " print(f'peak memory {peak_rss() / 2**20:.0f} MiB')")
+PEAK = re.compile(r"peak memory (\d+) MiB")
 
 
 def _child(cmd: list[str]) -> tuple[float, int]:
-    """(seconds, peak RSS bytes) of a child process; fails loudly if it fails."""
+    """(seconds, peak RSS bytes) of a child process, the peak as it reports it (its VmHWM: the wait4
+    figure would include the pages of this process it was started from)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
+    done = subprocess.run(cmd, capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.read().decode()[-2000:]}")
-    return seconds, usage.ru_maxrss * 1024
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
+    found = PEAK.findall(done.stdout)
+    return seconds, int(found[-1]) * 2**20 if found else 0
 
 
 def write_tool_model(path: str, quick: bool) -> None:
@@ -175,8 +182,8 @@ def _tensor_bytes(model: str) -> list[int]:
 
 
 def run_tool(args) -> None:
-    """The tool's table. This process imports no torch and holds no tensor: a child's peak RSS (`wait4`)
-    counts the memory it had when it started, and a parent holding the model would be counted in each."""
+    """The tool's table: each conversion, its dry run and the whole-model baseline in child processes, each
+    reporting its own peak resident memory."""
     import tempfile
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

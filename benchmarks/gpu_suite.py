@@ -15,6 +15,12 @@ Sections, each a table (read the ratios; these machines are noisy):
 - gae: GAE at B=64 x T in {512, 2048, 8192} on CUDA tensors: the reference
   loop on the GPU, the C++ scan on the host (device<->host copies included)
   and the `cuda` warp-scan kernel (what `auto` runs there).
+- reshard: the checkpoint resharding tool (`hybridflow reshard`, CPU work
+  on the GPU machine's host) on a Qwen2.5-0.5B-shaped model (all 24 layers,
+  random bfloat16 weights): time and peak resident memory of each conversion
+  against its dry run and a whole-model load + save (bench_reshard.py
+  --tool's table). The dist_checkpointing rows need megatron-core (the
+  .whl that gpu_check.sh installs); without it they are left out.
 
 The whole run takes a few minutes on one H200, well under 8, of which the
 first JIT build of the CUDA extension is about one (cached afterwards).
@@ -157,18 +163,51 @@ def bench_gae(lengths, repeats: int) -> None:
               flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes and few repeats, a smoke run (~1 min)")
-    parser.add_argument("--only", default="logprob,bandwidth,gae", help="comma-separated subset of the sections")
-    parser.add_argument("--peak-tbps", type=float, default=4.8, help="device peak HBM bandwidth in TB/s (H200: 4.8)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls per case (median reported)")
-    args = parser.parse_args(argv)
+def write_qwen_shaped(path: Path, layers: int) -> Path:
+    """A random HF checkpoint of Qwen2.5-0.5B's shapes (tools/make_qwen_shaped_model.py's config, bfloat16;
+    no tokenizer: the tool converts weights only)."""
+    from hybridflow.models.bridge import get_bridge
+    from hybridflow.models.checkpoint import save_hf_checkpoint
+    from hybridflow.models.config import DecoderConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from make_qwen_shaped_model import QWEN25_05B
+
+    cfg = DecoderConfig.from_hf_dict({**QWEN25_05B, "num_hidden_layers": layers})
+    g = torch.Generator().manual_seed(0)
+    hf = {name: (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+          for name, shape in get_bridge(cfg).hf_shapes().items()}
+    config = cfg.to_hf_dict()
+    config["torch_dtype"] = "bfloat16"
+    return save_hf_checkpoint(hf, config, path)
+
+
+def bench_reshard_tool(quick: bool) -> None:
+    import importlib.util
+    import tempfile
+
+    import bench_reshard
+
+    if importlib.util.find_spec("megatron") is None:
+        bench_reshard.TOOL_RUNS = tuple(r for r in bench_reshard.TOOL_RUNS if "dist" not in r[0])
+        print("(megatron-core is not installed: the dist_checkpointing rows are left out)")
+    with tempfile.TemporaryDirectory(prefix="gpu-suite-reshard-") as tmp:
+        start = time.perf_counter()
+        path = write_qwen_shaped(Path(tmp) / "qwen2.5-0.5b-shaped", 2 if quick else 24)
+        print(f"\nreshard tool, Qwen2.5-0.5B-shaped ({'2' if quick else 'all 24'} layers, random bfloat16; "
+              f"written in {time.perf_counter() - start:.0f} s)")
+        bench_reshard.run_tool(argparse.Namespace(model=str(path), quick=quick))
+
+
+KERNEL_SECTIONS = {"logprob", "bandwidth", "gae"}
+
+
+def run_kernel_sections(args, only: set[str]) -> int:
+    """The CUDA sections; 1 (with the reason on stderr) without a CUDA device or extension."""
     if not torch.cuda.is_available():
         print("gpu_suite: no CUDA device visible (torch.cuda.is_available() is False); "
               "run it on a GPU machine with a CUDA build of torch.", file=sys.stderr)
         return 1
-    only = set(args.only.split(","))
     repeats = 3 if args.quick else args.repeats
     shapes = [(256, 4096), (64, 32000)] if args.quick else [(4096, 32000), (4096, 151936)]
     dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float32]
@@ -188,6 +227,22 @@ def main(argv: list[str] | None = None) -> int:
         bench_bandwidth(shapes, dtypes, repeats, args.peak_tbps)
     if "gae" in only:
         bench_gae([128] if args.quick else [512, 2048, 8192], min(repeats, 3))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes and few repeats, a smoke run (~1 min)")
+    parser.add_argument("--only", default="logprob,bandwidth,gae,reshard", help="comma-separated subset of the sections")
+    parser.add_argument("--peak-tbps", type=float, default=4.8, help="device peak HBM bandwidth in TB/s (H200: 4.8)")
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per case (median reported)")
+    args = parser.parse_args(argv)
+    only = set(args.only.split(","))
+    start = time.perf_counter()
+    if only & KERNEL_SECTIONS and run_kernel_sections(args, only) != 0:
+        return 1
+    if "reshard" in only:  # host work: runs (and is tried) without CUDA too
+        bench_reshard_tool(args.quick)
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
     return 0
 

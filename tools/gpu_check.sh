@@ -6,16 +6,19 @@
 #      first time the engine's CUDA path runs; its held-out accuracy is comparable with the CPU's
 #      20-step figure (28.7% -> 44.0% on this commit; not bit-equal: other kernels, other sums);
 #   3. benchmarks/gpu_suite.py: kernel speed, memory and bandwidth side by side;
+#   3b. (`reshard`) its reshard section: `hybridflow reshard` on a Qwen2.5-0.5B-shaped model (24 layers,
+#      random bfloat16), time and peak memory of each conversion against its dry run and a whole-model
+#      load + save (host work; the dist_checkpointing rows need megatron-core from .whl);
 #   4. (only when asked: `scale`) the Qwen2.5-0.5B GRPO config on one GPU against a random checkpoint
 #      of the real shapes (all 24 layers, bfloat16), 3 steps of 32 prompts x 8 samples x 256 tokens:
 #      the step's time split at GPU scale. Needs the GSM8K jsonl in data/gsm8k_src and data/gsm8k's
 #      parquet files (carry `data`).
 # Each step has its own timeout, so one hang cannot eat the lease; logs go to $OUT.
-#   tools/gpu_check.sh [pytest,train,suite]   (default: all three)
+#   tools/gpu_check.sh [pytest,train,suite,reshard]   (default: all four)
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
-steps=${1:-pytest,train,suite}
+steps=${1:-pytest,train,suite,reshard}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 fi
@@ -31,7 +34,10 @@ if [[ $steps == *train* ]]; then
     2>&1 | tee "$OUT/train_cuda.log" || rc=1
 fi
 if [[ $steps == *suite* ]]; then
-  timeout 200 python3 benchmarks/gpu_suite.py 2>&1 | tee "$OUT/gpu_suite.log" || rc=1
+  timeout 200 python3 benchmarks/gpu_suite.py --only logprob,bandwidth,gae 2>&1 | tee "$OUT/gpu_suite.log" || rc=1
+fi
+if [[ $steps == *reshard* ]]; then
+  timeout 240 python3 benchmarks/gpu_suite.py --only reshard 2>&1 | tee "$OUT/gpu_suite_reshard.log" || rc=1
 fi
 if [[ $steps == *scale* ]]; then
   python3 tools/make_qwen_shaped_model.py --out /tmp/qwen-shaped --src data/gsm8k_src > "$OUT/make_model.log" 2>&1 &&

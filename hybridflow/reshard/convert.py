@@ -63,7 +63,7 @@ class Result:
 
     def summary(self, dst: Path) -> str:
         text = (f"reshard: wrote {len(self.plan.items)} tensors, {human(self.written)} to {dst} "
-                f"({self.plan.target}) in {self.seconds:.1f} s, peak memory {human(self.peak_rss)}")
+                f"({self.plan.target}) in {self.seconds:.1f} s, peak memory {self.peak_rss / 2**20:.0f} MiB")
         return text + (f"; {self.verified}" if self.verified else "")
 
 
@@ -147,7 +147,7 @@ def run(req: Request, out: Callable[[str], None] = print) -> Optional[Result]:
         if req.dry_run:
             for line in plan.lines():
                 out(line)
-            out("dry run: nothing written")
+            out(f"dry run: nothing written; peak memory {peak_rss() / 2**20:.0f} MiB")
             return None
         started = time.perf_counter()
         sink = Sink(progress_bar(plan.total_bytes) if req.progress else lambda done, name: None)
