@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from hybridflow.models.fetch import FetchError, fetch_model
 from hybridflow.rollout import Generator, SamplingParams
 from hybridflow.rollout.agent import AgentLimits, AgentLoop, ChatGlue, TemplateError, Trajectory, left_pad
 from tests.rollout.conftest import tiny_decoder
+
+REPO = Path(__file__).resolve().parents[2]
 
 # Qwen2.5's way of showing a tool result: inside a user turn, between tags (not a turn named after its role).
 QWEN_STYLE = (
@@ -243,3 +246,34 @@ def test_limits_end_trajectories(smollm2):
     for t in out.trajectories:  # the second tool turn does not fit: the row ends before it, nothing cut
         assert t.ended == "total_tokens" and len(t.ids) <= 30 and t.mask[-1] == 1
         assert len(t.ids) + len(loop.glue.after_turn(t.ids[-1]) + loop.glue.tool_turn(Scripted.OBSERVATIONS[1])) >= 30
+
+
+def test_agent_flow_example_runs_episodes_through_a_dataflow(smollm2, tmp_path, capsys):
+    """examples/agent_flow.py: Node(name="rollout", model=..., env=make_calculator_env) -> reward node, on a
+    tiny model with SmolLM2's vocabulary and template (it answers in words: one turn, no call, reward 0), and
+    the same flow with limits of its own; a Node given both env and forward_fn is refused."""
+    import importlib.util
+
+    from hybridflow import Node
+    from hybridflow.envs import make_calculator_env
+    from hybridflow.models import save_decoder
+
+    tok = Tokenizer.from_path(smollm2)
+    model_dir = save_decoder(boosted_model(tok, [" the", " cat", " on", "."]), tmp_path / "tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2 / name, model_dir / name)
+    spec = importlib.util.spec_from_file_location("agent_flow", REPO / "examples" / "agent_flow.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    table = example.main(["--model", str(model_dir), "--prompts", "['What is 12 * 34?', 'And 5 * 6?']",
+                          "--truths", "['408', '30']", "--max-turns", "2", "--max-turn-tokens", "6"])
+    row = table[str(model_dir)]
+    assert row == {"accuracy": 0.0, "well_formed_call": 0.0, "malformed_call": 0.0, "turns": 1.0}
+    printed = capsys.readouterr().out
+    assert "[Rollout] " in printed and "--- What is 12 * 34?" in printed
+    flow = example.build_flow(str(model_dir))  # Node(env=...): the default limits
+    result = flow.run(["What is 2 * 3?"])
+    (item, episode), = result.outputs["rollout"]
+    assert item == "What is 2 * 3?" and result.final == [episode.reward] and episode.messages[0]["role"] == "assistant"
+    with pytest.raises(ValueError, match="give env .* or forward_fn, not both"):
+        Node(name="rollout", forward_fn=lambda m, x: x, env=make_calculator_env)
