@@ -72,6 +72,19 @@ demo-real: $(STAMP)
 	$(VENV)/bin/hybridflow train configs/smollm2-addition-grpo.yaml trainer.overwrite=true
 	$(VENV)/bin/hybridflow eval $(REAL_DATA)/test.parquet --model $(REAL_MODEL) --model runs/demo-real/hf_actor $(REAL_EVAL)
 
+# Multi-turn GRPO with a tool on CPU: SmolLM2-135M-Instruct learns to call a calculator for 3-digit x 2-digit
+# products (configs/smollm2-calculator-agent.yaml); then the start and end models on 50 held-out problems:
+# accuracy, the rate of episodes with a well-formed (and a malformed) call, and example episodes.
+AGENT_DATA := data/calculator
+
+demo-agent: $(STAMP)
+	$(VENV)/bin/hybridflow fetch-model smollm2
+	test -f $(AGENT_DATA)/train.parquet || \
+		$(PY) -m hybridflow.data.arithmetic --tool --train 2000 --test 100 --out $(AGENT_DATA)
+	$(VENV)/bin/hybridflow train configs/smollm2-calculator-agent.yaml trainer.overwrite=true
+	$(PY) examples/agent_flow.py --data $(AGENT_DATA)/test.parquet --limit 50 --max-turns 2 --max-turn-tokens 40 \
+		--model $(REAL_MODEL) --model runs/demo-agent/hf_actor --examples 3 --json runs/demo-agent/agent_eval.json
+
 # The GPU-scale GRPO config on CPU: a random checkpoint with Qwen2.5-0.5B's exact shapes (2 of its
 # 24 layers), GSM8K prompts, the actor at the config's own TP=2 over 2 processes, 2 steps (~3 min).
 SCALE_MODEL := models/qwen2.5-0.5b-shaped

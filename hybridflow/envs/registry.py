@@ -17,7 +17,7 @@ from hybridflow.envs.tools import calculator_tool, python_tool
 from hybridflow.utils import load_source_file, nearest_name
 
 __all__ = ["ENVIRONMENTS", "EnvFactory", "final_integer_score", "load_env_factory", "make_calculator_env",
-           "make_python_env", "check_factory"]
+           "make_python_env", "make_shaped_calculator_env", "check_factory"]
 
 EnvFactory = Callable[[], Environment]
 
@@ -40,12 +40,19 @@ def make_calculator_env() -> ToolEnv:
     return ToolEnv(tools=[calculator_tool()], score=final_integer_score)
 
 
+def make_shaped_calculator_env() -> ToolEnv:
+    """The calculator environment with a per-turn reward of 0.2 for each well-formed call (at most
+    ToolEnv.max_calls): a signal for a model that rarely answers right before it uses the tool."""
+    return ToolEnv(tools=[calculator_tool()], score=final_integer_score, call_reward=0.2)
+
+
 def make_python_env() -> ToolEnv:
     """The Python-expression tool (restricted parser); scored as the calculator environment."""
     return ToolEnv(tools=[python_tool()], score=final_integer_score)
 
 
-ENVIRONMENTS: dict[str, EnvFactory] = {"calculator": make_calculator_env, "python": make_python_env}
+ENVIRONMENTS: dict[str, EnvFactory] = {"calculator": make_calculator_env, "calculator_shaped": make_shaped_calculator_env,
+                                       "python": make_python_env}
 
 
 def load_env_factory(spec: str) -> EnvFactory:

@@ -130,3 +130,12 @@ def test_tool_problems_are_disjoint_products_with_the_call_format():
     env = make_calculator_env()  # the worked example in every prompt is a call the calculator accepts
     env.reset("", ground_truth="7955")
     assert env.step(train[0]["prompt"][2]["content"]) == ("7955", 0.0, False)
+
+
+def test_shaped_calculator_rewards_each_well_formed_call():
+    env = load_env_factory("calculator_shaped")()
+    env.reset("", ground_truth="5535")
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "123*45"}}</tool_call>'
+    assert env.step(call) == ("5535", 0.2, False)
+    assert env.step("<tool_call>{bad</tool_call>")[1] == 0.0  # a malformed call earns nothing
+    assert env.step("5535") == (None, 1.0, True)
