@@ -17,9 +17,9 @@ from hybridflow.errors import ConfigError
 
 EPILOG = """\
 forms (SRC's format is found from its files; DST is written beside itself and renamed when complete):
-  HF -> hybridflow training checkpoint at a layout (start a run there: trainer.resume=auto
-  trainer.checkpoint_dir=DST):
-      hybridflow reshard models/qwen ckpt/qwen_t2p2 --to hybridflow --tp 2 --pp 2
+  HF -> hybridflow training checkpoint at a layout (a run starts from it with trainer.resume=auto
+  when DST is its OUTPUT_DIR/EXPERIMENT/checkpoints; --make-vocab-size-divisible-by as the run's):
+      hybridflow reshard models/qwen runs/qwen/checkpoints --to hybridflow --tp 2 --pp 2
   hybridflow checkpoint (root, step_N or its actor/ or critic/ directory) -> another layout:
       hybridflow reshard runs/x/checkpoints ckpt/t1p1 --to hybridflow --tp 1 --pp 1 --config models/qwen
   hybridflow checkpoint -> HF for release (a critic becomes a one-label ...ForTokenClassification):
