@@ -223,6 +223,7 @@ def write_hf(plan: Plan, reader, out: Path, sink: Sink, extra_config: Optional[d
     if plan.role == "critic":  # a one-label token classifier: what `transformers` loads a value model as
         config["architectures"] = [config["architectures"][0].replace("ForCausalLM", "ForTokenClassification")]
         config["num_labels"] = 1
+        config["token_classification_bias"] = False  # the value head has none (transformers' default adds one)
     config.update(extra_config or {})
     (out / "config.json").write_text(json.dumps(config, indent=2))
 

@@ -85,6 +85,10 @@ def test_critic_round_trip_keeps_its_value_head(tmp_path):
     assert reshard(tmp_path / "c2", tmp_path / "hf_critic", "--to", "hf", "--role", "critic", "--verify") == 0
     config = json.loads((tmp_path / "hf_critic" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForTokenClassification"] and config["num_labels"] == 1
+    from transformers import AutoModelForTokenClassification
+
+    _, info = AutoModelForTokenClassification.from_pretrained(tmp_path / "hf_critic", output_loading_info=True)
+    assert not any(info.values()), info  # every tensor used, none missing (no score.bias expected)
     reshard(tmp_path / "hf_critic", tmp_path / "c1", "--to", "hybridflow", "--role", "critic")
     assert_same_shards_role(tmp_path / "c1", tmp_path / "c2")
 
