@@ -65,6 +65,14 @@ def detail(c: Candidate, wl: Workload) -> list[str]:
     for stage, parts in c.stages.items():
         text = ", ".join(f"{k} {v:.2f}" for k, v in parts.items() if v >= 0.005)
         lines.append(f"    {stage:13s} {sum(parts.values()):7.2f}  ({text})")
+    by_resource: dict[str, float] = {}
+    for parts in c.stages.values():
+        for resource, seconds in parts.items():
+            name = resource.split(".")[-1]
+            by_resource[name] = by_resource.get(name, 0.0) + seconds
+    total = sum(by_resource.values()) or 1.0
+    lines.append("  time by resource: " + ", ".join(
+        f"{RESOURCES.get(k, k)} {v / total:.0%}" for k, v in sorted(by_resource.items(), key=lambda kv: -kv[1])))
     stage, resource, share = c.bottleneck()
     kind = RESOURCES.get(resource.split(".")[-1], resource)
     lines.append(f"  iteration {c.iteration_s:.1f} s -> {c.prompts_per_day(wl.prompts):,.0f} prompts/day; "
