@@ -148,7 +148,7 @@ def _child(cmd: list[str]) -> tuple[float, int]:
     """(seconds, peak RSS bytes) of a child process, the peak as it reports it (its VmHWM: the wait4
     figure would include the pages of this process it was started from)."""
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")

@@ -4,8 +4,12 @@
 
 Everything (options, forms, checks) is `hybridflow/reshard/cli.py`'s; see `--help`.
 """
+import os
 import sys
 from pathlib import Path
+
+# Host work: megatron-core's CPU layer (the dist_checkpointing forms) runs only where no GPU is visible.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

@@ -9,7 +9,6 @@ prints as one line (`hybridflow: error: ...`, exit status 2); run as
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -95,8 +94,6 @@ def main(argv: list[str]) -> int:
     from hybridflow.reshard.convert import Request, run
 
     args = build_parser().parse_args(argv)
-    # The tool is host work; megatron-core's CPU layer (dist_checkpointing) runs only where no GPU is visible.
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     req = Request(**vars(args))
     result = run(req)
     if result is not None:

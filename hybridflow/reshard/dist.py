@@ -45,6 +45,9 @@ def _meta_sharded_state_dict(cfg: DecoderConfig, padded_vocab: int, dtype: torch
     from hybridflow.engine.build import RopePositions, build_model, transformer_config
     from hybridflow.engine.distributed import init_model_parallel
 
+    if torch.cuda.is_available():
+        raise RuntimeError("the dist_checkpointing forms run on the host with megatron-core's CPU layer, which "
+                           "needs no visible GPU: run with CUDA_VISIBLE_DEVICES='' (tools/reshard.py sets it)")
     cpu_compat.apply()
     init_model_parallel(ParallelConfig())  # a world of one; refuses to run inside another layout
     tconfig = transformer_config(cfg, ParallelConfig(), dtype, "cpu", False)

@@ -31,7 +31,7 @@ from safetensors import safe_open
 
 from hybridflow.errors import ConfigError
 from hybridflow.models.bridge import ParamEntry, get_bridge
-from hybridflow.models.checkpoint import INDEX_FILE, SINGLE_FILE, SafetensorsReader
+from hybridflow.models.checkpoint import INDEX_FILE, SINGLE_FILE, SafetensorsReader, check_hf_checkpoint
 from hybridflow.models.config import DecoderConfig, ModelConfigError
 from hybridflow.models.sharding import spec_for, unshard_tensor
 from hybridflow.parallel.layout import ParallelDims
@@ -314,8 +314,14 @@ def open_source(path: str | Path, role: str = "actor", config: Optional[str | Pa
     if role not in ROLES:
         raise ConfigError("--role", f"{role!r} is not one of {ROLES}")
     if _hf_dir(path):
-        return Source("hf", path, read_config(Path(config or path), "SRC config.json"),
-                      role="critic" if _is_critic_hf(path) else role)  # an LM -> a critic: fresh value head
+        cfg = read_config(Path(config or path), "SRC config.json")
+        if _is_critic_hf(path):
+            return Source("hf", path, cfg, role="critic")
+        try:  # every tensor there, in its shape (headers only): refused before anything is written
+            check_hf_checkpoint(path, cfg)
+        except ModelConfigError as exc:
+            raise ConfigError("SRC", str(exc)) from None
+        return Source("hf", path, cfg, role=role)  # role critic: a critic from this LM, its value head fresh
     if _dist_dir(path):
         return Source("dist", path, read_config(Path(config or path), "SRC config.json"), role=role)
     role_dir, step = _role_dir(path, role)

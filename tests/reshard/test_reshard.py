@@ -138,6 +138,14 @@ def test_unknown_architecture_and_non_empty_dst_are_refused(tmp_path, qwen):
     assert_same_hf(qwen, tmp_path / "dst")
 
 
+def test_an_hf_checkpoint_that_does_not_fit_its_config_is_refused(tmp_path, qwen):
+    config = json.loads((qwen / "config.json").read_text())
+    (qwen / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 5}))
+    with pytest.raises(ConfigError, match="missing 12 tensor"):
+        reshard(qwen, tmp_path / "dst", "--to", "hybridflow", "--tp", 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
 def test_cli_prints_one_line_and_returns_2(tmp_path, qwen, capsys):
     from hybridflow.cli import main as hybridflow
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # ~80 MB in float32, 8 shard files at TP2 x PP4: long enough to be caught between two files.
 BIG = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=8,
            num_key_value_heads=4, vocab_size=8192)
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # tools/reshard.py in processes of its own
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +48,6 @@ def test_killed_conversion_leaves_no_dst_and_the_next_run_clears_it(tmp_path, bi
     assert not (tmp_path / "dst").exists()
     left = [p.name for p in tmp_path.iterdir()]
     assert left == [f".dst.reshard-tmp-{proc.pid}"]  # hidden, and named as what it is
-    subprocess.run([sys.executable, str(ROOT / "tools/reshard.py"), str(tmp_path / "dst"), str(tmp_path / "x"),
-                    "--to", "hf"], capture_output=True, timeout=60)  # dst absent: refused, nothing written
-    assert not (tmp_path / "x").exists()
     done = subprocess.run([sys.executable, str(ROOT / "tools/reshard.py"), str(big), str(tmp_path / "dst"),
                            "--to", "hybridflow", "--tp", "2", "--pp", "4", "--no-progress"],
                           capture_output=True, text=True, timeout=60)
