@@ -151,7 +151,7 @@ def test_two_ray_processes_take_the_one_process_steps(agent_run, tmp_path):
     records = {}
     for name, extra in (("one", ["trainer.launcher=local"]), ("two", ["trainer.n_devices=2", "trainer.launcher=ray"])):
         cfg = agent_config(agent_run, tmp_path / name, "tiny-grpo.yaml", "trainer.total_steps=2", "trainer.val_every=0",
-                           "actor.ppo_mini_batch_size=8", *extra)
+                           "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", *extra)
         trainer = RLTrainer(cfg)
         try:
             summary = trainer.fit()
