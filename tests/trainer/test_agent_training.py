@@ -175,3 +175,20 @@ def test_outcome_score_lands_on_the_last_model_token():
     expected = torch.zeros(3, 8)
     expected[0, 6], expected[1, 2] = 2.0, 3.0
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("override, key, message", [
+    ("env.function=calculater", "env.function", "did you mean 'calculator'"),
+    ("env.max_turn_tokens=65", "env.max_turn_tokens", r"must be in \[1, data.max_response_length = 64\]"),
+    ("env.max_turns=0", "env.max_turns", "must be >= 1"),
+    ("data.apply_chat_template=false", "data.apply_chat_template", "env.function needs the chat template"),
+    ("env.stop_tokens=[ab]", "env.stop_tokens", "'ab' is not one token of the vocabulary"),
+])
+def test_bad_env_settings_are_named(agent_run, tmp_path, override, key, message):
+    from hybridflow.config import ConfigError
+    from hybridflow.controller.worker import WorkerError
+
+    with pytest.raises((ConfigError, WorkerError), match=message) as caught:
+        trainer = RLTrainer(agent_config(agent_run, tmp_path, "tiny-grpo.yaml", "trainer.launcher=local", override))
+        trainer.shutdown()
+    assert key in str(caught.value)
