@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # any dependency from pulling a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: test test-fast test-vllm demo demo-real install clean test-scale
+.PHONY: test test-fast test-vllm demo demo-real demo-agent install clean test-scale
 
 $(PY):
 	python3 -m venv $(VENV)
