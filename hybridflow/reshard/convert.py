@@ -150,7 +150,7 @@ def run(req: Request, out: Callable[[str], None] = print) -> Optional[Result]:
             out(f"dry run: nothing written; peak memory {peak_rss() / 2**20:.0f} MiB")
             return None
         started = time.perf_counter()
-        sink = Sink(progress_bar(plan.total_bytes) if req.progress else lambda done, name: None)
+        sink = Sink(progress_bar(plan.tensor_bytes) if req.progress else lambda done, name: None)
         write_atomically(req.dst, lambda tmp: _execute(plan, source, req, reader, tmp, sink))
         if req.progress:
             sys.stderr.write("\n")

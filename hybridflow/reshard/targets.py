@@ -67,8 +67,13 @@ class Plan:
         return math.prod(item.shape) * self.dtype.itemsize
 
     @property
+    def tensor_bytes(self) -> int:
+        """What is read and written once (DP copies of hybridflow shards are links)."""
+        return sum(self.nbytes(i) for i in self.items)
+
+    @property
     def total_bytes(self) -> int:
-        return sum(self.nbytes(i) for i in self.items) * (self.dp if self.target == "hybridflow" else 1)
+        return self.tensor_bytes * (self.dp if self.target == "hybridflow" else 1)
 
     def files(self) -> dict[str, list[Item]]:
         out: dict[str, list[Item]] = {}

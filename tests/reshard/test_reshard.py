@@ -61,6 +61,17 @@ def test_tp4_to_tp2_and_pp2_to_pp1_equal_direct_conversions(tmp_path):
     assert shards(tmp_path / "t4")[shard_file(3, 0)]["embedding.word_embeddings.weight"].shape[0] == 512 // 4
 
 
+def test_dp_copies_are_links_and_the_layout_is_recorded(tmp_path, qwen):
+    assert reshard(qwen, tmp_path / "d2", "--to", "hybridflow", "--tp", 2, "--dp", 2) == 0
+    step = tmp_path / "d2" / "step_000000"
+    for r in range(2):
+        a, b = step / "actor" / shard_file(r, 0, 0), step / "actor" / shard_file(r, 0, 1)
+        assert a.stat().st_ino == b.stat().st_ino
+    state = json.loads((step / "trainer.json").read_text())
+    assert state["step"] == 0 and state["layouts"] == {"actor": "p1-t2-d2"} and "kl_coef" not in state
+    assert (tmp_path / "d2" / "latest").read_text().strip() == "step_000000"
+
+
 def test_sharded_hf_with_an_index_in_and_out(tmp_path):
     write_model(tmp_path / "hf", "llama")
     assert reshard(tmp_path / "hf", tmp_path / "sharded", "--to", "hf", "--max-shard-size", "20KiB") == 0
