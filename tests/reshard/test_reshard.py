@@ -43,7 +43,9 @@ def test_hf_to_tp2pp2_to_tp1pp1_to_hf_is_bit_exact(tmp_path, family):
     assert reshard(tmp_path / "t2p2", tmp_path / "t1p1", "--to", "hybridflow") == 0
     assert reshard(tmp_path / "t1p1", tmp_path / "out", "--to", "hf", "--verify") == 0
     assert_same_hf(tmp_path / "hf", tmp_path / "out")
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == family
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == family and config.get("sliding_window") == (8 if family == "mistral" else None)
+    assert config["tie_word_embeddings"] == (family == "qwen2")
 
 
 def test_tp4_to_tp2_and_pp2_to_pp1_equal_direct_conversions(tmp_path):
