@@ -2,6 +2,7 @@
 
     python benchmarks/bench_reshard.py [--quick] [--repeats N] [--bucket-mb MB]
     hybridflow bench reshard
+    python benchmarks/bench_reshard.py --tool [--quick] [--model HF_DIR]   (the checkpoint tool)
 
 Starts 4 CPU processes (gloo) itself. A Llama-shaped model of about 100M
 parameters is sharded at t = 4 (p = 1, d = 1); for each generation layout
