@@ -223,7 +223,7 @@ class AgentLoop:
                    turn: int) -> None:
         t.add(tokens, True, log_probs)
         t.turns = turn + 1
-        closed = stopped and tokens and tokens[-1] == self.glue.end_of_turn
+        closed = bool(stopped and tokens and tokens[-1] == self.glue.end_of_turn)
         content = self.tokenizer.decode(tokens[:-1] if closed else tokens, skip_special_tokens=False)
         t.messages.append({"role": "assistant", "content": content})
         if not stopped:
