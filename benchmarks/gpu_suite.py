@@ -22,6 +22,12 @@ Sections, each a table (read the ratios; these machines are noisy):
   --tool's table). The dist_checkpointing rows need megatron-core (the
   .whl that gpu_check.sh installs); without it they are left out.
 
+- rollout (when vLLM imports): the built-in engine against vLLM on a
+  Qwen2.5-0.5B-shaped model (2 layers with --quick, else all 24; random
+  bfloat16 weights pushed into vLLM as the trainer pushes them), sampled
+  responses of up to 256 tokens: tokens/s of each (bench_rollout.py --engine
+  vllm's table). Without vLLM the section says so and is skipped.
+
 The whole run takes a few minutes on one H200, well under 8, of which the
 first JIT build of the CUDA extension is about one (cached afterwards).
 Importable, and `--help` works, without CUDA; a run needs a CUDA device.
@@ -199,6 +205,34 @@ def bench_reshard_tool(quick: bool) -> None:
         bench_reshard.run_tool(argparse.Namespace(model=str(path), quick=quick))
 
 
+def bench_rollout_engines(quick: bool) -> None:
+    """The built-in engine against vLLM on the GPU, the way a rollout uses them (skipped without vLLM)."""
+    import importlib.util
+    import tempfile
+
+    if importlib.util.find_spec("vllm") is None:
+        print("\nrollout: vLLM is not installed (pip install 'hybridflow[vllm]'); the section is skipped")
+        return
+    import bench_rollout
+
+    from hybridflow.models.checkpoint import load_decoder
+    from hybridflow.rollout import Generator, hf_named
+    from hybridflow.rollout.vllm_backend import VLLMBackend
+
+    class Pad:
+        pad_token_id = 0
+
+    layers, prompt_len, new_tokens = (2, 64, 64) if quick else (24, 256, 256)
+    with tempfile.TemporaryDirectory(prefix="gpu-suite-rollout-") as tmp:
+        path = write_qwen_shaped(Path(tmp) / "qwen2.5-0.5b-shaped", layers)
+        decoder = load_decoder(path).to("cuda").eval()
+        engine = VLLMBackend(str(path), Pad(), dtype="bfloat16", device="cuda", max_model_len=prompt_len + new_tokens)
+        engine.load_weights(hf_named(decoder))
+    print(f"\nrollout, Qwen2.5-0.5B-shaped ({layers} layers, random bfloat16), built-in engine against vLLM")
+    bench_rollout.bench_vllm(Generator(decoder, pad_token_id=0), engine, [8] if quick else [64, 256], prompt_len,
+                             new_tokens, 1 if quick else 3, eos_ids=64, workload="sampled")
+
+
 KERNEL_SECTIONS = {"logprob", "bandwidth", "gae"}
 
 
@@ -233,7 +267,8 @@ def run_kernel_sections(args, only: set[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes and few repeats, a smoke run (~1 min)")
-    parser.add_argument("--only", default="logprob,bandwidth,gae,reshard", help="comma-separated subset of the sections")
+    parser.add_argument("--only", default="logprob,bandwidth,gae,reshard,rollout",
+                        help="comma-separated subset of the sections")
     parser.add_argument("--peak-tbps", type=float, default=4.8, help="device peak HBM bandwidth in TB/s (H200: 4.8)")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per case (median reported)")
     args = parser.parse_args(argv)
@@ -243,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if "reshard" in only:  # host work: runs (and is tried) without CUDA too
         bench_reshard_tool(args.quick)
+    if "rollout" in only and torch.cuda.is_available():
+        bench_rollout_engines(args.quick)
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
     return 0
 

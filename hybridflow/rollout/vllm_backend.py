@@ -145,11 +145,12 @@ class VLLMBackend:
 
     tokenizer: the run's (pad id, and text for stop strings). max_model_len: prompt + response tokens
     (default: the config's). kv_cache_bytes: the KV cache on the CPU (default: `cpu_kv_cache_bytes`).
+    gpu_memory_utilization: vLLM's share of the GPU on CUDA (weights, activations and KV cache).
     """
 
     def __init__(self, model_path: str, tokenizer: Any, dtype: str = "float32", seed: int = 0,
                  device: str = "cpu", bucket_bytes: int = 64 * 2**20, max_model_len: Optional[int] = None,
-                 kv_cache_bytes: Optional[int] = None):
+                 kv_cache_bytes: Optional[int] = None, gpu_memory_utilization: float = 0.5):
         vllm = import_vllm()
         self.tokenizer, self.pad_token_id, self.bucket_bytes = tokenizer, tokenizer.pad_token_id, bucket_bytes
         self.sleeps = device != "cpu"  # vLLM's sleep mode needs CUDA's allocator
@@ -159,6 +160,8 @@ class VLLMBackend:
             logprobs_mode="processed_logprobs", enforce_eager=device == "cpu", enable_sleep_mode=self.sleeps)
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if device != "cpu":  # the actor trains on the same GPU: vLLM takes this share, and sleeps while it trains
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if device == "cpu":
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes or cpu_kv_cache_bytes(
                 DecoderConfig.from_pretrained(model_path), dtype, max_model_len)
