@@ -2,12 +2,14 @@
 reshard tool's dist_checkpointing output into a GPTModel at TP2 and computes logits on a fixed batch.
 
 argv: the dist checkpoint, the HF model it was converted from (its config.json), the output file (rank 0
-writes the logits, gathered over TP and cut to the vocabulary).
+writes the logits, gathered over TP and cut to the vocabulary), and where megatron-core saves the loaded
+model again at TP2 (the form a Megatron-LM run at TP2 writes), for the tool to read back.
 """
+import os
 import sys
 
 
-def main(dist_dir: str, hf_dir: str, out: str) -> None:
+def main(dist_dir: str, hf_dir: str, out: str, resaved: str = "") -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -30,7 +32,12 @@ def main(dist_dir: str, hf_dir: str, out: str) -> None:
     dist.all_gather(pieces, local.contiguous(), group=ps.get_tensor_model_parallel_group())
     if dist.get_rank() == 0:
         torch.save({"ids": ids, "logits": torch.cat(pieces, -1)[..., :cfg.vocab_size]}, out)
+    if resaved:  # megatron-core's own save from both ranks: each layer's tensors in two TP chunks
+        if dist.get_rank() == 0:
+            os.makedirs(resaved)
+        dist.barrier()
+        dist_checkpointing.save(model.sharded_state_dict(), resaved)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

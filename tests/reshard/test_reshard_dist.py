@@ -1,5 +1,6 @@
 """megatron-core dist_checkpointing: the tool's output, loaded by megatron-core itself at TP2 on 2 gloo
-processes, gives the HF model's logits; and it converts back to the HF model bit for bit."""
+processes, gives the HF model's logits; it converts back to the HF model bit for bit; and what megatron-core
+saves from that TP2 model converts to the HF model bit for bit too."""
 import subprocess
 import sys
 from pathlib import Path
@@ -27,10 +28,14 @@ def test_megatron_core_loads_the_tools_output_at_tp2_with_the_hf_logits(tmp_path
     tool(tmp_path / "hf", tmp_path / "dist", "--to", "dist", "--tp", 2)
     assert (tmp_path / "dist" / "metadata.json").is_file()
     torchrun("tests/reshard/dist_load_check.py", 2, tmp_path / "dist", tmp_path / "hf", tmp_path / "out.pt",
-             timeout=240)
+             tmp_path / "megatron_tp2", timeout=240)
     got = torch.load(tmp_path / "out.pt", weights_only=True)
     with torch.no_grad():
         want = load_decoder(tmp_path / "hf")(got["ids"])
     torch.testing.assert_close(got["logits"], want, rtol=1e-5, atol=1e-5)
     tool(tmp_path / "dist", tmp_path / "back", "--to", "hf", "--verify")
     assert_same_hf(tmp_path / "hf", tmp_path / "back")
+    # What megatron-core itself saved at TP2 (two chunks per tensor, [gate; up] halves from both ranks) reads
+    # back to the same HF model.
+    tool(tmp_path / "megatron_tp2", tmp_path / "from_megatron", "--to", "hf", "--config", tmp_path / "hf")
+    assert_same_hf(tmp_path / "hf", tmp_path / "from_megatron")
