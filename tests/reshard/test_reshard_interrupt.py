@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reshard.conftest import assert_same_hf, write_model
+from tests.reshard.conftest import write_model
 
 ROOT = Path(__file__).resolve().parents[2]
 # ~80 MB in float32, 8 shard files at TP2 x PP4: long enough to be caught between two files.
@@ -49,15 +49,11 @@ def test_killed_conversion_leaves_no_dst_and_the_next_run_clears_it(tmp_path, bi
     left = [p.name for p in tmp_path.iterdir()]
     assert left == [f".dst.reshard-tmp-{proc.pid}"]  # hidden, and named as what it is
     done = subprocess.run([sys.executable, str(ROOT / "tools/reshard.py"), str(big), str(tmp_path / "dst"),
-                           "--to", "hybridflow", "--tp", "2", "--pp", "4", "--no-progress"],
+                           "--to", "hybridflow", "--tp", "2", "--pp", "4", "--no-progress", "--verify"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+    assert "verified: 147 tensors equal SRC bit for bit" in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # the dead run's temporary directory is gone
-    done = subprocess.run([sys.executable, str(ROOT / "tools/reshard.py"), str(tmp_path / "dst"),
-                           str(tmp_path / "back"), "--to", "hf", "--no-progress"], capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert_same_hf(big, tmp_path / "back")
 
 
 def test_ctrl_c_removes_the_partial_output(tmp_path, big):
