@@ -12,6 +12,7 @@ kills the process groups it started and every process whose command line names i
 The driver is `python -m hybridflow.cli train` in a process of its own (this test process may already hold
 the session's local Ray cluster, and a process joins one cluster at a time).
 """
+import contextlib
 import json
 import os
 import re
@@ -121,12 +122,20 @@ def two_nodes():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _train(cluster: TwoNodeCluster, out: Path, *overrides: str) -> subprocess.Popen:
-    """`hybridflow train` of tiny-ppo (actor and critic at DP2, two Ray processes) joining `cluster`."""
-    return subprocess.Popen(
+@contextlib.contextmanager
+def _train(cluster: TwoNodeCluster, out: Path, *overrides: str):
+    """`hybridflow train` of tiny-ppo (actor and critic at DP2, two Ray processes) joining `cluster`; a driver
+    still running when the block ends (a failed assertion, a timeout) is killed."""
+    driver = subprocess.Popen(
         [sys.executable, "-m", "hybridflow.cli", "train", "configs/tiny-ppo.yaml", f"trainer.output_dir={out}",
          f"trainer.ray_address={cluster.address}", "trainer.n_devices=2", "trainer.launcher=ray", *overrides],
         cwd=ROOT, env=cluster.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        yield driver
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.communicate(timeout=30)
 
 
 def _placement(log: str, role: str) -> dict[int, tuple[str, str]]:
@@ -152,8 +161,8 @@ def _logged_steps(metrics: Path) -> set[int]:
 def test_ppo_on_a_two_node_ray_cluster_uses_both_nodes_and_matches_one_process(two_nodes, tmp_path):
     """Two PPO steps through `trainer.ray_address`: rank 0 lands on the head, rank 1 on the second node
     (each has one CPU), and the metrics equal the one-process run to 1e-5 (as the torchrun two-node test)."""
-    driver = _train(two_nodes, tmp_path / "nodes", *TWO_STEPS)
-    _, err = driver.communicate(timeout=300)
+    with _train(two_nodes, tmp_path / "nodes", *TWO_STEPS) as driver:
+        _, err = driver.communicate(timeout=300)
     assert driver.returncode == 0, err[-3000:]
     head_id, second_id = two_nodes.raylet(HEAD_IP)[1], two_nodes.raylet(SECOND_IP)[1]
     for role in ("ActorRolloutRefWorker", "CriticWorker"):  # the critic shares the actor's processes
@@ -168,16 +177,16 @@ def test_a_node_lost_mid_run_is_named_in_the_error(two_nodes, tmp_path):
     run stops with an error naming the node (id and IP) and the roles it held, and the driver exits
     instead of hanging (the bound is the communicate timeout, not a timed assertion)."""
     out = tmp_path / "lost"
-    driver = _train(two_nodes, out, "trainer.total_steps=50", "trainer.save_every=0", "data.val_files=[]")
     metrics = out / "tiny-ppo" / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while 1 not in _logged_steps(metrics):
-        assert driver.poll() is None, driver.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "step 1 was not logged"
-        time.sleep(0.5)
-    raylet, second_id = two_nodes.raylet(SECOND_IP)
-    raylet.kill()
-    _, err = driver.communicate(timeout=120)
+    with _train(two_nodes, out, "trainer.total_steps=50", "trainer.save_every=0", "data.val_files=[]") as driver:
+        deadline = time.monotonic() + 240
+        while 1 not in _logged_steps(metrics):
+            assert driver.poll() is None, driver.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "step 1 was not logged"
+            time.sleep(0.5)
+        raylet, second_id = two_nodes.raylet(SECOND_IP)
+        raylet.kill()
+        _, err = driver.communicate(timeout=120)
     assert driver.returncode == 1, err[-3000:]
     error = err[err.index("hybridflow: error:"):]
     assert f"node {second_id} ({SECOND_IP}) left the Ray cluster" in error, error[-3000:]
