@@ -4,11 +4,12 @@
     python benchmarks/bench_rollout.py --engine vllm [--quick]      # vLLM against the built-in engine
 
 `--engine vllm` (vLLM installed, e.g. `make test-vllm`'s .venv-vllm) runs vLLM
-(`rollout/vllm_backend.py`, weights pushed from the same decoder) side by side
-with the built-in engine instead of HF, on the same prompts and workloads:
+(`rollout/vllm_backend.py`, weights pushed from the same decoder) against
+the built-in engine instead of HF, on the same prompts, keys and workloads:
 tokens/s of each and their ratio, `same` (greedy), and memory: the resident
-growth of building vLLM's engine with its KV cache (`engine MiB`, paid once)
-and each engine's peak during one batch. On the CPU this measures vLLM's CPU
+growth of building vLLM's engine with its KV cache (paid once) and each
+engine's peak during one batch. The built-in engine runs first, before the
+vLLM engine exists (see `bench_vllm`). On the CPU this measures vLLM's CPU
 backend, which says little about what vLLM does on a GPU.
 
 A small Llama-shaped model is built here with random weights, saved as an HF
@@ -49,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import torch
 
@@ -187,45 +189,56 @@ def bench(ours: Generator, hf_model, batches, prompt_len: int, new_tokens: int, 
     return rows
 
 
-def bench_vllm(ours: Generator, vllm_engine, batches, prompt_len: int, new_tokens: int, repeats: int,
+def _measure(call, repeats: int) -> tuple[float, torch.Tensor, Optional[float]]:
+    """(tokens/s over `repeats` calls after a warm-up, the warm-up's responses, peak MiB of one more call)."""
+    first = call().responses
+    tokens, seconds = 0, 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = call()
+        seconds += time.perf_counter() - start
+        tokens += int(out.response_mask.sum())
+    with torch.no_grad():
+        peak = peak_extra_mib(call)[1]
+    return tokens / seconds, first, peak
+
+
+def bench_vllm(ours: Generator, make_vllm, batches, prompt_len: int, new_tokens: int, repeats: int,
                eos_ids: int, workload: str) -> list[dict]:
-    """vLLM against the built-in engine, alternating, median of `repeats` (after a warm-up round)."""
+    """The built-in engine, then vLLM (`make_vllm()` builds it), on the same prompts and keys.
+
+    Not alternated: a process holding a vLLM CPU engine runs other torch work slower (vLLM's CPU worker
+    binds the OpenMP threads and turns `torch.set_num_threads` into a no-op), so the built-in engine is
+    measured before the vLLM engine exists.
+    """
     vocab = ours.model.cfg.vocab_size
     eos = tuple(range(1, vocab, vocab // eos_ids))[:eos_ids]
-    rows = []
-    for kind in ("greedy", "sampled") if workload == "both" else (workload,):
+    kinds = ("greedy", "sampled") if workload == "both" else (workload,)
+    cases = []
+    for kind in kinds:
         params = (SamplingParams(max_new_tokens=new_tokens, do_sample=False) if kind == "greedy" else
                   SamplingParams(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=eos))
-        print(f"{kind}: at most {new_tokens} new tokens per row"
-              f"{'' if kind == 'greedy' else f', {eos_ids} EOS ids of {vocab}'}\n"
-              f"{'batch':>6s} {'prompt':>7s} {'builtin tok/s':>13s} {'vLLM tok/s':>11s} {'vLLM/builtin':>12s} "
-              f"{'same':>6s} {'builtin MiB':>11s} {'vLLM MiB':>9s} {'mem':>6s}")
         for batch in batches:
             ids, mask = _prompts(batch, prompt_len, vocab)
-            keys = torch.arange(batch)
-            calls = {"builtin": lambda: ours.generate(ids, mask, params, row_keys=keys),
-                     "vllm": lambda: vllm_engine.generate(ids, mask, params, row_keys=keys)}
-            seconds = {name: [] for name in calls}
-            tokens, first = dict.fromkeys(calls, 0), {}
-            for i in range(repeats + 1):  # the first round is a warm-up
-                for name, call in calls.items():
-                    start = time.perf_counter()
-                    out = call()
-                    if not i:
-                        first[name] = out.responses
-                        continue
-                    seconds[name].append(time.perf_counter() - start)
-                    tokens[name] += int(out.response_mask.sum())
-            rate = {k: tokens[k] / sum(seconds[k]) for k in calls}
-            same = "-"
-            if kind == "greedy":
-                same = f"{(first['builtin'] == first['vllm']).float().mean().item():6.3f}"
-            with torch.no_grad():
-                peaks = {k: peak_extra_mib(call)[1] for k, call in calls.items()}
-            print(f"{batch:6d} {prompt_len:7d} {rate['builtin']:13.0f} {rate['vllm']:11.0f} "
-                  f"{rate['vllm'] / rate['builtin']:11.2f}x {same:>6s} {mib(peaks['builtin'], 11)} "
-                  f"{mib(peaks['vllm'])} {ratio(peaks['vllm'], peaks['builtin'])}", flush=True)
-            rows.append({"workload": kind, "batch": batch, "tokens_per_s": rate, "peak_mib": peaks})
+            cases.append((kind, batch, ids, mask, params, torch.arange(batch)))
+    builtin = [_measure(lambda: ours.generate(ids, mask, params, row_keys=keys), repeats)
+               for _, _, ids, mask, params, keys in cases]
+    engine, engine_mib = peak_extra_mib(make_vllm)
+    print(f"vLLM engine built (KV cache included): {mib(engine_mib).strip()} MiB resident")
+    vllm = [_measure(lambda: engine.generate(ids, mask, params, row_keys=keys), repeats)
+            for _, _, ids, mask, params, keys in cases]
+    rows = [{"engine_mib": engine_mib}]
+    for (kind, batch, *_), ours_fig, vllm_fig in zip(cases, builtin, vllm):
+        if batch == batches[0]:
+            print(f"{kind}: at most {new_tokens} new tokens per row"
+                  f"{'' if kind == 'greedy' else f', {eos_ids} EOS ids of {vocab}'}\n"
+                  f"{'batch':>6s} {'prompt':>7s} {'builtin tok/s':>13s} {'vLLM tok/s':>11s} {'vLLM/builtin':>12s} "
+                  f"{'same':>6s} {'builtin MiB':>11s} {'vLLM MiB':>9s} {'mem':>6s}")
+        same = f"{(ours_fig[1] == vllm_fig[1]).float().mean().item():6.3f}" if kind == "greedy" else "-"
+        print(f"{batch:6d} {prompt_len:7d} {ours_fig[0]:13.0f} {vllm_fig[0]:11.0f} {vllm_fig[0] / ours_fig[0]:11.2f}x "
+              f"{same:>6s} {mib(ours_fig[2], 11)} {mib(vllm_fig[2])} {ratio(vllm_fig[2], ours_fig[2])}", flush=True)
+        rows.append({"workload": kind, "batch": batch, "tokens_per_s": {"builtin": ours_fig[0], "vllm": vllm_fig[0]},
+                     "peak_mib": {"builtin": ours_fig[2], "vllm": vllm_fig[2]}})
     return rows
 
 
@@ -244,13 +257,14 @@ def vllm_main(args, decoder: Decoder, cfg: DecoderConfig, batches, prompt_len, n
     print("NOTE: vLLM's CPU backend on this machine; these figures say little about vLLM on a GPU.")
     with tempfile.TemporaryDirectory() as tmp:
         path = save_decoder(decoder, tmp)
-        engine, engine_mib = peak_extra_mib(lambda: VLLMBackend(str(path), Pad(), dtype="float32",
-                                                                max_model_len=prompt_len + new_tokens))
-        engine.load_weights(hf_named(decoder))
-    print(f"vLLM engine built (KV cache included): {mib(engine_mib).strip()} MiB resident")
-    ours = Generator(decoder, pad_token_id=PAD)
-    rows = bench_vllm(ours, engine, batches, prompt_len, new_tokens, repeats, args.eos_ids, args.workload)
-    return [{"engine_mib": engine_mib}] + rows
+
+        def make_vllm():
+            engine = VLLMBackend(str(path), Pad(), dtype="float32", max_model_len=prompt_len + new_tokens)
+            engine.load_weights(hf_named(decoder))
+            return engine
+
+        ours = Generator(decoder, pad_token_id=PAD)
+        return bench_vllm(ours, make_vllm, batches, prompt_len, new_tokens, repeats, args.eos_ids, args.workload)
 
 
 def main() -> None:

@@ -226,11 +226,16 @@ def bench_rollout_engines(quick: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="gpu-suite-rollout-") as tmp:
         path = write_qwen_shaped(Path(tmp) / "qwen2.5-0.5b-shaped", layers)
         decoder = load_decoder(path).to("cuda").eval()
-        engine = VLLMBackend(str(path), Pad(), dtype="bfloat16", device="cuda", max_model_len=prompt_len + new_tokens)
-        engine.load_weights(hf_named(decoder))
-    print(f"\nrollout, Qwen2.5-0.5B-shaped ({layers} layers, random bfloat16), built-in engine against vLLM")
-    bench_rollout.bench_vllm(Generator(decoder, pad_token_id=0), engine, [8] if quick else [64, 256], prompt_len,
-                             new_tokens, 1 if quick else 3, eos_ids=64, workload="sampled")
+
+        def make_vllm():
+            engine = VLLMBackend(str(path), Pad(), dtype="bfloat16", device="cuda",
+                                 max_model_len=prompt_len + new_tokens)
+            engine.load_weights(hf_named(decoder))
+            return engine
+
+        print(f"\nrollout, Qwen2.5-0.5B-shaped ({layers} layers, random bfloat16), built-in engine against vLLM")
+        bench_rollout.bench_vllm(Generator(decoder, pad_token_id=0), make_vllm, [8] if quick else [64, 256],
+                                 prompt_len, new_tokens, 1 if quick else 3, eos_ids=64, workload="sampled")
 
 
 KERNEL_SECTIONS = {"logprob", "bandwidth", "gae"}
