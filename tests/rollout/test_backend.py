@@ -10,7 +10,7 @@ from hybridflow.errors import ConfigError
 from hybridflow.rollout import (Generator, RolloutBackend, SamplingParams, build_backend, hf_named,
                                 sync_weights)
 from hybridflow.rollout.backend import buckets
-from hybridflow.rollout.vllm_backend import TESTED_VLLM, import_vllm, untested
+from hybridflow.rollout.vllm_backend import TESTED_VLLM, cpu_kv_cache_bytes, import_vllm, untested
 from tests.rollout.conftest import PAD, left_padded_prompts, tiny_decoder
 
 GREEDY = SamplingParams(max_new_tokens=8, do_sample=False)
@@ -95,3 +95,15 @@ def test_versions_outside_the_tested_range_are_named():
     assert untested(low) is None and untested(low + "+cpu") is None
     assert untested(high) == f"vLLM {high} is installed; hybridflow's vLLM backend is tested with >={low},<{high}"
     assert untested("0.8.5") is not None
+
+
+def test_the_cpu_kv_cache_holds_two_sequences_of_the_longest_length():
+    """SmolLM2's shape at its 8192 positions needs more than the 256 MiB floor (vLLM refused to start with it)."""
+    from hybridflow.models import DecoderConfig
+
+    smollm2 = DecoderConfig.from_hf_dict(dict(model_type="llama", vocab_size=49152, hidden_size=576,
+                                              intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                                              num_key_value_heads=3, max_position_embeddings=8192))
+    per_token = 2 * 30 * 3 * 64 * 4  # keys and values, layers, kv heads, head_dim, float32
+    assert cpu_kv_cache_bytes(smollm2, "float32") == 2 * 8192 * per_token
+    assert cpu_kv_cache_bytes(smollm2, "bfloat16", max_model_len=512) == 256 * 2**20
