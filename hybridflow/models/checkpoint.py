@@ -9,9 +9,7 @@ where a good one was.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -22,6 +20,7 @@ from safetensors.torch import save_file
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.config import DecoderConfig, ModelConfigError
 from hybridflow.models.decoder import Decoder, rope_inv_freq
+from hybridflow.utils import write_dir_atomically
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -219,26 +218,14 @@ def save_hf_checkpoint(sd: dict[str, torch.Tensor], hf_config: dict, path: str |
 
 
 def _atomic_checkpoint(write_weights, hf_config: dict, path: str | Path, extra_files: tuple[Path, ...]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    def write(tmp: Path) -> None:
         write_weights(tmp)
         with open(tmp / "config.json", "w") as f:
             json.dump(hf_config, f, indent=2)
         for file in extra_files:
             shutil.copy2(file, tmp / Path(file).name)
-        old = None
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+
+    return write_dir_atomically(Path(path), write, "save")
 
 
 def load_decoder(path: str | Path, dtype: str | torch.dtype | None = None) -> Decoder:

@@ -27,6 +27,7 @@ from hybridflow.errors import ConfigError
 from hybridflow.parallel.layout import ParallelDims
 from hybridflow.reshard.sources import Source, hf_dtype, open_source
 from hybridflow.reshard.targets import Plan, Sink, human, plan_hf, plan_hybridflow, write_hf, write_hybridflow
+from hybridflow.utils import write_dir_atomically
 
 TARGETS = ("hf", "hybridflow", "dist")
 
@@ -151,7 +152,7 @@ def run(req: Request, out: Callable[[str], None] = print) -> Optional[Result]:
             return None
         started = time.perf_counter()
         sink = Sink(progress_bar(plan.tensor_bytes) if req.progress else lambda done, name: None)
-        write_atomically(req.dst, lambda tmp: _execute(plan, source, req, reader, tmp, sink))
+        write_dir_atomically(req.dst, lambda tmp: _execute(plan, source, req, reader, tmp, sink), "reshard")
         if req.progress:
             sys.stderr.write("\n")
     result = Result(plan, sink.done * (req.dp if req.to == "hybridflow" else 1), time.perf_counter() - started,
@@ -208,27 +209,6 @@ def _trainer_state(source: Source, plan: Plan) -> dict:
     state["models"] = {plan.role: {k: list(v) for k, v in shapes.items()}}
     state["layouts"] = {plan.role: str(ParallelDims(tp=plan.tp, pp=plan.pp, dp=plan.dp))}
     return state
-
-
-def write_atomically(dst: Path, write: Callable[[Path], None]) -> None:
-    """`write(tmp)` into a hidden sibling of `dst`, then rename it to `dst` (an old `dst` goes only after)."""
-    dst = dst.absolute()
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.reshard-tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        write(tmp)
-        old = None
-        if dst.exists():
-            old = dst.with_name(f".{dst.name}.reshard-old-{os.getpid()}")
-            os.replace(dst, old)
-        os.replace(tmp, dst)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def clear_dead_runs(dst: Path) -> None:

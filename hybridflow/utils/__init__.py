@@ -12,17 +12,19 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib.util
+import os
 import reprlib
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 if TYPE_CHECKING:
     from hybridflow.rollout.hf import CausalLM, HFModel, RewardModel, load_hf_model
 
 __all__ = ["CausalLM", "HFModel", "RewardModel", "SEED_STRIDE", "load_hf_model", "load_source_file", "mix_seed",
-           "nearest_name", "shown_value"]
+           "nearest_name", "shown_value", "write_dir_atomically"]
 
 _LAZY = {"CausalLM", "HFModel", "RewardModel", "load_hf_model"}
 
@@ -90,3 +92,31 @@ def load_source_file(path: Path, prefix: str) -> ModuleType:
         sys.modules.pop(module_name, None)
         raise
     return module
+
+
+def write_dir_atomically(dst: Path, write: Callable[[Path], None], tag: str) -> Path:
+    """`write(tmp)` into an empty hidden sibling of `dst` (`.NAME.TAG-tmp-PID`), then rename it to `dst`.
+
+    An existing `dst` is moved aside (`.NAME.TAG-old-PID`) and removed only after the new one is in place,
+    so a crash at any point leaves either the old directory or the new one, never a half-written `dst`; an
+    exception removes the partial output. The PID in the names lets a later run tell a killed writer's
+    leftovers from a live one's. Returns `dst` (absolute).
+    """
+    dst = Path(dst).absolute()
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.{tag}-tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write(tmp)
+        old = None
+        if dst.exists():
+            old = dst.with_name(f".{dst.name}.{tag}-old-{os.getpid()}")
+            os.replace(dst, old)
+        os.replace(tmp, dst)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst

@@ -17,11 +17,16 @@ FAMILIES = {
 
 
 def tiny_decoder(family: str, seed: int = 0, vocab_size: int = 101) -> Decoder:
-    """Weights large enough (std 0.15, random biases and norm gains) for varied greedy text."""
-    cfg = DecoderConfig.from_hf_dict(dict(
+    """A 2-layer decoder of `family` (FAMILIES) with roughened weights (`rough_decoder`)."""
+    return rough_decoder(dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        rope_theta=5000.0, max_position_embeddings=128, rms_norm_eps=1e-5, **FAMILIES[family]))
-    model = Decoder(cfg).init_weights(std=0.15, seed=seed).eval()
+        rope_theta=5000.0, max_position_embeddings=128, rms_norm_eps=1e-5, **FAMILIES[family]), seed)
+
+
+def rough_decoder(hf_config: dict, seed: int = 0) -> Decoder:
+    """The decoder of an HF config dict, with weights large enough (std 0.15, random biases and norm
+    gains) for varied greedy text."""
+    model = Decoder(DecoderConfig.from_hf_dict(hf_config)).init_weights(std=0.15, seed=seed).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -9,9 +9,9 @@ the same tokens within LOGPROB_ATOL (measured: about 1e-5).
 import pytest
 import torch
 
-from hybridflow.models import Decoder, DecoderConfig, save_decoder
+from hybridflow.models import Decoder, save_decoder
 from hybridflow.rollout import Generator, SamplingParams, hf_named, sync_weights
-from tests.rollout.conftest import left_padded_prompts
+from tests.rollout.conftest import left_padded_prompts, rough_decoder
 
 vllm = pytest.importorskip("vllm", reason="the vLLM backend's tests run under `make test-vllm`")
 from hybridflow.rollout.vllm_backend import VLLMBackend  # noqa: E402
@@ -29,19 +29,10 @@ class _Tok:
 
 
 def random_decoder(shape: str, seed: int = 0) -> Decoder:
-    """Weights large enough (std 0.15, random biases and norm gains) that greedy text varies."""
-    cfg = DecoderConfig.from_hf_dict(dict(
+    """A 2-layer decoder of `shape` (SHAPES) at head_dim 64, the smallest vLLM's CPU attention takes."""
+    return rough_decoder(dict(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=384, num_hidden_layers=2, head_dim=64,
-        rope_theta=10000.0, max_position_embeddings=256, rms_norm_eps=1e-5, **SHAPES[shape]))
-    model = Decoder(cfg).init_weights(std=0.15, seed=seed).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith(".bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-    return model
+        rope_theta=10000.0, max_position_embeddings=256, rms_norm_eps=1e-5, **SHAPES[shape]), seed)
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
