@@ -38,18 +38,14 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (hybridflow bench runs this by path)
+from figures import peak_since, reset_peak  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 
 def measure(args: argparse.Namespace, variant: str) -> dict:
     """One variant, in this process."""
-    import gc
-
     import torch
 
     from hybridflow.config.schema import ActorConfig, OptimConfig, ParallelConfig
@@ -97,12 +93,9 @@ def measure(args: argparse.Namespace, variant: str) -> dict:
     actor.update({**batch, **actor.compute_log_probs(batch, args.micro, budget), F.ADVANTAGES: adv}, step=0)
     def peak(fn):
         """(result, peak resident MiB beyond the start, seconds)"""
-        gc.collect()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident size
-        base, start = _status("VmRSS:"), time.perf_counter()
+        base, start = reset_peak(), time.perf_counter()
         out = fn()
-        return out, (_status("VmHWM:") - base) / 2**20, time.perf_counter() - start
+        return out, peak_since(base), time.perf_counter() - start
 
     old, logp_mib, logp_s = peak(lambda: actor.compute_log_probs(batch, args.micro, budget))
     _, update_mib, update_s = peak(lambda: actor.update({**batch, **old, F.ADVANTAGES: adv}, step=1))

@@ -18,7 +18,7 @@ from hybridflow.config.schema import Config
 from hybridflow.config.validate import validate
 from hybridflow.utils import nearest_name, shown_value
 
-__all__ = ["ConfigError", "apply_overrides", "dump_config", "from_dict", "load_config", "to_dict"]
+__all__ = ["ConfigError", "apply_overrides", "dump_config", "from_dict", "load_config", "load_config_data", "to_dict"]
 
 # A config holds a few hundred values; a file whose aliases expand to more is an alias bomb ("billion laughs").
 MAX_VALUES = 100_000
@@ -231,17 +231,22 @@ def _read_yaml(path: Path) -> dict:
     return data or {}
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (),
-                validate_config: bool = True) -> Config:
-    """Load a YAML file (or only defaults when `path` is None), apply overrides, validate."""
+def load_config_data(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> dict:
+    """The raw mapping of a YAML config file (empty when `path` is None) with `overrides` applied, before
+    typing and validation (what `load_config` types; the planner rewrites its layouts first)."""
     data: dict = {}
     if path is not None:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"config file not found: {path}")
         data = _read_yaml(path)
-    data = apply_overrides(data, overrides)
-    cfg = from_dict(Config, data)
+    return apply_overrides(data, overrides)
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (),
+                validate_config: bool = True) -> Config:
+    """Load a YAML file (or only defaults when `path` is None), apply overrides, validate."""
+    cfg = from_dict(Config, load_config_data(path, overrides))
     if validate_config:
         validate(cfg)
     return cfg

@@ -70,13 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(args) -> tuple[dict, object]:
     """The config's raw data (for the overlay) and the typed config, checked only for types: the planner
     replaces the layouts and device count, so the file's own may not fit --gpus."""
-    from hybridflow.config.loader import _read_yaml, apply_overrides, from_dict
+    from hybridflow.config.loader import from_dict, load_config_data
     from hybridflow.config.schema import Config
 
-    path = Path(args.config)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
-    data = apply_overrides(_read_yaml(path), args.overrides)
+    data = load_config_data(args.config, args.overrides)
     return data, from_dict(Config, data)
 
 
