@@ -48,6 +48,7 @@ from hybridflow.models.bridge import get_bridge
 from hybridflow.models.decoder import Decoder
 from hybridflow.models.kv_cache import KVCache
 from hybridflow.rollout.sampling import SamplingParams, sample
+from hybridflow.rollout.static_decode import StaticDecoder
 
 # Tokens decoded per stop-string check, per character of the longest stop
 # string: a character can span several byte-level tokens.
@@ -69,16 +70,21 @@ class GenerationOutput:
 
 
 class Generator:
-    """decode: "auto" (the C++ decode loop where it applies, see the module doc), "cpu" (it, or an
-    error saying why not) or "python" (always the loop here)."""
+    """decode: "auto" (on CUDA the static-shape path of `static_decode`, on the CPU the C++ decode loop
+    where it applies, see the module doc), "cpu" (the C++ loop, or an error saying why not), "static"
+    (the static path on any device; eager on the CPU, for tests) or "python" (always the loop here).
+    capture: how the static path replays its step on CUDA: "graph" (torch.cuda.CUDAGraph),
+    "compile" (torch.compile, mode="reduce-overhead") or "eager"."""
 
-    def __init__(self, model: Decoder, pad_token_id: int, tokenizer: Any = None, decode: str = "auto"):
-        if decode not in ("auto", "cpu", "python"):
-            raise ValueError(f"decode must be 'auto', 'cpu' or 'python', got {decode!r}")
+    def __init__(self, model: Decoder, pad_token_id: int, tokenizer: Any = None, decode: str = "auto",
+                 capture: str = "graph"):
+        if decode not in ("auto", "cpu", "python", "static"):
+            raise ValueError(f"decode must be 'auto', 'cpu', 'static' or 'python', got {decode!r}")
         self.model = model
         self.pad_token_id = pad_token_id
         self.tokenizer = tokenizer  # anything with .decode(list[int]) -> str; needed for stop strings
         self.decode = decode
+        self.static = StaticDecoder(model, capture)  # captures nothing until the static path runs
 
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -112,7 +118,8 @@ class Generator:
         return taken
 
     def release(self) -> None:
-        """Nothing to free: the model's weights are the generation weights."""
+        """The static path's caches and captured steps; the weights are the model's (nothing to free)."""
+        self.static.release()
 
     def resume(self) -> None:
         """Nothing to take back (see `release`)."""
@@ -135,6 +142,8 @@ class Generator:
         # Computed where the model lives, returned where the prompts came from (the
         # controller's batches are CPU tensors; a CUDA model generates on its GPU).
         rows, device, home = b * n, self.model.embed.weight.device, input_ids.device
+        if self._static_applies(params, device):
+            return self._static_generate(input_ids, attention_mask, params, generator, row_keys)
         fused = self._decode_extension(params, row_keys is not None, device)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         cache = KVCache(self.model.cfg, rows, t + steps, self.model.embed.weight.dtype, device)
@@ -153,6 +162,36 @@ class Generator:
             tokens, log_probs, mask, length = self._fused_decode(fused, logits, cache, params, keys, stop_ids)
         else:
             tokens, log_probs, mask, length = self._python_decode(logits, cache, params, generator, keys, stop_ids)
+        return GenerationOutput(
+            prompts=input_ids.repeat_interleave(n, 0).to(home),
+            prompt_mask=attention_mask.long().repeat_interleave(n, 0).to(home),
+            responses=tokens[:, :length].to(home).contiguous(),
+            response_mask=mask[:, :length].to(home).contiguous(),
+            log_probs=log_probs[:, :length].to(home).contiguous(),
+        )
+
+    def _static_applies(self, params: SamplingParams, device: torch.device) -> bool:
+        """The static path: asked for, or "auto" on CUDA; never for stop strings (they need the host each step)."""
+        if self.decode == "static" and params.stop:
+            raise ValueError("decode='static' cannot run stop strings: they are checked on the host each step")
+        return self.decode == "static" or (self.decode == "auto" and device.type == "cuda" and not params.stop)
+
+    def _static_generate(self, input_ids, attention_mask, params: SamplingParams, generator, row_keys):
+        """`generate` on the static path. Sampling without row_keys draws one key per prompt from `generator`
+        (or the global generator), so every draw happens inside the captured step."""
+        n, steps, device, home = params.n, params.max_new_tokens, self.model.embed.weight.device, input_ids.device
+        b = input_ids.shape[0]
+        if row_keys is None and not params.greedy:
+            row_keys = torch.randint(0, 2 ** 40, (b,), generator=generator,
+                                     device=generator.device if generator is not None else "cpu")
+        keys = None
+        if row_keys is not None:  # the eager loop's streams: one per (prompt, sample), advanced per step
+            keys = (row_keys.long().to(device).repeat_interleave(n) * n
+                    + torch.arange(n, device=device).repeat(b)) * (steps + 1)
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+        tokens, log_probs, mask, length = self.static.generate(input_ids, attention_mask, params, keys, stop_ids,
+                                                               self.pad_token_id)
         return GenerationOutput(
             prompts=input_ids.repeat_interleave(n, 0).to(home),
             prompt_mask=attention_mask.long().repeat_interleave(n, 0).to(home),
