@@ -29,6 +29,7 @@ from hybridflow.config.schema import ENGINES, RolloutConfig
 from hybridflow.errors import ConfigError
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.decoder import Decoder
+from hybridflow.models.sharding import unshard_tensor
 from hybridflow.rollout.generator import GenerationOutput, Generator
 from hybridflow.rollout.sampling import SamplingParams
 
@@ -57,19 +58,34 @@ class RolloutBackend(Protocol):
         """Take the memory back before the next rollout (a no-op where `release` is one)."""
 
 
-def hf_named(model: Decoder, make_vocab_size_divisible_by: int = 128) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tp = 1 generation model's weights as (HF name, tensor), one bridge entry at a time.
+def hf_named(model: Decoder, make_vocab_size_divisible_by: int = 128,
+             gathered: Optional[dict[str, int]] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The generation model's weights as whole (HF name, tensor) pairs, one bridge entry at a time.
 
     Fused tensors (QKV, [gate; up]) are split into their HF parts as they are reached, so at most one
-    entry's parts exist beside the model at a time; plain tensors are the parameters themselves (detached).
+    entry's parts exist beside the model at a time; at tp = 1 plain tensors are the parameters themselves
+    (detached). A tg-way model (`model.parallel.size > 1`, every rank of its group iterating in step)
+    gathers each sharded entry over its group when it is reached, with the group's one gather
+    (`TensorParallel.gather_vocab`, along the last dim), and drops the vocabulary padding: a rank holds
+    its own shard plus the entries not yet consumed, never the whole model while the consumer frees what
+    it took (`buckets` of a fraction of the model). `gathered["bytes"]`, when given, adds up what this
+    rank received from its peers.
     """
-    if model.parallel.size > 1:
-        raise ValueError("hf_named takes a tp = 1 model: HF names name whole tensors, this model holds "
-                         f"1/{model.parallel.size} of each")
-    bridge = get_bridge(model.cfg, make_vocab_size_divisible_by)
+    parallel = model.parallel
+    bridge = get_bridge(model.full_cfg, make_vocab_size_divisible_by)
     params = dict(model.named_parameters())
     for e in bridge.entries():
-        yield from zip(e.hf, bridge.split_parts(e, params[e.generation].detach()))
+        local = params[e.generation].detach()
+        if parallel.size > 1 and e.shard.dim is not None:
+            whole = parallel.gather_vocab(local.movedim(e.shard.dim, -1).contiguous())
+            pieces = [p.movedim(-1, e.shard.dim) for p in whole.chunk(parallel.size, dim=-1)]
+            local = unshard_tensor(pieces, e.shard)
+            if e.vocab:
+                local = local[: model.full_cfg.vocab_size]
+            if gathered is not None:
+                gathered["bytes"] = gathered.get("bytes", 0) + whole.numel() * whole.element_size() * (
+                    parallel.size - 1) // parallel.size
+        yield from zip(e.hf, bridge.split_parts(e, local))
 
 
 def buckets(named: Named, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -92,12 +108,23 @@ def buckets(named: Named, bucket_bytes: int) -> Iterator[list[tuple[str, torch.T
 def sync_weights(backend: RolloutBackend, source: Decoder, make_vocab_size_divisible_by: int = 128
                  ) -> dict[str, float]:
     """Bring `backend` up to `source`'s weights: nothing when it generates from `source` itself, else a push
-    of (HF name, tensor) pairs. The push's bytes and seconds as `reshard/*` metrics (empty when none)."""
+    of (HF name, tensor) pairs. The push's bytes and seconds as `reshard/*` metrics (empty when none).
+
+    A tg-way `source` is gathered entry by entry over its group as the push goes (`hf_named`), every rank
+    of the group pushing the same whole tensors into its own engine's shard: `reshard/push_gather_bytes`
+    is what this rank received for it, `reshard/push_peak_bytes` the largest bucket it held at once.
+    """
     if getattr(backend, "model", None) is source:
         return {}
-    start = time.perf_counter()
-    sent = backend.load_weights(hf_named(source, make_vocab_size_divisible_by))
-    return {"reshard/push_bytes": float(sent), "reshard/push_time_s": time.perf_counter() - start}
+    start, gathered = time.perf_counter(), {"bytes": 0}
+    sent = backend.load_weights(hf_named(source, make_vocab_size_divisible_by, gathered))
+    metrics = {"reshard/push_bytes": float(sent), "reshard/push_time_s": time.perf_counter() - start}
+    if source.parallel.size > 1:
+        metrics["reshard/push_gather_bytes"] = float(gathered["bytes"])
+    peak = getattr(backend, "largest_bucket_bytes", None)
+    if peak is not None:
+        metrics["reshard/push_peak_bytes"] = float(peak)
+    return metrics
 
 
 def build_backend(cfg: RolloutConfig, model: Decoder, tokenizer: Any, model_path: str, seed: int = 0,
@@ -115,4 +142,20 @@ def build_backend(cfg: RolloutConfig, model: Decoder, tokenizer: Any, model_path
     from hybridflow.rollout.vllm_backend import VLLMBackend
 
     dtype = str(model.embed.weight.dtype).removeprefix("torch.")
-    return VLLMBackend(model_path, tokenizer, dtype=dtype, seed=seed, device=device, bucket_bytes=bucket_bytes)
+    tg = model.parallel.size
+    if tg > 1:
+        _check_vllm_group(model.parallel.group, tg)
+    return VLLMBackend(model_path, tokenizer, dtype=dtype, seed=seed, device=device, bucket_bytes=bucket_bytes,
+                       tensor_parallel_size=tg)
+
+
+def _check_vllm_group(group: Any, tg: int) -> None:
+    """vLLM's own tensor-parallel groups (`external_launcher`) are the consecutive blocks of tg ranks of the
+    job's world; the generation group must be one of them, or vLLM would shard across other processes."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group)
+    if ranks != list(range(ranks[0], ranks[0] + tg)) or ranks[0] % tg:
+        raise ConfigError("rollout.grouping", f"the vLLM engine at tg={tg} needs each generation group to be "
+                          f"{tg} consecutive ranks of the world (vLLM's own tensor-parallel groups); this rank's "
+                          f"is {ranks}. Use rollout.grouping=vanilla or rollout.tg=actor.parallel.tp")

@@ -146,13 +146,18 @@ class VLLMBackend:
     tokenizer: the run's (pad id, and text for stop strings). max_model_len: prompt + response tokens
     (default: the config's). kv_cache_bytes: the KV cache on the CPU (default: `cpu_kv_cache_bytes`).
     gpu_memory_utilization: vLLM's share of the GPU on CUDA (weights, activations and KV cache).
+    tensor_parallel_size: above 1, this process is one rank of vLLM's tensor-parallel engine inside the job's
+    torch.distributed world (`external_launcher`; see the module docstring): every rank of the world builds
+    its backend at the same time, and the ranks of a group generate the same prompts together.
     """
 
     def __init__(self, model_path: str, tokenizer: Any, dtype: str = "float32", seed: int = 0,
                  device: str = "cpu", bucket_bytes: int = 64 * 2**20, max_model_len: Optional[int] = None,
-                 kv_cache_bytes: Optional[int] = None, gpu_memory_utilization: float = 0.5):
+                 kv_cache_bytes: Optional[int] = None, gpu_memory_utilization: float = 0.5,
+                 tensor_parallel_size: int = 1):
         vllm = import_vllm()
         self.tokenizer, self.pad_token_id, self.bucket_bytes = tokenizer, tokenizer.pad_token_id, bucket_bytes
+        self.largest_bucket_bytes = 0  # the most pushed-weight bytes held at once by the last push
         self.sleeps = device != "cpu"  # vLLM's sleep mode needs CUDA's allocator
         self.asleep = False
         kwargs: dict[str, Any] = dict(
@@ -160,6 +165,8 @@ class VLLMBackend:
             logprobs_mode="processed_logprobs", enforce_eager=device == "cpu", enable_sleep_mode=self.sleeps)
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if tensor_parallel_size > 1:
+            kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="external_launcher")
         if device != "cpu":  # the actor trains on the same GPU: vLLM takes this share, and sleeps while it trains
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if device == "cpu":
@@ -175,15 +182,18 @@ class VLLMBackend:
 
         if self.asleep:
             self.resume()
-        sent = 0
+        sent = largest = 0
         self.llm.collective_rpc(_begin_reload)
         try:
             for bucket in buckets(named, self.bucket_bytes):
                 self.llm.collective_rpc(_load_bucket, args=(bucket,))
-                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+                size = sum(t.numel() * t.element_size() for _, t in bucket)
+                sent, largest = sent + size, max(largest, size)
+                del bucket  # the next bucket is gathered with this one freed
         finally:
             self.llm.collective_rpc(_end_reload)
         self.llm.reset_prefix_cache()  # cached keys and values were computed with the old weights
+        self.largest_bucket_bytes = largest
         return sent
 
     def release(self) -> None:
