@@ -1,0 +1,48 @@
+"""Run by test_static_decode.py under `torchrun --nproc-per-node 2`: the static decode path at tg = 2.
+
+Each rank holds its generation shard of the tiny tensor-parallel test model
+(tests/hybrid_engine/test_tensor_parallel_generation.py's `case`) and decodes
+with decode="static" (eager on the CPU: the same step a CUDA graph captures,
+its all-reduces and vocabulary gathers over gloo), greedy and keyed with EOS
+ids that end rows unevenly, so rows move to smaller buckets on the way. Rank 0
+writes the outputs to argv[1]; every rank checks its peer sampled the same.
+"""
+import os
+import sys
+
+
+def main(out: str) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    import torch
+    import torch.distributed as dist
+
+    from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel, generation_shard
+    from hybridflow.models import Decoder
+    from hybridflow.parallel import init_process_group
+    from hybridflow.rollout import Generator
+    from tests.hybrid_engine.test_tensor_parallel_generation import PAD, case
+    from tests.rollout.test_static_decode import tp_workloads
+
+    init_process_group("cpu")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    cfg, bridge, full, batch = case(False, tp=size)
+    model = Decoder(cfg, GroupTensorParallel(dist.group.WORLD, bridge.padded_vocab))
+    missing, unexpected = model.load_state_dict(generation_shard(bridge, full, rank, size), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    gen = Generator(model.eval(), PAD, decode="static")
+    results = {}
+    for name, (params, keys) in tp_workloads().items():
+        got = gen.generate(batch["ids"], batch["mask"], params, row_keys=keys)
+        results[name] = {"responses": got.responses, "response_mask": got.response_mask,
+                         "log_probs": got.log_probs, "buckets": sorted(gen.static.states)}
+        everyone = [None] * size
+        dist.all_gather_object(everyone, got.responses)
+        assert all(torch.equal(t, everyone[0]) for t in everyone), f"{name}: ranks sampled differently"
+    if rank == 0:
+        torch.save(results, out)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
