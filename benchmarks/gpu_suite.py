@@ -1,6 +1,6 @@
 """GPU benchmark suite: the kernel claims that need a GPU, measured side by side in one run.
 
-    python benchmarks/gpu_suite.py [--quick] [--peak-tbps 4.8] [--only logprob,bandwidth,gae]
+    python benchmarks/gpu_suite.py [--quick] [--peak-tbps 4.8] [--only logprob,bandwidth,gae,generate]
 
 Sections, each a table (read the ratios; these machines are noisy):
 - logprob: token log-prob + entropy at 4096 x {32000, 151936}, bfloat16 and
@@ -27,6 +27,16 @@ Sections, each a table (read the ratios; these machines are noisy):
   bfloat16 weights pushed into vLLM as the trainer pushes them), sampled
   responses of up to 256 tokens: tokens/s of each (bench_rollout.py --engine
   vllm's table). Without vLLM the section says so and is skipped.
+
+- generate: the built-in generator's decode paths on a Qwen2.5-0.5B-shaped
+  model (all 24 layers, random bfloat16), 32 prompts x 8 samples = 256 rows,
+  256 new tokens, keyed sampling: the eager Python loop (64 new tokens: it
+  is launch-bound, ~25 s for 256), the static path replayed as a CUDA graph
+  and as torch.compile(mode="reduce-overhead"), side by side: tokens/s, the
+  first call's capture/compile time, peak memory; then the decode step alone
+  against its HBM roofline (weights + the KV cache's whole capacity / peak
+  bandwidth) and the eager keyed sampler's share. Without CUDA it runs the
+  same code at --quick sizes on the CPU (static path eager), as a dry run.
 
 The whole run takes a few minutes on one H200, well under 8, of which the
 first JIT build of the CUDA extension is about one (cached afterwards).
@@ -238,6 +248,121 @@ def bench_rollout_engines(quick: bool) -> None:
                                  prompt_len, new_tokens, 1 if quick else 3, eos_ids=64, workload="sampled")
 
 
+def _qwen_shaped_decoder(layers: int, device: str):
+    """A Qwen2.5-0.5B-shaped decoder with random bfloat16 weights, built where it runs (no checkpoint)."""
+    from hybridflow.models.config import DecoderConfig
+    from hybridflow.models.decoder import Decoder
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from make_qwen_shaped_model import QWEN25_05B
+
+    cfg = DecoderConfig.from_hf_dict({**QWEN25_05B, "num_hidden_layers": layers})
+    with torch.device(device):
+        model = Decoder(cfg).to(torch.bfloat16).eval()
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    return model
+
+
+def _timed(fn):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    return out, time.perf_counter() - start, peak
+
+
+def bench_generate(quick: bool, peak_tbps: float) -> None:
+    """The built-in generator's decode paths side by side (issue 30): the eager Python loop, the static
+    path replayed as a torch.cuda.CUDAGraph and as torch.compile(mode="reduce-overhead"); tokens/s, the
+    first call's capture / compile time, peak memory, and the decode step's time against the HBM roofline.
+    On the CPU (a dry run of the same code) the static path runs eagerly and the roofline is left out."""
+    from hybridflow.rollout import Generator, SamplingParams
+    from hybridflow.rollout.sampling import sample
+    from hybridflow.rollout.static_decode import bucket_size, cache_capacity
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    layers, prompts, n, prompt_len, new_tokens, eager_tokens = (
+        (2, 4, 4, 32, 24, 8) if quick else (24, 32, 8, 128, 256, 64))
+    model = _qwen_shaped_decoder(layers, device)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(prompt_len // 2, prompt_len + 1, (prompts,), generator=g)
+    mask = (torch.arange(prompt_len)[None] >= prompt_len - lengths[:, None]).long()
+    ids = torch.randint(1, model.cfg.vocab_size, (prompts, prompt_len), generator=g) * mask
+    keys = torch.arange(prompts) + 1000
+    rows = prompts * n
+    print(f"\ngenerate, Qwen2.5-0.5B-shaped ({layers} layers, random bfloat16) on {device}: {prompts} prompts x {n} "
+          f"= {rows} rows, prompts of {prompt_len // 2}-{prompt_len} tokens, keyed sampling at T=1, no EOS")
+    print(f"{'decode path':34s} {'new tok':>8s} {'1st call s':>11s} {'call s':>8s} {'tokens/s':>10s} "
+          f"{'peak GiB':>9s} {'same tokens':>12s}")
+    print(f"{'':34s} {'':>8s} {'':>11s} {'':>8s} {'':>10s} {'':>9s} {'as 1st static':>12s}")
+    modes = [("eager (python loop)", "python", "graph", eager_tokens)]
+    modes += ([("static + CUDAGraph", "static", "graph", new_tokens),
+               ("static + reduce-overhead", "static", "compile", new_tokens)] if cuda else
+              [("static (eager on CPU)", "static", "eager", new_tokens)])
+    reference, gens = None, {}
+    for label, decode, capture, steps in modes:
+        params = SamplingParams(max_new_tokens=steps, temperature=1.0, n=n)
+        gen = Generator(model, pad_token_id=0, decode=decode, capture=capture)
+        try:
+            _, first, _ = _timed(lambda: gen.generate(ids, mask, params, row_keys=keys))
+            out, secs, peak = _timed(lambda: gen.generate(ids, mask, params, row_keys=keys))
+        except Exception as exc:  # noqa: BLE001 - one failed mode must not hide the others' figures
+            print(f"{label:34s} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
+            continue
+        gens[capture if decode == "static" else decode] = gen
+        tokens = int(out.response_mask.sum())
+        same = "-"  # keyed streams depend on max_new_tokens: the static paths are compared with each other only
+        if decode == "static" and reference is None:
+            reference = out
+        elif decode == "static":
+            same = f"{(out.responses == reference.responses).float().mean():.1%}"
+        print(f"{label:34s} {steps:8d} {first:11.2f} {secs:8.2f} {tokens / secs:10.0f} {peak:9.2f} {same:>12s}",
+              flush=True)
+
+    # The decode step alone: replays of the captured step on the bucket of all the rows.
+    cfg = model.cfg
+    capacity = cache_capacity(prompt_len, new_tokens)
+    bucket = bucket_size(rows)
+    weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                       if name != "embed.weight" or cfg.tie_word_embeddings)  # the embedding lookup reads rows only
+    kv_bytes = 2 * cfg.num_layers * bucket * cfg.num_kv_heads * capacity * cfg.head_dim * 2  # k and v, bf16
+    logits = torch.randn(bucket, cfg.vocab_size, device=device).to(torch.bfloat16)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, n=n)
+    step_keys = torch.arange(bucket, device=device) * 1000
+    print(f"\ndecode step at batch {bucket}, cache capacity {capacity}: reads {weight_bytes / 1e9:.3f} GB of weights "
+          f"+ {kv_bytes / 1e9:.3f} GB of KV (the whole capacity, as the masked attention does)")
+    roofline_ms = (weight_bytes + kv_bytes) / (peak_tbps * 1e12) * 1e3
+    for capture, gen in gens.items():
+        if capture == "python" or bucket not in gen.static.states:
+            continue
+        st = gen.static.states[bucket]
+        replays = min(32, new_tokens - 1)
+
+        def replay_steps():
+            st.step.fill_(1)
+            st.pos.fill_(prompt_len)
+            for _ in range(replays):
+                st.replay()
+
+        ms = (time_ms(replay_steps, 5, warmup=1) if cuda else _timed(replay_steps)[1] * 1e3) / replays
+        tail = f"{ms / roofline_ms:5.1f}x the HBM roofline {roofline_ms:.3f} ms ({peak_tbps} TB/s)" if cuda else ""
+        print(f"  step ({capture}): {ms:8.3f} ms  {tail}", flush=True)
+    sample_once = lambda: sample(logits, params, None, step_keys)  # noqa: E731
+    ms = time_ms(sample_once, 5) if cuda else _timed(sample_once)[1] * 1e3
+    print(f"  of which keyed sampling over {cfg.vocab_size} tokens, eager: {ms:8.3f} ms")
+
+
 KERNEL_SECTIONS = {"logprob", "bandwidth", "gae"}
 
 
@@ -272,7 +397,7 @@ def run_kernel_sections(args, only: set[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes and few repeats, a smoke run (~1 min)")
-    parser.add_argument("--only", default="logprob,bandwidth,gae,reshard,rollout",
+    parser.add_argument("--only", default="logprob,bandwidth,gae,reshard,rollout,generate",
                         help="comma-separated subset of the sections")
     parser.add_argument("--peak-tbps", type=float, default=4.8, help="device peak HBM bandwidth in TB/s (H200: 4.8)")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per case (median reported)")
@@ -285,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_reshard_tool(args.quick)
     if "rollout" in only and torch.cuda.is_available():
         bench_rollout_engines(args.quick)
+    if "generate" in only:  # on the CPU: a dry run of the same code at --quick sizes
+        bench_generate(args.quick or not torch.cuda.is_available(), args.peak_tbps)
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
     return 0
 

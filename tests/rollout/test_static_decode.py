@@ -168,7 +168,7 @@ def _assert_bf16_close(got, want, atol=BF16_ATOL):
 def tp_workloads() -> dict:
     """The tg = 2 check's calls (static_tp_check.py): greedy, and keyed with EOS ids that end rows unevenly."""
     keys = torch.tensor([11, 12, 13])
-    return {"greedy": (SamplingParams(max_new_tokens=16, do_sample=False, n=2, stop_token_ids=(3, 9)), None),
+    return {"greedy": (SamplingParams(max_new_tokens=16, do_sample=False, n=2, stop_token_ids=(21, 8)), None),
             "keyed": (SamplingParams(max_new_tokens=16, temperature=1.0, n=4, stop_token_ids=(3, 9, 20, 30)), keys)}
 
 
@@ -195,7 +195,7 @@ def test_tg2_static_path_equals_one_rank(tmp_path):
         assert torch.equal(got[name]["responses"], want.responses), name
         assert torch.equal(got[name]["response_mask"], want.response_mask), name
         torch.testing.assert_close(got[name]["log_probs"], want.log_probs, atol=1e-5, rtol=0, msg=name)
-    assert len(got["keyed"]["buckets"]) > 1, got["keyed"]["buckets"]
+        assert len(got[name]["buckets"]) > 1, (name, got[name]["buckets"])  # rows moved to a smaller bucket
 
 
 @pytest.mark.slow
