@@ -9,16 +9,21 @@
 #   3b. (`reshard`) its reshard section: `hybridflow reshard` on a Qwen2.5-0.5B-shaped model (24 layers,
 #      random bfloat16), time and peak memory of each conversion against its dry run and a whole-model
 #      load + save (host work; the dist_checkpointing rows need megatron-core from .whl);
+#   3c. (`generate`) its generate section: the built-in generator's eager loop against the static decode
+#      path replayed as a CUDA graph and as torch.compile(mode="reduce-overhead"), 0.5B-shaped bf16 model,
+#      256 rows x 256 tokens: tokens/s, capture time, peak memory, decode step against the HBM roofline;
 #   4. (only when asked: `scale`) the Qwen2.5-0.5B GRPO config on one GPU against a random checkpoint
 #      of the real shapes (all 24 layers, bfloat16), 3 steps of 32 prompts x 8 samples x 256 tokens:
 #      the step's time split at GPU scale. Needs the GSM8K jsonl in data/gsm8k_src and data/gsm8k's
 #      parquet files (carry `data`).
 # Each step has its own timeout, so one hang cannot eat the lease; logs go to $OUT.
-#   tools/gpu_check.sh [pytest,train,suite,reshard]   (default: all four)
+#   tools/gpu_check.sh [pytest,train,suite,reshard,generate]   (default: all five)
+# The timeouts add up to more than 8 minutes; measured runs end well before them. For the decode path alone:
+#   tools/gpu_check.sh pytest,generate
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
-steps=${1:-pytest,train,suite,reshard}
+steps=${1:-pytest,train,suite,reshard,generate}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 fi
@@ -26,7 +31,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=c
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 rc=0
 if [[ $steps == *pytest* ]]; then
-  timeout 240 python3 -m pytest -m gpu tests/kernels tests/trainer/test_on_cuda.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_gpu.log" || rc=1
+  timeout 240 python3 -m pytest -m gpu tests/kernels tests/trainer/test_on_cuda.py tests/rollout/test_static_decode.py \
+    -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_gpu.log" || rc=1
 fi
 if [[ $steps == *train* ]]; then
   timeout 120 python3 -m hybridflow.cli train configs/demo.yaml trainer.device=cuda trainer.total_steps=20 \
@@ -38,6 +44,9 @@ if [[ $steps == *suite* ]]; then
 fi
 if [[ $steps == *reshard* ]]; then
   timeout 240 python3 benchmarks/gpu_suite.py --only reshard 2>&1 | tee "$OUT/gpu_suite_reshard.log" || rc=1
+fi
+if [[ $steps == *generate* ]]; then
+  timeout 240 python3 benchmarks/gpu_suite.py --only generate 2>&1 | tee "$OUT/gpu_suite_generate.log" || rc=1
 fi
 if [[ $steps == *scale* ]]; then
   python3 tools/make_qwen_shaped_model.py --out /tmp/qwen-shaped --src data/gsm8k_src > "$OUT/make_model.log" 2>&1 &&
