@@ -131,10 +131,14 @@ def _check_engine(cfg: Config) -> None:
                           f"{ro.weight_bucket_mb}")
     if ro.engine != "vllm":
         return
-    if ro.tg > 1:
-        raise ConfigError("rollout.tg", f"{ro.tg}: the vLLM engine generates at tg = 1 (one engine per process, "
-                          "each given the whole model); vLLM's own tensor parallelism across the training "
-                          "processes is not wired. Use rollout.tg=1 or rollout.engine=builtin")
+    if ro.tg > 1 and ro.tg < cfg.actor.parallel.tp and ro.grouping == "hybridflow":
+        # vLLM's tensor-parallel groups (distributed_executor_backend="external_launcher") are blocks of tg
+        # consecutive ranks of the job's world; the paper's grouping puts a generation group's ranks at
+        # stride t/tg, so vLLM would pair ranks that do not share a generation shard.
+        raise ConfigError("rollout.grouping", f"'hybridflow' at tg={ro.tg} < actor.parallel.tp="
+                          f"{cfg.actor.parallel.tp} puts a generation group's ranks {cfg.actor.parallel.tp // ro.tg}"
+                          " apart; the vLLM engine's tensor-parallel groups are consecutive ranks. Use "
+                          "rollout.grouping=vanilla, rollout.tg=actor.parallel.tp, or rollout.engine=builtin")
     from hybridflow.rollout.vllm_backend import import_vllm
 
     import_vllm()

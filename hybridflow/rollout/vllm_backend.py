@@ -15,6 +15,19 @@
   value of the old weights is reused. The engine runs in this process
   (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so a bucket reaches the model by
   reference, not through a socket.
+- **At tg > 1, one vLLM engine across the generation group.** Every rank of
+  the job builds its backend with `tensor_parallel_size=tg` and
+  `distributed_executor_backend="external_launcher"`: vLLM joins the job's
+  torch.distributed world (gloo on the CPU, `RANK` / `LOCAL_RANK` /
+  `MASTER_*` from the worker group) and makes each block of tg consecutive
+  ranks one tensor-parallel engine (`build_backend` checks that the
+  generation group is such a block), the blocks generating independently;
+  the ranks of a block are handed the same prompts and seeds, so they
+  schedule, and sample, alike. The push gathers each generation shard's
+  entry over the group as it is reached (`backend.hf_named`) and every rank
+  hands the same whole HF tensors to its `load_weights`, which keeps the
+  rank's own slice: a rank holds its shard plus one bucket, never the whole
+  model (`reshard/push_peak_bytes`, `reshard/push_gather_bytes`).
 - **Log-probs mean what the trainer's mean.** `logprobs_mode="processed_logprobs"`
   with `logprobs=0` returns the chosen token's log-prob under the
   distribution it was sampled from: `log_softmax(logits / temperature)`, and
@@ -140,6 +153,28 @@ def _end_reload(worker: Any) -> None:
             head.quant_method.process_weights_after_loading(head)
 
 
+def _unlink_cpu_shm_segment() -> None:
+    """Remove the name of this rank's shared-memory segment of vLLM's CPU tensor-parallel communicator, now
+    that every rank of the group has mapped it (vLLM joins all ranks behind a barrier before `LLM` returns).
+
+    Under `external_launcher` vLLM names the segment from the init method "env://" and the group's ranks
+    alone (`/dev/shm/-tp:0-[0-1]-cpushm_<rank>`), so every job on the machine uses the same name, created
+    exclusively: a job killed before vLLM's own clean-up (a worker group is stopped by killing its
+    processes) leaves it behind, and the next job's engine fails with "create shm in SHMManager failed.
+    errno: 17". Unlinked here, the memory lives as long as the mappings, and the name is free again.
+    """
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    name = getattr(group.device_communicator.dist_module, "group_name", None)  # absent: no SHM communicator
+    if name is None:
+        return
+    try:
+        os.unlink(os.path.join("/dev/shm", f"{name}_{group.rank_in_group}".lstrip("/")))
+    except FileNotFoundError:
+        pass
+
+
 class VLLMBackend:
     """An in-process vLLM engine for the HF model directory `model_path`, weights pushed by `load_weights`.
 
@@ -174,6 +209,8 @@ class VLLMBackend:
                 DecoderConfig.from_pretrained(model_path), dtype, max_model_len)
         self.llm = vllm.LLM(**kwargs)
         self._vllm = vllm
+        if tensor_parallel_size > 1 and device == "cpu":
+            _unlink_cpu_shm_segment()
 
     # -- weights --------------------------------------------------------------------------------
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
