@@ -288,7 +288,7 @@ def bench_generate(quick: bool, peak_tbps: float) -> None:
     On the CPU (a dry run of the same code) the static path runs eagerly and the roofline is left out."""
     from hybridflow.rollout import Generator, SamplingParams
     from hybridflow.rollout.sampling import sample
-    from hybridflow.rollout.static_decode import bucket_size, cache_capacity
+    from hybridflow.rollout.static_decode import bucket_size, cache_capacity, compiled_keyed_choice, sample_tokens
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -358,9 +358,15 @@ def bench_generate(quick: bool, peak_tbps: float) -> None:
         ms = (time_ms(replay_steps, 5, warmup=1) if cuda else _timed(replay_steps)[1] * 1e3) / replays
         tail = f"{ms / roofline_ms:5.1f}x the HBM roofline {roofline_ms:.3f} ms ({peak_tbps} TB/s)" if cuda else ""
         print(f"  step ({capture}): {ms:8.3f} ms  {tail}", flush=True)
-    sample_once = lambda: sample(logits, params, None, step_keys)  # noqa: E731
-    ms = time_ms(sample_once, 5) if cuda else _timed(sample_once)[1] * 1e3
-    print(f"  of which keyed sampling over {cfg.vocab_size} tokens, eager: {ms:8.3f} ms")
+    draws = [("eager", lambda: sample(logits, params, None, step_keys))]
+    if cuda:  # what capture="graph" runs: the keyed draw compiled, the rest of the sampler eager
+        draws.append(("compiled draw", lambda: sample_tokens(logits, params, step_keys, compiled_keyed_choice())))
+    for name, draw in draws:
+        try:
+            ms = time_ms(draw, 5) if cuda else _timed(draw)[1] * 1e3
+            print(f"  of which keyed sampling over {cfg.vocab_size} tokens, {name}: {ms:8.3f} ms", flush=True)
+        except Exception as exc:  # noqa: BLE001
+            print(f"  keyed sampling, {name}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
 
 
 KERNEL_SECTIONS = {"logprob", "bandwidth", "gae"}

@@ -14,8 +14,9 @@ What is fixed per captured step (one `DecodeState` per batch bucket):
   (`key_mask`, plus the sliding window as `slot > pos - window`), the same keys the eager path's slice
   holds, so the softmax differs from it only in float rounding;
 - sampling (greedy, temperature, top-k / top-p, keyed per row by `counter_uniform(keys + step)`) runs
-  inside the step: `sampling.sample` is already free of host syncs. Ended rows are masked (fed
-  padding, log-prob 0, mask 0), never removed inside the graph.
+  inside the step, as `sampling.sample` computes it (free of host syncs); in a CUDA graph the keyed
+  draw is a compiled kernel (`keyed_choice`). Ended rows are masked (fed padding, log-prob 0, mask 0),
+  never removed inside the graph.
 
 The host syncs once every `CHECK_EVERY` steps: it reads how many rows are live, stops when none is, and
 once a quarter of the real rows have ended moves the live ones (their cache up to `pos`, their key mask,
@@ -50,7 +51,7 @@ import torch.nn.functional as F
 
 from hybridflow.models.decoder import Decoder, apply_rope, rope_cos_sin
 from hybridflow.models.kv_cache import KVCache
-from hybridflow.rollout.sampling import SamplingParams, sample
+from hybridflow.rollout.sampling import SamplingParams, counter_uniform, truncate
 
 BUCKETS = tuple(sorted({2 ** k for k in range(15)} | {3 * 2 ** k for k in range(14)}))  # 1, 2, 3, 4, 6, 8, ..
 CAPACITY_MULTIPLE = 128  # slots; also keeps the mask's last dim aligned for the fused SDPA kernels
@@ -159,10 +160,43 @@ def forward_step(model: Decoder, st: DecodeState) -> torch.Tensor:
     return model.logits(model.norm(x))[:, -1]
 
 
+def keyed_choice(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max over `scaled` [B, V] (tempered, truncated logits) with noise hashed from keys [B]:
+    `sampling.sample`'s keyed draw. Eagerly that is ~20 passes over a [B, V] int64/float64 tensor (at
+    256 x 151936 about 14 GB of traffic per step, several times the model's own); compiled
+    (`StaticDecoder(fuse_noise=True)`, on CUDA) it is one reduction that reads the logits once."""
+    gumbel = -torch.log(-torch.log(counter_uniform(keys, scaled.shape[-1])))
+    return (scaled.double() + gumbel).argmax(-1)
+
+
+_COMPILED_CHOICE = None
+
+
+def compiled_keyed_choice():
+    """`keyed_choice` under torch.compile (one per process, so each generator reuses its kernels)."""
+    global _COMPILED_CHOICE
+    if _COMPILED_CHOICE is None:
+        _COMPILED_CHOICE = torch.compile(keyed_choice, fullgraph=True)
+    return _COMPILED_CHOICE
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, keys: Optional[torch.Tensor],
+                  choose=keyed_choice) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sampling.sample` for greedy and keyed sampling, the keyed draw done by `choose`."""
+    logits = logits.float()
+    if params.greedy:
+        tokens = logits.argmax(-1)
+    else:
+        logits = logits / params.temperature
+        tokens = choose(truncate(logits, params.top_k, params.top_p), keys)
+    log_probs = logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(-1)
+    return tokens, log_probs
+
+
 def sample_step(st: DecodeState, logits: torch.Tensor, params: SamplingParams, keyed: bool,
-                stop_ids: torch.Tensor, pad: int) -> None:
+                stop_ids: torch.Tensor, pad: int, choose=keyed_choice) -> None:
     """Choose each row's next token from `logits` [bucket, V] and write it to column `st.step`."""
-    token, log_prob = sample(logits, params, None, st.keys + st.step if keyed else None)
+    token, log_prob = sample_tokens(logits, params, st.keys + st.step if keyed else None, choose)
     token = token.masked_fill(st.done, pad)
     st.out_tokens.index_copy_(1, st.step, token[:, None])
     st.out_log_probs.index_copy_(1, st.step, log_prob.masked_fill(st.done, 0.0)[:, None])
@@ -175,10 +209,13 @@ def sample_step(st: DecodeState, logits: torch.Tensor, params: SamplingParams, k
 class StaticDecoder:
     """Static-shape decode states and their captured steps for one model (see the module doc)."""
 
-    def __init__(self, model: Decoder, capture: str = "graph"):
+    def __init__(self, model: Decoder, capture: str = "graph", fuse_noise: bool = True):
         if capture not in CAPTURES:
             raise ValueError(f"capture must be one of {CAPTURES}, got {capture!r}")
         self.model, self.capture = model, capture
+        # capture="graph" on CUDA: the keyed draw compiled (torch.compile, no CUDA graphs of its own) and
+        # captured inside the step's graph. capture="compile" fuses it with the rest of the step anyway.
+        self.fuse_noise = fuse_noise
         self.states: dict[tuple, DecodeState] = {}
         self.family: Optional[tuple] = None
         self.addresses: Optional[list[int]] = None
@@ -222,9 +259,12 @@ class StaticDecoder:
         caller loads the real rows afterwards, so nothing they wrote survives.
         """
         model = self.model
+        choose = keyed_choice
+        if mode == "graph" and keyed and self.fuse_noise:
+            choose = compiled_keyed_choice()
 
         def step():
-            sample_step(st, forward_step(model, st), params, keyed, stop_ids, pad)
+            sample_step(st, forward_step(model, st), params, keyed, stop_ids, pad, choose)
 
         self.captures += 1
         if mode == "eager":

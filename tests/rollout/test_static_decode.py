@@ -39,6 +39,21 @@ def test_buckets_and_capacity():
     assert cache_capacity(9, 40) == 128 and cache_capacity(100, 28) == 128 and cache_capacity(100, 29) == 256
 
 
+@pytest.mark.parametrize("kw", [dict(do_sample=False), dict(temperature=0.8),
+                                dict(temperature=1.3, top_k=50, top_p=0.9)])
+def test_the_steps_sampler_is_samplings(kw):
+    """sample_tokens (what the step runs) draws sampling.sample's tokens and log-probs bit for bit."""
+    from hybridflow.rollout.sampling import sample
+
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    keys = torch.arange(64) * 977 + 5
+    params = SamplingParams(max_new_tokens=4, **kw)
+    want = sample(logits, params, None, keys)
+    got = static_decode.sample_tokens(logits, params, keys)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert want[0].unique().numel() > 30
+
+
 @pytest.mark.parametrize("sampling", ["greedy", "keyed", "keyed-top-k-top-p"])
 def test_static_path_gives_the_eager_loops_tokens(family, sampling):
     """Rows end unevenly: ended rows are masked inside the step, and the live ones move to smaller buckets."""
@@ -210,6 +225,20 @@ def test_torch_compile_traces_the_step_whole():
     gen = Generator(model, PAD, decode="static", capture="compile")
     gen.static._mode = lambda device: "compile"
     _assert_same(gen.generate(ids, mask, params, row_keys=KEYS), want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_compiled_keyed_draw_equals_the_eager_one():
+    """The keyed draw a CUDA graph captures compiled (fuse_noise) picks the eager draw's tokens; here
+    compiled for the CPU (the GPU test replays it in the graph)."""
+    compiled = static_decode.compiled_keyed_choice()
+    g = torch.Generator().manual_seed(1)
+    for rows, width in ((8, 1000), (24, 4099)):
+        scaled = torch.randn(rows, width, generator=g) * 2
+        scaled[:, ::7] = float("-inf")  # truncated tokens
+        keys = torch.randint(0, 2 ** 40, (rows,), generator=g)
+        assert torch.equal(compiled(scaled, keys), static_decode.keyed_choice(scaled, keys))
 
 
 # ---- on a CUDA device (pytest -m gpu) ----
