@@ -36,6 +36,12 @@ rollout 106 -> 95 ms. They take what they compute exactly as this loop does
 (a float32 model, TP size 1, full attention, greedy or keyed sampling, no
 top-k / top-p / stop strings); anything else, or a machine that cannot build
 it, runs the loop below. The two agree to float rounding (tests).
+
+On CUDA, `decode="auto"` takes the static-shape path of `static_decode.py`
+instead: a fixed-size cache and batch bucket per step, captured once as a CUDA
+graph (or `torch.compile(mode="reduce-overhead")`, `capture="compile"`) and
+replayed per token, sampling inside it. It gives this loop's tokens for greedy
+and keyed sampling; calls with stop strings take this loop.
 """
 from __future__ import annotations
 
