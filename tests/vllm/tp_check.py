@@ -1,6 +1,7 @@
 """Run by test_tensor_parallel.py under `torchrun --nproc-per-node 2`: vLLM at tensor parallel 2 inside the job.
 
-Each rank holds its tg = 2 generation shard of a random decoder (as the
+On 4 processes the world is two such engines, each its own block of 2 ranks. Each rank holds its tg = 2
+generation shard of a random decoder (as the
 3D-HybridEngine leaves it) and builds one vLLM rank of a 2-way engine
 (`distributed_executor_backend="external_launcher"`, the job's gloo world).
 `sync_weights` gathers the shards entry by entry into whole HF tensors, in
@@ -15,18 +16,19 @@ import json
 import os
 import sys
 
+TG = 2  # each block of TG consecutive ranks of the world is one vLLM engine (more ranks: more engines)
 
-def shard_model(full_model, rank: int, size: int):
-    """`full_model`'s tg-way shard on this rank, as the 3D-HybridEngine's generation model."""
-    import torch.distributed as dist
 
+def shard_model(full_model, group, rank: int, size: int):
+    """`full_model`'s shard for rank `rank` of the `size`-way `group`, as the 3D-HybridEngine's generation
+    model."""
     from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel, generation_shard
     from hybridflow.models import Decoder
     from hybridflow.models.bridge import get_bridge
 
     bridge = get_bridge(full_model.cfg, 128, tp=size)
     full = bridge.hf_to_megatron(bridge.generation_to_hf({k: v.detach() for k, v in full_model.state_dict().items()}))
-    model = Decoder(full_model.cfg, GroupTensorParallel(dist.group.WORLD, bridge.padded_vocab))
+    model = Decoder(full_model.cfg, GroupTensorParallel(group, bridge.padded_vocab))
     missing, unexpected = model.load_state_dict(generation_shard(bridge, full, rank, size), strict=False)
     assert not missing and not unexpected, (missing, unexpected)
     return model.eval().requires_grad_(False)
@@ -57,38 +59,44 @@ def main(shape: str, out: str, mode: str) -> None:
     from tests.vllm.test_engine import PAD, STEPS, VOCAB, _Tok
 
     init_process_group("cpu")
-    rank, size = dist.get_rank(), dist.get_world_size()
+    world, size = dist.get_world_size(), TG
+    groups = [dist.new_group(list(range(first, first + size))) for first in range(0, world, size)]
+    group, rank = groups[dist.get_rank() // size], dist.get_rank() % size  # blocks of consecutive ranks
     full_model = tp_decoder(shape, seed=3)  # the same on every rank (seeded)
-    model = shard_model(full_model, rank, size)
+    model = shard_model(full_model, group, rank, size)
     path = os.path.join(os.path.dirname(out), "model")
-    if rank == 0:
+    if dist.get_rank() == 0:
         save_decoder(full_model, path)
     dist.barrier()
     backend = VLLMBackend(path, _Tok(), dtype="float32", max_model_len=128, bucket_bytes=2**20,
                           tensor_parallel_size=size)
     first = sync_weights(backend, model)
+    from vllm.distributed.parallel_state import get_tp_group
+
+    engines = [None] * world
+    dist.all_gather_object(engines, get_tp_group().ranks)  # vLLM's own TP group, as each rank sees it
 
     ids, mask = left_padded_prompts(VOCAB, lengths=(9, 4, 1, 7, 30))
     greedy = SamplingParams(max_new_tokens=STEPS, do_sample=False)
     got, want = backend.generate(ids, mask, greedy), Generator(model, PAD).generate(ids, mask, greedy)
     sampled = backend.generate(ids, mask, SamplingParams(max_new_tokens=STEPS, temperature=1.0, n=2),
                                row_keys=torch.arange(5) + 7)
-    peers = [None] * size
-    dist.all_gather_object(peers, sampled.responses)
+    peers = [None] * world
+    dist.all_gather_object(peers, sampled.responses)  # every block generates the same prompts and keys
 
     optimizer = torch.optim.SGD(full_model.parameters(), lr=2.0)
     loss = -full_model(ids, mask)[:, -1].float().log_softmax(-1)[:, 7].mean()  # make token 7 likelier
     loss.backward()
     optimizer.step()
     full_model.eval()
-    model = shard_model(full_model, rank, size)  # the 3D-HybridEngine's refill after the update
+    model = shard_model(full_model, group, rank, size)  # the 3D-HybridEngine's refill after the update
     second = sync_weights(backend, model) if mode != "stale" else {}
     after, after_want = backend.generate(ids, mask, greedy), Generator(model, PAD).generate(ids, mask, greedy)
 
-    if rank == 0:
+    if dist.get_rank() == 0:
         whole = sum(p.numel() * p.element_size() for p in full_model.parameters())
         result = {
-            "model_bytes": whole, "first": first, "second": second,
+            "model_bytes": whole, "first": first, "second": second, "vllm_tp_groups": engines,
             "greedy_equal": torch.equal(got.responses, want.responses)
             and torch.equal(got.response_mask, want.response_mask),
             "distinct_tokens": got.responses.unique().numel(),
