@@ -17,8 +17,10 @@ from tests.rollout.conftest import PAD, left_padded_prompts, tiny_decoder
 
 KEYS = torch.tensor([5, 6, 7, 8])
 EOS = tuple(range(1, 101, 10))  # ten EOS ids of 101: rows end at varied steps well before 40
-# bfloat16: |static - eager| log-prob over the tokens both chose alike (see test_bfloat16_log_probs...).
-BF16_ATOL = 0.05
+# bfloat16: |static - eager| log-prob over the tokens both chose alike (see test_bfloat16_log_probs...): at
+# most BF16_ATOL (a bfloat16 step at |log-prob| ~8 is 0.03-0.06), on average BF16_MEAN. Measured on the CPU
+# over the three families: max 0.022-0.047, mean 0.005-0.006.
+BF16_ATOL, BF16_MEAN = 0.1, 0.02
 
 
 def _params(greedy: bool, **kw) -> SamplingParams:
@@ -159,11 +161,11 @@ def test_which_path_runs():
         StaticDecoder(model, capture="cudagraph")
 
 
-def test_bfloat16_log_probs_within_tolerance():
+def test_bfloat16_log_probs_within_tolerance(family):
     """bfloat16 model: the static step attends over the whole capacity under a mask, the eager loop over
     a slice, so sums round differently. Over each row's tokens up to the first that differs (a near-tie
-    may flip), log-probs agree within BF16_ATOL, and most tokens agree."""
-    model = tiny_decoder("llama-gqa").to(torch.bfloat16)
+    may flip), log-probs agree within BF16_ATOL (mean BF16_MEAN), and most tokens agree."""
+    model = tiny_decoder(family).to(torch.bfloat16)
     ids, mask = left_padded_prompts(model.cfg.vocab_size)
     params = _params(False, n=4)
     want = Generator(model, PAD, decode="python").generate(ids, mask, params, row_keys=KEYS)
@@ -171,13 +173,14 @@ def test_bfloat16_log_probs_within_tolerance():
     _assert_bf16_close(got, want)
 
 
-def _assert_bf16_close(got, want, atol=BF16_ATOL):
+def _assert_bf16_close(got, want):
     r = min(got.responses.shape[1], want.responses.shape[1])
     same = (got.responses[:, :r] == want.responses[:, :r]).long().cumprod(1).bool()
     same &= want.response_mask[:, :r].bool()
     assert same.sum() >= 0.8 * want.response_mask.sum(), "the bfloat16 paths diverge early"
-    diff = (got.log_probs[:, :r] - want.log_probs[:, :r]).abs()[same]
-    assert diff.max() <= atol, f"max |diff| {diff.max():.3g} > {atol}"
+    diff = (got.log_probs[:, :r] - want.log_probs[:, :r]).abs()[same].float()
+    assert diff.max() <= BF16_ATOL, f"max |diff| {diff.max():.3g} > {BF16_ATOL}"
+    assert diff.mean() <= BF16_MEAN, f"mean |diff| {diff.mean():.3g} > {BF16_MEAN}"
 
 
 def tp_workloads() -> dict:
