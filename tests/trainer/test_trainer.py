@@ -310,7 +310,8 @@ def test_a_worker_failing_inside_a_flow_stage_surfaces_as_worker_error(tmp_path,
                                          "tg = 1"),
     ("trainer.n_devices=4 actor.parallel.tp=2 rollout.grouping=full",
      "rollout.grouping: 'full' (the DeepSpeed-Chat baseline) gathers within one training replica"),
-    ("actor.parallel.tp=2 rollout.tg=2 rollout.engine=vllm", "rollout.tg: 2: the vLLM engine generates at tg = 1"),
+    ("trainer.n_devices=4 actor.parallel.tp=4 rollout.tg=2 rollout.engine=vllm",
+     "rollout.grouping: 'hybridflow' at tg=2 < actor.parallel.tp=4"),
 ])
 def test_settings_not_built_yet_stop_before_any_worker_starts(tmp_path, override, message):
     cfg = in_repo(config("tiny-grpo.yaml", tmp_path, "trainer.n_devices=2", *override.split()))
