@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         speedup = results["trl"]["step_s"] / results["hybridflow"]["step_s"]
         print(f"hybridflow is {speedup:.2f}x TRL {results['trl']['trl']} per step")
         results["speedup"] = speedup
+    else:
+        print("TRL's side not run: no --trl-python (a virtual environment with trl installed); no ratio")
     print("hybridflow stages (s): " + ", ".join(f"{k} {v:.4f}" for k, v in results["hybridflow"]["stages"].items()))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
