@@ -285,6 +285,7 @@ def bench_generate(quick: bool, peak_tbps: float) -> None:
     """The built-in generator's decode paths side by side (issue 30): the eager Python loop, the static
     path replayed as a torch.cuda.CUDAGraph and as torch.compile(mode="reduce-overhead"); tokens/s, the
     first call's capture / compile time, peak memory, and the decode step's time against the HBM roofline.
+    Each mode's figures are printed before the next starts (reduce-overhead, the slowest to compile, last).
     On the CPU (a dry run of the same code) the static path runs eagerly and the roofline is left out."""
     from hybridflow.rollout import Generator, SamplingParams
     from hybridflow.rollout.sampling import sample
@@ -295,78 +296,82 @@ def bench_generate(quick: bool, peak_tbps: float) -> None:
     layers, prompts, n, prompt_len, new_tokens, eager_tokens = (
         (2, 4, 4, 32, 24, 8) if quick else (24, 32, 8, 128, 256, 64))
     model = _qwen_shaped_decoder(layers, device)
+    cfg = model.cfg
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(prompt_len // 2, prompt_len + 1, (prompts,), generator=g)
     mask = (torch.arange(prompt_len)[None] >= prompt_len - lengths[:, None]).long()
-    ids = torch.randint(1, model.cfg.vocab_size, (prompts, prompt_len), generator=g) * mask
+    ids = torch.randint(1, cfg.vocab_size, (prompts, prompt_len), generator=g) * mask
     keys = torch.arange(prompts) + 1000
     rows = prompts * n
+    capacity, bucket = cache_capacity(prompt_len, new_tokens), bucket_size(rows)
+    weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                       if name != "embed.weight" or cfg.tie_word_embeddings)  # the embedding lookup reads rows only
+    kv_bytes = 2 * cfg.num_layers * bucket * cfg.num_kv_heads * capacity * cfg.head_dim * 2  # k and v, bf16
+    roofline_ms = (weight_bytes + kv_bytes) / (peak_tbps * 1e12) * 1e3
     print(f"\ngenerate, Qwen2.5-0.5B-shaped ({layers} layers, random bfloat16) on {device}: {prompts} prompts x {n} "
           f"= {rows} rows, prompts of {prompt_len // 2}-{prompt_len} tokens, keyed sampling at T=1, no EOS")
-    print(f"{'decode path':34s} {'new tok':>8s} {'1st call s':>11s} {'call s':>8s} {'tokens/s':>10s} "
-          f"{'peak GiB':>9s} {'same tokens':>12s}")
-    print(f"{'':34s} {'':>8s} {'':>11s} {'':>8s} {'':>10s} {'':>9s} {'as 1st static':>12s}")
+    print(f"decode step at batch {bucket}, cache capacity {capacity}: reads {weight_bytes / 1e9:.3f} GB of weights "
+          f"+ {kv_bytes / 1e9:.3f} GB of KV (the whole capacity, as the masked attention does)"
+          + (f": HBM roofline {roofline_ms:.3f} ms at {peak_tbps} TB/s" if cuda else ""))
+
+    logits = torch.randn(bucket, cfg.vocab_size, device=device).to(torch.bfloat16)
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, n=n)
+    step_keys = torch.arange(bucket, device=device) * 1000
+    draws = [("eager", lambda: sample(logits, sampling, None, step_keys))]
+    if cuda:  # what capture="graph" runs: the keyed draw compiled, the rest of the sampler eager
+        draws.append(("compiled draw", lambda: sample_tokens(logits, sampling, step_keys, compiled_keyed_choice())))
+    for name, draw in draws:
+        try:
+            ms = time_ms(draw, 5) if cuda else _timed(draw)[1] * 1e3
+            print(f"keyed sampling of {bucket} rows over {cfg.vocab_size} tokens, {name}: {ms:.3f} ms", flush=True)
+        except Exception as exc:  # noqa: BLE001 - a failed part must not hide the other figures
+            print(f"keyed sampling, {name}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+
+    print(f"\n{'decode path':30s} {'new tok':>8s} {'1st call s':>11s} {'call s':>8s} {'tokens/s':>10s} "
+          f"{'peak GiB':>9s} {'step ms':>8s} {'/roofline':>10s} {'same tokens':>12s}")
     modes = [("eager (python loop)", "python", "graph", eager_tokens)]
     modes += ([("static + CUDAGraph", "static", "graph", new_tokens),
                ("static + reduce-overhead", "static", "compile", new_tokens)] if cuda else
               [("static (eager on CPU)", "static", "eager", new_tokens)])
-    reference, gens = None, {}
+    reference = None
     for label, decode, capture, steps in modes:
         params = SamplingParams(max_new_tokens=steps, temperature=1.0, n=n)
         gen = Generator(model, pad_token_id=0, decode=decode, capture=capture)
         try:
             _, first, _ = _timed(lambda: gen.generate(ids, mask, params, row_keys=keys))
             out, secs, peak = _timed(lambda: gen.generate(ids, mask, params, row_keys=keys))
+            step_ms = _replayed_step_ms(gen, bucket, prompt_len, steps, cuda) if decode == "static" else None
         except Exception as exc:  # noqa: BLE001 - one failed mode must not hide the others' figures
-            print(f"{label:34s} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
+            print(f"{label:30s} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
             continue
-        gens[capture if decode == "static" else decode] = gen
         tokens = int(out.response_mask.sum())
         same = "-"  # keyed streams depend on max_new_tokens: the static paths are compared with each other only
         if decode == "static" and reference is None:
-            reference = out
+            reference, same = out, "(reference)"
         elif decode == "static":
             same = f"{(out.responses == reference.responses).float().mean():.1%}"
-        print(f"{label:34s} {steps:8d} {first:11.2f} {secs:8.2f} {tokens / secs:10.0f} {peak:9.2f} {same:>12s}",
-              flush=True)
+        step = "-" if step_ms is None else f"{step_ms:.3f}"
+        ratio = f"{step_ms / roofline_ms:.1f}x" if cuda and step_ms is not None else "-"
+        print(f"{label:30s} {steps:8d} {first:11.2f} {secs:8.2f} {tokens / secs:10.0f} {peak:9.2f} {step:>8s} "
+              f"{ratio:>10s} {same:>12s}", flush=True)
+        gen.release()
+        del gen, out
+        if cuda:
+            torch.cuda.empty_cache()
 
-    # The decode step alone: replays of the captured step on the bucket of all the rows.
-    cfg = model.cfg
-    capacity = cache_capacity(prompt_len, new_tokens)
-    bucket = bucket_size(rows)
-    weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-                       if name != "embed.weight" or cfg.tie_word_embeddings)  # the embedding lookup reads rows only
-    kv_bytes = 2 * cfg.num_layers * bucket * cfg.num_kv_heads * capacity * cfg.head_dim * 2  # k and v, bf16
-    logits = torch.randn(bucket, cfg.vocab_size, device=device).to(torch.bfloat16)
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, n=n)
-    step_keys = torch.arange(bucket, device=device) * 1000
-    print(f"\ndecode step at batch {bucket}, cache capacity {capacity}: reads {weight_bytes / 1e9:.3f} GB of weights "
-          f"+ {kv_bytes / 1e9:.3f} GB of KV (the whole capacity, as the masked attention does)")
-    roofline_ms = (weight_bytes + kv_bytes) / (peak_tbps * 1e12) * 1e3
-    for capture, gen in gens.items():
-        if capture == "python" or bucket not in gen.static.states:
-            continue
-        st = gen.static.states[bucket]
-        replays = min(32, new_tokens - 1)
 
-        def replay_steps():
-            st.step.fill_(1)
-            st.pos.fill_(prompt_len)
-            for _ in range(replays):
-                st.replay()
+def _replayed_step_ms(gen, bucket: int, prompt_len: int, steps: int, cuda: bool) -> float:
+    """One decode step of the static path at `bucket` rows: the median of replays of its captured step."""
+    st = gen.static.states[bucket]
+    replays = min(32, steps - 1)
 
-        ms = (time_ms(replay_steps, 5, warmup=1) if cuda else _timed(replay_steps)[1] * 1e3) / replays
-        tail = f"{ms / roofline_ms:5.1f}x the HBM roofline {roofline_ms:.3f} ms ({peak_tbps} TB/s)" if cuda else ""
-        print(f"  step ({capture}): {ms:8.3f} ms  {tail}", flush=True)
-    draws = [("eager", lambda: sample(logits, params, None, step_keys))]
-    if cuda:  # what capture="graph" runs: the keyed draw compiled, the rest of the sampler eager
-        draws.append(("compiled draw", lambda: sample_tokens(logits, params, step_keys, compiled_keyed_choice())))
-    for name, draw in draws:
-        try:
-            ms = time_ms(draw, 5) if cuda else _timed(draw)[1] * 1e3
-            print(f"  of which keyed sampling over {cfg.vocab_size} tokens, {name}: {ms:8.3f} ms", flush=True)
-        except Exception as exc:  # noqa: BLE001
-            print(f"  keyed sampling, {name}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    def replay_steps():
+        st.step.fill_(1)
+        st.pos.fill_(prompt_len)
+        for _ in range(replays):
+            st.replay()
+
+    return (time_ms(replay_steps, 5, warmup=1) if cuda else _timed(replay_steps)[1] * 1e3) / replays
 
 
 KERNEL_SECTIONS = {"logprob", "bandwidth", "gae"}
