@@ -124,8 +124,10 @@ class Generator:
         return taken
 
     def release(self) -> None:
-        """The static path's caches and captured steps; the weights are the model's (nothing to free)."""
-        self.static.release()
+        """Nothing freed: the weights are the model's, and the static path's caches and captured steps stay
+        (recapturing every bucket each rollout would cost more than the cache's memory, a few GiB at
+        256 rows of a 0.5B model; `self.static.release()` frees them). Steps captured on weights the
+        3D-HybridEngine freed and allocated again are dropped at the next call (their storage moved)."""
 
     def resume(self) -> None:
         """Nothing to take back (see `release`)."""

@@ -27,8 +27,9 @@ buffers and copied out (to the call's output rows) when the rows move and at the
 Weights are never copied: the step reads the model's parameters, so a graph replays on whatever the
 hybrid engine wrote into them in place. A state remembers the parameters' storage addresses; if any
 moved (the model was rebuilt or moved), every captured step is dropped and captured again.
-States persist across calls with the same (bucket, capacity, steps, sampling) key; a different key drops
-the others (`release` drops all).
+States persist across calls with the same (bucket, capacity, steps, sampling) key, and across
+`Generator.release` (the trainer releases the rollout engine every step; recapturing each time would
+cost more than the memory held); a different key drops the others, `StaticDecoder.release` all.
 
 The prefill is `Decoder.forward_cached` into views of the bucket's cache: one pass over each prompt's
 tokens with `scaled_dot_product_attention` (a boolean mask for the left padding, so on CUDA the

@@ -115,6 +115,7 @@ def test_weights_are_read_in_place():
     before = gen.generate(ids, mask, params).responses
     captures = gen.static.captures
     other = tiny_decoder("llama-gqa", seed=5)
+    gen.release()  # what the trainer calls before each update: the captured steps stay
     with torch.no_grad():
         for p, q in zip(model.parameters(), other.parameters()):
             p.copy_(q)
