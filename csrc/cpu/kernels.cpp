@@ -29,6 +29,7 @@
 namespace {
 
 using hybridflow_cpu::exp_nonpos;
+using hybridflow_cpu::grain;
 
 template <typename T>
 inline const float* as_float_row(const T* src, int64_t v, std::vector<float>& buf) {
@@ -81,7 +82,7 @@ void logprob_entropy_fwd_impl(const at::Tensor& logits, const at::Tensor& labels
   const T* src = logits.data_ptr<T>();
   const int64_t* lab = labels.data_ptr<int64_t>();
   float *lp = logp.data_ptr<float>(), *en = ent.data_ptr<float>(), *ls = lse.data_ptr<float>();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain(v), [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t i = begin; i < end; ++i) {
       const float* x = as_float_row(src + i * v, v, buf);
@@ -105,7 +106,7 @@ void logprob_entropy_bwd_impl(const at::Tensor& logits, const at::Tensor& labels
   const int64_t* lab = labels.data_ptr<int64_t>();
   const float *ls = lse.data_ptr<float>(), *en = ent.data_ptr<float>();
   const float *gl = g_logp.data_ptr<float>(), *ge = g_ent.data_ptr<float>();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain(v), [&](int64_t begin, int64_t end) {
     std::vector<float> buf, out(std::is_same_v<T, float> ? 0 : v);
     for (int64_t i = begin; i < end; ++i) {
       const float* x = as_float_row(src + i * v, v, buf);
@@ -181,7 +182,7 @@ std::vector<at::Tensor> gae_forward(at::Tensor rewards, at::Tensor values, at::T
   float *pa = adv.data_ptr<float>(), *pt = ret.data_ptr<float>();
   const float g = static_cast<float>(gamma), gl = static_cast<float>(gamma * lam);
   std::vector<double> row_sum(b, 0.0), row_count(b, 0.0);
-  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, b, grain(t), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float next_v = 0.0f, next_a = 0.0f;
       double sum = 0.0, count = 0.0;
@@ -207,7 +208,7 @@ std::vector<at::Tensor> gae_forward(at::Tensor rewards, at::Tensor values, at::T
     n += row_count[i];
   }
   const double mean = total / std::max(n, 1.0);
-  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, b, grain(t), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       double sq = 0.0;
       for (int64_t k = i * t; k < (i + 1) * t; ++k) {
@@ -220,7 +221,7 @@ std::vector<at::Tensor> gae_forward(at::Tensor rewards, at::Tensor values, at::T
   for (int64_t i = 0; i < b; ++i) sq += row_sum[i];
   const double var = sq / std::max(n - 1.0, 1.0);  // unbiased; a single valid step has no spread
   const float scale = static_cast<float>(1.0 / std::sqrt(var + eps)), shift = static_cast<float>(mean);
-  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, b, grain(t), [&](int64_t begin, int64_t end) {
     for (int64_t k = begin * t; k < end * t; ++k) {
       if (pm[k] != 0.0f) pa[k] = (pa[k] - shift) * scale;
     }

@@ -21,8 +21,7 @@ void check_input(const at::Tensor& t, const char* name) {
               " must be a contiguous float32 CPU tensor");
 }
 
-// Rows per parallel task, so that a task touches about 16k floats.
-int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width)); }
+using hybridflow_cpu::grain;
 
 }  // namespace
 
@@ -54,7 +53,7 @@ std::vector<at::Tensor> rms_norm_backward(const at::Tensor& g, const at::Tensor&
   }
   const int64_t dim = weight.numel(), rows = x.numel() / dim;
   TORCH_CHECK(g.sizes() == x.sizes() && rstd.numel() == rows, "grad must match x, and rstd have one per row");
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(rows, at::get_num_threads()));
+  const int64_t tasks = std::clamp<int64_t>((rows + grain(dim) - 1) / grain(dim), 1, at::get_num_threads());
   at::Tensor dx = at::empty_like(x), partial = at::zeros({tasks, dim}, x.options());
   at::Tensor dweight = at::zeros({dim}, x.options());
   const float *gp = g.data_ptr<float>(), *xp = x.data_ptr<float>(), *w = weight.data_ptr<float>();

@@ -3,11 +3,17 @@
 // decode loop (decode.cpp) and by the training layers' forward and backward passes (layers.cpp).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace hybridflow_cpu {
+
+// Rows per parallel task, so that a task touches about 16k floats: at::parallel_for runs a range no
+// larger than its grain inline, so a small tensor never wakes the thread pool (whose join waits a whole
+// scheduler slice for a thread that another process has descheduled).
+inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width)); }
 
 // exp(x) for x <= 0 (the log-prob kernel's x - rowmax, the sigmoid's -|x|). Range reduction to
 // r in [-ln2/2, ln2/2], degree-6 polynomial, scale by 2^n via the exponent
