@@ -141,7 +141,7 @@ def forward_step(model: Decoder, st: DecodeState) -> torch.Tensor:
     cfg = model.cfg
     b = st.bucket
     hpg, hd = cfg.heads_per_group, cfg.head_dim
-    st.key_mask.index_fill_(1, st.pos, True)
+    st.key_mask |= (st.slots == st.pos)[None]  # the fed token's slot (elementwise: nothing for the host to read)
     x = model.embed_tokens(st.token[:, None])
     cos, sin = rope_cos_sin(model.inv_freq, st.seen[:, None], x.dtype)
     masks = {w: _attention_mask(st, w) for w in set(cfg.layer_windows)}
