@@ -283,6 +283,11 @@ class StaticDecoder:
         if mode == "compile":
             for t in st.tensors():
                 torch._dynamo.mark_static_address(t)
+            # Every state is one more compile of the same `step` code (its closure differs): past dynamo's
+            # recompile limit (8 by default) it would silently run eagerly.
+            config = torch._dynamo.config
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, name, max(getattr(config, name), 64))
             compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
             warm_up(compiled)  # reduce-overhead warms up, then records its CUDA graph on later calls
             return compiled
