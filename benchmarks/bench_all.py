@@ -41,6 +41,7 @@ SUITE: dict[str, tuple[list[str], list[str], bool]] = {
     "update_memory": ([], ["--layers", "1", "--batch", "4", "--micro", "4", "--prompt", "32", "--response", "32",
                            "--vocab", "8192", "--hidden", "256"], True),
     "e2e": ([], ["--steps", "2", "--warmup", "1"], True),
+    "calibrate": ([], ["--rounds", "1"], True),
     "trl": ([], ["--steps", "2", "--warmup", "1"], True),
 }
 LEFT_OUT = {"csrc": "compares two builds: hybridflow bench csrc --baseline REV", "all": "this script"}
