@@ -4,7 +4,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -74,10 +73,8 @@ def test_greedy_correct_matches_step_by_step_greedy_decoding(tool):
 
 
 def test_tool_runs_end_to_end_with_tiny_settings(tool, tmp_path, capsys):
-    start = time.perf_counter()
     assert tool.main(["--out", str(tmp_path), "--rl", "64", "--sft", "256", "--val", "64", "--test", "64",
                       "--batch-size", "32", "--max-steps", "4", "--eval-every", "2"]) == 0
-    assert time.perf_counter() - start < 30
     out = capsys.readouterr().out
     assert "transformers check passed" in out
     summary = json.loads(out.strip().splitlines()[-1])
