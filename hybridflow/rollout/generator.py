@@ -91,6 +91,7 @@ class Generator:
         self.tokenizer = tokenizer  # anything with .decode(list[int]) -> str; needed for stop strings
         self.decode = decode
         self.static = StaticDecoder(model, capture)  # captures nothing until the static path runs
+        self.static_failed: Optional[str] = None  # why "auto" stopped taking the static path, if it did
 
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -151,7 +152,16 @@ class Generator:
         # controller's batches are CPU tensors; a CUDA model generates on its GPU).
         rows, device, home = b * n, self.model.embed.weight.device, input_ids.device
         if self._static_applies(params, device):
-            return self._static_generate(input_ids, attention_mask, params, generator, row_keys)
+            try:
+                return self._static_generate(input_ids, attention_mask, params, generator, row_keys)
+            except Exception as exc:  # noqa: BLE001 - "auto" must still generate; "static" raises
+                if self.decode == "static":
+                    raise
+                from hybridflow.kernels.backend import _warn_once
+
+                _warn_once(f"the static decode path failed, decoding eagerly from now on: {type(exc).__name__}: {exc}")
+                self.static.release()
+                self.static_failed = f"{type(exc).__name__}: {exc}"
         fused = self._decode_extension(params, row_keys is not None, device)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         cache = KVCache(self.model.cfg, rows, t + steps, self.model.embed.weight.dtype, device)
@@ -182,7 +192,8 @@ class Generator:
         """The static path: asked for, or "auto" on CUDA; never for stop strings (they need the host each step)."""
         if self.decode == "static" and params.stop:
             raise ValueError("decode='static' cannot run stop strings: they are checked on the host each step")
-        return self.decode == "static" or (self.decode == "auto" and device.type == "cuda" and not params.stop)
+        return self.decode == "static" or (self.decode == "auto" and device.type == "cuda" and not params.stop
+                                           and self.static_failed is None)
 
     def _static_generate(self, input_ids, attention_mask, params: SamplingParams, generator, row_keys):
         """`generate` on the static path. Sampling without row_keys draws one key per prompt from `generator`

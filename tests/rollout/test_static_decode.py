@@ -95,11 +95,13 @@ def test_moving_rows_to_smaller_buckets_changes_no_output(monkeypatch):
 def test_no_row_ends_and_every_row_ends_at_once():
     model = tiny_decoder("qwen2-bias-tied")
     ids, mask = left_padded_prompts(model.cfg.vocab_size)
-    for params in (SamplingParams(max_new_tokens=13, do_sample=False, n=2),
+    for params in (SamplingParams(max_new_tokens=13, do_sample=False, n=5),  # 20 rows: 4 padding rows of 24
                    SamplingParams(max_new_tokens=1, do_sample=False),
                    SamplingParams(max_new_tokens=9, temperature=0.8, stop_token_ids=tuple(range(101)))):
         want = Generator(model, PAD, decode="python").generate(ids, mask, params, row_keys=KEYS)
-        _assert_same(Generator(model, PAD, decode="static").generate(ids, mask, params, row_keys=KEYS), want)
+        gen = Generator(model, PAD, decode="static")
+        _assert_same(gen.generate(ids, mask, params, row_keys=KEYS), want)
+        assert sorted(gen.static.states) == [bucket_size(4 * params.n)]
     assert want.responses.shape[1] == 1  # every row ended on its first token
 
 
@@ -261,7 +263,7 @@ def test_cuda_graph_replay_equals_the_eager_loop(family, greedy):
     model, ids, mask = _cuda_case(family)
     params = _params(greedy)
     want = Generator(model, PAD, decode="python").generate(ids, mask, params, row_keys=KEYS)
-    gen = Generator(model, PAD)  # "auto": the static path on CUDA, capture="graph"
+    gen = Generator(model, PAD, decode="static")  # capture="graph" on CUDA ("auto" would fall back on errors)
     got = gen.generate(ids, mask, params, row_keys=KEYS)
     assert gen.static.captures >= 2 and len(gen.static.states) >= 2
     assert all(hasattr(st, "graph") for st in gen.static.states.values())
@@ -277,10 +279,20 @@ def test_cuda_reduce_overhead_equals_the_eager_loop(monkeypatch):
     model, ids, mask = _cuda_case("llama-gqa")
     params = _params(False)
     want = Generator(model, PAD, decode="python").generate(ids, mask, params, row_keys=KEYS)
-    gen = Generator(model, PAD, capture="compile")
+    gen = Generator(model, PAD, decode="static", capture="compile")
     for _ in range(2):
         _assert_same(gen.generate(ids, mask, params, row_keys=KEYS), want, atol=1e-4)
     assert gen.static.captures == 1
+
+
+@pytest.mark.gpu
+def test_auto_takes_the_static_path_on_cuda():
+    model, ids, mask = _cuda_case("llama-gqa")
+    gen = Generator(model, PAD)
+    params = _params(False)
+    got = gen.generate(ids, mask, params, row_keys=KEYS)
+    assert gen.static_failed is None and gen.static.captures >= 1
+    _assert_same(got, Generator(model, PAD, decode="python").generate(ids, mask, params, row_keys=KEYS), atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -288,7 +300,7 @@ def test_cuda_bfloat16_log_probs_within_tolerance():
     model, ids, mask = _cuda_case("llama-gqa", torch.bfloat16)
     params = _params(False, n=4)
     want = Generator(model, PAD, decode="python").generate(ids, mask, params, row_keys=KEYS)
-    got = Generator(model, PAD).generate(ids, mask, params, row_keys=KEYS)
+    got = Generator(model, PAD, decode="static").generate(ids, mask, params, row_keys=KEYS)
     _assert_bf16_close(got, want)
 
 
@@ -298,7 +310,7 @@ def test_cuda_graph_sees_weights_copied_in_place():
     same graphs (no new capture) decode the other model's tokens."""
     model, ids, mask = _cuda_case("qwen2-bias-tied")
     params = _params(True)
-    gen = Generator(model, PAD)
+    gen = Generator(model, PAD, decode="static")
     before = gen.generate(ids, mask, params).responses
     captures = gen.static.captures
     other = tiny_decoder("qwen2-bias-tied", seed=5).cuda()
