@@ -58,6 +58,9 @@ SCORES             FloatTensor[B]        sequence-level verifier / reward-model 
 ENV_REWARDS        FloatTensor[B, R]     multi-turn rollouts only: each environment
                                          step's reward on the last token of the
                                          model turn it answers, zeros elsewhere.
+ENV_STATS          list[dict]            multi-turn rollouts only: per trajectory
+                                         its turns, why it ended, and the
+                                         environment's own counts (`stats()`).
 TOKEN_SCORES       FloatTensor[B, R]     SCORES placed on each sequence's last
                                          response token, zeros elsewhere.
 TOKEN_REWARDS      FloatTensor[B, R]     TOKEN_SCORES minus the KL penalty when
@@ -98,6 +101,7 @@ ENTROPY = "entropy"
 VALUES = "values"
 SCORES = "scores"
 ENV_REWARDS = "env_rewards"
+ENV_STATS = "env_stats"
 TOKEN_SCORES = "token_scores"
 TOKEN_REWARDS = "token_rewards"
 ADVANTAGES = "advantages"
@@ -125,6 +129,7 @@ FIELD_SHAPES: Mapping[str, str] = MappingProxyType({
     VALUES: "FloatTensor[B, R]",
     SCORES: "FloatTensor[B]",
     ENV_REWARDS: "FloatTensor[B, R]",
+    ENV_STATS: "list[dict]",
     TOKEN_SCORES: "FloatTensor[B, R]",
     TOKEN_REWARDS: "FloatTensor[B, R]",
     ADVANTAGES: "FloatTensor[B, R]",

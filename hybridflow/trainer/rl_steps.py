@@ -114,7 +114,23 @@ def rollout_metrics(batch: Batch, prefix: str = "") -> dict[str, float]:
         f"{prefix}reward/accuracy": (scores >= 1.0).float().mean().item(),
         f"{prefix}response/length_mean": lengths.mean().item(),
         f"{prefix}response/length_max": lengths.max().item(),
+        **(env_metrics(batch[F.ENV_STATS], prefix) if F.ENV_STATS in batch else {}),
     }
+
+
+def env_metrics(stats: list[dict], prefix: str = "") -> dict[str, float]:
+    """Multi-turn rollouts: the mean of every count per trajectory (`env/turns_mean`, the environment's
+    `env/tool_calls_mean`, ...), the share of trajectories where it is above 0 (`env/tool_calls_rate`), and
+    the share ending for each reason (`env/ended_max_turns`, ...)."""
+    out: dict[str, float] = {}
+    counts = sorted({k for s in stats for k, v in s.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    for key in counts:
+        values = [float(s.get(key, 0)) for s in stats]
+        out[f"{prefix}env/{key}_mean"] = sum(values) / len(values)
+        out[f"{prefix}env/{key}_rate"] = sum(v > 0 for v in values) / len(values)
+    for reason in sorted({s.get("ended", "") for s in stats} - {""}):
+        out[f"{prefix}env/ended_{reason}"] = sum(s.get("ended") == reason for s in stats) / len(stats)
+    return out
 
 
 def real_tokens(batch: Batch) -> int:

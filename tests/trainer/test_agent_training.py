@@ -38,6 +38,8 @@ class Echo(Environment):
         self.turns += 1
         done = self.turns == 2
         return "result: 42", (len(set(turn)) / 10 if done else 0.05), done
+    def stats(self):
+        return {"answered": self.turns}
 
 def make_env():
     return Echo()
@@ -104,6 +106,13 @@ def test_grpo_scores_the_sampled_tokens_between_tool_turns(agent_run, tmp_path, 
         torch.testing.assert_close(batch[F.OLD_LOG_PROBS][mask], batch[F.ROLLOUT_LOG_PROBS][mask],
                                    atol=2e-4, rtol=0)
         torch.testing.assert_close(batch[F.SCORES], batch[F.ENV_REWARDS].sum(-1))
+        # Each trajectory's turns (model-token runs in the mask) and the environment's counts reach the metrics.
+        runs = (mask & ~torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], 1)).sum(-1)
+        assert [s["turns"] for s in batch[F.ENV_STATS]] == runs.tolist()
+        assert metrics["env/turns_mean"] == pytest.approx(runs.float().mean().item())
+        assert metrics["env/answered_mean"] == pytest.approx(
+            sum(s["answered"] for s in batch[F.ENV_STATS]) / len(runs))
+        assert sum(v for k, v in metrics.items() if k.startswith("env/ended_")) == pytest.approx(1.0)
         # Per-turn rewards sit on the last token of the turn they answer, never on a tool token.
         assert (batch[F.TOKEN_SCORES][~mask] == 0).all()
         turn_ends = mask & ~torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], 1)
