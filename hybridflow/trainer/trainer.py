@@ -349,8 +349,10 @@ class RLTrainer:
                          f"ETA {eta:.0f} s")
         scores = torch.cat([b[F.SCORES] for b in rows]).float()
         lengths = torch.cat([b[F.RESPONSE_MASK].sum(-1) for b in rows]).float()
+        env = [s for b in rows for s in b.get(F.ENV_STATS, [])]
         return {"val/accuracy": (scores >= 1.0).float().mean().item(), "val/reward_mean": scores.mean().item(),
-                "val/response_length": lengths.mean().item(), "val/n": float(len(scores))}
+                "val/response_length": lengths.mean().item(), "val/n": float(len(scores)),
+                **(S.env_metrics(env, "val/") if env else {})}
 
     # -- checkpoints ----------------------------------------------------------
     def _groups(self) -> list:

@@ -201,3 +201,17 @@ def test_bad_env_settings_are_named(agent_run, tmp_path, override, key, message)
         trainer = RLTrainer(agent_config(agent_run, tmp_path, "tiny-grpo.yaml", "trainer.launcher=local", override))
         trainer.shutdown()
     assert key in str(caught.value)
+
+
+def test_validation_reports_the_episodes(agent_run, tmp_path):
+    """Validation of a multi-turn run logs the episodes' turns, the environment's counts and why they ended."""
+    _, data, _ = agent_run
+    trainer = RLTrainer(agent_config(agent_run, tmp_path, "tiny-grpo.yaml", f"data.val_files=[{data}]",
+                                     "data.val_max_samples=4", "trainer.launcher=local"))
+    try:
+        metrics = trainer.validate()
+    finally:
+        trainer.shutdown()
+    assert metrics["val/n"] == 4
+    assert 1 <= metrics["val/env/turns_mean"] <= 3 and 0 <= metrics["val/env/answered_rate"] <= 1
+    assert sum(v for k, v in metrics.items() if k.startswith("val/env/ended_")) == pytest.approx(1.0)
