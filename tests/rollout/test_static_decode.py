@@ -6,6 +6,10 @@ different steps so masking and the move to smaller buckets happen), log-probs wi
 log-probs within a stated tolerance; weights read in place (the invariant a captured graph relies on);
 tensor parallelism at tg = 2 over gloo; the step traced whole by torch.compile. The `gpu` tests replay
 real CUDA graphs (and reduce-overhead) against the eager loop on the GPU.
+
+Checked to fail when broken: the step holding a deep copy of the model, the weight-address check
+turned off, the cache rows not copied when rows move buckets, ended rows not fed padding, the
+sliding-window term left out of the mask.
 """
 import pytest
 import torch
