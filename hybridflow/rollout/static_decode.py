@@ -7,7 +7,7 @@ that it can be captured once as a CUDA graph and replayed per token.
 What is fixed per captured step (one `DecodeState` per batch bucket):
 - the batch: a bucket from `BUCKETS` (powers of two and 1.5x powers of two), the real rows first,
   padding rows after them (ended from the start, fed padding, never written out);
-- the cache: `[layers, bucket, kv_heads, capacity, head_dim]`, zero-filled once, capacity the longest
+- the cache: `[bucket, kv_heads, capacity, head_dim]` per layer, zero-filled once, capacity the longest
   prompt + max_new_tokens rounded up to `CAPACITY_MULTIPLE` (so prompts of similar length share a graph);
 - the write slot `pos` and the step counter `step` are one-element device tensors, advanced inside the
   step, so a replay needs no host value. Attention is over the whole capacity with a boolean mask
@@ -31,9 +31,10 @@ States persist across calls with the same (bucket, capacity, steps, sampling) ke
 `Generator.release` (the trainer releases the rollout engine every step; recapturing each time would
 cost more than the memory held); a different key drops the others, `StaticDecoder.release` all.
 
-The prefill is `Decoder.forward_cached` into views of the bucket's cache: one pass over each prompt's
-tokens with `scaled_dot_product_attention` (a boolean mask for the left padding, so on CUDA the
-memory-efficient kernel rather than flash), each prompt written into its n rows.
+The prefill is `Decoder.forward_cached` into a `KVCache` of the prompts' length: one pass over each
+prompt's tokens with `scaled_dot_product_attention` (a boolean mask for the left padding, so on CUDA the
+memory-efficient kernel rather than flash), each prompt written into its n rows, then copied into the
+bucket's cache.
 
 On the CPU the same step runs eagerly (`capture` is ignored): that is what the CPU tests compare with the
 eager loop. Tensor parallelism: the model's collectives run inside the step (gloo eagerly on the CPU; on
@@ -80,11 +81,13 @@ class DecodeState:
     def __init__(self, model: Decoder, bucket: int, capacity: int, steps: int, device: torch.device):
         cfg = model.cfg
         dtype = model.embed.weight.dtype
-        shape = (cfg.num_layers, bucket, cfg.num_kv_heads, capacity, cfg.head_dim)
+        shape = (bucket, cfg.num_kv_heads, capacity, cfg.head_dim)
         self.bucket, self.capacity, self.steps = bucket, capacity, steps
+        # One tensor per layer (as gpt-fast and HF's StaticCache keep them): torch.compile then writes each
+        # in place, where slices of one [layers, ...] buffer could be functionalised into copies of it.
         # Zeros, not empty: a masked slot still enters attn @ V with weight 0, and 0 * NaN is NaN.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.key_mask = torch.zeros(bucket, capacity, dtype=torch.bool, device=device)
         self.slots = torch.arange(capacity, device=device)
         self.seen = torch.zeros(bucket, dtype=torch.long, device=device)   # position id of the fed token
@@ -99,8 +102,8 @@ class DecodeState:
         self.replay = None  # the captured step, set by StaticDecoder
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.k, self.v, self.key_mask, self.slots, self.seen, self.pos, self.step, self.token,
-                self.done, self.keys, self.out_tokens, self.out_log_probs, self.out_mask]
+        return self.k + self.v + [self.key_mask, self.slots, self.seen, self.pos, self.step, self.token,
+                                  self.done, self.keys, self.out_tokens, self.out_log_probs, self.out_mask]
 
     def clear(self, pad: int) -> None:
         """Every row padding (ended), nothing attended to: what `load` and the prefill start from."""
@@ -115,8 +118,8 @@ class DecodeState:
         m = rows.numel()
         self.clear(pad)
         for dst, s in ((self.k, src.k), (self.v, src.v)):
-            for layer in range(dst.shape[0]):  # one layer at a time: the gather's copy stays small
-                dst[layer, :m, :, :filled] = s[layer, rows, :, :filled]
+            for layer in range(len(dst)):
+                dst[layer][:m, :, :filled] = s[layer][rows, :, :filled]
         self.key_mask[:m] = src.key_mask[rows]
         for name in ("seen", "token", "done", "keys"):
             getattr(self, name)[:m] = getattr(src, name)[rows]
@@ -318,11 +321,15 @@ class StaticDecoder:
         capacity = cache_capacity(t, steps)
         st = self.state(bucket_size(rows), capacity, params, keyed, stop_ids, pad)
         st.clear(pad)
-        # The prefill writes through a KVCache whose tensors are views of the state's first `rows` rows.
-        cache = KVCache(model.cfg, rows, 0, st.k.dtype, device)
-        cache.k, cache.v = st.k[:, :rows], st.v[:, :rows]
-        cache.key_mask, cache.seen, cache.capacity = st.key_mask[:rows], st.seen[:rows], capacity
+        # The prefill fills a KVCache of the prompts' length, then its slots move into the state's first rows.
+        cache = KVCache(model.cfg, rows, t, st.k[0].dtype, device)
         logits = model.forward_cached(input_ids, cache, attention_mask, last_only=True)[:, -1]
+        for layer in range(len(st.k)):
+            st.k[layer][:rows, :, :t] = cache.k[layer]
+            st.v[layer][:rows, :, :t] = cache.v[layer]
+        st.key_mask[:rows, :t] = cache.key_mask
+        st.seen[:rows] = cache.seen
+        del cache
         st.done[:rows] = False
         if keyed:
             st.keys[:rows] = keys
