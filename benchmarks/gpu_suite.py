@@ -408,7 +408,7 @@ def run_kernel_sections(args, only: set[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes and few repeats, a smoke run (~1 min)")
-    parser.add_argument("--only", default="logprob,bandwidth,gae,reshard,rollout,generate",
+    parser.add_argument("--only", default="logprob,bandwidth,gae,reshard,rollout,generate,step",
                         help="comma-separated subset of the sections")
     parser.add_argument("--peak-tbps", type=float, default=4.8, help="device peak HBM bandwidth in TB/s (H200: 4.8)")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per case (median reported)")
@@ -423,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
         bench_rollout_engines(args.quick)
     if "generate" in only:  # on the CPU: a dry run of the same code at --quick sizes
         bench_generate(args.quick or not torch.cuda.is_available(), args.peak_tbps)
+    if "step" in only:  # the 0.5B-shaped GRPO step stage by stage; on the CPU a small try of the same code
+        import gpu_step
+
+        gpu_step.print_report(gpu_step.run_step_bench(args.quick, args.peak_tbps))
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
     return 0
 
