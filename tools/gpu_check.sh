@@ -5,8 +5,7 @@
 #             graph and reduce-overhead replays against the eager loop (tests/rollout/test_static_decode.py);
 #   step      benchmarks/gpu_suite.py --only step: the Qwen2.5-0.5B-shaped GRPO step (24 layers, bf16,
 #             32 prompts x 8 x 256 tokens, 3 steps) stage by stage, generated tokens/s, the decode step
-#             against its HBM roofline, the update's MFU (issue 30). Needs GSM8K in the tree: copy
-#             ../shared/data/gsm8k to data/gsm8k_src first and carry `data`;
+#             against its HBM roofline, the update's MFU (issue 30);
 #   generate  its generate section: the eager loop against the static decode path replayed as a CUDA graph
 #             and as torch.compile(mode="reduce-overhead"), 256 rows x 256 tokens, tokens/s, capture time,
 #             peak memory, the decode step against the HBM roofline;
@@ -15,7 +14,8 @@
 #   suite     benchmarks/gpu_suite.py's kernel sections: speed, memory and bandwidth side by side;
 #   reshard   its reshard section: `hybridflow reshard` on a Qwen2.5-0.5B-shaped model, time and peak
 #             memory against its dry run and a whole-model load + save (host work).
-#   tools/gpu_check.sh [STEP,STEP,...]   (default: all, in the order above)
+#   make gpu-prep   (here, first: megatron-core's wheel into .whl, GSM8K into data/gsm8k_src)
+#   tools/gpu_check.sh [STEP,STEP,...]   (there, with carry [".whl", "data"]; default: all, in the order above)
 # The whole call keeps to BUDGET seconds (default 470, under 8 minutes): each step's timeout is its cap or
 # what is left of the budget, whichever is less, and a step with under 30 s left is skipped, saying so
 # (the skipped ones are in $OUT/skipped.txt). Logs go to $OUT.
