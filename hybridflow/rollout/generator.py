@@ -172,21 +172,12 @@ class Generator:
             logits = self.model.forward_cached(input_ids, cache, attention_mask, last_only=True)[:, -1]
         logits = logits.repeat_interleave(n, 0)
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
-        keys = None
-        if row_keys is not None:  # one stream per (prompt, sample), advanced per step below
-            keys = (row_keys.long().to(device).repeat_interleave(n) * n
-                    + torch.arange(n, device=device).repeat(b)) * (steps + 1)
+        keys = _row_streams(row_keys, n, steps, device)
         if fused is not None:
             tokens, log_probs, mask, length = self._fused_decode(fused, logits, cache, params, keys, stop_ids)
         else:
             tokens, log_probs, mask, length = self._python_decode(logits, cache, params, generator, keys, stop_ids)
-        return GenerationOutput(
-            prompts=input_ids.repeat_interleave(n, 0).to(home),
-            prompt_mask=attention_mask.long().repeat_interleave(n, 0).to(home),
-            responses=tokens[:, :length].to(home).contiguous(),
-            response_mask=mask[:, :length].to(home).contiguous(),
-            log_probs=log_probs[:, :length].to(home).contiguous(),
-        )
+        return _output(input_ids, attention_mask, n, home, tokens, log_probs, mask, length)
 
     def _static_applies(self, params: SamplingParams, device: torch.device) -> bool:
         """The static path: asked for, or "auto" on CUDA; never for stop strings (they need the host each step)."""
@@ -203,21 +194,12 @@ class Generator:
         if row_keys is None and not params.greedy:
             row_keys = torch.randint(0, 2 ** 40, (b,), generator=generator,
                                      device=generator.device if generator is not None else "cpu")
-        keys = None
-        if row_keys is not None:  # the eager loop's streams: one per (prompt, sample), advanced per step
-            keys = (row_keys.long().to(device).repeat_interleave(n) * n
-                    + torch.arange(n, device=device).repeat(b)) * (steps + 1)
+        keys = _row_streams(row_keys, n, steps, device)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
         tokens, log_probs, mask, length = self.static.generate(input_ids, attention_mask, params, keys, stop_ids,
                                                                self.pad_token_id)
-        return GenerationOutput(
-            prompts=input_ids.repeat_interleave(n, 0).to(home),
-            prompt_mask=attention_mask.long().repeat_interleave(n, 0).to(home),
-            responses=tokens[:, :length].to(home).contiguous(),
-            response_mask=mask[:, :length].to(home).contiguous(),
-            log_probs=log_probs[:, :length].to(home).contiguous(),
-        )
+        return _output(input_ids, attention_mask, n, home, tokens, log_probs, mask, length)
 
     def _python_decode(self, logits, cache: KVCache, params: SamplingParams, generator, keys, stop_ids):
         """The decode steps after the prefill, one batch of torch ops each: tokens, log_probs, mask
@@ -326,3 +308,24 @@ class Generator:
             text = self.tokenizer.decode(tails[row])
             hits[row] = any(s in text for s in stop)
         return hits
+
+
+def _row_streams(row_keys: Optional[torch.Tensor], n: int, steps: int, device) -> Optional[torch.Tensor]:
+    """One sampling stream per (prompt, sample) from the prompts' keys, spaced `steps + 1` apart so the
+    decode loop can advance each by one a step; None without keys."""
+    if row_keys is None:
+        return None
+    per_sample = row_keys.long().to(device).repeat_interleave(n) * n + torch.arange(n, device=device).repeat(
+        row_keys.shape[0])
+    return per_sample * (steps + 1)
+
+
+def _output(input_ids, attention_mask, n: int, home, tokens, log_probs, mask, length: int) -> GenerationOutput:
+    """The GenerationOutput of a decode that ran `length` steps, on the prompts' device (`home`)."""
+    return GenerationOutput(
+        prompts=input_ids.repeat_interleave(n, 0).to(home),
+        prompt_mask=attention_mask.long().repeat_interleave(n, 0).to(home),
+        responses=tokens[:, :length].to(home).contiguous(),
+        response_mask=mask[:, :length].to(home).contiguous(),
+        log_probs=log_probs[:, :length].to(home).contiguous(),
+    )
