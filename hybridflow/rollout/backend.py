@@ -66,10 +66,12 @@ def hf_named(model: Decoder, make_vocab_size_divisible_by: int = 128,
     entry's parts exist beside the model at a time; at tp = 1 plain tensors are the parameters themselves
     (detached). A tg-way model (`model.parallel.size > 1`, every rank of its group iterating in step)
     gathers each sharded entry over its group when it is reached, with the group's one gather
-    (`TensorParallel.gather_vocab`, along the last dim), and drops the vocabulary padding: a rank holds
-    its own shard plus the entries not yet consumed, never the whole model while the consumer frees what
-    it took (`buckets` of a fraction of the model). `gathered["bytes"]`, when given, adds up what this
-    rank received from its peers.
+    (`TensorParallel.gather_vocab`, along the last dim), and drops the vocabulary padding. Beside its own
+    shard a rank holds the bucket being consumed and the entry being gathered: while an entry is gathered
+    about twice the whole entry (the gather buffer and its unsharded copy; the buffer is freed before the
+    entry is handed on). That is never the whole model unless one entry is most of it, as the embedding of a
+    small model with a large vocabulary may be. `gathered["bytes"]`, when given, adds up what this rank
+    received from its peers.
     """
     parallel = model.parallel
     bridge = get_bridge(model.full_cfg, make_vocab_size_divisible_by)
@@ -85,6 +87,7 @@ def hf_named(model: Decoder, make_vocab_size_divisible_by: int = 128,
             if gathered is not None:
                 gathered["bytes"] = gathered.get("bytes", 0) + whole.numel() * whole.element_size() * (
                     parallel.size - 1) // parallel.size
+            del whole, pieces  # the gather buffer goes before the entry is handed on; the entry itself stays
         yield from zip(e.hf, bridge.split_parts(e, local))
 
 

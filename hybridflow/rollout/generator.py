@@ -155,7 +155,9 @@ class Generator:
             try:
                 return self._static_generate(input_ids, attention_mask, params, generator, row_keys)
             except Exception as exc:  # noqa: BLE001 - "auto" must still generate; "static" raises
-                if self.decode == "static":
+                # In a tensor-parallel group one rank falling back alone would issue other collectives than
+                # its peers (a hang), so there the failure stops the call.
+                if self.decode == "static" or getattr(self.model.parallel, "size", 1) > 1:
                     raise
                 from hybridflow.kernels.backend import _warn_once
 

@@ -235,9 +235,17 @@ class StaticDecoder:
         return self.capture if device.type == "cuda" else "eager"
 
     def _check_weights(self) -> None:
-        """Drop the captured steps if a parameter no longer lives where they read it."""
+        """Drop the captured steps if a parameter no longer lives where they read it. In a tensor-parallel
+        group the ranks agree first (any rank's move drops every rank's steps): the allocator may place a
+        refilled shard elsewhere on one rank only, and a rank capturing alone would run the capture's
+        warm-up collectives without its peers."""
         addresses = [p.data_ptr() for p in self.model.parameters()]
-        if addresses != self.addresses:
+        moved = addresses != self.addresses
+        parallel = getattr(self.model, "parallel", None)
+        if getattr(parallel, "size", 1) > 1:
+            flag = torch.tensor([1.0 if moved else 0.0], device=self.model.embed.weight.device)
+            moved = parallel.all_reduce(flag).item() > 0
+        if moved:
             self.release()
             self.addresses = addresses
 
@@ -286,11 +294,12 @@ class StaticDecoder:
         if mode == "compile":
             for t in st.tensors():
                 torch._dynamo.mark_static_address(t)
-            # Every state is one more compile of the same `step` code (its closure differs): past dynamo's
-            # recompile limit (8 by default) it would silently run eagerly.
+            # Every state is one more compile of the same `step` code (its closure differs), and dynamo keeps
+            # each entry for the process's life: with fullgraph=True, reaching its recompile limit raises
+            # (FailOnRecompileLimitHit). The limit is kept above the compiles made so far.
             config = torch._dynamo.config
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-            setattr(config, name, max(getattr(config, name), 64))
+            setattr(config, name, max(getattr(config, name), 64, self.captures + 8))
             compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
             warm_up(compiled)  # reduce-overhead warms up, then records its CUDA graph on later calls
             return compiled

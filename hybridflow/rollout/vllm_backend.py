@@ -26,8 +26,10 @@
   schedule, and sample, alike. The push gathers each generation shard's
   entry over the group as it is reached (`backend.hf_named`) and every rank
   hands the same whole HF tensors to its `load_weights`, which keeps the
-  rank's own slice: a rank holds its shard plus one bucket, never the whole
-  model (`reshard/push_peak_bytes`, `reshard/push_gather_bytes`).
+  rank's own slice: beside its shard a rank holds one bucket and, while an
+  entry is gathered, about twice that entry (`backend.hf_named`), so not the
+  whole model unless one entry is most of it (`reshard/push_peak_bytes` is
+  the largest bucket, not a measured peak; `reshard/push_gather_bytes`).
 - **Log-probs mean what the trainer's mean.** `logprobs_mode="processed_logprobs"`
   with `logprobs=0` returns the chosen token's log-prob under the
   distribution it was sampled from: `log_softmax(logits / temperature)`, and

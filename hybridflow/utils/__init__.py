@@ -97,26 +97,29 @@ def load_source_file(path: Path, prefix: str) -> ModuleType:
 def write_dir_atomically(dst: Path, write: Callable[[Path], None], tag: str) -> Path:
     """`write(tmp)` into an empty hidden sibling of `dst` (`.NAME.TAG-tmp-PID`), then rename it to `dst`.
 
-    An existing `dst` is moved aside (`.NAME.TAG-old-PID`) and removed only after the new one is in place,
-    so a crash at any point leaves either the old directory or the new one, never a half-written `dst`; an
-    exception removes the partial output. The PID in the names lets a later run tell a killed writer's
-    leftovers from a live one's. Returns `dst` (absolute).
+    An existing `dst` is moved aside (`.NAME.TAG-old-PID`) and removed only after the new one is in place:
+    `dst` is never half-written. An exception removes the partial output and puts the old `dst` back; a
+    process killed between the two renames leaves no `dst` and the old one under its hidden name (the PID
+    lets a later run tell a killed writer's leftovers from a live one's and restore it, as the reshard tool
+    does). One writer per `dst` at a time. Returns `dst` (absolute).
     """
     dst = Path(dst).absolute()
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.{tag}-tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    old = None
     try:
         write(tmp)
-        old = None
         if dst.exists():
             old = dst.with_name(f".{dst.name}.{tag}-old-{os.getpid()}")
             os.replace(dst, old)
         os.replace(tmp, dst)
-        if old is not None:
-            shutil.rmtree(old)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not dst.exists():
+            os.replace(old, dst)
         raise
+    if old is not None:
+        shutil.rmtree(old)
     return dst

@@ -73,3 +73,37 @@ def test_overwrite_replaces_atomically(tmp_path, hf_checkpoint):
     save_decoder(dec, target)
     assert torch.equal(load_decoder(target).norm.weight, dec.norm.weight)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_directory_write_replaces_whole_or_not_at_all(tmp_path, monkeypatch):
+    """utils.write_dir_atomically (HF saves, the reshard tool): a failed write leaves the old directory as it
+    was, even when it fails at the last rename, after the old one was moved aside; a good one replaces it."""
+    import os
+
+    from hybridflow.utils import write_dir_atomically
+
+    dst = tmp_path / "ckpt"
+    write_dir_atomically(dst, lambda tmp: (tmp / "a").write_text("old"), "save")
+
+    def broken(tmp):
+        (tmp / "a").write_text("new")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_dir_atomically(dst, broken, "save")
+    assert (dst / "a").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    real_replace, calls = os.replace, []
+
+    def replace_failing_second(src, target):
+        calls.append(src)
+        if len(calls) == 2:  # the new directory into place, after the old one was moved aside
+            raise OSError("rename failed")
+        real_replace(src, target)
+
+    monkeypatch.setattr(os, "replace", replace_failing_second)
+    with pytest.raises(OSError, match="rename failed"):
+        write_dir_atomically(dst, lambda tmp: (tmp / "a").write_text("new"), "save")
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert (dst / "a").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    write_dir_atomically(dst, lambda tmp: (tmp / "a").write_text("new"), "save")
+    assert (dst / "a").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -39,6 +39,20 @@ def main(out: str) -> None:
         everyone = [None] * size
         dist.all_gather_object(everyone, got.responses)
         assert all(torch.equal(t, everyone[0]) for t in everyone), f"{name}: ranks sampled differently"
+    # A refill that moves one rank's weights only (the allocator's choice after the hybrid engine frees and
+    # reallocates a shard): every rank drops its captured steps and captures again, together; a rank doing
+    # it alone would run the capture's warm-up collectives without its peers.
+    name, (params, keys) = list(tp_workloads().items())[-1]  # the last call's family: only the move counts
+    before = gen.static.captures
+    if rank == 1:
+        with torch.no_grad():
+            weight = model.embed.weight
+            weight.data = weight.data.clone()
+    again = gen.generate(batch["ids"], batch["mask"], params, row_keys=keys)
+    assert torch.equal(again.responses, results[name]["responses"]), "a new capture changed the output"
+    captured = [None] * size
+    dist.all_gather_object(captured, gen.static.captures - before)
+    assert captured[0] == captured[1] > 0, f"captures after one rank's weights moved: {captured}"
     if rank == 0:
         torch.save(results, out)
     dist.barrier()

@@ -168,6 +168,33 @@ def test_which_path_runs():
         StaticDecoder(model, capture="cudagraph")
 
 
+def test_auto_falls_back_to_the_eager_loop_when_the_static_path_fails(monkeypatch):
+    """"auto" where the static path applies (CUDA; here made to apply) and fails: a warning, the eager
+    loop's tokens, and the eager loop from then on; "static" raises the failure."""
+    from hybridflow.kernels import backend
+
+    model = tiny_decoder("llama-gqa")
+    ids, mask = left_padded_prompts(model.cfg.vocab_size)
+    want = Generator(model, PAD, decode="python").generate(ids, mask, _params(False), row_keys=KEYS)
+    gen = Generator(model, PAD, decode="python")
+    gen.decode = "auto"
+    monkeypatch.setattr(Generator, "_static_applies", lambda self, params, device: (
+        self.decode == "static" or self.static_failed is None))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(gen.static, "generate", broken)
+    warned = []
+    monkeypatch.setattr(backend, "_warn_once", warned.append)
+    _assert_same(gen.generate(ids, mask, _params(False), row_keys=KEYS), want)
+    assert gen.static_failed == "RuntimeError: capture failed" and "capture failed" in warned[0]
+    _assert_same(gen.generate(ids, mask, _params(False), row_keys=KEYS), want)  # no second try
+    gen.decode, gen.static_failed = "static", None
+    with pytest.raises(RuntimeError, match="capture failed"):
+        gen.generate(ids, mask, _params(False), row_keys=KEYS)
+
+
 def test_bfloat16_log_probs_within_tolerance(family):
     """bfloat16 model: the static step attends over the whole capacity under a mask, the eager loop over
     a slice, so sums round differently. Over each row's tokens up to the first that differs (a near-tie
