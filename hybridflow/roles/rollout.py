@@ -153,6 +153,6 @@ def agent_batch(prompts: Batch, out: AgentOutput, n: int, tokenizer: Tokenizer, 
     batch = assemble_rollout(prompts, gen, n, tokenizer)
     batch[F.ATTENTION_MASK] = torch.cat([gen.prompt_mask, parts["real"]], dim=1)  # tool tokens are attended to
     batch[F.ENV_REWARDS] = parts["rewards"]
-    batch[F.ENV_STATS] = [{"turns": t.turns, "ended": t.ended, **t.stats} for t in out.trajectories]
+    batch[F.ENV_STATS] = [{**t.stats, "turns": t.turns, "ended": t.ended} for t in out.trajectories]
     batch[F.RESPONSE_TEXT] = [t.answer for t in out.trajectories]
     return batch

@@ -127,7 +127,8 @@ def env_metrics(stats: list[dict], prefix: str = "") -> dict[str, float]:
     for key in counts:
         values = [float(s.get(key, 0)) for s in stats]
         out[f"{prefix}env/{key}_mean"] = sum(values) / len(values)
-        out[f"{prefix}env/{key}_rate"] = sum(v > 0 for v in values) / len(values)
+        if key != "turns":  # every trajectory takes a turn
+            out[f"{prefix}env/{key}_rate"] = sum(v > 0 for v in values) / len(values)
     for reason in sorted({s.get("ended", "") for s in stats} - {""}):
         out[f"{prefix}env/ended_{reason}"] = sum(s.get("ended") == reason for s in stats) / len(stats)
     return out
