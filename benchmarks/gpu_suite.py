@@ -354,7 +354,7 @@ def bench_generate(quick: bool, peak_tbps: float) -> None:
         ratio = f"{step_ms / roofline_ms:.1f}x" if cuda and step_ms is not None else "-"
         print(f"{label:30s} {steps:8d} {first:11.2f} {secs:8.2f} {tokens / secs:10.0f} {peak:9.2f} {step:>8s} "
               f"{ratio:>10s} {same:>12s}", flush=True)
-        gen.release()
+        gen.static.release()  # Generator.release keeps the captured steps; the next mode starts clean
         del gen, out
         if cuda:
             torch.cuda.empty_cache()
