@@ -289,7 +289,7 @@ def bench_generate(quick: bool, peak_tbps: float) -> None:
     On the CPU (a dry run of the same code) the static path runs eagerly and the roofline is left out."""
     from hybridflow.rollout import Generator, SamplingParams
     from hybridflow.rollout.sampling import sample
-    from hybridflow.rollout.static_decode import bucket_size, cache_capacity, compiled_keyed_choice, sample_tokens
+    from hybridflow.rollout.static_decode import bucket_size, cache_capacity, compiled_keyed_choice
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -319,7 +319,7 @@ def bench_generate(quick: bool, peak_tbps: float) -> None:
     step_keys = torch.arange(bucket, device=device) * 1000
     draws = [("eager", lambda: sample(logits, sampling, None, step_keys))]
     if cuda:  # what capture="graph" runs: the keyed draw compiled, the rest of the sampler eager
-        draws.append(("compiled draw", lambda: sample_tokens(logits, sampling, step_keys, compiled_keyed_choice())))
+        draws.append(("compiled draw", lambda: sample(logits, sampling, None, step_keys, compiled_keyed_choice())))
     for name, draw in draws:
         try:
             ms = time_ms(draw, 5) if cuda else _timed(draw)[1] * 1e3

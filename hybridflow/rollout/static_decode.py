@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from hybridflow.models.decoder import Decoder, apply_rope, rope_cos_sin
 from hybridflow.models.kv_cache import KVCache
-from hybridflow.rollout.sampling import SamplingParams, counter_uniform, truncate
+from hybridflow.rollout.sampling import SamplingParams, keyed_choice, sample
 
 BUCKETS = tuple(sorted({2 ** k for k in range(15)} | {3 * 2 ** k for k in range(14)}))  # 1, 2, 3, 4, 6, 8, ..
 CAPACITY_MULTIPLE = 128  # slots; also keeps the mask's last dim aligned for the fused SDPA kernels
@@ -164,15 +164,6 @@ def forward_step(model: Decoder, st: DecodeState) -> torch.Tensor:
     return model.logits(model.norm(x))[:, -1]
 
 
-def keyed_choice(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Gumbel-max over `scaled` [B, V] (tempered, truncated logits) with noise hashed from keys [B]:
-    `sampling.sample`'s keyed draw. Eagerly that is ~20 passes over a [B, V] int64/float64 tensor (at
-    256 x 151936 about 14 GB of traffic per step, several times the model's own); compiled
-    (`StaticDecoder(fuse_noise=True)`, on CUDA) it is one reduction that reads the logits once."""
-    gumbel = -torch.log(-torch.log(counter_uniform(keys, scaled.shape[-1])))
-    return (scaled.double() + gumbel).argmax(-1)
-
-
 _COMPILED_CHOICE = None
 
 
@@ -184,23 +175,10 @@ def compiled_keyed_choice():
     return _COMPILED_CHOICE
 
 
-def sample_tokens(logits: torch.Tensor, params: SamplingParams, keys: Optional[torch.Tensor],
-                  choose=keyed_choice) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sampling.sample` for greedy and keyed sampling, the keyed draw done by `choose`."""
-    logits = logits.float()
-    if params.greedy:
-        tokens = logits.argmax(-1)
-    else:
-        logits = logits / params.temperature
-        tokens = choose(truncate(logits, params.top_k, params.top_p), keys)
-    log_probs = logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(-1)
-    return tokens, log_probs
-
-
 def sample_step(st: DecodeState, logits: torch.Tensor, params: SamplingParams, keyed: bool,
                 stop_ids: torch.Tensor, pad: int, choose=keyed_choice) -> None:
     """Choose each row's next token from `logits` [bucket, V] and write it to column `st.step`."""
-    token, log_prob = sample_tokens(logits, params, st.keys + st.step if keyed else None, choose)
+    token, log_prob = sample(logits, params, None, st.keys + st.step if keyed else None, choose)
     token = token.masked_fill(st.done, pad)
     st.out_tokens.index_copy_(1, st.step, token[:, None])
     st.out_log_probs.index_copy_(1, st.step, log_prob.masked_fill(st.done, 0.0)[:, None])

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hybridflow.rollout import Generator, SamplingParams
+from hybridflow.rollout.sampling import keyed_choice
 from hybridflow.rollout import static_decode
 from hybridflow.rollout.static_decode import BUCKETS, StaticDecoder, bucket_size, cache_capacity
 from tests.rollout.conftest import PAD, left_padded_prompts, tiny_decoder
@@ -48,15 +49,20 @@ def test_buckets_and_capacity():
 @pytest.mark.parametrize("kw", [dict(do_sample=False), dict(temperature=0.8),
                                 dict(temperature=1.3, top_k=50, top_p=0.9)])
 def test_the_steps_sampler_is_samplings(kw):
-    """sample_tokens (what the step runs) draws sampling.sample's tokens and log-probs bit for bit."""
+    """sample_step (what the step runs) writes sampling.sample's tokens and log-probs bit for bit, drawn
+    with the row's key advanced by the step."""
     from hybridflow.rollout.sampling import sample
 
     logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 3
     keys = torch.arange(64) * 977 + 5
     params = SamplingParams(max_new_tokens=4, **kw)
-    want = sample(logits, params, None, keys)
-    got = static_decode.sample_tokens(logits, params, keys)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    st = static_decode.DecodeState(tiny_decoder("llama-gqa"), 64, 128, 4, torch.device("cpu"))
+    st.keys.copy_(keys)
+    st.done.fill_(False)
+    st.step.fill_(2)
+    static_decode.sample_step(st, logits, params, True, torch.tensor([-1]), PAD)
+    want = sample(logits, params, None, keys + 2)
+    assert torch.equal(st.out_tokens[:, 2], want[0]) and torch.equal(st.out_log_probs[:, 2], want[1])
     assert want[0].unique().numel() > 30
 
 
@@ -275,7 +281,7 @@ def test_compiled_keyed_draw_equals_the_eager_one():
         scaled = torch.randn(rows, width, generator=g) * 2
         scaled[:, ::7] = float("-inf")  # truncated tokens
         keys = torch.randint(0, 2 ** 40, (rows,), generator=g)
-        assert torch.equal(compiled(scaled, keys), static_decode.keyed_choice(scaled, keys))
+        assert torch.equal(compiled(scaled, keys), keyed_choice(scaled, keys))
 
 
 # ---- on a CUDA device (pytest -m gpu) ----
