@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # benchmarks/ (hybridflow bench runs this by path)
 import bench_e2e  # noqa: E402
-from figures import write_json  # noqa: E402
+from figures import take_turns, write_json  # noqa: E402
 
 TWO_PROCESSES = ["trainer.n_devices=2"]
 HALF_BATCH = ["data.train_batch_size=64", "actor.ppo_mini_batch_size=64"]
@@ -75,11 +75,9 @@ def fit_and_predict(full: dict, half: dict):
 
 def measure_abba(rounds: int) -> dict[str, dict]:
     """Each run's stage medians (bench e2e's `measure`), the runs taking turns; means over rounds."""
-    runs = {"full": TWO_PROCESSES, "half": TWO_PROCESSES + HALF_BATCH}
-    names, seen = list(runs), {name: [] for name in runs}
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            seen[name].append(bench_e2e.measure("ppo", 2, 1, runs[name]))
+    seen = take_turns({name: (lambda o=overrides: bench_e2e.measure("ppo", 2, 1, o))
+                       for name, overrides in (("full", TWO_PROCESSES), ("half", TWO_PROCESSES + HALF_BATCH))},
+                      rounds)
     return {name: {k: sum(f[k] for f in figures) / len(figures) for k, v in figures[0].items()
                    if isinstance(v, (int, float))} for name, figures in seen.items()}
 

@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (hybridflow bench runs this by path)
-from figures import peak_since, reset_peak, write_json  # noqa: E402
+from figures import peak_since, reset_peak, take_turns, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOW_STAGES = ("rollout", "reward", "log_probs", "values")
@@ -231,13 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.baseline:
         baseline, results = None, {algo: measure(algo, args.steps, args.warmup, args.override) for algo in algos}
     else:
-        base_rounds, our_rounds = [], []
-        for r in range(max(1, args.rounds)):
-            turns = [lambda: base_rounds.append(run_baseline(args.baseline, common)),
-                     lambda: our_rounds.append({a: measure(a, args.steps, args.warmup, args.override) for a in algos})]
-            for turn in (turns if r % 2 == 0 else turns[::-1]):
-                turn()
-        baseline, results = over_rounds(base_rounds), over_rounds(our_rounds)
+        seen = take_turns({"baseline": lambda: run_baseline(args.baseline, common),
+                           "ours": lambda: {a: measure(a, args.steps, args.warmup, args.override) for a in algos}},
+                          args.rounds)
+        baseline, results = over_rounds(seen["baseline"]), over_rounds(seen["ours"])
     label = f"vs {args.baseline}" if args.baseline else "medians"
     print(table(results, baseline, label), flush=True)
     if args.json:

@@ -102,3 +102,13 @@ def write_json(path, figures: dict) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def take_turns(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list]:
+    """Each run's results over `rounds` rounds, the runs taking turns A-B, B-A, ... so that a load that
+    drifts on a shared machine falls on all alike."""
+    names, seen = list(runs), {name: [] for name in runs}
+    for r in range(max(1, rounds)):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            seen[name].append(runs[name]())
+    return seen
