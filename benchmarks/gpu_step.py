@@ -27,6 +27,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hybridflow.models.config import DecoderConfig
+from hybridflow.planner.cost import kv_cache_bytes, total_params
+
 ROOT = Path(__file__).resolve().parents[1]
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100/H200 SXM
 
@@ -78,17 +81,6 @@ def run_step_bench(quick: bool, peak_tbps: float, peak_tflops: float = H200_BF16
     return report
 
 
-def parameter_count(shapes: dict) -> int:
-    """Parameters of a Qwen2-style decoder from its HF config (tied embeddings counted once)."""
-    h, f, layers, vocab = (shapes["hidden_size"], shapes["intermediate_size"], shapes["num_hidden_layers"],
-                           shapes["vocab_size"])
-    heads, kv = shapes["num_attention_heads"], shapes["num_key_value_heads"]
-    d = shapes.get("head_dim") or h // heads
-    attention = h * heads * d + 2 * h * kv * d + heads * d * h + (heads * d + 2 * kv * d)  # QKV bias
-    per_layer = attention + 3 * h * f + 2 * h
-    return layers * per_layer + vocab * h * (1 if shapes.get("tie_word_embeddings") else 2) + h
-
-
 def step_report(records: list[dict], shapes: dict, epochs: int, rows: int, peak_tbps: float,
                 peak_tflops: float) -> dict:
     """The stage table's figures from the trainer's metrics records (medians over the steps after the first)."""
@@ -99,27 +91,29 @@ def step_report(records: list[dict], shapes: dict, epochs: int, rows: int, peak_
     figures = {k.removeprefix("timing/").removesuffix("_s"): med(k) for k in stages}
     step = med("timing/step_s")
     figures["other"] = max(step - sum(figures.values()), 0.0)
-    params = parameter_count(shapes)
+    cfg = DecoderConfig.from_hf_dict(shapes)
+    params = total_params(cfg, divisible_by=1)  # the HF model's own count: no vocabulary padding
     response_tokens = med("response/length_mean") * rows
     longest = max(med("response/length_max"), 1.0)
     rollout = figures.get("rollout", 0.0)
-    layers, kv, heads = shapes["num_hidden_layers"], shapes["num_key_value_heads"], shapes["num_attention_heads"]
-    head_dim = shapes.get("head_dim") or shapes["hidden_size"] // heads
     prompt_len = max(med("batch/tokens") / rows - med("response/length_mean"), 0.0)
-    kv_bytes = 2 * layers * kv * head_dim * 2 * rows * (prompt_len + longest / 2)  # K and V, bf16, mean context
+    kv_bytes = kv_cache_bytes(cfg, rows * (prompt_len + longest / 2), 2)  # bf16, at the mean context
     roofline_s = (2 * params + kv_bytes) / (peak_tbps * 1e12) if peak_tbps else 0.0
     decode_step = rollout / longest
     update_flops = 6 * params * med("batch/tokens") * epochs
-    return {"stages": figures, "step_s": step, "transition_s": med("reshard/time_s"), "tokens_per_s": response_tokens / rollout if rollout else 0.0,
+    return {"stages": figures, "step_s": step, "transition_s": med("reshard/time_s"),
+            "tokens_per_s": response_tokens / rollout if rollout else 0.0,
             "decode_step_ms": decode_step * 1e3, "roofline_ms": roofline_s * 1e3,
             "vs_roofline": decode_step / roofline_s if roofline_s else None,
-            "update_mfu": update_flops / figures["update"] / (peak_tflops * 1e12) if peak_tflops and figures.get(
-                "update") else None, "params": params}
+            "update_mfu": (update_flops / figures["update"] / (peak_tflops * 1e12)
+                           if peak_tflops and figures.get("update") else None),
+            "params": params}
 
 
 def print_report(report: dict) -> None:
-    print(f"\nGRPO step, Qwen2.5-0.5B-shaped ({report['layers']} layers, {report['dtype']}, {report['params'] / 1e6:.0f}M "
-          f"parameters), {report['rows']} rows x <= {report['max_new_tokens']} new tokens, on {report['device']}")
+    print(f"\nGRPO step, Qwen2.5-0.5B-shaped ({report['layers']} layers, {report['dtype']}, "
+          f"{report['params'] / 1e6:.0f}M parameters), {report['rows']} rows x <= {report['max_new_tokens']} new "
+          f"tokens, on {report['device']}")
     step = report["step_s"]
     print(f"  {'stage':14s} {'s':>8s} {'share':>7s}")
     for name, seconds in report["stages"].items():

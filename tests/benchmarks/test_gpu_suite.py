@@ -33,7 +33,10 @@ def test_the_step_report_from_a_runs_metrics():
     import gpu_step
     from make_qwen_shaped_model import QWEN25_05B
 
-    n = gpu_step.parameter_count(QWEN25_05B)
+    from hybridflow.models.config import DecoderConfig
+    from hybridflow.planner.cost import total_params
+
+    n = total_params(DecoderConfig.from_hf_dict(QWEN25_05B), divisible_by=1)
     assert n == 494_032_768  # Qwen2.5-0.5B's published count (tied embeddings once)
     first = {"timing/step_s": 60.0, "timing/rollout_s": 50.0, "timing/update_s": 9.0}  # compiles: left out
     step = {"timing/step_s": 4.0, "timing/rollout_s": 2.0, "timing/log_probs_s": 0.5, "timing/update_s": 1.0,
