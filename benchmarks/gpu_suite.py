@@ -287,6 +287,7 @@ def bench_generate(quick: bool, peak_tbps: float) -> None:
     first call's capture / compile time, peak memory, and the decode step's time against the HBM roofline.
     Each mode's figures are printed before the next starts (reduce-overhead, the slowest to compile, last).
     On the CPU (a dry run of the same code) the static path runs eagerly and the roofline is left out."""
+    from hybridflow.planner.cost import kv_cache_bytes
     from hybridflow.rollout import Generator, SamplingParams
     from hybridflow.rollout.sampling import sample
     from hybridflow.rollout.static_decode import bucket_size, cache_capacity, compiled_keyed_choice
@@ -306,7 +307,7 @@ def bench_generate(quick: bool, peak_tbps: float) -> None:
     capacity, bucket = cache_capacity(prompt_len, new_tokens), bucket_size(rows)
     weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
                        if name != "embed.weight" or cfg.tie_word_embeddings)  # the embedding lookup reads rows only
-    kv_bytes = 2 * cfg.num_layers * bucket * cfg.num_kv_heads * capacity * cfg.head_dim * 2  # k and v, bf16
+    kv_bytes = kv_cache_bytes(cfg, bucket * capacity, 2)  # the whole capacity of every row, bf16
     roofline_ms = (weight_bytes + kv_bytes) / (peak_tbps * 1e12) * 1e3
     print(f"\ngenerate, Qwen2.5-0.5B-shaped ({layers} layers, random bfloat16) on {device}: {prompts} prompts x {n} "
           f"= {rows} rows, prompts of {prompt_len // 2}-{prompt_len} tokens, keyed sampling at T=1, no EOS")
