@@ -28,11 +28,13 @@ class _Tok:
     pad_token_id = PAD
 
 
-def random_decoder(shape: str, seed: int = 0) -> Decoder:
-    """A 2-layer decoder of `shape` (SHAPES) at head_dim 64, the smallest vLLM's CPU attention takes."""
+def random_decoder(shape: str, seed: int = 0, **overrides) -> Decoder:
+    """A 2-layer decoder of `shape` (SHAPES, then `overrides`) at head_dim 64, the smallest vLLM's CPU
+    attention takes."""
     return rough_decoder(dict(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=384, num_hidden_layers=2, head_dim=64,
-        rope_theta=10000.0, max_position_embeddings=256, rms_norm_eps=1e-5, **SHAPES[shape]), seed)
+        rope_theta=10000.0, max_position_embeddings=256, rms_norm_eps=1e-5,
+        **{**SHAPES[shape], **overrides}), seed)
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))

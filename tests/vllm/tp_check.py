@@ -34,17 +34,6 @@ def shard_model(full_model, group, rank: int, size: int):
     return model.eval().requires_grad_(False)
 
 
-def tp_decoder(shape: str, seed: int):
-    """test_engine's random decoder of `shape` with two KV heads, so that each of two ranks holds one."""
-    from tests.rollout.conftest import rough_decoder
-    from tests.vllm.test_engine import SHAPES, VOCAB
-
-    return rough_decoder(dict(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=384, num_hidden_layers=2, head_dim=64,
-        rope_theta=10000.0, max_position_embeddings=256, rms_norm_eps=1e-5,
-        **{**SHAPES[shape], "num_key_value_heads": 2}), seed)
-
-
 def main(shape: str, out: str, mode: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -56,13 +45,13 @@ def main(shape: str, out: str, mode: str) -> None:
     from hybridflow.rollout import Generator, SamplingParams, sync_weights
     from hybridflow.rollout.vllm_backend import VLLMBackend
     from tests.rollout.conftest import left_padded_prompts
-    from tests.vllm.test_engine import PAD, STEPS, VOCAB, _Tok
+    from tests.vllm.test_engine import PAD, STEPS, VOCAB, _Tok, random_decoder
 
     init_process_group("cpu")
     world, size = dist.get_world_size(), TG
     groups = [dist.new_group(list(range(first, first + size))) for first in range(0, world, size)]
     group, rank = groups[dist.get_rank() // size], dist.get_rank() % size  # blocks of consecutive ranks
-    full_model = tp_decoder(shape, seed=3)  # the same on every rank (seeded)
+    full_model = random_decoder(shape, seed=3, num_key_value_heads=2)  # one KV head a rank; seeded
     model = shard_model(full_model, group, rank, size)
     path = os.path.join(os.path.dirname(out), "model")
     if dist.get_rank() == 0:
