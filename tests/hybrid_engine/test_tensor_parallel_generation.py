@@ -28,6 +28,17 @@ def case(tied: bool, tp: int):
     return cfg, bridge, full, {"ids": ids * mask, "mask": mask}
 
 
+def shard_decoder(cfg: DecoderConfig, bridge, full: dict, group, rank: int, size: int) -> Decoder:
+    """Rank `rank`'s generation shard of the whole model `full` (megatron names, as `case` returns it) in the
+    `size`-way `group`, as the 3D-HybridEngine's generation model holds it."""
+    from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel, generation_shard
+
+    model = Decoder(cfg, GroupTensorParallel(group, bridge.padded_vocab))
+    missing, unexpected = model.load_state_dict(generation_shard(bridge, full, rank, size), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return model
+
+
 def generate_all(model: Decoder, gen: Generator, batch: dict) -> dict:
     ids, mask = batch["ids"], batch["mask"]
     with torch.no_grad():

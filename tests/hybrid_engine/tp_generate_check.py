@@ -16,20 +16,16 @@ def main(out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel, generation_shard
-    from hybridflow.models import Decoder
     from hybridflow.parallel import init_process_group
     from hybridflow.rollout import Generator
-    from tests.hybrid_engine.test_tensor_parallel_generation import PAD, case, generate_all
+    from tests.hybrid_engine.test_tensor_parallel_generation import PAD, case, generate_all, shard_decoder
 
     init_process_group("cpu")
     rank, size = dist.get_rank(), dist.get_world_size()
     results = {}
     for tied in (False, True):
         cfg, bridge, full, batch = case(tied, tp=size)
-        model = Decoder(cfg, GroupTensorParallel(dist.group.WORLD, bridge.padded_vocab))
-        missing, unexpected = model.load_state_dict(generation_shard(bridge, full, rank, size), strict=False)
-        assert not missing and not unexpected, (missing, unexpected)
+        model = shard_decoder(cfg, bridge, full, dist.group.WORLD, rank, size)
         got = generate_all(model.eval(), Generator(model, PAD), batch)
         everyone = [None] * size
         dist.all_gather_object(everyone, got["sampled_tokens"])

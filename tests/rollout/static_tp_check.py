@@ -17,19 +17,15 @@ def main(out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel, generation_shard
-    from hybridflow.models import Decoder
     from hybridflow.parallel import init_process_group
     from hybridflow.rollout import Generator
-    from tests.hybrid_engine.test_tensor_parallel_generation import PAD, case
+    from tests.hybrid_engine.test_tensor_parallel_generation import PAD, case, shard_decoder
     from tests.rollout.test_static_decode import tp_workloads
 
     init_process_group("cpu")
     rank, size = dist.get_rank(), dist.get_world_size()
     cfg, bridge, full, batch = case(False, tp=size)
-    model = Decoder(cfg, GroupTensorParallel(dist.group.WORLD, bridge.padded_vocab))
-    missing, unexpected = model.load_state_dict(generation_shard(bridge, full, rank, size), strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
+    model = shard_decoder(cfg, bridge, full, dist.group.WORLD, rank, size)
     gen = Generator(model.eval(), PAD, decode="static")
     results = {}
     for name, (params, keys) in tp_workloads().items():

@@ -22,16 +22,12 @@ TG = 2  # each block of TG consecutive ranks of the world is one vLLM engine (mo
 def shard_model(full_model, group, rank: int, size: int):
     """`full_model`'s shard for rank `rank` of the `size`-way `group`, as the 3D-HybridEngine's generation
     model."""
-    from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel, generation_shard
-    from hybridflow.models import Decoder
     from hybridflow.models.bridge import get_bridge
+    from tests.hybrid_engine.test_tensor_parallel_generation import shard_decoder
 
     bridge = get_bridge(full_model.cfg, 128, tp=size)
     full = bridge.hf_to_megatron(bridge.generation_to_hf({k: v.detach() for k, v in full_model.state_dict().items()}))
-    model = Decoder(full_model.cfg, GroupTensorParallel(group, bridge.padded_vocab))
-    missing, unexpected = model.load_state_dict(generation_shard(bridge, full, rank, size), strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    return model.eval().requires_grad_(False)
+    return shard_decoder(full_model.cfg, bridge, full, group, rank, size).eval().requires_grad_(False)
 
 
 def main(shape: str, out: str, mode: str) -> None:
