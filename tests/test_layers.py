@@ -18,13 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hybridflow"
 DESIGN = ROOT / "docs" / "design.md"
 
-# Imports that go up although the table says otherwise: (file, imported package) -> why. Each entry must
-# still be needed (test_allow_list_is_current), so it goes when its import does.
-ALLOWED = {
-    # By design: the user-facing `from hybridflow.utils import load_hf_model` (docs/api.md), imported on
-    # first use, so the helpers in utils stay a leaf for everything else.
-    ("hybridflow/utils/__init__.py", "rollout"): "lazy re-export of load_hf_model for users",
-}
 # Package __init__ files that import non-leaves although their package holds a leaf (see
 # test_a_leaf_loads_only_leaves). For now: config/__init__.py imports loader and validate eagerly, so
 # `from hybridflow.config.schema import ...` (data, engine, roles, workers) loads config.validate and,
@@ -120,7 +113,7 @@ def test_every_package_is_in_the_table():
 
 
 def test_no_package_imports_one_above_it():
-    found = [message for path, there, message in upward_imports() if (path, there) not in ALLOWED]
+    found = [message for path, there, message in upward_imports()]
     assert not found, ("imports against the layer order of docs/design.md section 2 (move the code down, or "
                        "pass the object in from above):\n" + "\n".join(found))
 
@@ -139,8 +132,6 @@ def test_a_leaf_loads_only_leaves():
 
 
 def test_allow_list_is_current():
-    needed = {(path, there) for path, there, _ in upward_imports()}
-    assert set(ALLOWED) <= needed, f"allow-list entries no longer needed, remove them: {set(ALLOWED) - needed}"
     for init in ALLOWED_LEAF_INITS:
         assert any(unit(target) not in LEAVES for _, target in imports(ROOT / init)), (
             f"{init} now imports only leaves: remove it from ALLOWED_LEAF_INITS")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from hybridflow.utils import nearest_name
+from hybridflow.common import nearest_name
 
 F = TypeVar("F", bound=Callable)
 

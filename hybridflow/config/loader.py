@@ -16,7 +16,7 @@ import yaml
 from hybridflow.errors import ConfigError
 from hybridflow.config.schema import Config
 from hybridflow.config.validate import validate
-from hybridflow.utils import nearest_name, shown_value
+from hybridflow.common import nearest_name, shown_value
 
 __all__ = ["ConfigError", "apply_overrides", "dump_config", "from_dict", "load_config", "load_config_data", "to_dict"]
 

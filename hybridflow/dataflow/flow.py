@@ -25,7 +25,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 from hybridflow.dataflow.node import Node
 from hybridflow.dataflow.plan import DataFlowError, Plan
-from hybridflow.utils import nearest_name
+from hybridflow.common import nearest_name
 
 __all__ = ["DataFlow", "DataFlowError", "Plan"]
 

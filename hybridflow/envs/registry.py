@@ -3,7 +3,7 @@
 A factory takes no arguments and returns a fresh `Environment`: the agent loop
 calls it once per trajectory, so an environment keeps its episode's state on
 itself with nothing shared between rows. Files load as reward files do
-(`hybridflow.utils.load_source_file`).
+(`hybridflow.common.load_source_file`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from hybridflow.envs.base import Environment, ToolEnv
 from hybridflow.envs.tools import calculator_tool, python_tool
-from hybridflow.utils import load_source_file, nearest_name
+from hybridflow.common import load_source_file, nearest_name
 
 __all__ = ["ENVIRONMENTS", "EnvFactory", "final_integer_score", "load_env_factory", "make_calculator_env",
            "make_python_env", "make_shaped_calculator_env", "check_factory"]

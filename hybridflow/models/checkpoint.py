@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.config import DecoderConfig, ModelConfigError
 from hybridflow.models.decoder import Decoder, rope_inv_freq
-from hybridflow.utils import write_dir_atomically
+from hybridflow.common import write_dir_atomically
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -14,7 +14,7 @@ from typing import Optional
 import yaml
 
 from hybridflow.errors import ConfigError
-from hybridflow.utils import nearest_name
+from hybridflow.common import nearest_name
 
 DEVICES_FILE = Path(__file__).with_name("devices.yaml")
 EFFICIENCY_KINDS = ("gemm", "attention", "decode", "comm")

@@ -27,7 +27,7 @@ from hybridflow.errors import ConfigError
 from hybridflow.parallel.layout import ParallelDims
 from hybridflow.reshard.sources import Source, hf_dtype, open_source
 from hybridflow.reshard.targets import Plan, Sink, human, plan_hf, plan_hybridflow, write_hf, write_hybridflow
-from hybridflow.utils import write_dir_atomically
+from hybridflow.common import write_dir_atomically
 
 TARGETS = ("hf", "hybridflow", "dist")
 

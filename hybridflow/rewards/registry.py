@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 from hybridflow.rewards.arithmetic import arithmetic_reward, chat_arithmetic_reward, mentions_answer
 from hybridflow.rewards.gsm8k import gsm8k_flexible_reward, gsm8k_reward
-from hybridflow.utils import load_source_file, nearest_name
+from hybridflow.common import load_source_file, nearest_name
 
 __all__ = ["RewardFn", "register_reward", "get_reward_fn", "registered_rewards", "default_reward",
            "DATA_SOURCE_REWARDS"]

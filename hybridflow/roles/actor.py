@@ -11,7 +11,7 @@ from hybridflow.config.schema import ActorConfig
 from hybridflow.data import fields as F
 from hybridflow.roles.batching import (forward_only, mean_metrics, planned_mini_batches, response_log_probs,
                                        one_replica_steps, train_mini_batch, update_plan)
-from hybridflow.utils import mix_seed
+from hybridflow.common import mix_seed
 
 # What an update reads (OLD_LOG_PROBS when the batch has them, REF_LOG_PROBS with the KL loss).
 UPDATE_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.OLD_LOG_PROBS, F.ADVANTAGES,

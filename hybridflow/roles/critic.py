@@ -11,7 +11,7 @@ from hybridflow.config.schema import CriticConfig
 from hybridflow.data import fields as F
 from hybridflow.roles.batching import (forward_only, mean_metrics, planned_mini_batches, response_slice,
                                        one_replica_steps, train_mini_batch, update_plan)
-from hybridflow.utils import mix_seed
+from hybridflow.common import mix_seed
 
 UPDATE_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.VALUES, F.RETURNS)
 VALUE_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK)

@@ -22,7 +22,7 @@ from hybridflow.envs import load_env_factory
 from hybridflow.errors import ConfigError
 from hybridflow.rollout import GenerationOutput, Generator, SamplingParams
 from hybridflow.rollout.agent import AgentLimits, AgentLoop, AgentOutput, TemplateError
-from hybridflow.utils import mix_seed
+from hybridflow.common import mix_seed
 
 Batch = dict[str, Any]
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from hybridflow.rollout.sampling import SamplingParams
-from hybridflow.utils import SEED_STRIDE
+from hybridflow.common import SEED_STRIDE
 
 __all__ = ["AgentLimits", "AgentLoop", "AgentOutput", "ChatGlue", "Episode", "TemplateError", "Trajectory",
            "agent_forward", "episodes"]

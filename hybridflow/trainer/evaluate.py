@@ -40,7 +40,7 @@ class Evaluation:
 @torch.no_grad()
 def evaluate(model_dir: str | Path, data_files: Sequence[str | Path], rewards: Sequence[str] = ("default",),
              limit: int = 0, max_new_tokens: int = 64, batch_size: int = 64) -> Evaluation:
-    from hybridflow.utils import load_hf_model
+    from hybridflow.rollout.hf import load_hf_model
 
     model = load_hf_model(model_dir)
     data = PromptDataset(DataConfig(max_prompt_length=1 << 20, apply_chat_template=True), model.tokenizer,

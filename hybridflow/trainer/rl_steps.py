@@ -17,7 +17,7 @@ from torch import Tensor
 
 from hybridflow.algos import AdvantageInputs, apply_kl_penalty, compute_advantages, group_stats
 from hybridflow.data import fields as F
-from hybridflow.utils import shown_value
+from hybridflow.common import shown_value
 
 Batch = dict[str, Any]
 

@@ -25,7 +25,7 @@ import typing
 from typing import Callable, Optional, Protocol, TextIO
 
 from hybridflow.config.schema import LoggerName
-from hybridflow.utils import nearest_name
+from hybridflow.common import nearest_name
 
 log = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ from hybridflow.trainer.checkpointing import (CheckpointError, CheckpointManager
 from hybridflow.trainer.interrupt import GracefulInterrupt
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
-from hybridflow.utils import mix_seed
+from hybridflow.common import mix_seed
 from hybridflow.workers.rl_workers import ActorRolloutRefWorker, CriticWorker
 
 Metrics = dict[str, float]

@@ -80,7 +80,7 @@ def test_a_directory_write_replaces_whole_or_not_at_all(tmp_path, monkeypatch):
     was, even when it fails at the last rename, after the old one was moved aside; a good one replaces it."""
     import os
 
-    from hybridflow.utils import write_dir_atomically
+    from hybridflow.common import write_dir_atomically
 
     dst = tmp_path / "ckpt"
     write_dir_atomically(dst, lambda tmp: (tmp / "a").write_text("old"), "save")

@@ -1,11 +1,8 @@
-"""Small helpers shared across layers, and the users' `load_hf_model`.
+"""Small helpers shared across layers: "did you mean" names, one-line values, seed mixing, loading a
+user's Python file, writing a directory atomically.
 
-The helpers import nothing from hybridflow, so any layer may use them (a leaf,
-docs/design.md section 2). `load_hf_model` and its wrappers live in
-`hybridflow/rollout/hf.py` and are imported on first use: the config and
-registry modules that need only `nearest_name` neither pay for torch nor
-load the layers above them. That lazy re-export is the user-facing API
-(docs/api.md) and the one upward import tests/test_layers.py allows here.
+They import nothing from hybridflow, so any layer may use them (a leaf, docs/design.md section 2). The
+user-facing `from hybridflow.utils import load_hf_model` is `hybridflow/utils.py`, a module at the top.
 """
 from __future__ import annotations
 
@@ -18,22 +15,9 @@ import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
-if TYPE_CHECKING:
-    from hybridflow.rollout.hf import CausalLM, HFModel, RewardModel, load_hf_model
-
-__all__ = ["CausalLM", "HFModel", "RewardModel", "SEED_STRIDE", "load_hf_model", "load_source_file", "mix_seed",
-           "nearest_name", "shown_value", "write_dir_atomically"]
-
-_LAZY = {"CausalLM", "HFModel", "RewardModel", "load_hf_model"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        from hybridflow.rollout import hf
-        return getattr(hf, name)
-    raise AttributeError(f"module 'hybridflow.utils' has no attribute {name!r}")
+__all__ = ["SEED_STRIDE", "load_source_file", "mix_seed", "nearest_name", "shown_value", "write_dir_atomically"]
 
 
 def nearest_name(name: str, choices: Iterable[str], cutoff: float = 0.5,
