@@ -100,12 +100,11 @@ test-scale: $(STAMP)
 	$(VENV)/bin/hybridflow train configs/qwen2.5-0.5b-grpo-gsm8k.yaml $(SCALE_RUN)
 
 # What tools/gpu_check.sh needs on the bare, offline GPU machine (../shared/gpu/README.md): megatron-core's
-# Python 3.12 wheel in .whl and GSM8K in data/gsm8k_src (both ignored; carry [".whl", "data"]).
+# Python 3.12 wheel in .whl (ignored; carry [".whl"]). GSM8K ships in the tree (hybridflow/assets/gsm8k).
 gpu-prep:
 	grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
-	mkdir -p data && rm -rf data/gsm8k_src && cp -r ../shared/data/gsm8k data/gsm8k_src && chmod -R u+w data/gsm8k_src
 
 clean:
 	rm -rf $(VENV) build *.egg-info

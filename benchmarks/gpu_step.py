@@ -15,8 +15,8 @@ the steps after the first (which compiles and captures):
 - the update's model-FLOPs utilisation: 6 x parameters x real tokens x epochs / the update's seconds /
   the device's bf16 peak (the update also runs the optimizer and the gathers: a lower bound on its MFU).
 
-GSM8K comes from `data/gsm8k_src/` when present (the GPU machine cannot read ../shared: copy it into the
-tree and carry `data`), else from ../shared/data/gsm8k. `--quick` (and any run without CUDA) is a small
+GSM8K is the copy that ships in the tree (hybridflow/assets/gsm8k), so it travels to the GPU machine with
+it. `--quick` (and any run without CUDA) is a small
 CPU try of the same code: 2 layers, float32, 4 prompts x 2 samples x 16 tokens, 2 steps.
 """
 from __future__ import annotations
@@ -27,16 +27,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hybridflow.data import gsm8k
 from hybridflow.models.config import DecoderConfig
 from hybridflow.planner.cost import kv_cache_bytes, total_params
 
 ROOT = Path(__file__).resolve().parents[1]
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100/H200 SXM
-
-
-def gsm8k_src() -> Path:
-    local = ROOT / "data" / "gsm8k_src"
-    return local if (local / "train.jsonl").is_file() else ROOT.parent / "shared" / "data" / "gsm8k"
 
 
 def run_step_bench(quick: bool, peak_tbps: float, peak_tflops: float = H200_BF16_TFLOPS) -> dict:
@@ -52,11 +48,11 @@ def run_step_bench(quick: bool, peak_tbps: float, peak_tflops: float = H200_BF16
     cuda = torch.cuda.is_available()
     quick = quick or not cuda
     layers, prompts, n, new_tokens, steps = (2, 4, 2, 16, 2) if quick else (24, 32, 8, 256, 3)
-    src = gsm8k_src()
+    src = gsm8k.GSM8K_DIR
     with tempfile.TemporaryDirectory(prefix="gpu-step-") as tmp:
         tmp = Path(tmp)
         model = make_qwen_shaped_model.write(tmp / "model", layers, 4096, src, 0)
-        prepare_gsm8k.convert(src / "train.jsonl", tmp / "train.parquet", "train")
+        prepare_gsm8k.convert(gsm8k.split_file(src, "train"), tmp / "train.parquet", "train")
         cfg = load_config(ROOT / "configs" / "qwen2.5-0.5b-grpo-gsm8k.yaml", [
             f"model.path={model}", f"data.train_files=[{tmp / 'train.parquet'}]", "data.val_files=[]",
             f"trainer.device={'cuda' if cuda else 'cpu'}", f"model.dtype={'bfloat16' if cuda else 'float32'}",

@@ -14,8 +14,8 @@
 #   suite     benchmarks/gpu_suite.py's kernel sections: speed, memory and bandwidth side by side;
 #   reshard   its reshard section: `hybridflow reshard` on a Qwen2.5-0.5B-shaped model, time and peak
 #             memory against its dry run and a whole-model load + save (host work).
-#   make gpu-prep   (here, first: megatron-core's wheel into .whl, GSM8K into data/gsm8k_src)
-#   tools/gpu_check.sh [STEP,STEP,...]   (there, with carry [".whl", "data"]; default: all, in the order above)
+#   make gpu-prep   (here, first: megatron-core's wheel into .whl; GSM8K ships in hybridflow/assets/gsm8k)
+#   tools/gpu_check.sh [STEP,STEP,...]   (there, with carry [".whl"]; default: all, in the order above)
 # The whole call keeps to BUDGET seconds (default 470, under 8 minutes): each step's timeout is its cap or
 # what is left of the budget, whichever is less, and a step with under 30 s left is skipped, saying so
 # (the skipped ones are in $OUT/skipped.txt). Logs go to $OUT.

@@ -7,8 +7,8 @@ base 1e6), so layouts, sharding, memory and speed behave as they would on the
 real model, while what it generates is noise. `--layers` keeps the first N
 of the 24 layers (the configs' scale test uses 2).
 
-The tokenizer is a byte-level BPE trained on the GSM8K questions (`--src`,
-read in place) with Qwen's special tokens and ChatML template, so GSM8K
+The tokenizer is a byte-level BPE trained on the GSM8K questions (`--src`;
+by default the copy shipped in hybridflow/assets/gsm8k) with Qwen's special tokens and ChatML template, so GSM8K
 prompts tokenize the way a Qwen run's would in shape (a few hundred ids per
 prompt). Its vocabulary (`--vocab`, 4096 by default) is smaller than the
 model's, as a real tokenizer's may be: the remaining embedding rows exist but
@@ -27,6 +27,9 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.data import gsm8k
+from hybridflow.data.gsm8k import GSM8K_DIR
+
 QWEN25_05B = dict(
     architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896, intermediate_size=4864,
     num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
@@ -37,7 +40,7 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
           "{% endif %}")
-DEFAULT_SRC = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
+DEFAULT_SRC = GSM8K_DIR
 
 
 def train_tokenizer(questions: list[str], vocab: int):
@@ -73,7 +76,7 @@ def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
 def write(out: Path, layers: int, vocab: int, src: Path, seed: int) -> Path:
     from hybridflow.models.checkpoint import save_hf_checkpoint
 
-    questions = [json.loads(line)["question"] for line in (src / "train.jsonl").read_text().splitlines() if line]
+    questions = gsm8k.questions(directory=src)
     tokenizer = train_tokenizer(questions, vocab)
     cfg = hf_config(layers, tokenizer)
     save_hf_checkpoint(random_weights(cfg, seed), cfg, out)  # replaces `out` whole, so the tokenizer comes after
@@ -95,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.layers <= 24:
         parser.error(f"--layers must be in 1..24, got {args.layers}")
-    if not (args.src / "train.jsonl").is_file():
-        parser.error(f"no GSM8K train.jsonl in {args.src}")
+    try:
+        gsm8k.split_file(args.src, "train")
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
     print(write(args.out, args.layers, args.vocab, args.src, args.seed))
     return 0
 

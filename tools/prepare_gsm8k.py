@@ -9,8 +9,9 @@ worked solution ending in ``#### <number>``. Each output row is::
     extra_info    {"split", "index", "answer": full solution, "question"}
 
 which :class:`hybridflow.data.dataset.PromptDataset` reads and
-:mod:`hybridflow.rewards.gsm8k` scores. The source data is read in place
-(``../shared/data/gsm8k`` beside the repository by default) and never copied.
+:mod:`hybridflow.rewards.gsm8k` scores. The source is the copy that ships in
+the repository (``hybridflow/assets/gsm8k``, gzipped) by default; ``--src``
+takes any directory with ``train.jsonl``/``test.jsonl``, plain or ``.gz``.
 
 Usage::
 
@@ -25,12 +26,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hybridflow.data.dataset import write_parquet
+from hybridflow.data.gsm8k import GSM8K_DIR, SPLITS, read_lines, split_file
 from hybridflow.rewards.gsm8k import normalize_number
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
-SPLITS = ("train", "test")
-DEFAULT_SRC = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
+DEFAULT_SRC = GSM8K_DIR
 
 
 def _row(record: Any, where: str, split: str, index: int) -> dict[str, Any]:
@@ -52,21 +53,18 @@ def _row(record: Any, where: str, split: str, index: int) -> dict[str, Any]:
 
 
 def convert(src_file: str | Path, out_file: str | Path, split: str) -> int:
-    """Convert one GSM8K jsonl file to parquet; returns the number of rows."""
+    """Convert one GSM8K jsonl file (plain or .gz) to parquet; returns the number of rows."""
     src = Path(src_file)
     if not src.is_file():
         raise FileNotFoundError(f"GSM8K source file not found: {src}")
     rows = []
-    with src.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{src}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: invalid JSON ({exc.msg})") from exc
-            rows.append(_row(record, where, split, len(rows)))
+    for lineno, line in read_lines(src):
+        where = f"{src}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: invalid JSON ({exc.msg})") from exc
+        rows.append(_row(record, where, split, len(rows)))
     if not rows:
         raise ValueError(f"{src}: no rows")
     write_parquet(rows, out_file)
@@ -76,14 +74,14 @@ def convert(src_file: str | Path, out_file: str | Path, split: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--src", type=Path, default=DEFAULT_SRC,
-                        help=f"directory holding train.jsonl and test.jsonl (default: {DEFAULT_SRC})")
+                        help=f"directory holding train.jsonl and test.jsonl, plain or .gz (default: {DEFAULT_SRC})")
     parser.add_argument("--out", type=Path, required=True,
                         help="directory for train.parquet and test.parquet")
     args = parser.parse_args(argv)
     for split in SPLITS:
-        src, out = args.src / f"{split}.jsonl", args.out / f"{split}.parquet"
+        out = args.out / f"{split}.parquet"
         try:
-            n = convert(src, out, split)
+            n = convert(split_file(args.src, split), out, split)
         except (FileNotFoundError, ValueError) as exc:
             print(f"prepare_gsm8k: error: {exc}", file=sys.stderr)
             return 1

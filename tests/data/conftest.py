@@ -1,7 +1,7 @@
 """Shared fixtures for tests/data: tiny tokenizers built locally, the GSM8K path.
 
-Nothing is downloaded: a byte-level BPE is trained on GSM8K questions (read in
-place from ../shared/data/gsm8k beside the repository), a SentencePiece model
+Nothing is downloaded: a byte-level BPE is trained on GSM8K questions (the copy
+shipped in hybridflow/assets/gsm8k), a SentencePiece model
 on the same text, and the character tokenizer is written by hybridflow itself.
 """
 from __future__ import annotations
@@ -15,10 +15,8 @@ import sentencepiece
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from hybridflow.data import gsm8k
 from hybridflow.data.tokenizer import build_char_tokenizer
-
-REPO = Path(__file__).resolve().parents[2]
-GSM8K_DIR = (REPO.parent / "shared" / "data" / "gsm8k").resolve()
 
 # A Qwen2-style ChatML template: default system prompt, loop controls,
 # raise_exception on unknown roles, `{%-` whitespace control.
@@ -58,15 +56,8 @@ class DataCfg:
     apply_chat_template: bool = True
 
 
-def _gsm8k_file(split: str) -> Path:
-    path = GSM8K_DIR / f"{split}.jsonl"
-    assert path.is_file(), f"GSM8K data expected at {path} (../shared/data/gsm8k beside the repository)"
-    return path
-
-
 def gsm8k_questions(n: int) -> list[str]:
-    with _gsm8k_file("train").open(encoding="utf-8") as f:
-        return [json.loads(line)["question"] for _, line in zip(range(n), f)]
+    return gsm8k.questions(n)
 
 
 def write_hf_dir(directory: Path, tokenizer_json: Path, config: dict | None = None) -> Path:
@@ -80,10 +71,10 @@ def write_hf_dir(directory: Path, tokenizer_json: Path, config: dict | None = No
 
 @pytest.fixture(scope="session")
 def gsm8k_dir() -> Path:
-    """The real GSM8K jsonl files, read in place."""
-    for split in ("train", "test"):
-        _gsm8k_file(split)
-    return GSM8K_DIR
+    """The real GSM8K files shipped in the repository (gzipped jsonl)."""
+    for split in gsm8k.SPLITS:
+        gsm8k.split_file(gsm8k.GSM8K_DIR, split)
+    return gsm8k.GSM8K_DIR
 
 
 @pytest.fixture

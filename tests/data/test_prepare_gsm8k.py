@@ -1,17 +1,22 @@
-"""tools/prepare_gsm8k.py on the real GSM8K files, read in place."""
+"""tools/prepare_gsm8k.py on the real GSM8K files shipped in hybridflow/assets/gsm8k, and that copy itself."""
 from __future__ import annotations
 
+import gzip
+import hashlib
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+from hybridflow.data import gsm8k
 from hybridflow.data.dataset import PromptDataset, read_rows
 from hybridflow.data.tokenizer import Tokenizer
 from hybridflow.rewards import default_reward
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "prepare_gsm8k.py"
+REPO = Path(__file__).resolve().parents[2]
+TOOL = REPO / "tools" / "prepare_gsm8k.py"
 
 
 @pytest.fixture(scope="module")
@@ -29,15 +34,36 @@ def converted(tool, gsm8k_dir, tmp_path_factory):
     return out
 
 
-def test_default_source_is_shared_data_beside_repo(tool, gsm8k_dir):
-    assert tool.DEFAULT_SRC.resolve() == gsm8k_dir
+def test_default_source_is_the_shipped_copy(tool, gsm8k_dir):
+    assert tool.DEFAULT_SRC.resolve() == gsm8k_dir == REPO / "hybridflow" / "assets" / "gsm8k"
+    assert (gsm8k_dir / "LICENSE").read_text().startswith("MIT License")
+
+
+@pytest.mark.parametrize("split,rows", [("train", 7473), ("test", 1319)])
+def test_shipped_copy_is_gsm8k_as_published(gsm8k_dir, split, rows):
+    """The gzipped files hold the published jsonl byte for byte: the digests in its README."""
+    digests = dict(re.findall(r"`(\w+)\.jsonl\.gz` \| [\d,]+ \| `([0-9a-f]{64})`", (gsm8k_dir / "README.md").read_text()))
+    data = gzip.decompress((gsm8k_dir / f"{split}.jsonl.gz").read_bytes())
+    assert hashlib.sha256(data).hexdigest() == digests[split]
+    assert data.count(b"\n") == rows
+
+
+def test_split_file_takes_plain_before_gzip_and_names_both_when_absent(tmp_path):
+    (tmp_path / "train.jsonl.gz").write_bytes(gzip.compress(b'{"question": "q", "answer": "#### 1"}\n'))
+    assert gsm8k.split_file(tmp_path, "train") == tmp_path / "train.jsonl.gz"
+    assert gsm8k.questions(directory=tmp_path) == ["q"]
+    (tmp_path / "train.jsonl").write_text('{"question": "plain", "answer": "#### 1"}\n\n')
+    assert gsm8k.split_file(tmp_path, "train") == tmp_path / "train.jsonl"
+    assert gsm8k.questions(directory=tmp_path) == ["plain"]
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "test.jsonl")) + ".*test.jsonl.gz"):
+        gsm8k.split_file(tmp_path, "test")
 
 
 def test_row_counts_and_format(converted, gsm8k_dir):
     train = [r for _, r in read_rows(converted / "train.parquet")]
     test = [r for _, r in read_rows(converted / "test.parquet")]
     assert (len(train), len(test)) == (7473, 1319)
-    first = json.loads((gsm8k_dir / "train.jsonl").open().readline())
+    first = next(gsm8k.records(gsm8k_dir, "train"))
     r = train[0]
     assert r["data_source"] == "openai/gsm8k"
     assert r["prompt"] == [{"role": "user", "content": first["question"] +

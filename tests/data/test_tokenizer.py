@@ -11,6 +11,7 @@ import sentencepiece
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from hybridflow.data import gsm8k
 from hybridflow.data.tokenizer import Tokenizer, build_char_tokenizer
 
 TEXTS = [
@@ -57,7 +58,7 @@ def ours(chatml_dir):
 
 @pytest.mark.parametrize("add_special", [True, False])
 def test_encode_matches_transformers(ours, hf_chatml, gsm8k_dir, add_special):
-    questions = [json.loads(line)["question"] for line in (gsm8k_dir / "test.jsonl").open()][:100]
+    questions = gsm8k.questions(100, gsm8k_dir, "test")
     for text in TEXTS + questions:
         assert ours.encode(text, add_special_tokens=add_special) == \
             hf_chatml.encode(text, add_special_tokens=add_special), text

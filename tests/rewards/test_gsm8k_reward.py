@@ -1,25 +1,20 @@
 """GSM8K verifier: every real reference solution, and hand-made edge cases."""
 from __future__ import annotations
 
-import json
 from decimal import Decimal
-from pathlib import Path
 
 import pytest
 
+from hybridflow.data import gsm8k
 from hybridflow.rewards.gsm8k import compute_score, extract_solution, normalize_number
-
-GSM8K_DIR = (Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k").resolve()
 
 
 def reference_solutions() -> list[tuple[str, str]]:
     """(solution, final answer) for all of GSM8K, the answer taken independently of the verifier."""
     pairs = []
-    for split in ("train", "test"):
-        path = GSM8K_DIR / f"{split}.jsonl"
-        assert path.is_file(), f"GSM8K data expected at {path}"
-        for line in path.open(encoding="utf-8"):
-            solution = json.loads(line)["answer"]
+    for split in gsm8k.SPLITS:
+        for record in gsm8k.records(split=split):
+            solution = record["answer"]
             pairs.append((solution, solution.split("####")[-1].strip().replace(",", "")))
     return pairs
 
