@@ -146,7 +146,13 @@ def test_ppo_with_critic_reference_and_kl_learns(tmp_path):
     assert 0.0 < steps[3]["critic/vpred_mean"] < 1.0
     # The actor is the reference until its first update; then the KL between them enters the reward.
     assert steps[2]["actor/kl"] == steps[2]["actor/kl_in_reward"] == 0.0
-    assert steps[3]["actor/kl_in_reward"] == steps[3]["actor/kl"] != 0.0
+    # Two reductions of the same per-token KL: actor/kl is the token mean over the batch, actor/kl_in_reward
+    # the mean of each response's token mean. They agree in exact arithmetic when every response has the same
+    # length, as here (length_mean == length_max); in float32 their sums run in different orders, so they
+    # agree to rounding (1e-9 apart on an AVX2 CPU, equal on an AVX-512 one), not bit for bit.
+    assert steps[3]["response/length_mean"] == steps[3]["response/length_max"]
+    assert steps[3]["actor/kl_in_reward"] == pytest.approx(steps[3]["actor/kl"], rel=1e-5)
+    assert steps[3]["actor/kl"] != 0.0
     ckpt = summary["checkpoint"]
     assert (ckpt / "critic").is_dir() and (ckpt / "actor").is_dir()
 
@@ -396,7 +402,9 @@ def test_skipping_old_log_probs_gives_the_same_update(tmp_path):
     for step in (1, 2, 3):
         for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response/length_mean"):
             assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-6), (step, key)
-    assert got[3]["val/accuracy"] == want[3]["val/accuracy"]
+    # The two runs' weights agree to rounding, not bit for bit (the old log-probs come from different passes),
+    # so a greedy answer on a near-tie may flip: at most 2 of the 1000 held-out prompts.
+    assert got[3]["val/accuracy"] == pytest.approx(want[3]["val/accuracy"], abs=0.002)
     # Anything that reads the old log-probs before the update keeps their pass.
     for extra in (["actor.ppo_epochs=2"], ["actor.ppo_mini_batch_size=4"], ["algorithm.use_kl_in_reward=true", "reference.enabled=true"]):
         from hybridflow.config import RunPlan
