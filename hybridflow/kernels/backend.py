@@ -61,10 +61,35 @@ def _build(name: str, sources: list[Path], headers: tuple[Path, ...] = (), **fla
     build = _cache_dir() / f"{name}_{digest}"
     build.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(name=f"hybridflow_{name}_{digest}", sources=[str(s) for s in sources],
-                                  build_directory=str(build), verbose=False, **flags)
+        with build_lock(build):
+            return cpp_extension.load(name=f"hybridflow_{name}_{digest}", sources=[str(s) for s in sources],
+                                      build_directory=str(build), verbose=False, **flags)
     except Exception as exc:  # compiler missing, headers missing, ...
         raise BackendUnavailable(f"could not build {', '.join(s.name for s in sources)}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def build_lock(build: Path):
+    """Hold an flock on `build/.hybridflow-lock` while torch builds or loads in `build`.
+
+    torch's own lock is a file, `build/lock`, that every build *and* every load of a cached build takes
+    and deletes after; a process killed while holding it (a Ctrl-C or a test timeout during the first
+    compile) leaves it, and every later process then waits on it forever. The kernel drops an flock when
+    its holder dies, so under this one no live hybridflow process holds torch's file: one found is a dead
+    process's and is removed.
+    """
+    import fcntl
+
+    with open(build / ".hybridflow-lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build or load that was killed while holding it", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @functools.lru_cache(maxsize=None)
