@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
 
 def _write(args, data: dict, best, wl: Workload, planner: Planner) -> None:
     """The best candidate as a config, then loaded back through the config checks."""
-    from hybridflow.config import load_config
+    from hybridflow.config.loader import load_config
 
     header = [f"written by: hybridflow plan {args.config} --gpus {args.gpus} --device {args.device}",
               f"best candidate: {best.label()}",

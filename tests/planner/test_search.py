@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.config import RunPlan, load_config
+from hybridflow.config.loader import load_config
+from hybridflow.config.plan import RunPlan
 from hybridflow.config.validate import check_model_split
 from hybridflow.errors import ConfigError
 from hybridflow.planner import cli
