@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Optional
 from hybridflow.config.plan import PROCESS_LAYOUT_KEYS, RunPlan, devices_for, engine_parallel, role_world
 from hybridflow.config.schema import Config, ParallelConfig
 from hybridflow.errors import ConfigError
+from hybridflow.parallel.layout import ParallelDims
 
 if TYPE_CHECKING:
     from hybridflow.models.config import DecoderConfig
-    from hybridflow.parallel.layout import ParallelDims
 
 
 # --------------------------------------------------------------------------- config alone
@@ -59,10 +59,9 @@ def _check_layout(par: ParallelConfig, n: int, path: str, device: str) -> None:
     for key, value in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp)):
         if value < 1:
             raise ConfigError(f"{path}.{key}", f"must be >= 1, got {value}")
-    size = par.tp * par.pp * par.cp
-    if n % size:
-        raise ConfigError(path, f"tp*pp*cp = {par.tp}*{par.pp}*{par.cp} = {size} does not divide the {n} device(s) "
-                          "this role runs on")
+    if ParallelDims.data_parallel_size(n, tp=par.tp, pp=par.pp, cp=par.cp) is None:
+        raise ConfigError(path, f"tp*pp*cp = {par.tp}*{par.pp}*{par.cp} = {par.tp * par.pp * par.cp} does not "
+                          f"divide the {n} device(s) this role runs on")
     if par.virtual_pp is not None and (par.pp < 2 or par.virtual_pp < 1):
         raise ConfigError(f"{path}.virtual_pp", "needs pp >= 2 and a value >= 1")
     if par.sequence_parallel and device == "cpu":
@@ -366,7 +365,7 @@ def _check_packing(cfg: Config, model: "DecoderConfig") -> None:
                 raise ConfigError(share_key, "shared-prompt rows need full attention; the model has sliding-window "
                                              "layers")
 
-def check_model_split(dims: "ParallelDims", key: str, *, num_heads: int, num_kv_heads: int, num_layers: int,
+def check_model_split(dims: ParallelDims, key: str, *, num_heads: int, num_kv_heads: int, num_layers: int,
                       ffn_size: Optional[int] = None, virtual_pp: Optional[int] = None) -> None:
     """ConfigError naming `key`.tp / .pp where the model cannot be split at the degrees of `dims`.
 
