@@ -6,8 +6,8 @@ import pytest
 
 from hybridflow.config.loader import dump_config, load_config, to_dict
 from hybridflow.config.schema import ActorConfig, Config, DataConfig
-from hybridflow.errors import ConfigError
 from hybridflow.config.validate import check_model_split
+from hybridflow.errors import ConfigError
 from hybridflow.parallel import ParallelDims
 
 BASE = ["model.path=/models/tiny", "data.train_files=[a.parquet]"]
