@@ -55,10 +55,11 @@ def planner_for(overrides: list[str], figures: dict):
 
 def evaluate(planner):
     """The demo as run: colocated on 2 processes, actor and critic at p1-t1-d2."""
-    from hybridflow.planner.cost import Layout
+    from hybridflow.parallel.layout import ParallelDims
     from hybridflow.planner.search import Planner
 
-    return lambda device: Planner(planner.model, planner.wl, device).colocated(2, Layout(1, 1, 2), Layout(1, 1, 2), 1)
+    layout = ParallelDims(tp=1, pp=1, dp=2)
+    return lambda device: Planner(planner.model, planner.wl, device).colocated(2, layout, layout, 1)
 
 
 def fit_and_predict(full: dict, half: dict):

@@ -163,7 +163,7 @@ def measure_iteration_overhead(steps: int = 20, warmup: int = 3) -> dict:
     import tempfile
     from pathlib import Path
 
-    from hybridflow.config import load_config
+    from hybridflow.config.loader import load_config
     from hybridflow.trainer.trainer import RLTrainer
 
     root = Path(__file__).resolve().parents[1]

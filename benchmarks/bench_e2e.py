@@ -99,7 +99,7 @@ def _count_shipped(sink: list):
 
 def measure(algo: str, steps: int, warmup: int, overrides: list[str]) -> dict:
     """Median seconds per stage over `steps` demo steps of `algo` (after `warmup`), and tokens/s."""
-    from hybridflow.config import load_config
+    from hybridflow.config.loader import load_config
     from hybridflow.trainer.trainer import RLTrainer
 
     run_dir = tempfile.mkdtemp(prefix="bench_e2e_")

@@ -42,7 +42,7 @@ def run_step_bench(quick: bool, peak_tbps: float, peak_tflops: float = H200_BF16
     import make_qwen_shaped_model
     import prepare_gsm8k
 
-    from hybridflow.config import load_config
+    from hybridflow.config.loader import load_config
     from hybridflow.trainer.trainer import RLTrainer
 
     cuda = torch.cuda.is_available()

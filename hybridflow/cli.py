@@ -32,7 +32,8 @@ import yaml
 def _config(args: argparse.Namespace) -> int:
     """The resolved config as YAML, then the run plan it implies as YAML comments (so the output still loads
     as the config)."""
-    from hybridflow.config import RunPlan, load_config, to_dict
+    from hybridflow.config.loader import load_config, to_dict
+    from hybridflow.config.plan import RunPlan
 
     cfg = load_config(args.config, args.overrides)
     yaml.safe_dump(to_dict(cfg), sys.stdout, sort_keys=False)
@@ -45,7 +46,7 @@ def _config(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import logging
 
-    from hybridflow.config import load_config
+    from hybridflow.config.loader import load_config
 
     cfg = load_config(args.config, args.overrides)
     if cfg.trainer.device == "cpu":  # before torch is imported: see engine/cpu_compat.py
@@ -260,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hybridflow.config import ConfigError
+    from hybridflow.errors import ConfigError
     from hybridflow.data.dataset import DatasetError
 
     parser = build_parser()

@@ -1,8 +1,7 @@
 """`ConfigError`: the one exception every config check raises.
 
 A leaf module that imports nothing from hybridflow, so any layer may import it
-without importing the config package; `hybridflow.config` re-exports it
-(`from hybridflow.config import ConfigError`).
+without importing the config package (which does not re-export it).
 """
 from __future__ import annotations
 

@@ -18,13 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hybridflow"
 DESIGN = ROOT / "docs" / "design.md"
 
-# Package __init__ files that import non-leaves although their package holds a leaf (see
-# test_a_leaf_loads_only_leaves). For now: config/__init__.py imports loader and validate eagerly, so
-# `from hybridflow.config.schema import ...` (data, engine, roles, workers) loads config.validate and,
-# through it, parallel; the config package is being reworked (issue 32, item 4).
-ALLOWED_LEAF_INITS = {"hybridflow/config/__init__.py"}
-
-
 def layer_table() -> list[tuple[str, ...]]:
     """The `packages` column of docs/design.md section 2, bottom layer first."""
     text = DESIGN.read_text()
@@ -124,14 +117,9 @@ def test_a_leaf_loads_only_leaves():
     for leaf in sorted(LEAVES):
         parents = leaf.split(".")[:-1]
         init = PACKAGE.joinpath(*parents, "__init__.py")
-        if not parents or rel(init) in ALLOWED_LEAF_INITS:
+        if not parents:
             continue
         found += [f"{rel(init)}:{line}: imports {target}, so importing the leaf {leaf} loads it"
                   for line, target in imports(init) if unit(target) not in LEAVES]
     assert not found, "\n".join(found)
 
-
-def test_allow_list_is_current():
-    for init in ALLOWED_LEAF_INITS:
-        assert any(unit(target) not in LEAVES for _, target in imports(ROOT / init)), (
-            f"{init} now imports only leaves: remove it from ALLOWED_LEAF_INITS")

@@ -24,7 +24,7 @@ STEPS = (1, 2, 3)
 
 def run(overrides: list[str]) -> dict[int, dict]:
     """Metrics per step of tiny-ppo.yaml for three steps under `overrides`."""
-    from hybridflow.config import load_config
+    from hybridflow.config.loader import load_config
     from hybridflow.trainer import read_metrics
     from hybridflow.trainer.trainer import RLTrainer
 

@@ -1,18 +1,12 @@
-"""Typed configuration for hybridflow: schema, YAML loading, overrides, validation, and the run plan."""
-from hybridflow.errors import ConfigError
-from hybridflow.config.loader import (
-    apply_overrides, dump_config, from_dict, load_config, to_dict)
-from hybridflow.config.schema import (
-    ActorConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, DataflowConfig,
-    KLControlConfig, ModelConfig, OptimConfig, ParallelConfig, PlacementConfig,
-    ReferenceConfig, RewardConfig, RolloutConfig, TrainerConfig)
-from hybridflow.config.plan import RunPlan, devices_for
-from hybridflow.config.validate import check_runnable, validate
+"""Typed configuration for hybridflow; this file imports nothing, so the leaf `config.schema` loads alone.
 
-__all__ = [
-    "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
-    "DataflowConfig", "KLControlConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
-    "PlacementConfig", "ReferenceConfig", "RewardConfig", "RolloutConfig", "RunPlan", "TrainerConfig",
-    "apply_overrides", "check_runnable", "devices_for", "dump_config", "from_dict", "load_config", "to_dict",
-    "validate",
-]
+Import each name from the module that defines it:
+
+- `config.schema`: the dataclasses (`Config`, `ActorConfig`, ...), a leaf every layer may import;
+- `config.loader`: `load_config`, `from_dict`, `to_dict`, `apply_overrides`, `dump_config`;
+- `config.plan`: `RunPlan` (what the config implies: layouts, worlds, placement), `devices_for`;
+- `config.validate`: the checks of values (`validate`, `check_plan`, `check_model_split`);
+- `config.preflight`: `check_runnable`, those checks and then the machine (paths, Ray, vLLM, CUDA);
+- `config.inputs`: what the trainer reads, checked as it reads it (model config, tokenizer, reward function);
+- `hybridflow.errors`: `ConfigError`.
+"""

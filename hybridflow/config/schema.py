@@ -116,30 +116,40 @@ class RolloutConfig:
     val_temperature: float = 0.0  # greedy validation
 
 
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+
+
 @dataclass
-class ActorConfig:
-    """Policy training: PPO-style mini-batches over the rollout batch."""
+class TrainedRoleConfig:
+    """What the roles trained by PPO-style updates (actor, critic) share: optimizer, layout, micro-batches."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    policy_loss: str = "ppo"  # name in the algorithms registry
-    ppo_mini_batch_size: int = 32  # in prompts, as verl counts it
     ppo_micro_batch_size: int = 8  # in sequences, per device
-    # Sequence packing (verl's dynamic batch size): micro-batches hold up to this many real tokens each,
-    # packed into one row with no padding computed, instead of a fixed number of sequences (pp = 1 only).
+    # Sequence packing (verl's dynamic batch size): micro-batches (the update's, and the critic's values pass)
+    # hold up to this many real tokens each, packed into one row with no padding computed, instead of a fixed
+    # number of sequences (pp = 1 only).
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
     # Rows that share a prompt (GRPO's n samples) run as one row: the prompt computed once, each response
     # attending to it (pp = 1, cp = 1, full attention; not with the dynamic batch size above).
     share_prompts: bool = False
     ppo_epochs: int = 1
+    loss_agg_mode: LossAggMode = "token-mean"
+
+
+@dataclass
+class ActorConfig(TrainedRoleConfig):
+    """Policy training: PPO-style mini-batches over the rollout batch."""
+
+    policy_loss: str = "ppo"  # name in the algorithms registry
+    ppo_mini_batch_size: int = 32  # in prompts, as verl counts it
     # With one epoch over one mini-batch (and no KL in the reward) the old log-probs are the current
     # policy's: the update takes them from its own forward pass (detached) instead of a pass of their own.
     skip_old_log_probs: bool = True
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -147,23 +157,12 @@ class ActorConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(TrainedRoleConfig):
     """Value model; used by estimators that need values (GAE)."""
 
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))  # the base's, at a larger lr
     model_path: Optional[str] = None  # defaults to the actor's checkpoint
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    ppo_micro_batch_size: int = 8
-    # Sequence packing (verl's dynamic batch size): the critic's micro-batches (values and update) hold up to this many real tokens each,
-    # packed into one row with no padding computed, instead of a fixed number of sequences (pp = 1 only).
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 16384
-    # Rows that share a prompt (GRPO's n samples) run as one row: the prompt computed once, each response
-    # attending to it (pp = 1, cp = 1, full attention; not with the dynamic batch size above).
-    share_prompts: bool = False
-    ppo_epochs: int = 1
     cliprange_value: float = 0.5
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
 
 
 @dataclass

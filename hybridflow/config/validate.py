@@ -1,47 +1,39 @@
-"""Every config check: combinations of values that cannot run, and what the files named cannot give.
+"""The config checks that read only values: combinations that cannot run, each a `ConfigError`.
 
 Single values are type-checked by the loader; here live the rules that tie
 keys together, each failure a `ConfigError` naming the key path to change.
-This module is the one place a `ConfigError` about a config is raised
-(docs/architecture.md, "Where a change goes"); nothing downstream re-checks
-these. What the config implies (devices, layouts, replicas, multiples) is
-not computed here but in the run plan (`config/plan.py`), which the later
-checks are handed.
+Nothing here touches the machine (no sockets, files or CUDA) and nothing
+downstream re-checks these. What the config implies (devices, layouts,
+replicas, multiples) is not computed here but in the run plan
+(`config/plan.py`), which the later checks are handed.
 
-Three entry points, all run before any worker starts:
+The config package's ConfigErrors live in three modules, by what they read:
 
-- `validate(cfg)`: the config alone (placement, layouts, batch sizes,
-  sampling, registry names). `load_config` calls it.
-- `check_runnable(cfg, plan, model)`: what also needs the run plan and the
-  world outside the config: the model's own shape (heads, layers) against
-  the layouts, paths that must exist, the launcher, whether torch can reach
-  the device, and settings this trainer cannot run yet (a config for them
-  still loads and prints). The trainer calls it once it has read the
-  model's config.json (`load_model_config`).
-- what the trainer reads at build time, checked as it is read:
-  `load_model_config`, `load_tokenizer`, `check_prompt_count`,
-  `load_reward_function`.
+- here, `validate(cfg)`: the config alone (placement, layouts, batch sizes,
+  sampling, registry names). `load_config` calls it. And `check_plan(cfg,
+  plan, model)`: what also needs the run plan and the model's own shape
+  (heads, layers) against the layouts, and settings this trainer cannot run
+  yet (a config for them still loads and prints).
+- `config/preflight.py`, `check_runnable`: `check_plan`, then the world
+  outside the config (paths, the run directory, the Ray address, vLLM, CUDA).
+  The trainer calls it once it has read the model's config.json.
+- `config/inputs.py`: what the trainer reads at build time, checked as it
+  is read (the model's config.json, the tokenizer, the prompt count, the
+  reward function).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import socket
-import tempfile
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Optional
 
 from hybridflow.config.plan import PROCESS_LAYOUT_KEYS, RunPlan, devices_for, engine_parallel, role_world
-from hybridflow.config.schema import Config, DataConfig, ModelConfig, ParallelConfig, RewardConfig
+from hybridflow.config.schema import Config, ParallelConfig
 from hybridflow.errors import ConfigError
-
-RAY_ADDRESS_TIMEOUT_S = 5.0
+from hybridflow.parallel.layout import ParallelDims
 
 if TYPE_CHECKING:
-    from hybridflow.data.tokenizer import Tokenizer
     from hybridflow.models.config import DecoderConfig
-    from hybridflow.parallel.layout import ParallelDims
 
 
 # --------------------------------------------------------------------------- config alone
@@ -67,10 +59,9 @@ def _check_layout(par: ParallelConfig, n: int, path: str, device: str) -> None:
     for key, value in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp)):
         if value < 1:
             raise ConfigError(f"{path}.{key}", f"must be >= 1, got {value}")
-    size = par.tp * par.pp * par.cp
-    if n % size:
-        raise ConfigError(path, f"tp*pp*cp = {par.tp}*{par.pp}*{par.cp} = {size} does not divide the {n} device(s) "
-                          "this role runs on")
+    if ParallelDims.data_parallel_size(n, tp=par.tp, pp=par.pp, cp=par.cp) is None:
+        raise ConfigError(path, f"tp*pp*cp = {par.tp}*{par.pp}*{par.cp} = {par.tp * par.pp * par.cp} does not "
+                          f"divide the {n} device(s) this role runs on")
     if par.virtual_pp is not None and (par.pp < 2 or par.virtual_pp < 1):
         raise ConfigError(f"{path}.virtual_pp", "needs pp >= 2 and a value >= 1")
     if par.sequence_parallel and device == "cpu":
@@ -123,8 +114,7 @@ def _check_not_built(cfg: Config, plan: RunPlan) -> None:
 
 
 def _check_engine(cfg: Config) -> None:
-    """The rollout engine can run this layout, and vLLM is installed when it is named (a ConfigError that
-    says how to install it; a warning for a version outside the tested range)."""
+    """The rollout engine can run this layout (whether vLLM is installed is the preflight's question)."""
     ro = cfg.rollout
     if ro.weight_bucket_mb < 1:
         raise ConfigError("rollout.weight_bucket_mb", f"must be >= 1 (MiB per weight push), got "
@@ -139,9 +129,6 @@ def _check_engine(cfg: Config) -> None:
                           f"{cfg.actor.parallel.tp} puts a generation group's ranks {cfg.actor.parallel.tp // ro.tg}"
                           " apart; the vLLM engine's tensor-parallel groups are consecutive ranks. Use "
                           "rollout.grouping=vanilla, rollout.tg=actor.parallel.tp, or rollout.engine=builtin")
-    from hybridflow.rollout.vllm_backend import import_vllm
-
-    import_vllm()
 
 
 def _check_sampling(cfg: Config) -> None:
@@ -161,7 +148,7 @@ def _check_sampling(cfg: Config) -> None:
 
 
 def _check_env(cfg: Config) -> None:
-    """A multi-turn rollout's limits; its environment is loaded by check_runnable (`_check_env_function`)."""
+    """A multi-turn rollout's limits; its environment is loaded by the preflight (`config/preflight.py`)."""
     env = cfg.env
     if env.function is None:
         return
@@ -173,18 +160,6 @@ def _check_env(cfg: Config) -> None:
     if not cfg.data.apply_chat_template:
         raise ConfigError("data.apply_chat_template", "env.function needs the chat template: tool results are "
                           "rendered as its tool turns")
-
-
-def _check_env_function(cfg: Config) -> None:
-    """env.function loads and makes an environment (a user file's error names the key, before any worker)."""
-    if cfg.env.function is None:
-        return
-    from hybridflow.envs import load_env_factory
-
-    try:
-        load_env_factory(cfg.env.function)
-    except Exception as exc:
-        raise ConfigError("env.function", f"{cfg.env.function!r}: {type(exc).__name__}: {exc}") from None
 
 
 def _check_algorithm(cfg: Config) -> None:
@@ -353,43 +328,7 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-# --------------------------------------------------------------------------- with the world outside
-
-def _check_previous_run(cfg: Config, where: Path) -> None:
-    """Starting afresh in `where` (the run directory), where a previous run lives, would truncate its metrics
-    and prune its checkpoints."""
-    t = cfg.trainer
-    if t.resume == "auto" or t.overwrite:
-        return
-    metrics = where / "metrics.jsonl"
-    steps = sorted(p.name for p in (where / "checkpoints").glob("step_*")) if (where / "checkpoints").is_dir() else []
-    found = ([f"metrics.jsonl ({metrics.stat().st_size} bytes)"] if metrics.is_file() and metrics.stat().st_size
-             else []) + ([f"checkpoints {steps[0]}..{steps[-1]}"] if steps else [])
-    if found:
-        raise ConfigError("trainer.resume", f"{where} holds a previous run ({', '.join(found)}); set "
-                          "trainer.resume=auto to continue it, or trainer.overwrite=true to start over there "
-                          "(or choose another trainer.output_dir / trainer.experiment)")
-
-
-def _check_output_dir(run_dir: Path) -> None:
-    """The run directory can be created and written: its nearest existing ancestor is a writable directory.
-
-    Tried, not only asked (os.access): root passes every permission check, yet cannot create a directory on
-    a read-only mount or under /proc.
-    """
-    where = run_dir.absolute()
-    existing = next(p for p in (where, *where.parents) if p.exists())
-    if not existing.is_dir():
-        raise ConfigError("trainer.output_dir", f"{existing} is a file, so {where} cannot be created")
-    why = None if os.access(existing, os.W_OK | os.X_OK) else "permission denied"
-    if why is None:
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".hybridflow-write-test-", dir=existing))
-        except OSError as exc:
-            why = exc.strerror or str(exc)
-    if why is not None:
-        raise ConfigError("trainer.output_dir", f"{existing} is not writable ({why}), so {where} cannot be created")
-
+# --------------------------------------------------------------------------- with the run plan and the model
 
 def _check_packing(cfg: Config, model: "DecoderConfig") -> None:
     """Packed micro-batches (use_dynamic_bsz): one row per micro-batch with a block-diagonal mask, which
@@ -426,24 +365,7 @@ def _check_packing(cfg: Config, model: "DecoderConfig") -> None:
                 raise ConfigError(share_key, "shared-prompt rows need full attention; the model has sliding-window "
                                              "layers")
 
-
-def _check_ray_address(cfg: Config) -> None:
-    """A cluster address nothing answers at: Ray would retry for minutes before failing; one TCP connect says so
-    in seconds. ("auto" finds the cluster through Ray's own files and is left to Ray.)"""
-    address = cfg.trainer.ray_address
-    if address is None or address == "auto":
-        return
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError("trainer.ray_address", f"expected 'auto' or host:port, got {address!r}")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_ADDRESS_TIMEOUT_S).close()
-    except OSError as exc:
-        raise ConfigError("trainer.ray_address", f"nothing answers at {address} "
-                          f"({exc.strerror or type(exc).__name__}); is the cluster's head node running?") from None
-
-
-def check_model_split(dims: "ParallelDims", key: str, *, num_heads: int, num_kv_heads: int, num_layers: int,
+def check_model_split(dims: ParallelDims, key: str, *, num_heads: int, num_kv_heads: int, num_layers: int,
                       ffn_size: Optional[int] = None, virtual_pp: Optional[int] = None) -> None:
     """ConfigError naming `key`.tp / .pp where the model cannot be split at the degrees of `dims`.
 
@@ -466,10 +388,9 @@ def check_model_split(dims: "ParallelDims", key: str, *, num_heads: int, num_kv_
         raise ConfigError(f"{key}.pp", f"{what} does not divide the model's {num_layers} layers")
 
 
-def check_runnable(cfg: Config, plan: RunPlan, model: "DecoderConfig",
-                   critic_model: Optional["DecoderConfig"] = None) -> None:
-    """ConfigError for what the config, its run plan and the models' own config.json / the machine cannot
-    run together.
+def check_plan(cfg: Config, plan: RunPlan, model: "DecoderConfig",
+               critic_model: Optional["DecoderConfig"] = None) -> None:
+    """ConfigError for what the config, its run plan and the models' own config.json cannot run together.
 
     critic_model: the config.json at critic.model_path, when one is given (else the actor's model).
     """
@@ -488,92 +409,6 @@ def check_runnable(cfg: Config, plan: RunPlan, model: "DecoderConfig",
                           f"{longest} exceeds the model's max_position_embeddings ({model.max_position_embeddings})")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files", "is empty: give at least one .parquet or .jsonl file of prompts")
-    _check_output_dir(plan.run_dir)
-    _check_ray_address(cfg)
-    _check_previous_run(cfg, plan.run_dir)
     _check_shares(cfg, plan)
     _check_mini_batches(cfg, plan)
     _check_packing(cfg, model)
-    _check_env_function(cfg)
-    if cfg.reward.model_path is not None and not Path(cfg.reward.model_path).exists():
-        raise ConfigError("reward.model_path", f"reward model path does not exist: {cfg.reward.model_path}")
-    if cfg.reward.model_path is not None and not (Path(cfg.reward.model_path) / "config.json").is_file():
-        raise ConfigError("reward.model_path", f"no config.json in {cfg.reward.model_path}: not a Hugging Face "
-                          "model directory")
-    if cfg.critic.model_path is not None and not Path(cfg.critic.model_path).exists():
-        raise ConfigError("critic.model_path", f"critic model path does not exist: {cfg.critic.model_path}")
-    # In-process and torchrun workers run here; Ray workers may sit on other nodes (their pools check).
-    if cfg.trainer.device == "cuda" and not plan.uses_ray:
-        import torch
-
-        if not torch.cuda.is_available():
-            why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
-            raise ConfigError("trainer.device", f"'cuda' but {why} (torch {torch.__version__}); use cpu")
-
-
-# --------------------------------------------------------------------------- what the trainer reads, as it reads it
-# The workers read the same files again without checking: by then the trainer has read them here.
-
-def load_model_config(path: Optional[str], key: str) -> "DecoderConfig":
-    """The HF config at `path`, its weights' headers checked against it; a ConfigError naming `key` otherwise."""
-    from hybridflow.models.checkpoint import check_hf_checkpoint
-    from hybridflow.models.config import DecoderConfig, ModelConfigError
-
-    if not path:
-        raise ConfigError(key, "no model path given")
-    if not Path(path).exists():
-        raise ConfigError(key, f"model path does not exist: {path}")
-    if not Path(path).is_dir():
-        raise ConfigError(key, f"{path} is a file; give the model's directory (config.json and safetensors)")
-    try:
-        cfg = DecoderConfig.from_pretrained(path)
-        check_hf_checkpoint(path, cfg)  # the weights' headers: before any worker starts loading them
-    except (FileNotFoundError, ModelConfigError) as exc:
-        raise ConfigError(key, str(exc)) from None
-    return cfg
-
-
-def load_tokenizer(model: ModelConfig, model_cfg: "DecoderConfig") -> "Tokenizer":
-    """The run's tokenizer (model.tokenizer_path, else model.path); it must fit the model's vocabulary."""
-    from hybridflow.data.tokenizer import Tokenizer
-
-    path = model.tokenizer_path or model.path
-    if not Path(path).exists():
-        raise ConfigError("model.tokenizer_path", f"tokenizer path does not exist: {path}")
-    try:
-        tok = Tokenizer.from_path(path)
-    except ValueError as exc:  # a malformed tokenizer.json or tokenizer_config.json
-        raise ConfigError("model.tokenizer_path", str(exc)) from None
-    if tok.vocab_size > model_cfg.vocab_size:
-        raise ConfigError("model.tokenizer_path", f"tokenizer at {path} has {tok.vocab_size} tokens but "
-                          f"the model at {model.path} has vocab_size {model_cfg.vocab_size}")
-    return tok
-
-
-def check_prompt_count(data: DataConfig, usable: int) -> None:
-    """A training batch fits in the `usable` training prompts the dataset holds (known once it is read)."""
-    from hybridflow.data.dataset import batches_per_epoch
-
-    if batches_per_epoch(usable, data.train_batch_size) == 0:
-        raise ConfigError("data.train_batch_size", f"{data.train_batch_size} is larger than the "
-                          f"{usable} usable training prompts")
-
-
-def load_reward_function(reward: RewardConfig, datasets: Iterable[Any]) -> Callable:
-    """The rule-based reward function `reward.function` names; 'default' must know every data_source of
-    `datasets` (the PromptDatasets the run reads)."""
-    from hybridflow.rewards.registry import DATA_SOURCE_REWARDS, default_reward, get_reward_fn
-
-    try:  # a "file.py:fn" spec imports user code, which may fail in any way
-        fn = get_reward_fn(reward.function)
-    except Exception as exc:
-        raise ConfigError("reward.function", f"{reward.function!r}: {type(exc).__name__}: {exc}") from None
-    if fn is default_reward:  # it picks a verifier per row: every data_source needs one now
-        for dataset in datasets:
-            unknown = sorted({r.data_source for r in dataset.records} - set(DATA_SOURCE_REWARDS))
-            if unknown:
-                raise ConfigError("reward.function", f"'default' has no reward for data_source {unknown[0]!r} "
-                                  f"(in {', '.join(map(str, dataset.files))}); it knows "
-                                  f"{sorted(DATA_SOURCE_REWARDS)}: set reward.function to a name or "
-                                  "'file.py:function'")
-    return fn

@@ -32,11 +32,7 @@ def init_model_parallel(parallel: ParallelConfig, device: str = "cpu",
     from megatron.core import parallel_state as ps
 
     init_process_group(device)
-    world = dist.get_world_size()
-    size = parallel.tp * parallel.pp * parallel.cp
-    if world % size:
-        raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {size}")
-    dims = ParallelDims.for_world(world, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp)
+    dims = ParallelDims.for_world(dist.get_world_size(), tp=parallel.tp, pp=parallel.pp, cp=parallel.cp)
     if layout is not None and layout != dims:
         raise ValueError(f"the run plan's layout {layout} is not the {dims} of this world and {parallel}")
     if ps.model_parallel_is_initialized():

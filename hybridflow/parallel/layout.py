@@ -26,7 +26,9 @@ of these coordinates.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Optional
 
 DIMS = ("tp", "cp", "dp", "pp")  # fastest-varying first
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -59,6 +61,15 @@ class ParallelDims:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
+    @staticmethod
+    def data_parallel_size(world: int, *, tp: int = 1, pp: int = 1, cp: int = 1) -> Optional[int]:
+        """The dp that `world` processes leave at these model-parallel degrees; None where tp*pp*cp does not
+        divide the world. The one place that asks (config checks, the engine, the planner's search)."""
+        model_parallel = tp * pp * cp
+        if model_parallel < 1 or world < 1 or world % model_parallel:
+            return None
+        return world // model_parallel
+
     @classmethod
     def for_world(cls, world: int, *, tp: int = 1, pp: int = 1, cp: int = 1) -> "ParallelDims":
         """The layout of `world` processes at the given model-parallel degrees; dp is what is left.
@@ -66,10 +77,10 @@ class ParallelDims:
         A config whose degrees do not divide its role's processes never gets here: `config/validate.py`
         refuses it, naming the key.
         """
-        model_parallel = tp * pp * cp
-        if model_parallel < 1 or world % model_parallel:
-            raise ValueError(f"tp*pp*cp = {tp}*{pp}*{cp} = {model_parallel} does not divide a world of {world}")
-        return cls(tp=tp, pp=pp, dp=world // model_parallel, cp=cp)
+        dp = cls.data_parallel_size(world, tp=tp, pp=pp, cp=cp)
+        if dp is None:
+            raise ValueError(f"tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide a world of {world}")
+        return cls(tp=tp, pp=pp, dp=dp, cp=cp)
 
     # -- sizes and coordinates ------------------------------------------------
     @property
@@ -98,6 +109,14 @@ class ParallelDims:
         return coord.tp + self.tp * (coord.cp + self.cp * (coord.dp + self.dp * coord.pp))
 
     # -- groups ---------------------------------------------------------------
+    def span(self, name: str) -> int:
+        """How many consecutive ranks a block holding whole groups `name` covers: the product of the degrees
+        up to the group's slowest dimension (tp: t; cp: t*c; dp: t*c*d; pp and mp: the world). A group
+        whose block fits in a node talks over the node's links (the planner's cost model)."""
+        dims = _dims_of(name)
+        slowest = max(DIMS.index(d) for d in dims)
+        return math.prod(getattr(self, d) for d in DIMS[:slowest + 1])
+
     def group(self, name: str, rank: int) -> list[int]:
         """The ranks of `rank`'s group `name` (see GROUPS), in rank order."""
         dims = _dims_of(name)

@@ -18,8 +18,8 @@ import yaml
 
 from hybridflow.errors import ConfigError
 from hybridflow.models.config import DecoderConfig, ModelConfigError
+from hybridflow.parallel.layout import ParallelDims
 from hybridflow.planner import calibrate, report
-from hybridflow.planner.cost import Layout
 from hybridflow.planner.devices import get_device
 from hybridflow.planner.dryrun import dry_run
 from hybridflow.planner.roles import Workload
@@ -83,9 +83,9 @@ def _calibrated(args, planner: Planner, cfg) -> tuple[Planner, list[str]]:
     prompt, response = calibrate.measured_lengths(figures, planner.wl.rows)
     planner = calibrate.replace_workload(planner, prompt_len=prompt, response_len=response)
     n, a = cfg.trainer.n_devices, cfg.actor.parallel
-    actor = Layout(tp=a.tp, pp=a.pp, dp=n // (a.tp * a.pp))
+    actor = ParallelDims.for_world(n, tp=a.tp, pp=a.pp, cp=a.cp)
     k = cfg.critic.parallel
-    critic = Layout(tp=k.tp, pp=k.pp, dp=n // (k.tp * k.pp)) if planner.wl.uses_critic else None
+    critic = ParallelDims.for_world(n, tp=k.tp, pp=k.pp, cp=k.cp) if planner.wl.uses_critic else None
     evaluate = lambda d: calibrate.measured_candidate(Planner(planner.model, planner.wl, d), n, actor, critic,
                                                       cfg.rollout.tg)
     fitted = calibrate.fit(evaluate, planner.device, figures)
@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
 
 def _write(args, data: dict, best, wl: Workload, planner: Planner) -> None:
     """The best candidate as a config, then loaded back through the config checks."""
-    from hybridflow.config import load_config
+    from hybridflow.config.loader import load_config
 
     header = [f"written by: hybridflow plan {args.config} --gpus {args.gpus} --device {args.device}",
               f"best candidate: {best.label()}",

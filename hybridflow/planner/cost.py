@@ -1,8 +1,9 @@
 """The cost model: memory, time and communication of one role on one rank, as plain functions.
 
-Every function takes the model's shapes (`DecoderConfig`), the work's shapes, a layout and a `DeviceSpec`,
-and returns bytes or seconds. Nothing here measures; `search.py` composes these into an iteration and
-`calibrate.py` fits the device's efficiency factors to a measured run. What is modelled, and what is not:
+Every function takes the model's shapes (`DecoderConfig`), the work's shapes, a layout (`ParallelDims`) and a
+`DeviceSpec`, and returns bytes or seconds. Nothing here measures; `search.py` composes these into an
+iteration and `calibrate.py` fits the device's efficiency factors to a measured run. What is modelled,
+and what is not:
 
 - Parameters are counted exactly for the megatron-core layout hybridflow trains (`rank_params`): padded
   vocabulary, grouped QKV (with Qwen2's bias), `[gate; up]`, replicated norms, embedding on the first
@@ -21,29 +22,13 @@ and returns bytes or seconds. Nothing here measures; `search.py` composes these 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from hybridflow.models.config import DecoderConfig
 from hybridflow.models.sharding import padded_vocab_size
+from hybridflow.parallel.layout import ParallelDims
 from hybridflow.planner.devices import DeviceSpec
 
 FP32 = 4
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A role's parallel degrees on its devices: p-t-d, and where its ranks start among all devices."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def __str__(self) -> str:
-        return f"p{self.pp}-t{self.tp}-d{self.dp}"
 
 
 # --------------------------------------------------------------------------- parameters
@@ -125,7 +110,7 @@ def activation_bytes_per_token(cfg: DecoderConfig, seq: int, tp: int, dtype_byte
     return (stored + softmax) * dtype_bytes
 
 
-def activation_bytes(cfg: DecoderConfig, layout: Layout, micro: int, seq: int, micro_batches: int,
+def activation_bytes(cfg: DecoderConfig, layout: ParallelDims, micro: int, seq: int, micro_batches: int,
                      dtype_bytes: int, recompute: bool = False, logits: bool = True) -> int:
     """Activations a training rank holds at its peak: the first stage's layers for the micro-batches
     1F1B keeps in flight, one layer's full set while recomputing, and the last stage's fp32 logits."""

@@ -19,7 +19,6 @@ from hybridflow.models.decoder import Decoder
 from hybridflow.models.sharding import padded_vocab_size
 from hybridflow.parallel.layout import ParallelDims
 from hybridflow.planner import cost
-from hybridflow.planner.cost import Layout
 
 
 class _MetaTP:
@@ -54,7 +53,7 @@ def stage_numel(model: Decoder, stage: int, pp: int) -> int:
 
 @dataclass(frozen=True)
 class DryRun:
-    layout: Layout
+    layout: ParallelDims
     tg: int
     exact_params: list[int]  # per pipeline stage, on each TP rank (meta model)
     model_params: list[int]  # the cost model's figures for the same
@@ -75,7 +74,7 @@ class DryRun:
         return out
 
 
-def dry_run(cfg: DecoderConfig, layout: Layout, tg: int, dtype_bytes: int, divisible_by: int = 128) -> DryRun:
+def dry_run(cfg: DecoderConfig, layout: ParallelDims, tg: int, dtype_bytes: int, divisible_by: int = 128) -> DryRun:
     """Exact parameter counts per rank and transition bytes per rank for the actor's layout.
 
     The plan is built for one training replica (dp = 1): with the paper's grouping a rank gathers only

@@ -14,14 +14,15 @@ run's config). Each function returns named parts (`{"weights": bytes, ...}`, `{"
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 from hybridflow.config.schema import Config
 from hybridflow.models.config import DecoderConfig
+from hybridflow.parallel.layout import ParallelDims
 from hybridflow.planner import cost
-from hybridflow.planner.cost import Layout
 from hybridflow.planner.devices import DeviceSpec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -78,12 +79,7 @@ class Workload:
                    distributed_optimizer=cfg.actor.parallel.distributed_optimizer, reward_model=reward_model)
 
 
-def _span(layout: Layout, dim: str) -> int:
-    """Devices a group of dimension `dim` spans (megatron-core order: tp fastest, then dp, then pp)."""
-    return {"tp": layout.tp, "dp": layout.tp * layout.dp, "pp": layout.world}[dim]
-
-
-def train_memory(model: DecoderConfig, wl: Workload, layout: Layout, micro: int, value_head: bool = False,
+def train_memory(model: DecoderConfig, wl: Workload, layout: ParallelDims, micro: int, value_head: bool = False,
                  recompute: bool = False) -> dict[str, int]:
     """A training rank's bytes: weights, gradients, optimizer state, activations at the update's peak."""
     params = cost.rank_params(model, layout.tp, layout.pp, wl.divisible_by, value_head)
@@ -94,7 +90,7 @@ def train_memory(model: DecoderConfig, wl: Workload, layout: Layout, micro: int,
                                                  logits=not value_head)}
 
 
-def _passes(model: DecoderConfig, wl: Workload, layout: Layout, device: DeviceSpec, micro: int, rows: int,
+def _passes(model: DecoderConfig, wl: Workload, layout: ParallelDims, device: DeviceSpec, micro: int, rows: int,
             passes: float, value_head: bool) -> dict[str, float]:
     """Seconds of `passes` forward-equivalents over `rows` rows (3 = forward and backward), split by
     resource; activations cross TP twice per layer and pass, and pipeline stages once per pass."""
@@ -105,14 +101,14 @@ def _passes(model: DecoderConfig, wl: Workload, layout: Layout, device: DeviceSp
     activation = micro * wl.seq * model.hidden_size * wl.dtype_bytes
     layers = model.num_layers // layout.pp
     calls = m * layers * math.ceil(passes)
-    return {"compute": passes * cost.compute_time(gemm, attention, layout.world, device) * bubble,
-            "tp": 2 * passes * m * layers * cost.allreduce_time(activation, layout.tp, _span(layout, "tp"), device),
-            "pp": (passes * m * activation / cost.link_bandwidth(device, _span(layout, "pp"))
+    return {"compute": passes * cost.compute_time(gemm, attention, layout.world_size, device) * bubble,
+            "tp": 2 * passes * m * layers * cost.allreduce_time(activation, layout.tp, layout.span("tp"), device),
+            "pp": (passes * m * activation / cost.link_bandwidth(device, layout.span("pp"))
                    if layout.pp > 1 else 0.0),
             "overhead": calls * device.layer_overhead}
 
 
-def train_time(model: DecoderConfig, wl: Workload, layout: Layout, device: DeviceSpec, micro: int, epochs: int,
+def train_time(model: DecoderConfig, wl: Workload, layout: ParallelDims, device: DeviceSpec, micro: int, epochs: int,
                value_head: bool = False, recompute: bool = False) -> dict[str, float]:
     """The update of one role: `epochs` passes over every row (forward and backward, one more forward with
     recompute) and the gradient reduction over DP once per mini-batch."""
@@ -122,24 +118,24 @@ def train_time(model: DecoderConfig, wl: Workload, layout: Layout, device: Devic
     params = cost.rank_params(model, layout.tp, layout.pp, wl.divisible_by, value_head)
     if wl.distributed_optimizer:  # reduce-scatter fp32 gradients, all-gather the weights
         share = (layout.dp - 1) / layout.dp * params * (cost.FP32 + wl.dtype_bytes)
-        dp = cost.gather_time(share, layout.dp, _span(layout, "dp"), device)
+        dp = cost.gather_time(share, layout.dp, layout.span("dp"), device)
     else:
-        dp = cost.allreduce_time(params * cost.FP32, layout.dp, _span(layout, "dp"), device)
+        dp = cost.allreduce_time(params * cost.FP32, layout.dp, layout.span("dp"), device)
     out["dp"] = epochs * minis * dp
     return out
 
 
-def forward_memory(model: DecoderConfig, wl: Workload, layout: Layout, micro: int,
+def forward_memory(model: DecoderConfig, wl: Workload, layout: ParallelDims, micro: int,
                    value_head: bool = False) -> dict[str, int]:
     """A forward-only rank: its weights and one layer's activations of a micro-batch plus the logits."""
     params = cost.rank_params(model, layout.tp, layout.pp, wl.divisible_by, value_head)
-    one = Layout(tp=layout.tp, pp=model.num_layers, dp=layout.dp)  # one layer's activations live at a time
+    one = dataclasses.replace(layout, pp=model.num_layers)  # one layer's activations live at a time
     return {"weights": cost.weight_bytes(params, wl.dtype_bytes),
             "activations": cost.activation_bytes(model, one, micro, wl.max_len, 1, wl.dtype_bytes,
                                                  logits=not value_head)}
 
 
-def forward_time(model: DecoderConfig, wl: Workload, layout: Layout, device: DeviceSpec, micro: int,
+def forward_time(model: DecoderConfig, wl: Workload, layout: ParallelDims, device: DeviceSpec, micro: int,
                  value_head: bool = False) -> dict[str, float]:
     return _passes(model, wl, layout, device, micro, wl.rows, 1.0, value_head)
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from hybridflow.models.config import DecoderConfig
+from hybridflow.parallel.layout import ParallelDims
 from hybridflow.planner import cost, roles
-from hybridflow.planner.cost import Layout
 from hybridflow.planner.devices import GIB, DeviceSpec
 from hybridflow.planner.roles import Workload
 
@@ -37,8 +37,8 @@ SECONDS_PER_DAY = 86400
 class Candidate:
     placement: str
     devices: dict[str, int]  # group ("actor", "critic", "rollout") -> devices
-    actor: Layout
-    critic: Optional[Layout]
+    actor: ParallelDims
+    critic: Optional[ParallelDims]
     tg: int
     replicas: int
     stages: dict[str, dict[str, float]] = field(default_factory=dict)  # stage -> resource -> seconds
@@ -69,7 +69,7 @@ class Candidate:
         return f"{self.placement} [{split}] actor {self.actor} tg{self.tg}{critic}"
 
 
-def layouts(world: int, model: DecoderConfig, device: DeviceSpec, wl: Workload) -> list[Layout]:
+def layouts(world: int, model: DecoderConfig, device: DeviceSpec, wl: Workload) -> list[ParallelDims]:
     """Every p-t-d of `world` devices the model splits into and the batch arithmetic allows."""
     out = []
     for tp in (1, 2, 4, 8, 16):
@@ -77,12 +77,12 @@ def layouts(world: int, model: DecoderConfig, device: DeviceSpec, wl: Workload) 
                 or model.intermediate_size % tp:
             continue
         for pp in (1, 2, 4, 8, 16):
-            if model.num_layers % pp or world % (tp * pp):
+            dp = ParallelDims.data_parallel_size(world, tp=tp, pp=pp)
+            if model.num_layers % pp or dp is None:
                 continue
-            dp = world // (tp * pp)
             if wl.mini_batch_rows % dp or wl.prompts % dp:
                 continue
-            out.append(Layout(tp=tp, pp=pp, dp=dp))
+            out.append(ParallelDims(tp=tp, pp=pp, dp=dp))
     return out
 
 
@@ -109,16 +109,16 @@ class Planner:
         self.model_bytes = cost.total_params(model, wl.divisible_by) * wl.dtype_bytes
 
     # -- the roles of one candidate ----------------------------------------------------------------
-    def _states(self, layout: Layout, value_head: bool) -> int:
+    def _states(self, layout: ParallelDims, value_head: bool) -> int:
         """Weights, gradients and optimizer state of a training rank (what does not depend on the batch)."""
         parts = roles.train_memory(self.model, self.wl, layout, 1, value_head)
         return _total(parts) - parts["activations"]
 
-    def static_actor(self, a: Layout) -> int:
+    def static_actor(self, a: ParallelDims) -> int:
         ref = cost.rank_params(self.model, a.tp, a.pp, self.wl.divisible_by) * self.wl.dtype_bytes
         return self._states(a, False) + (ref if self.wl.needs_reference else 0)
 
-    def static_critic(self, k: Optional[Layout], reward_layout: Layout) -> int:
+    def static_critic(self, k: Optional[ParallelDims], reward_layout: ParallelDims) -> int:
         out = self._states(k, True) if self.wl.uses_critic else 0
         rm = self.wl.reward_model
         if rm is not None:
@@ -126,7 +126,7 @@ class Planner:
                 * self.wl.dtype_bytes
         return out
 
-    def _micro(self, layout: Layout, budget: float, start: int, value_head: bool) -> int:
+    def _micro(self, layout: ParallelDims, budget: float, start: int, value_head: bool) -> int:
         """The largest micro-batch (halving from the config's) whose update activations fit `budget`."""
         micro = start
         while micro > 1:
@@ -199,7 +199,7 @@ class Planner:
         return c.reason is None
 
     # -- placements --------------------------------------------------------------------------------
-    def colocated(self, n: int, actor: Layout, critic: Optional[Layout], tg: int) -> Candidate:
+    def colocated(self, n: int, actor: ParallelDims, critic: Optional[ParallelDims], tg: int) -> Candidate:
         c = Candidate("colocated", {"all": n}, actor, critic, tg, n // tg)
         both = self.static_actor(actor) + self.static_critic(critic, critic or actor)
         a_static, a_phases, a_times = self._actor_side(c, self.usable - both + self.static_actor(actor))
@@ -222,7 +222,7 @@ class Planner:
         c.iteration_s = sum(_total_s(t) for t in c.stages.values())
         return c
 
-    def split(self, placement: str, devices: dict[str, int], actor: Layout, critic: Optional[Layout],
+    def split(self, placement: str, devices: dict[str, int], actor: ParallelDims, critic: Optional[ParallelDims],
               tg: int) -> Candidate:
         """split-critic (rollout with the actor) or split-all (rollout on `devices['rollout']` at tg = 1)."""
         apart = placement == "split-all"
@@ -281,7 +281,7 @@ class Planner:
         return out
 
 
-def _tgs(actor: Layout, wl: Workload, n: int) -> list[int]:
+def _tgs(actor: ParallelDims, wl: Workload, n: int) -> list[int]:
     """Generation TP sizes: divisors of the actor's TP whose replicas split the prompts evenly."""
     return [tg for tg in (1, 2, 4, 8, 16) if actor.tp % tg == 0 and wl.prompts % (n // tg) == 0]
 

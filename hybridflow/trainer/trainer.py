@@ -33,10 +33,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from hybridflow.algos import build_kl_controller
+from hybridflow.config.inputs import check_prompt_count, load_model_config, load_reward_function, load_tokenizer
 from hybridflow.config.plan import RunPlan
+from hybridflow.config.preflight import check_runnable
 from hybridflow.config.schema import Config
-from hybridflow.config.validate import (check_prompt_count, check_runnable, load_model_config, load_reward_function,
-                                        load_tokenizer)
 from hybridflow.controller.dispatch import PerReplica, concat_batches, method_reads
 from hybridflow.controller.worker import WorkerError
 from hybridflow.dataflow import DataFlow, Node, NodeError

@@ -55,7 +55,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def read_tokenizer(model: ModelConfig) -> Tokenizer:
     """The run's tokenizer (model.tokenizer_path, else model.path), which the trainer checked
-    (`config.validate.load_tokenizer`) before any worker started."""
+    (`config.inputs.load_tokenizer`) before any worker started."""
     return Tokenizer.from_path(model.tokenizer_path or model.path)
 
 

@@ -4,9 +4,10 @@ import textwrap
 
 import pytest
 
-from hybridflow.config import (
-    ActorConfig, Config, ConfigError, DataConfig, dump_config, load_config, to_dict)
+from hybridflow.config.loader import dump_config, load_config, to_dict
+from hybridflow.config.schema import ActorConfig, Config, DataConfig
 from hybridflow.config.validate import check_model_split
+from hybridflow.errors import ConfigError
 from hybridflow.parallel import ParallelDims
 
 BASE = ["model.path=/models/tiny", "data.train_files=[a.parquet]"]
@@ -157,7 +158,8 @@ def _model(**overrides):
     (["trainer.n_devices=4", "actor.parallel.tp=4"], "actor.parallel.tp", "does not divide the model's 2 KV heads"),
 ])
 def test_checks_that_need_the_model_or_the_launcher(overrides, path, fragment):
-    from hybridflow.config import RunPlan, check_runnable
+    from hybridflow.config.plan import RunPlan
+    from hybridflow.config.preflight import check_runnable
 
     cfg = load_config(None, BASE + overrides)
     with pytest.raises(ConfigError) as err:
@@ -166,7 +168,8 @@ def test_checks_that_need_the_model_or_the_launcher(overrides, path, fragment):
 
 
 def test_the_critic_layout_is_checked_against_the_critics_own_model():
-    from hybridflow.config import RunPlan, check_runnable
+    from hybridflow.config.plan import RunPlan
+    from hybridflow.config.preflight import check_runnable
 
     cfg = load_config(None, BASE + ["algorithm.adv_estimator=gae", "trainer.n_devices=2", "critic.parallel.tp=2",
                                     "data.train_batch_size=4", "actor.ppo_mini_batch_size=2"])
@@ -180,7 +183,8 @@ def test_the_critic_layout_is_checked_against_the_critics_own_model():
 def test_under_torchrun_layouts_follow_the_processes_and_the_critic_shares_the_actors(monkeypatch):
     """torchrun sets WORLD_SIZE: layouts are checked against it, not trainer.n_devices; and without Ray the
     critic lives in the actor's processes, which hold one megatron-core layout."""
-    from hybridflow.config import RunPlan, check_runnable
+    from hybridflow.config.plan import RunPlan
+    from hybridflow.config.preflight import check_runnable
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     load_config(None, BASE + ["actor.parallel.tp=2"])  # 2 processes, though trainer.n_devices is 1

@@ -3,7 +3,8 @@ import pickle
 
 import pytest
 
-from hybridflow.config import RunPlan, load_config
+from hybridflow.config.loader import load_config
+from hybridflow.config.plan import RunPlan
 from hybridflow.parallel import ParallelDims
 
 BASE = ["model.path=/models/tiny", "data.train_files=[a.parquet]"]

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow.cli import main
-from hybridflow.config import load_config
+from hybridflow.config.loader import load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 

@@ -1,9 +1,10 @@
 """Placement -> resource pools: colocated roles share a pool, split roles do not, bad placements fail."""
 import pytest
 
-from hybridflow.config import ConfigError, devices_for, validate
+from hybridflow.config.plan import ROLES, devices_for
 from hybridflow.config.schema import Config
-from hybridflow.config.plan import ROLES
+from hybridflow.config.validate import validate
+from hybridflow.errors import ConfigError
 from hybridflow.controller import ResourcePool, pools_from_placement
 
 

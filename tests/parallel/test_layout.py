@@ -43,8 +43,23 @@ def test_replica_answers_come_from_the_last_stage_tp0():
     assert [r for r in range(8) if dims.answers_for_replica(r)] == [4, 6]
 
 
+@pytest.mark.parametrize("dims", LAYOUTS, ids=str)
+def test_a_span_holds_whole_groups(dims):
+    """Each aligned block of `span(name)` consecutive ranks is a union of whole groups `name`."""
+    for name in ("tp", "cp", "dp", "pp", "mp"):
+        span = dims.span(name)
+        assert dims.world_size % span == 0
+        for group in dims.groups(name):
+            assert group[0] // span == group[-1] // span, (name, group, span)
+    assert (dims.span("tp"), dims.span("dp"), dims.span("pp")) == (
+        dims.tp, dims.tp * dims.cp * dims.dp, dims.world_size)
+
+
 def test_for_world_and_errors():
     assert ParallelDims.for_world(8, tp=2, pp=2) == ParallelDims(tp=2, pp=2, dp=2)
+    assert ParallelDims.data_parallel_size(12, tp=2, pp=3) == 2
+    assert ParallelDims.data_parallel_size(8, tp=2, cp=2) == 2
+    assert ParallelDims.data_parallel_size(6, tp=4) is None
     with pytest.raises(ValueError, match=r"tp\*pp\*cp = 4\*1\*1 = 4 does not divide a world of 6"):
         ParallelDims.for_world(6, tp=4)  # a config that asks for it is refused first (tests/config), naming its key
     with pytest.raises(ValueError, match="tp must be an int >= 1"):

@@ -7,8 +7,8 @@ from hybridflow.errors import ConfigError
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.config import DecoderConfig
 from hybridflow.models.decoder import Decoder
+from hybridflow.parallel.layout import ParallelDims
 from hybridflow.planner import cost
-from hybridflow.planner.cost import Layout
 from hybridflow.planner.devices import GIB, get_device, load_devices, parse_device
 from hybridflow.planner.dryrun import dry_run, meta_decoder, stage_numel
 from hybridflow.planner.cli import MODELS_FILE
@@ -53,10 +53,10 @@ def test_activations_follow_the_layer_and_shrink_with_recompute_and_tp():
     assert per_token == (4 * h + (4608 + 3584) + 3 * ffn + 28 * 1024) * 2
     assert cost.activation_bytes_per_token(QWEN7B, 1024, 1, 2, recompute=True) == h * 2
     assert cost.activation_bytes_per_token(QWEN7B, 1024, 4, 2) < per_token
-    full = cost.activation_bytes(QWEN7B, Layout(1, 1, 1), 4, 1024, 8, 2, logits=False)
-    assert cost.activation_bytes(QWEN7B, Layout(1, 1, 1), 4, 1024, 8, 2, recompute=True, logits=False) < full / 10
+    full = cost.activation_bytes(QWEN7B, ParallelDims(1, 1, 1), 4, 1024, 8, 2, logits=False)
+    assert cost.activation_bytes(QWEN7B, ParallelDims(1, 1, 1), 4, 1024, 8, 2, recompute=True, logits=False) < full / 10
     # 1F1B keeps p micro-batches of L/p layers in flight: the first stage holds about as much as p = 1.
-    assert cost.activation_bytes(QWEN7B, Layout(1, 4, 1), 4, 1024, 8, 2, logits=False) == pytest.approx(full, rel=0.01)
+    assert cost.activation_bytes(QWEN7B, ParallelDims(1, 4, 1), 4, 1024, 8, 2, logits=False) == pytest.approx(full, rel=0.01)
 
 
 def test_time_and_collectives_are_flops_and_bytes_over_the_peaks():
@@ -73,7 +73,7 @@ def test_time_and_collectives_are_flops_and_bytes_over_the_peaks():
 
 
 def test_transition_bytes_of_the_real_reshard_plan_match_the_formula():
-    run = dry_run(QWEN7B, Layout(tp=4, pp=2, dp=1), tg=2, dtype_bytes=2)
+    run = dry_run(QWEN7B, ParallelDims(tp=4, pp=2, dp=1), tg=2, dtype_bytes=2)
     assert run.exact_params == run.model_params
     assert run.exact_transition == pytest.approx(run.model_transition, rel=0.01)  # norms are not split
     assert run.plan_ranks == 8

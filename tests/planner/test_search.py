@@ -4,11 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.config import RunPlan, load_config
+from hybridflow.config.loader import load_config
+from hybridflow.config.plan import RunPlan
 from hybridflow.config.validate import check_model_split
 from hybridflow.errors import ConfigError
+from hybridflow.parallel.layout import ParallelDims
 from hybridflow.planner import cli
-from hybridflow.planner.cost import Layout
 from hybridflow.planner.devices import get_device
 from hybridflow.planner.roles import Workload
 from hybridflow.planner.search import Planner, gpus_needed, rank
@@ -51,12 +52,12 @@ def test_misfits_name_the_role_and_the_gib_over():
     assert all(" GiB over" in c.reason and ("update" in c.reason or "rollout" in c.reason or "passes" in c.reason)
                for c in misfits)
     # Every colocated candidate holds actor, critic and reference: the 7B states alone overflow 24 GiB at d1.
-    c = Planner(QWEN7B, Workload.from_config(cfg), small).colocated(8, Layout(1, 1, 8), Layout(1, 1, 8), 1)
+    c = Planner(QWEN7B, Workload.from_config(cfg), small).colocated(8, ParallelDims(1, 1, 8), ParallelDims(1, 1, 8), 1)
     assert c.reason.startswith("all devices, ") and float(c.reason.split(": ")[1].split()[0]) > 10
     assert "[actor " in c.reason and "critic " in c.reason and "reference " in c.reason
     # Split apart, the actor's devices list only the roles they hold.
     c = Planner(QWEN7B, Workload.from_config(cfg), small).split(
-        "split-critic", {"actor": 4, "critic": 4}, Layout(tp=1, pp=1, dp=4), Layout(tp=1, pp=1, dp=4), 1)
+        "split-critic", {"actor": 4, "critic": 4}, ParallelDims(tp=1, pp=1, dp=4), ParallelDims(tp=1, pp=1, dp=4), 1)
     assert c.reason.startswith("actor devices, ") and "critic" not in c.reason.split("[")[1]
 
 
@@ -120,7 +121,7 @@ def test_a_reward_model_is_costed_where_it_is_placed(capsys):
     cfg = load_config(CONFIG_7B, ["trainer.n_devices=16"])
     rm = cli.resolve_model("models/Qwen2.5-0.5B-Instruct", "reward.model_path")
     planner = Planner(QWEN7B, Workload.from_config(cfg, reward_model=rm), get_device("a100"))
-    layouts = {"actor": Layout(tp=2, pp=1, dp=4), "critic": Layout(tp=1, pp=1, dp=8), "tg": 2}
+    layouts = {"actor": ParallelDims(tp=2, pp=1, dp=4), "critic": ParallelDims(tp=1, pp=1, dp=8), "tg": 2}
     split = planner.split("split-critic", {"actor": 8, "critic": 8}, *layouts.values())
     without = Planner(QWEN7B, Workload.from_config(cfg), get_device("a100")).split(
         "split-critic", {"actor": 8, "critic": 8}, *layouts.values())

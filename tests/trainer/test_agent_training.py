@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridflow.config import load_config
+from hybridflow.config.loader import load_config
 from hybridflow.data import fields as F
 from hybridflow.data.arithmetic import generate_tool_splits, write_parquet
 from hybridflow.data.tokenizer import build_char_tokenizer
@@ -194,7 +194,7 @@ def test_outcome_score_lands_on_the_last_model_token():
     ("env.stop_tokens=[ab]", "env.stop_tokens", "'ab' is not one token of the vocabulary"),
 ])
 def test_bad_env_settings_are_named(agent_run, tmp_path, override, key, message):
-    from hybridflow.config import ConfigError
+    from hybridflow.errors import ConfigError
     from hybridflow.controller.worker import WorkerError
 
     with pytest.raises((ConfigError, WorkerError), match=message) as caught:

@@ -210,7 +210,8 @@ def test_a_model_of_another_shape_is_named_by_its_first_differing_tensor(tmp_pat
     run's: the first difference, in the checkpoint's order, names the tensor and both shapes."""
     import dataclasses
 
-    from hybridflow.config import RunPlan, load_config
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.plan import RunPlan
     from hybridflow.models.config import DecoderConfig
     from hybridflow.trainer.build import model_tensors
     from hybridflow.trainer.checkpointing import check_models
@@ -308,7 +309,8 @@ def test_other_write_errors_stay_what_they_are(tmp_path):
 def test_a_resume_at_another_layout_is_named_as_one(tmp_path):
     """The model tables describe the model whatever the layout (a vocabulary padded for TP 2 is the same
     model); the layout each checkpoint's shards were written at is checked on its own, in one line."""
-    from hybridflow.config import RunPlan, load_config
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.plan import RunPlan
     from hybridflow.models.config import DecoderConfig
     from hybridflow.trainer.build import checkpoint_layouts, model_tensors
     from hybridflow.trainer.checkpointing import check_layouts

@@ -101,7 +101,7 @@ def test_a_full_disk_gets_one_line_naming_the_directory(writer, tmp_path, capsys
 
 def test_debug_shows_the_traceback_instead_of_the_line(tmp_path, capsys, repo):
     """#13 item 7: the full traceback on request (`hybridflow --debug`), for user errors and the rest."""
-    from hybridflow.config import ConfigError
+    from hybridflow.errors import ConfigError
 
     with pytest.raises(ConfigError, match="actor.optim.lr: must be a finite number"):
         main(["--debug", *TRAIN, f"trainer.output_dir={tmp_path}", "actor.optim.lr=-1"])

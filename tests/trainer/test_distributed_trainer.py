@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.config import ConfigError, load_config
+from hybridflow.config.loader import load_config
+from hybridflow.errors import ConfigError
 from hybridflow.trainer import read_metrics
 from hybridflow.trainer.trainer import RLTrainer
 from tests.trainer.test_trainer import in_repo

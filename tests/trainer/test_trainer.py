@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridflow.config import ConfigError, load_config
+from hybridflow.config.loader import load_config
+from hybridflow.errors import ConfigError
 from hybridflow.data.dataset import DatasetError
 from hybridflow.trainer import CheckpointManager, read_metrics
 from hybridflow.trainer.checkpointing import CheckpointError
@@ -333,7 +334,8 @@ def test_cuda_device_without_cuda_is_a_config_error(tmp_path):
 
 
 def test_gpu_scale_configs_against_their_model_shapes(tmp_path):
-    from hybridflow.config import RunPlan, check_runnable
+    from hybridflow.config.plan import RunPlan
+    from hybridflow.config.preflight import check_runnable
     from hybridflow.models import DecoderConfig
 
     qwen_05b = DecoderConfig(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -407,7 +409,7 @@ def test_skipping_old_log_probs_gives_the_same_update(tmp_path):
     assert got[3]["val/accuracy"] == pytest.approx(want[3]["val/accuracy"], abs=0.002)
     # Anything that reads the old log-probs before the update keeps their pass.
     for extra in (["actor.ppo_epochs=2"], ["actor.ppo_mini_batch_size=4"], ["algorithm.use_kl_in_reward=true", "reference.enabled=true"]):
-        from hybridflow.config import RunPlan
+        from hybridflow.config.plan import RunPlan
         assert RunPlan.from_config(config("tiny-grpo.yaml", tmp_path, "actor.ppo_mini_batch_size=8", *extra)
                                    ).needs_old_log_probs
 
@@ -494,7 +496,7 @@ def test_uniform_rows_are_the_groups_without_signal_and_above_a_floor():
 def test_the_critic_joins_the_actors_processes_only_on_its_devices_and_layout(tmp_path):
     """Under Ray a critic on the actor's devices in the actor's megatron-core layout runs in the actor's
     processes (RayWorkerGroup.colocated); placed apart, or in another layout, it gets its own."""
-    from hybridflow.config import RunPlan
+    from hybridflow.config.plan import RunPlan
 
     ray4 = ["trainer.n_devices=4", "trainer.launcher=ray"]
 
@@ -511,7 +513,7 @@ def test_the_critic_joins_the_actors_processes_only_on_its_devices_and_layout(tm
 def test_the_reward_model_joins_the_actors_processes_only_on_its_devices(tmp_path):
     """Under Ray a reward model placed on the actor's devices (the default: every device) runs in the
     actor's processes; on a device set of its own it gets its own processes."""
-    from hybridflow.config import RunPlan
+    from hybridflow.config.plan import RunPlan
 
     rm = ["trainer.n_devices=4", "trainer.launcher=ray", f"reward.model_path={ROOT / 'hybridflow/assets/tiny_reward_model'}"]
 

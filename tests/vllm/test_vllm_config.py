@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.config import ConfigError, RunPlan, check_runnable, load_config
+from hybridflow.config.loader import load_config
+from hybridflow.config.plan import RunPlan
+from hybridflow.config.preflight import check_runnable
+from hybridflow.errors import ConfigError
 from hybridflow.models import DecoderConfig
 
 ROOT = Path(__file__).resolve().parents[2]
