@@ -8,7 +8,8 @@ The prompt dataset, the agent loop, `load_hf_model`'s `CausalLM` (and the
 reward model's special-token choice) and the benchmarks all feed prompts to a
 model through these, so a prompt is the same ids whichever of them built it.
 `tokenizer` is anything with the `data.tokenizer.Tokenizer` methods used here
-(`apply_chat_template`, `encode_batch`); nothing here imports it, so `Tokenizer.render_prompt` can use it.
+(`apply_chat_template`, `encode_batch`); nothing here imports it, so that
+`Tokenizer.render_prompt` can use `render_prompt`.
 """
 from __future__ import annotations
 
