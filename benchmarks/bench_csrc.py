@@ -55,16 +55,14 @@ def demo_prompts(prompts: int = 64):
     """The first `prompts` training prompts of the demo, tokenized and left-padded."""
     import pyarrow.parquet as pq
 
+    from hybridflow.data.prompts import encode_prompts, left_pad, render_prompt
     from hybridflow.data.tokenizer import Tokenizer
 
     rows = pq.read_table(ROOT / "hybridflow" / "assets" / "arithmetic" / "train.parquet").slice(0, prompts)
     tokenizer = Tokenizer.from_path(str(DEMO_MODEL))
-    ids = tokenizer.encode_batch([row[0]["content"] for row in rows.column("prompt").to_pylist()])
-    width = max(map(len, ids))
-    input_ids = torch.full((prompts, width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros(prompts, width, dtype=torch.long)
-    for i, row in enumerate(ids):
-        input_ids[i, width - len(row):], mask[i, width - len(row):] = torch.tensor(row), 1
+    chat = tokenizer.has_chat_template  # False for the demo model: the prompt is the message's text
+    texts = [render_prompt(tokenizer, messages, chat) for messages in rows.column("prompt").to_pylist()]
+    input_ids, mask = left_pad(encode_prompts(tokenizer, texts, chat), tokenizer.pad_token_id)
     return input_ids, mask, tokenizer
 
 

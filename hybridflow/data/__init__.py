@@ -1,8 +1,9 @@
 """Prompt data: batch field names, tokenizers, prompt datasets and the built-in task.
 
 ``fields`` names every batch entry; ``Tokenizer`` wraps tokenizer.json or
-SentencePiece files; ``PromptDataset`` reads verl-style parquet/jsonl prompt
-sets; ``hybridflow.data.arithmetic`` (imported on its own, it is also a CLI)
+SentencePiece files; ``hybridflow.data.prompts`` renders, encodes and
+left-pads prompts for every caller; ``PromptDataset`` reads verl-style
+parquet/jsonl prompt sets; ``hybridflow.data.arithmetic`` (imported on its own, it is also a CLI)
 generates the built-in addition task.
 """
 from hybridflow.data import fields

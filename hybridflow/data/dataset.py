@@ -31,10 +31,10 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from hybridflow.config.schema import DataConfig
 from hybridflow.data import fields as F
+from hybridflow.data.prompts import encode_prompts, left_pad, render_prompt
 from hybridflow.data.tokenizer import Tokenizer
 
 __all__ = ["DatasetError", "PromptDataset", "PromptRecord", "collate_prompts", "iterate_batches",
@@ -199,7 +199,7 @@ class PromptDataset:
     :data:`OVERLONG_POLICIES`) and ``cfg.apply_chat_template``. Prompts
     rendered through a chat template are encoded without adding special tokens
     (the template writes them); plain-text prompts get the tokenizer's usual
-    BOS/EOS rule. Truncated prompts keep ``max_prompt_length`` tokens from the
+    BOS/EOS rule (both in :mod:`hybridflow.data.prompts`). Truncated prompts keep ``max_prompt_length`` tokens from the
     end (``truncate_left``, keeps the question's tail and the generation
     prompt) or the start (``truncate_right``); their ``prompt_text`` is the
     decoded kept tokens.
@@ -224,11 +224,6 @@ class PromptDataset:
         self.num_overlong = 0
         self.records: list[PromptRecord] = self._load()
 
-    def _render(self, messages: list[dict[str, Any]]) -> str:
-        if self.use_chat_template:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return "\n".join(m["content"] for m in messages)
-
     def _load(self) -> list[PromptRecord]:
         rows, wheres = [], []
         for path in self.files:
@@ -238,8 +233,8 @@ class PromptDataset:
         self.num_rows = len(rows)
         if not rows:
             raise DatasetError(f"no rows in {', '.join(map(str, self.files))}")
-        texts = [self._render(messages) for messages, *_ in rows]
-        all_ids = self.tokenizer.encode_batch(texts, add_special_tokens=not self.use_chat_template)
+        texts = [render_prompt(self.tokenizer, messages, self.use_chat_template) for messages, *_ in rows]
+        all_ids = encode_prompts(self.tokenizer, texts, self.use_chat_template)
         records = []
         for index, ((messages, source, truth, extra), text, ids) in enumerate(zip(rows, texts, all_ids)):
             if len(ids) > self.max_prompt_length:
@@ -302,16 +297,7 @@ def collate_prompts(items: Sequence[PromptRecord], pad_token_id: int,
     """
     if not items:
         raise ValueError("cannot collate an empty batch")
-    longest = max(len(r.input_ids) for r in items)
-    width = longest if pad_to is None else pad_to
-    if width < longest:
-        raise ValueError(f"pad_to={pad_to} is shorter than the longest prompt ({longest} tokens)")
-    input_ids = torch.full((len(items), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(items), width), dtype=torch.long)
-    for row, record in enumerate(items):
-        n = len(record.input_ids)
-        input_ids[row, width - n:] = torch.tensor(record.input_ids, dtype=torch.long)
-        attention_mask[row, width - n:] = 1
+    input_ids, attention_mask = left_pad([r.input_ids for r in items], pad_token_id, pad_to=pad_to)
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
     return {
         F.INPUT_IDS: input_ids,

@@ -37,6 +37,7 @@ import tokenizers
 from tokenizers import processors
 
 from hybridflow.data.chat_template import compile_chat_template, render_chat_template
+from hybridflow.data.prompts import render_prompt
 
 __all__ = ["Tokenizer", "build_char_tokenizer"]
 
@@ -408,16 +409,9 @@ class Tokenizer:
                                     special_tokens=dict(self._settings.special), **kwargs)
 
     def render_prompt(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """The prompt text for ``messages``.
-
-        With a chat template: the template with the generation prompt
-        appended. Without one: the messages' contents joined by newlines, no
-        roles and no markers (base models and the built-in arithmetic task,
-        whose prompt is a single user message such as ``"042+917="``).
-        """
-        if self.has_chat_template:
-            return self.apply_chat_template(messages, add_generation_prompt=True)
-        return "\n".join(str(m["content"]) for m in messages)
+        """The prompt text for ``messages``: :func:`hybridflow.data.prompts.render_prompt` through the chat
+        template when there is one, else the messages' contents joined by newlines."""
+        return render_prompt(self, messages, chat=self.has_chat_template)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -23,6 +23,8 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from hybridflow.data.prompts import adds_special_tokens, encode_prompts
+
 __all__ = ["RewardModel", "as_chat", "load_classifier", "prompt_ids", "read_config", "resolve_device",
            "resolve_dtype"]
 
@@ -50,10 +52,8 @@ def as_chat(tokenizer: Any, prompts: Sequence[str]) -> list[str]:
 def prompt_ids(tokenizer: Any, prompts: Sequence[str], chat: bool) -> list[list[int]]:
     """Token ids of each prompt as `CausalLM.generate` feeds it to the model (so a caller can check the
     lengths before loading weights). With `chat`, one user turn of the chat template, whose text already
-    holds its special tokens; else the text with the tokenizer's BOS/EOS rule."""
-    if chat:
-        return tokenizer.encode_batch(as_chat(tokenizer, prompts), add_special_tokens=False)
-    return tokenizer.encode_batch(list(prompts))
+    holds its special tokens; else the text with the tokenizer's BOS/EOS rule (`data.prompts`)."""
+    return encode_prompts(tokenizer, as_chat(tokenizer, prompts) if chat else list(prompts), chat)
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
@@ -98,9 +98,8 @@ class RewardModel:
     def _logits(self, pairs: Sequence[tuple[str, str]]) -> torch.Tensor:
         """Scores [len(pairs)] float32 on the CPU, all pairs in one forward pass."""
         texts = [self._text(p, r) for p, r in pairs]
-        # A rendered chat template already holds its special tokens.
         enc = self.tokenizer(texts, padding=True, return_tensors="pt",
-                             add_special_tokens=not self.chat).to(self.device)
+                             add_special_tokens=adds_special_tokens(self.chat)).to(self.device)
         logits = self.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
         return logits[:, -1].float().cpu()
 

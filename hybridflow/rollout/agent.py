@@ -38,6 +38,7 @@ import torch
 
 from hybridflow.rollout.sampling import SamplingParams
 from hybridflow.common import SEED_STRIDE
+from hybridflow.data.prompts import adds_special_tokens, encode_prompts, left_pad, render_prompt
 
 __all__ = ["AgentLimits", "AgentLoop", "AgentOutput", "ChatGlue", "Episode", "TemplateError", "Trajectory",
            "agent_forward", "episodes"]
@@ -87,7 +88,9 @@ class ChatGlue:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
 
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # Template text in mid-conversation: the template writes its own special tokens, and a BOS added here
+        # would sit inside the sequence (the prompt rule for template-rendered text, `data.prompts`).
+        return self.tokenizer.encode(text, add_special_tokens=adds_special_tokens(chat=True))
 
     def tool_turn(self, observation: str) -> list[int]:
         """The tool turn holding `observation` and the next assistant header, as ids: rendered once, and
@@ -150,16 +153,6 @@ class AgentOutput:
             out["log_probs"][i, :n] = torch.tensor(t.log_probs)
             out["rewards"][i, :n] = torch.tensor(t.rewards)
         return out
-
-
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
-    return ids, mask
 
 
 class AgentLoop:
@@ -278,7 +271,9 @@ def episodes(model: Any, items: Sequence[Any], make_env: Callable[[], Any], limi
     tok = model.tokenizer
     limits = limits or AgentLimits(max_turns=4, max_turn_tokens=128, max_total_tokens=512)
     chats = [_messages(item) for item in items]
-    ids = [tok.encode(tok.render_prompt(chat), add_special_tokens=False) for chat in chats]
+    # The turns are chat-template turns (ChatGlue needs a template), so the prompt is one too: rendered by the
+    # template and encoded without added special tokens, as the dataset encodes chat prompts for the trainer.
+    ids = encode_prompts(tok, [render_prompt(tok, messages, chat=True) for messages in chats], chat=True)
     rows = [{"prompt": chat[-1]["content"], "ground_truth": item.get("ground_truth") if isinstance(item, dict) else None,
              "extra_info": item.get("extra_info") if isinstance(item, dict) else None} for chat, item in zip(chats, items)]
     params = model.sampling_params(limits.max_turn_tokens, temperature, n)

@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from hybridflow.data.prompts import left_pad
 from hybridflow.errors import ConfigError
 from hybridflow.models.hf import (RewardModel, load_classifier, prompt_ids, read_config, resolve_device,
                                   resolve_dtype)
@@ -101,15 +102,7 @@ class CausalLM:
 
     def _encode(self, prompts: Sequence[str], chat: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded input_ids and attention_mask [B, T] on the model's device (`prompt_ids`)."""
-        ids = prompt_ids(self.tokenizer, prompts, chat)
-        width = max(len(row) for row in ids)
-        input_ids = torch.full((len(ids), width), self.generator.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(ids), width), dtype=torch.long)
-        for i, row in enumerate(ids):
-            if row:
-                input_ids[i, width - len(row):] = torch.tensor(row)
-                mask[i, width - len(row):] = 1
-        return input_ids.to(self.device), mask.to(self.device)
+        return left_pad(prompt_ids(self.tokenizer, prompts, chat), self.generator.pad_token_id, device=self.device)
 
     def generate(self, prompts: Sequence[str], max_new_tokens: int = 128, temperature: float = 0.0,
                  n: int = 1, seed: int = 0, chat: Optional[bool] = None,

@@ -11,12 +11,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from hybridflow.data.tokenizer import Tokenizer
+from hybridflow.data.prompts import left_pad
+from hybridflow.data.tokenizer import Tokenizer, build_char_tokenizer
 from hybridflow.envs import Environment
 from hybridflow.models.checkpoint import load_decoder
 from hybridflow.models.fetch import FetchError, fetch_model
 from hybridflow.rollout import Generator, SamplingParams
-from hybridflow.rollout.agent import AgentLimits, AgentLoop, ChatGlue, TemplateError, Trajectory, left_pad
+from hybridflow.rollout.agent import AgentLimits, AgentLoop, ChatGlue, TemplateError, Trajectory
 from tests.rollout.conftest import tiny_decoder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -277,3 +278,24 @@ def test_agent_flow_example_runs_episodes_through_a_dataflow(smollm2, tmp_path, 
     assert item == "What is 2 * 3?" and result.final == [episode.reward] and episode.messages[0]["role"] == "assistant"
     with pytest.raises(ValueError, match="give env .* or forward_fn, not both"):
         Node(name="rollout", forward_fn=lambda m, x: x, env=make_calculator_env)
+
+
+# A Llama-style template that writes BOS itself; the assistant turn ends on EOS.
+BOS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}"
+                "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_glue_takes_no_bos_from_a_tokenizer_that_adds_one(tmp_path):
+    """The glue after a model turn is template text mid-sequence, encoded by the rule for template-rendered
+    prompts (no added special tokens): a BOS added to it would sit inside the trajectory, and the tool turn
+    would not tokenize as the whole conversation does."""
+    out = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789:\n", tmp_path / "tok", add_bos_token=True)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": BOS_TEMPLATE}))
+    tok = Tokenizer.from_path(out)
+    assert tok.encode("a")[0] == tok.bos_token_id  # this tokenizer adds BOS unless told not to
+    glue = ChatGlue(tok, tok.eos_token_id)
+    assert glue.after_end == tok.encode("\n", add_special_tokens=False)
+    assert glue.after_cut == tok.encode("<eos>\n", add_special_tokens=False)
+    assert glue.tool_turn("42") == tok.encode("tool:42\nassistant:", add_special_tokens=False)
