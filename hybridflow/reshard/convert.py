@@ -184,7 +184,8 @@ def _execute(plan: Plan, source: Source, req: Request, reader, tmp: Path, sink: 
 def _write_run_checkpoint(plan: Plan, source: Source, root: Path, sink: Sink, reader) -> None:
     """A checkpoint root a run resumes from (trainer.resume=auto, trainer.checkpoint_dir=DST): its step
     directory through `CheckpointManager` (manifest, `latest` marker), trainer.json beside the shards."""
-    from hybridflow.trainer.checkpointing import CheckpointManager, atomic_write_json
+    from hybridflow.checkpoint.manager import CheckpointManager
+    from hybridflow.common import atomic_write_json
 
     state = _trainer_state(source, plan)
 
