@@ -89,6 +89,22 @@ def resume_state(directory: Path, step: int, models: dict[str, dict[str, list[in
     return state
 
 
+def load_latest(ckpt: CheckpointManager, spmd: bool, groups: list, sampler, models: dict[str, dict[str, list[int]]],
+                layouts: dict[str, str], paths: dict[str, str]) -> Optional[tuple[int, Path, dict[str, Any]]]:
+    """Resume from the newest intact step: (step, directory, its trainer.json) once trainer.json fits this
+    run (checked first), the prompt sampler is restored and every group has loaded its shards; None where
+    nothing was saved."""
+    found = resume_point(ckpt, spmd)
+    if found is None:
+        return None
+    step, directory = found
+    state = resume_state(directory, step, models, layouts, paths)
+    restore_sampler(sampler, state, directory / TRAINER_STATE, step)
+    for group in groups:
+        group.load(str(directory))
+    return step, directory, state
+
+
 def restore_sampler(sampler, state: dict[str, Any], path: Path, step: int) -> None:
     """The prompt sampler's state from trainer.json (`path`), where it keeps one (data.skip_uniform_passes)."""
     if not sampler.adaptive:

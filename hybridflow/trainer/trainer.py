@@ -45,10 +45,10 @@ from hybridflow.data.sampler import PromptSampler
 from hybridflow.roles.actor import actor_update_plan
 from hybridflow.roles.critic import critic_update_plan
 from hybridflow.trainer import rl_steps as S
-from hybridflow.checkpoint.format import TRAINER_STATE, trainer_state
+from hybridflow.checkpoint.format import trainer_state
 from hybridflow.checkpoint.manager import CheckpointManager
 from hybridflow.trainer.build import build_groups, checkpoint_layouts, model_tensors, weights_bytes
-from hybridflow.trainer.checkpointing import resume_point, resume_state, restore_sampler, save_step
+from hybridflow.trainer.checkpointing import load_latest, save_step
 from hybridflow.trainer.interrupt import GracefulInterrupt
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
@@ -349,15 +349,12 @@ class RLTrainer:
         """Load the newest checkpoint when trainer.resume=auto; returns the step to continue after."""
         if self.cfg.trainer.resume != "auto":
             return 0
-        found = resume_point(self.ckpt, self.spmd_driver)
+        paths = {"actor": self.cfg.model.path, "critic": self.cfg.critic.model_path or self.cfg.model.path}
+        found = load_latest(self.ckpt, self.spmd_driver, self._groups(), self.sampler, self.model_tensors,
+                            checkpoint_layouts(self.plan), paths)
         if found is None:
             return 0
-        step, directory = found
-        paths = {"actor": self.cfg.model.path, "critic": self.cfg.critic.model_path or self.cfg.model.path}
-        state = resume_state(directory, step, self.model_tensors, checkpoint_layouts(self.plan), paths)
-        restore_sampler(self.sampler, state, directory / TRAINER_STATE, step)
-        for group in self._groups():
-            group.load(str(directory))
+        step, directory, state = found
         self.transition()
         if "kl_coef" in state:  # absent where `hybridflow reshard` made the step from an HF model (step 0)
             self.kl_ctrl.value = state["kl_coef"]
