@@ -1,5 +1,6 @@
 """Small helpers shared across layers: "did you mean" names, one-line values, seed mixing, loading a
-user's Python file, writing a directory atomically.
+user's Python file, and the atomic writes: a file (`atomic_write`, `atomic_write_json`, `atomic_torch_save`)
+and a directory (`write_dir_atomically`, with `clear_dead_writes` for what a killed writer left).
 
 They import nothing from hybridflow, so any layer may use them (a leaf, docs/design.md section 2). The
 user-facing `from hybridflow.utils import load_hf_model` is `hybridflow/utils.py`, a module at the top.
@@ -7,7 +8,9 @@ user-facing `from hybridflow.utils import load_hf_model` is `hybridflow/utils.py
 from __future__ import annotations
 
 import difflib
+import errno
 import hashlib
+import json
 import importlib.util
 import os
 import reprlib
@@ -15,9 +18,11 @@ import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterable, Optional
+from typing import IO, Any, Callable, Iterable, Optional
 
-__all__ = ["SEED_STRIDE", "load_source_file", "mix_seed", "nearest_name", "shown_value", "write_dir_atomically"]
+__all__ = ["SEED_STRIDE", "atomic_torch_save", "atomic_write", "atomic_write_json", "clear_dead_writes", "fsync_dir",
+           "fsync_tree", "load_source_file", "mix_seed", "nearest_name", "pid_alive", "shown_value",
+           "write_dir_atomically"]
 
 
 def nearest_name(name: str, choices: Iterable[str], cutoff: float = 0.5,
@@ -78,14 +83,85 @@ def load_source_file(path: Path, prefix: str) -> ModuleType:
     return module
 
 
+# --- atomic writes ---------------------------------------------------------------
+# One implementation of each: the checkpoint manager, the trainer's trainer.json, the metrics file's truncation
+# on resume, HF saves and the reshard tool all write through these.
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable. Some filesystems refuse fsync on a directory (EINVAL); the rename
+    is then as durable as that filesystem allows."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (before it is renamed into place)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def atomic_write(path: Path | str, write: Callable[[IO[bytes]], None]) -> None:
+    """`write(f)` into a temporary sibling of `path` (`.NAME.tmp-PID`), fsync, then os.replace: readers see
+    the old file or the new one, never half. An exception removes the temporary file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path | str, obj: Any) -> None:
+    """`obj` as indented JSON at `path`, atomically."""
+    data = (json.dumps(obj, indent=2) + "\n").encode()
+    atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_torch_save(obj: Any, path: Path | str) -> None:
+    """`torch.save(obj, path)`, atomically (same argument order as torch.save)."""
+    import torch
+
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (someone else's counts): a leftover named with a live writer's PID is
+    that writer's, not a crashed one's."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def write_dir_atomically(dst: Path, write: Callable[[Path], None], tag: str) -> Path:
     """`write(tmp)` into an empty hidden sibling of `dst` (`.NAME.TAG-tmp-PID`), then rename it to `dst`.
 
     An existing `dst` is moved aside (`.NAME.TAG-old-PID`) and removed only after the new one is in place:
     `dst` is never half-written. An exception removes the partial output and puts the old `dst` back; a
     process killed between the two renames leaves no `dst` and the old one under its hidden name (the PID
-    lets a later run tell a killed writer's leftovers from a live one's and restore it, as the reshard tool
-    does). One writer per `dst` at a time. Returns `dst` (absolute).
+    lets `clear_dead_writes` tell a killed writer's leftovers from a live one's and restore it). One writer
+    per `dst` at a time. Returns `dst` (absolute).
     """
     dst = Path(dst).absolute()
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -107,3 +183,18 @@ def write_dir_atomically(dst: Path, write: Callable[[Path], None], tag: str) -> 
     if old is not None:
         shutil.rmtree(old)
     return dst
+
+
+def clear_dead_writes(dst: Path, tag: str) -> None:
+    """Clean up after `write_dir_atomically(dst, ..., tag)` calls that were killed (their process is gone): a
+    partial output `.NAME.TAG-tmp-PID` is removed; an old `dst` moved aside (`.NAME.TAG-old-PID`, killed
+    between the two renames) is put back where `dst` is missing, else removed."""
+    dst = Path(dst).absolute()
+    for entry in sorted(dst.parent.glob(f".{dst.name}.{tag}-*-*")):
+        kind, pid = entry.name.rsplit("-", 2)[-2:]
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        if kind == "old" and not dst.exists():
+            os.replace(entry, dst)
+        else:
+            shutil.rmtree(entry, ignore_errors=True)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hybridflow.checkpoint.format import shard_file
 from hybridflow.config.schema import OptimConfig, ParallelConfig
 from hybridflow.data import fields as F
 from hybridflow.data.batch import pad_with_empty_rows, slice_rows
@@ -457,7 +458,7 @@ class MegatronEngine:
     def shard_path(self, directory: Path) -> Path:
         """This rank's file inside a checkpoint directory."""
         c = self.coord
-        return Path(directory) / f"engine_tp{c.tp}_pp{c.pp}_dp{c.dp}.pt"
+        return Path(directory) / shard_file(c.tp, c.pp, c.dp)
 
     def save(self, directory: Path) -> None:
         """Write this rank's shard (`state_dict`) into `directory`."""

@@ -59,18 +59,21 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hybridflow.checkpoint.format import ROLES
+    from hybridflow.reshard.formats import FORMATS
+
     p = argparse.ArgumentParser(
         prog="hybridflow reshard", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description="Convert a checkpoint between HF safetensors, megatron-core dist_checkpointing and "
                     "hybridflow training checkpoints, at any TP/PP; tensor by tensor.")
     p.add_argument("src", type=Path, help="the checkpoint to read (HF, dist_checkpointing or hybridflow)")
     p.add_argument("dst", type=Path, help="the directory to write")
-    p.add_argument("--to", required=True, choices=("hf", "hybridflow", "dist"), help="the format of DST")
+    p.add_argument("--to", required=True, choices=tuple(FORMATS), help="the format of DST")
     p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size of DST (hybridflow, dist)")
     p.add_argument("--pp", type=_positive, default=1, help="pipeline stages of DST (hybridflow)")
     p.add_argument("--dp", type=_positive, default=1,
                    help="data-parallel replicas of DST (hybridflow: each rank reads its own file)")
-    p.add_argument("--role", choices=("actor", "critic"), default="actor",
+    p.add_argument("--role", choices=ROLES, default="actor",
                    help="which model of a hybridflow checkpoint to read (default actor)")
     p.add_argument("--config", type=Path,
                    help="the model's config.json or directory, for a checkpoint without one beside it")

@@ -11,10 +11,7 @@ temporary directory; a kill leaves it, named as what it is.
 """
 from __future__ import annotations
 
-import json
-import os
 import resource
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -23,13 +20,11 @@ from typing import Callable, Optional
 
 import torch
 
+from hybridflow.common import clear_dead_writes, write_dir_atomically
 from hybridflow.errors import ConfigError
 from hybridflow.parallel.layout import ParallelDims
-from hybridflow.reshard.sources import Source, hf_dtype, open_source
-from hybridflow.reshard.targets import Plan, Sink, human, plan_hf, plan_hybridflow, write_hf, write_hybridflow
-from hybridflow.common import write_dir_atomically
-
-TARGETS = ("hf", "hybridflow", "dist")
+from hybridflow.reshard.base import Format, Plan, Sink, Source, hf_dtype, human
+from hybridflow.reshard.formats import FORMATS, open_source
 
 
 @dataclass
@@ -96,16 +91,18 @@ def check_layout(source: Source, req: Request) -> None:
 
 def check_request(source: Source, req: Request) -> None:
     """Every refusal that does not need the weights, before anything is written."""
-    if req.to not in TARGETS:
-        raise ConfigError("--to", f"{req.to!r} is not one of {TARGETS}")
-    if req.to != "hybridflow" and (req.pp != 1 or req.dp != 1):
+    if req.to not in FORMATS:
+        raise ConfigError("--to", f"{req.to!r} is not one of {tuple(FORMATS)}")
+    target = FORMATS[req.to]
+    if not target.pp and (req.pp != 1 or req.dp != 1):
         raise ConfigError("--pp" if req.pp != 1 else "--dp", f"{req.to} checkpoints hold whole tensors; "
-                          "--pp and --dp apply to --to hybridflow only")
-    if req.to == "hf" and req.tp != 1:
-        raise ConfigError("--tp", "HF checkpoints hold whole tensors; --tp applies to --to hybridflow and dist")
+                          f"--pp and --dp apply to --to {_formats(' and ', lambda f: f.pp)} only")
+    if not target.tp and req.tp != 1:
+        raise ConfigError("--tp", f"{target.label} checkpoints hold whole tensors; --tp applies to --to "
+                                  f"{_formats(' and ', lambda f: f.tp)}")
     check_layout(source, req)
-    if req.to == "dist" and source.value_head:
-        raise ConfigError("--to", "a critic has no megatron-core GPTModel form; convert it to hf or hybridflow")
+    if target.no_critic and source.value_head:
+        raise ConfigError("--to", f"{target.no_critic}; convert it to {_formats(' or ', lambda f: not f.no_critic)}")
     if req.verify_logits and source.value_head:
         raise ConfigError("--verify-logits", "a critic has no logits; --verify compares its tensors")
     dst = req.dst
@@ -118,15 +115,14 @@ def check_request(source: Source, req: Request) -> None:
                                  "removed only once the new one is complete)")
 
 
+def _formats(joined: str, which: Callable[[Format], bool]) -> str:
+    """The names of the formats `which` picks, for a refusal's "applies to" part."""
+    return joined.join(name for name, f in FORMATS.items() if which(f))
+
+
 def build_plan(source: Source, req: Request, reader) -> Plan:
     dtype = hf_dtype(reader, "model.embed_tokens.weight") if req.dtype is None else _dtype(req.dtype)
-    if req.to == "hf":
-        return plan_hf(source.cfg, dtype, source.role, req.max_shard_bytes)
-    if req.to == "hybridflow":
-        return plan_hybridflow(source.cfg, dtype, source.role, req.tp, req.pp, req.dp, req.divisible_by)
-    from hybridflow.reshard.dist import plan_dist
-
-    return plan_dist(source.cfg, dtype, req.tp, req.divisible_by)
+    return FORMATS[req.to].plan(source, req, dtype)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -140,11 +136,12 @@ def run(req: Request, out: Callable[[str], None] = print) -> Optional[Result]:
     """The conversion `req` asks for; with `dry_run` only the plan is printed (returns None)."""
     source = open_source(req.src, req.role, req.config)
     if not req.dry_run:
-        clear_dead_runs(req.dst.absolute())  # before the checks: a DST moved aside by a killed run is back
+        clear_dead_writes(req.dst, "reshard")  # before the checks: a DST moved aside by a killed run is back
     check_request(source, req)
     with source.open() as reader:
         plan = build_plan(source, req, reader)
-        out(f"reshard: {source.describe()} -> {req.to} {_target_layout(req)}: {req.dst}")
+        target = FORMATS[req.to]
+        out(f"reshard: {source.describe()} -> {req.to} {target.layout(req)}: {req.dst}")
         if req.dry_run:
             for line in plan.lines():
                 out(line)
@@ -152,87 +149,15 @@ def run(req: Request, out: Callable[[str], None] = print) -> Optional[Result]:
             return None
         started = time.perf_counter()
         sink = Sink(progress_bar(plan.tensor_bytes) if req.progress else lambda done, name: None)
-        write_dir_atomically(req.dst, lambda tmp: _execute(plan, source, req, reader, tmp, sink), "reshard")
+        write_dir_atomically(req.dst, lambda tmp: target.write(plan, source, reader, tmp, sink), "reshard")
         if req.progress:
             sys.stderr.write("\n")
-    result = Result(plan, sink.done * (req.dp if req.to == "hybridflow" else 1), time.perf_counter() - started,
-                    peak_rss())
+    result = Result(plan, sink.done * plan.dp, time.perf_counter() - started, peak_rss())  # DP copies: links
     if req.verify or req.verify_logits:
         from hybridflow.reshard.verify import verify
 
         result.verified = verify(source, req, plan)
     return result
-
-
-def _target_layout(req: Request) -> str:
-    if req.to == "hf":
-        return "(whole tensors)"
-    return str(ParallelDims(tp=req.tp, pp=req.pp, dp=req.dp)) if req.to == "hybridflow" else f"(for tp={req.tp})"
-
-
-def _execute(plan: Plan, source: Source, req: Request, reader, tmp: Path, sink: Sink) -> None:
-    if plan.target == "hf":
-        write_hf(plan, reader, tmp, sink)
-    elif plan.target == "dist":
-        from hybridflow.reshard.dist import write_dist
-
-        write_dist(plan, reader, tmp, sink)
-    else:
-        _write_run_checkpoint(plan, source, tmp, sink, reader)
-
-
-def _write_run_checkpoint(plan: Plan, source: Source, root: Path, sink: Sink, reader) -> None:
-    """A checkpoint root a run resumes from (trainer.resume=auto, trainer.checkpoint_dir=DST): its step
-    directory through `CheckpointManager` (manifest, `latest` marker), trainer.json beside the shards."""
-    from hybridflow.trainer.checkpointing import CheckpointManager, atomic_write_json
-
-    state = _trainer_state(source, plan)
-
-    def write(step_dir: Path) -> None:
-        write_hybridflow(plan, reader, step_dir, sink)
-        atomic_write_json(step_dir / "trainer.json", state)
-
-    CheckpointManager(root, keep_last=0).save(int(state["step"]), write)
-
-
-def _trainer_state(source: Source, plan: Plan) -> dict:
-    """trainer.json for the output: the source run's (its step, KL coefficient, sampler) where there is one,
-    with this role's layout and model table; from an HF model, step 0 (a run starts at its first step)."""
-    from hybridflow.models.bridge import get_bridge
-
-    state: dict = {"step": 0}
-    if source.step_dir is not None and (source.step_dir / "trainer.json").is_file():
-        state = json.loads((source.step_dir / "trainer.json").read_text())
-    shapes = get_bridge(source.cfg, plan.divisible_by, 1).megatron_shapes()  # as the trainer records them
-    if plan.role == "critic":
-        shapes["output_layer.weight"] = (1, source.cfg.hidden_size)
-    state["models"] = {plan.role: {k: list(v) for k, v in shapes.items()}}
-    state["layouts"] = {plan.role: str(ParallelDims(tp=plan.tp, pp=plan.pp, dp=plan.dp))}
-    return state
-
-
-def clear_dead_runs(dst: Path) -> None:
-    """Clean up after conversions into `dst` that were killed (their process is gone): a partial output
-    `.NAME.reshard-tmp-PID` is removed; an old DST moved aside for `--overwrite` (`.NAME.reshard-old-PID`,
-    killed between the two renames) is put back where DST is missing, else removed."""
-    for entry in sorted(dst.parent.glob(f".{dst.name}.reshard-*-*")):
-        kind, pid = entry.name.rsplit("-", 2)[-2:]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        if kind == "old" and not dst.exists():
-            os.replace(entry, dst)
-        else:
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's
-        return True
-    return True
 
 
 def progress_bar(total: int, stream=None, width: int = 30) -> Callable[[int, str], None]:

@@ -1,4 +1,4 @@
-"""megatron-core `dist_checkpointing`: the format Megatron-LM's GPTModel saves and loads at any TP/PP.
+"""megatron-core The dist format: megatron-core `dist_checkpointing`, what Megatron-LM's GPTModel saves and loads at any TP/PP.
 
 Such a checkpoint stores every tensor whole (global shapes; each rank of a
 saving job wrote its slices), under the keys GPTModel's own
@@ -24,17 +24,32 @@ import io
 import json
 import re
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.config import DecoderConfig
-from hybridflow.reshard.sources import MegatronReader, Source
-from hybridflow.reshard.targets import Item, Plan, Sink, _checked
+from hybridflow.reshard.base import (EMBEDDING, Format, Item, MegatronReader, Plan, Sink, Source, checked, hf_config,
+                                     read_config)
 
 FILE = "(dist_checkpointing)"
-EMBEDDING_KEY = "embedding.word_embeddings.weight"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def holds(path: Path) -> bool:
+    """A directory whose metadata.json names a sharded backend (what `dist_checkpointing.save` writes)."""
+    meta = path / "metadata.json"
+    if not meta.is_file():
+        return False
+    try:
+        return "sharded_backend" in json.loads(meta.read_text())
+    except ValueError:
+        return False
+
+
+def open_source(path: Path, role: str, config: Optional[Path]) -> Source:
+    return Source(FORMAT, path, read_config(Path(config or path), "SRC config.json"), role=role)
 
 
 def _meta_sharded_state_dict(cfg: DecoderConfig, padded_vocab: int, dtype: torch.dtype) -> dict:
@@ -68,7 +83,7 @@ def plan_dist(cfg: DecoderConfig, dtype: torch.dtype, tp: int, divisible_by: int
     return plan
 
 
-def write_dist(plan: Plan, reader, out: Path, sink: Sink) -> None:
+def write_dist(plan: Plan, source: Source, reader, out: Path, sink: Sink) -> None:
     """Execute a dist plan into `out`: fill GPTModel's sharded state dict from the source, then one save."""
     from megatron.core import dist_checkpointing
 
@@ -76,15 +91,13 @@ def write_dist(plan: Plan, reader, out: Path, sink: Sink) -> None:
     entries = {e.megatron: e for e in bridge.entries()}
     sharded = _meta_sharded_state_dict(plan.cfg, bridge.padded_vocab, plan.dtype)
     for item in plan.items:
-        tensor = _checked(item, bridge.read_shard(entries[item.source], reader, 0, 1), plan.dtype).clone()
+        tensor = checked(item, bridge.read_shard(entries[item.source], reader, 0, 1), plan.dtype).clone()
         if item.name not in sharded:
             raise KeyError(f"megatron-core's GPTModel has no {item.name!r} for this config")
         sharded[item.name].data = tensor
         sink.wrote(tensor, item.name)
     dist_checkpointing.save(sharded, str(out))
-    config = plan.cfg.to_hf_dict()
-    config["torch_dtype"] = str(plan.dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(plan), indent=2))
 
 
 class DistReader(MegatronReader):
@@ -96,9 +109,9 @@ class DistReader(MegatronReader):
 
         self.path = source.path
         self.meta = FileSystemReader(str(source.path)).read_metadata()
-        stored = self.meta.state_dict_metadata.get(EMBEDDING_KEY)
+        stored = self.meta.state_dict_metadata.get(EMBEDDING)
         if stored is None:
-            raise KeyError(f"{source.path}: no {EMBEDDING_KEY}: not a GPTModel checkpoint")
+            raise KeyError(f"{source.path}: no {EMBEDDING}: not a GPTModel checkpoint")
         self.dtype = stored.properties.dtype
         self._sharded = _meta_sharded_state_dict(source.cfg, stored.size[0], self.dtype)
         super().__init__(source.cfg, False, self._load_one)
@@ -139,3 +152,8 @@ class DistReader(MegatronReader):
             f.seek(info.offset)
             data = f.read(info.length)
         return torch.load(io.BytesIO(data), weights_only=True)
+
+
+FORMAT = Format("dist", "dist_checkpointing", holds, open_source, DistReader,
+                lambda source, req, dtype: plan_dist(source.cfg, dtype, req.tp, req.divisible_by), write_dist,
+                lambda req: f"(for tp={req.tp})", tp=True, no_critic="a critic has no megatron-core GPTModel form")

@@ -1,6 +1,6 @@
 """`--verify` and `--verify-logits`: read the output back and compare it with the source.
 
-Both sides are opened as sources (`sources.open_source`), so the comparison
+Both sides are opened as sources (`formats.open_source`), so the comparison
 runs through the same readers a later conversion would: every HF tensor of
 DST equals SRC's bit for bit (after the `--dtype` cast, if one was asked),
 read one pair at a time. `--verify-logits` then builds the plain decoder from
@@ -13,7 +13,8 @@ import torch
 
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.decoder import Decoder, rope_inv_freq
-from hybridflow.reshard.sources import Source, hf_names, open_source
+from hybridflow.reshard.base import Source, hf_names
+from hybridflow.reshard.formats import open_source
 
 BATCH_SEED, BATCH_SHAPE = 0, (2, 16)
 

@@ -16,11 +16,11 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from hybridflow.checkpoint.format import model_table
 from hybridflow.config.plan import RunPlan, reference_parallel
 from hybridflow.config.schema import Config
 from hybridflow.controller.local_group import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ResourcePool, pools_from_placement
-from hybridflow.models.bridge import get_bridge
 from hybridflow.models.config import DecoderConfig
 from hybridflow.workers.rl_workers import (ActorGroup, ActorRolloutRefWorker, CriticGroup, CriticWorker,
                                            RewardModelGroup, RewardModelWorker, RolloutGroup, RolloutWorker)
@@ -53,21 +53,13 @@ def critic_spec(cfg: Config, plan: RunPlan) -> CriticWorkerSpec:
 
 def model_tensors(cfg: Config, plan: RunPlan, model: DecoderConfig,
                   critic_model: Optional[DecoderConfig] = None) -> dict[str, dict[str, list[int]]]:
-    """Checkpoint name ("actor", "critic") -> {Megatron parameter: full shape} of each model the run
-    checkpoints, from the bridge (the vocabulary padded as at TP 1, so the table describes the model, not the
-    layout: `checkpoint_layouts` records that; the critic's output layer is its one-value head). Saved with
-    each checkpoint and compared when a run resumes, so a model of another shape is refused before any
-    worker reads a shard."""
-    def table(decoder: DecoderConfig, role: str, value_head: bool) -> dict[str, list[int]]:
-        bridge = get_bridge(decoder, cfg.model.make_vocab_size_divisible_by, 1)
-        shapes = bridge.megatron_shapes()
-        if value_head:
-            shapes["output_layer.weight"] = (1, decoder.hidden_size)
-        return {name: list(shape) for name, shape in shapes.items()}
-
-    tables = {"actor": table(model, "training", value_head=False)}
+    """Checkpoint name ("actor", "critic") -> the tensor table (`checkpoint.format.model_table`) of each model
+    the run checkpoints; the layout is apart (`checkpoint_layouts`). Saved with each checkpoint and compared
+    when a run resumes, so a model of another shape is refused before any worker reads a shard."""
+    divisible_by = cfg.model.make_vocab_size_divisible_by
+    tables = {"actor": model_table(model, divisible_by, value_head=False)}
     if plan.uses_critic:
-        tables["critic"] = table(critic_model or model, "critic", value_head=True)
+        tables["critic"] = model_table(critic_model or model, divisible_by, value_head=True)
     return tables
 
 

@@ -1,409 +1,123 @@
-"""Checkpoint directories that are either complete or absent.
+"""The trainer's checkpoints: what a step saves and what a resume loads, with the torchrun broadcasts.
 
-    root/step_000010/     one directory per saved step (contents: the trainer's)
-    root/step_000010/manifest.json   every file of the step, its size and (small files) its sha256,
-                                     written last
-    root/latest           "step_000010": the last step saved, written atomically
-    root/.tmp-step_000020-<pid>/   a save in progress, or a crashed one
-
-`CheckpointManager.save(step, write)` lets `write` fill a hidden temporary
-directory, records its manifest, fsyncs it, and only then renames it to
-`step_XXXXXX`, so a crash or a full disk mid-save never leaves a half-written
-step that `latest()` would pick. A step damaged afterwards (a shard deleted
-or truncated, an emptied directory, a metadata file such as trainer.json
-overwritten at the same size) fails its manifest check, and `latest()`
-falls back to the newest intact step, with a warning naming what it skipped. The trainer decides what goes inside (engine shards through
-dist_checkpointing, dataloader and RNG state through `atomic_write_json` and
-`atomic_torch_save`). Only the controller (one process) saves into a root.
+A step holds every group's shards (each rank writes its own) and trainer.json
+(`hybridflow.checkpoint.format`), published whole by `CheckpointManager`.
+Launched by torchrun, every rank runs the trainer: rank 0 owns the checkpoint
+root (the temporary directory, the rename, pruning, the choice of the step to
+resume from) and broadcasts what the others need, so all ranks write into the
+same directory and load the same step, or all raise the same error.
 """
 from __future__ import annotations
 
-import errno
-import hashlib
-import json
 import logging
-import os
-import re
-import shutil
 from pathlib import Path
-from typing import IO, Any, Callable, Optional
+from typing import Any, Optional
 
-LATEST = "latest"
-MANIFEST = "manifest.json"
+from hybridflow.checkpoint.format import (TRAINER_STATE, CheckpointError, check_layouts, check_models,
+                                          read_trainer_state)
+from hybridflow.checkpoint.manager import CheckpointManager
+from hybridflow.common import atomic_write_json
+
 log = logging.getLogger(__name__)
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_PARTIAL = re.compile(r"^\.(tmp|old|pruned)-(step_\d+)-(\d+)$")
-# Files up to this size (metadata: trainer.json, ...) also get a sha256 in the manifest, since an edit that keeps
-# the size passes the size check; shards are only sized, as hashing them would read gigabytes on every resume.
-HASHED_UP_TO = 1 << 20
 
 
-# A write that fails for want of space: the errnos, and the texts that say so where no errno survives (torch's
-# zip writer reports a short write as "[enforce fail at inline_container.cc:672] . unexpected pos N vs M"; a
-# worker's error arrives on the controller as text).
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_FULL_TEXTS = ("unexpected pos", "PytorchStreamWriter failed writing", os.strerror(errno.ENOSPC),
-               os.strerror(errno.EDQUOT))
-# A failed write with less than this left on its filesystem is taken as the disk filling up.
-_NEARLY_FULL = 1 << 20
+def write_step(groups: list, directory: Path, state: dict[str, Any]) -> None:
+    """Every group's shards (each rank its own), then trainer.json."""
+    for group in groups:
+        group.save(str(directory))
+    atomic_write_json(directory / TRAINER_STATE, state)
 
 
-class CheckpointError(OSError):
-    """A checkpoint step could not be saved (earlier checkpoints are untouched), or not resumed from.
+def save_step(ckpt: CheckpointManager, step: int, groups: list, state: dict[str, Any], floor: int,
+              spmd: bool) -> Path:
+    """Save `step` (trainer.json: `state`), refused before writing with less than `floor` bytes free.
+    `spmd`: every torchrun rank calls this, and rank 0 tells the others where to write their shards."""
+    if not spmd:
+        return ckpt.save(step, lambda d: write_step(groups, d, state), floor)
+    import torch.distributed as dist
 
-    One for a full disk carries errno ENOSPC and the step directory as its filename, as an OSError would, so
-    whoever reports full disks (the CLI) names it; its text is then "<what happened>: <directory>".
-    """
+    told = []
 
-    def __init__(self, step: int, message: str, code: Optional[int] = None, path: Optional[Path] = None):
-        self.step = step
-        if code is None:
-            super().__init__(message)
-        else:
-            super().__init__(code, message, str(path))
+    def write(directory: Path) -> None:
+        dist.broadcast_object_list([str(directory)], src=0)
+        told.append(directory)
+        write_step(groups, directory, state)
 
-    def __str__(self) -> str:
-        return super().__str__() if self.errno is None else f"{self.strerror}: {self.filename}"
-
-
-def step_dirname(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-# --- durable files -----------------------------------------------------------
-
-def _fsync_dir(path: Path) -> None:
-    # Makes a rename inside `path` durable. Some filesystems refuse fsync on a
-    # directory (EINVAL); the rename is then as durable as that filesystem allows.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.EBADF):
+    if dist.get_rank() == 0:
+        try:
+            return ckpt.save(step, write, floor)
+        except CheckpointError as exc:
+            if not told:  # refused before writing (too little free space): the others wait to hear where
+                dist.broadcast_object_list([(exc.strerror or str(exc), exc.errno, exc.filename)], src=0)
             raise
-    finally:
-        os.close(fd)
+    where = [None]
+    dist.broadcast_object_list(where, src=0)
+    if isinstance(where[0], tuple):
+        raise CheckpointError(step, *where[0])
+    for group in groups:
+        group.save(where[0])
+    return Path(where[0])
 
 
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
+def resume_point(ckpt: CheckpointManager, spmd: bool) -> Optional[tuple[int, Path]]:
+    """The checkpoint to resume from; under torchrun rank 0 decides and tells the others, so every
+    rank loads the same step (or all raise the same error)."""
+    if not spmd:
+        return ckpt.resume_point()
+    import torch.distributed as dist
+
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", ckpt.resume_point())]
+        except CheckpointError as exc:
+            box = [("error", str(exc))]
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise CheckpointError(-1, value)
+    return value
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def resume_state(directory: Path, step: int, models: dict[str, dict[str, list[int]]], layouts: dict[str, str],
+                 paths: dict[str, str]) -> dict[str, Any]:
+    """The step's trainer.json, once it is read and fits this run (its models' tables and layouts, `paths`
+    naming the models): checked before any shard loads, so a bad one fails fast, naming the file."""
+    state = read_trainer_state(directory, step)
+    check_models(state.get("models"), models, directory, step, paths)
+    check_layouts(state.get("layouts"), layouts, directory, step)
+    return state
 
 
-def _atomic_write(path: Path | str, write: Callable[[IO[bytes]], None]) -> None:
-    """Write `path` through a temporary sibling, fsync, then os.replace."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_json(path: Path | str, obj: Any) -> None:
-    """`obj` as indented JSON at `path`; readers see the old file or the new one, never half."""
-    data = (json.dumps(obj, indent=2) + "\n").encode()
-    _atomic_write(path, lambda f: f.write(data))
-
-
-def atomic_torch_save(obj: Any, path: Path | str) -> None:
-    """`torch.save(obj, path)`, atomically (same argument order as torch.save)."""
-    import torch
-
-    _atomic_write(path, lambda f: torch.save(obj, f))
-
-
-# --- the models a step was saved from ------------------------------------------
-
-def _first_difference(saved: dict[str, list[int]], here: dict[str, list[int]]) -> Optional[str]:
-    """The first tensor, in the checkpoint's order, that is missing on one side or shaped otherwise."""
-    for name, shape in saved.items():
-        if name not in here:
-            return f"{name} {list(shape)} is in the checkpoint and not in this model"
-        if list(here[name]) != list(shape):
-            return f"{name} is {list(shape)} in the checkpoint and {list(here[name])} in this model"
-    extra = next((name for name in here if name not in saved), None)
-    return None if extra is None else f"{extra} {list(here[extra])} is in this model and not in the checkpoint"
-
-
-def check_layouts(saved: Any, here: dict[str, str], directory: Path, step: int) -> None:
-    """Refuse to resume from `directory` when its shards were written at another layout (`saved`, checkpoint
-    name -> "p1-t2-d1"; None for a step saved before layouts were recorded): each rank reads the shard of its
-    own coordinates, so a run resumes at the layout it saved at."""
-    if not isinstance(saved, dict):
-        return
-    for name, layout in here.items():
-        if name in saved and saved[name] != layout:
-            raise CheckpointError(step, f"trainer.resume=auto: {directory}: its {name} was saved at layout "
-                                        f"{saved[name]} (one shard per rank) and this run trains it at {layout}; "
-                                        f"resume at the saved layout ({'actor' if name == 'actor' else 'critic'}"
-                                        ".parallel, trainer.n_devices, placement)")
-
-
-def check_models(saved: Any, here: dict[str, dict[str, list[int]]], directory: Path, step: int,
-                 paths: dict[str, str]) -> None:
-    """Refuse to resume from `directory` when the models it was saved from (`saved`, checkpoint name ->
-    {tensor: shape}, as recorded at save time; None for a step saved before they were recorded) differ from
-    this run's (`here`): a CheckpointError naming the step, the model (`paths`) and the first tensor that
-    differs, instead of a KeyError from deep inside a worker's load."""
-    if saved is None:
-        return
-    how = "resume with the model it was saved with, or start over with trainer.resume=disable trainer.overwrite=true"
-    if not (isinstance(saved, dict) and all(isinstance(t, dict) for t in saved.values())):
-        raise CheckpointError(step, f"trainer.resume=auto: {directory}/trainer.json: its 'models' entry is not a "
-                                    "table of tensor shapes; move the step away to resume from an earlier one")
-    for name, tensors in here.items():
-        if name not in saved:
-            raise CheckpointError(step, f"trainer.resume=auto: {directory} holds no {name} (its run had none) and "
-                                        f"this run trains one; {how}")
-        diff = _first_difference(saved[name], tensors)
-        if diff is not None:
-            raise CheckpointError(step, f"trainer.resume=auto: {directory}: its {name} does not fit this run's "
-                                        f"model {paths[name]}: {diff}; {how}")
-
-
-# --- the manager -------------------------------------------------------------
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n:,} bytes"
-
-
-def _ran_out_of_space(exc: Optional[BaseException]) -> bool:
-    """Whether `exc` or an error it was raised from says the disk (or the quota) is full."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        code = exc.errno if isinstance(exc, OSError) else (getattr(exc, "os_error", None) or (None,))[0]
-        if code in _FULL_ERRNOS or any(text in str(exc) for text in _FULL_TEXTS):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-class CheckpointManager:
-    """Saves step directories under `root`, keeping the newest `keep_last` (<= 0: all).
-
-    The `latest` marker, not the highest step number, says which checkpoint
-    is current (as in verl and Megatron), so a run resumed from an older step
-    carries on from its own saves.
-    """
-
-    def __init__(self, root: Path | str, keep_last: int):
-        self.root = Path(root)
-        self.keep_last = keep_last
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._recover()
-
-    def step_dir(self, step: int) -> Path:
-        return self.root / step_dirname(step)
-
-    def all_steps(self) -> list[int]:
-        """Steps with a complete checkpoint directory, ascending."""
-        steps = []
-        for entry in self.root.iterdir():
-            match = _STEP_DIR.match(entry.name)
-            if match and entry.is_dir():
-                steps.append(int(match.group(1)))
-        return sorted(steps)
-
-    def latest(self) -> Optional[tuple[int, Path]]:
-        """(step, directory) of the last intact checkpoint saved, or None when there is none.
-
-        The `latest` marker decides; if it is missing, unreadable or names a
-        directory that no longer exists, the newest step directory is used
-        instead. A step that fails its manifest check (`damage`) is skipped,
-        with a warning, for the one saved before it.
-        """
-        marked, steps = self._read_marker(), self.all_steps()
-        if marked is not None and self.step_dir(marked).is_dir():
-            candidates = [marked] + [s for s in reversed(steps) if s < marked]
-        else:
-            candidates = list(reversed(steps))
-        for step in candidates:
-            why = self.damage(self.step_dir(step))
-            if why is None:
-                return step, self.step_dir(step)
-            log.warning("skipping checkpoint %s: %s", self.step_dir(step), why)
+def load_latest(ckpt: CheckpointManager, spmd: bool, groups: list, sampler, models: dict[str, dict[str, list[int]]],
+                layouts: dict[str, str], paths: dict[str, str]) -> Optional[tuple[int, Path, dict[str, Any]]]:
+    """Resume from the newest intact step: (step, directory, its trainer.json) once trainer.json fits this
+    run (checked first), the prompt sampler is restored and every group has loaded its shards; None where
+    nothing was saved."""
+    found = resume_point(ckpt, spmd)
+    if found is None:
         return None
+    step, directory = found
+    state = resume_state(directory, step, models, layouts, paths)
+    restore_sampler(sampler, state, directory / TRAINER_STATE, step)
+    for group in groups:
+        group.load(str(directory))
+    return step, directory, state
 
-    def resume_point(self) -> Optional[tuple[int, Path]]:
-        """`latest()`, for a resume: None only when no step was saved here. When steps exist but none is
-        intact, a CheckpointError: starting over would truncate the run's metrics and prune those steps."""
-        found = self.latest()
-        if found is None and self.all_steps():
-            why = "; ".join(f"{step_dirname(s)}: {self.damage(self.step_dir(s)) or 'after the latest marker'}"
-                            for s in self.all_steps())
-            raise CheckpointError(-1, f"trainer.resume=auto: no intact checkpoint under {self.root} ({why}); "
-                                      "repair or move them, or start over with trainer.resume=disable "
-                                      "trainer.overwrite=true")
-        return found
 
-    @staticmethod
-    def damage(directory: Path) -> Optional[str]:
-        """Why a step directory cannot be resumed from, or None when its files match its manifest.
-
-        A non-empty directory without a manifest (saved before manifests) is
-        taken as it is: there is nothing to check it against.
-        """
-        manifest = directory / MANIFEST
-        if not manifest.is_file():
-            return None if any(directory.iterdir()) else "it is empty"
-        try:
-            saved = json.loads(manifest.read_text())
-            expected = {str(name): int(size) for name, size in saved["files"].items()}
-            digests = {str(name): str(digest) for name, digest in saved.get("sha256", {}).items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return f"its {MANIFEST} is unreadable"
-        for name, size in expected.items():
-            path = directory / name
-            if not path.is_file():
-                return f"{name} is missing"
-            if path.stat().st_size != size:
-                return f"{name} has {path.stat().st_size} bytes, {size} were saved"
-        for name, digest in digests.items():
-            if (directory / name).is_file() and _sha256(directory / name) != digest:
-                return f"{name} is not the file that was saved (same size, other content)"
-        return None
-
-    def save(self, step: int, write: Callable[[Path], None], expected_bytes: int = 0) -> Path:
-        """Run `write(tmp_dir)`, then publish tmp_dir as `root/step_XXXXXX` and return it.
-
-        First the free space is checked against what the step will take: the
-        newest saved step's size, or `expected_bytes` (the caller's floor) if
-        larger; too little is a full-disk CheckpointError before anything is
-        written. If `write` (or the fsync) fails, the temporary directory is
-        removed, existing checkpoints and the marker are left as they were,
-        and a CheckpointError naming the step is raised from the original
-        error; a full-disk one when the error says the space ran out.
-        """
-        final = self.step_dir(step)
-        need, free = max(expected_bytes, self._newest_size()), shutil.disk_usage(self.root).free
-        if need > free:
-            raise CheckpointError(step, f"checkpoint step {step} was not saved: No space left on device (it needs "
-                                        f"about {_size(need)}, {_size(free)} are free; nothing was written, earlier "
-                                        "checkpoints are untouched)", errno.ENOSPC, final)
-        tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            write(tmp)
-            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-            digests = {name: _sha256(tmp / name) for name, size in files.items() if size <= HASHED_UP_TO}
-            atomic_write_json(tmp / MANIFEST, {"step": step, "files": files, "sha256": digests})
-            _fsync_tree(tmp)
-        except Exception as exc:
-            full = _ran_out_of_space(exc) or shutil.disk_usage(self.root).free < _NEARLY_FULL
-            shutil.rmtree(tmp, ignore_errors=True)
-            said = (str(exc).strip().splitlines() or [""])[0]
-            if full:
-                raise CheckpointError(step, f"checkpoint step {step} was not saved: No space left on device "
-                                            f"({type(exc).__name__}: {said}; earlier checkpoints are untouched)",
-                                      errno.ENOSPC, final) from exc
-            raise CheckpointError(step, f"checkpoint step {step} was not saved to {final}: "
-                                        f"{type(exc).__name__}: {exc}") from exc
-        except BaseException:  # KeyboardInterrupt: clean up, re-raise unchanged
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        self._publish(tmp, final)
-        self._write_marker(final.name)
-        self._prune(step)
-        return final
-
-    def _newest_size(self) -> int:
-        """Bytes in the newest step directory (0 when none): what the next save will take, about."""
-        steps = self.all_steps()
-        if not steps:
-            return 0
-        return sum(p.stat().st_size for p in self.step_dir(steps[-1]).rglob("*") if p.is_file())
-
-    def _publish(self, tmp: Path, final: Path) -> None:
-        if final.exists():
-            # A directory cannot be replaced by rename; move the old one aside
-            # first. A crash in between leaves `.old-…`, which _recover restores.
-            old = self.root / f".old-{final.name}-{os.getpid()}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-
-    def _write_marker(self, name: str) -> None:
-        _atomic_write(self.root / LATEST, lambda f: f.write(f"{name}\n".encode()))
-
-    def _read_marker(self) -> Optional[int]:
-        try:
-            text = (self.root / LATEST).read_text().strip()
-        except (OSError, UnicodeDecodeError):  # missing, unreadable, or not text: fall back to the steps
-            return None
-        match = _STEP_DIR.match(text)
-        return int(match.group(1)) if match else None
-
-    def _prune(self, saved: int) -> None:
-        """Keep `saved` and the newest keep_last-1 steps before it.
-
-        Steps after `saved` are from a run abandoned by a resume (a crash
-        after publishing a step but before its marker, or a manual rollback):
-        `latest()` no longer points at them, so they are deleted too.
-        """
-        if self.keep_last <= 0:
-            return
-        older = [s for s in self.all_steps() if s < saved]
-        doomed = older[:max(len(older) - (self.keep_last - 1), 0)]
-        doomed += [s for s in self.all_steps() if s > saved]
-        self._delete(doomed)
-
-    def _delete(self, steps: list[int]) -> None:
-        for step in steps:  # renamed away first (atomic), so an interrupted delete leaves no half step
-            gone = self.root / f".pruned-{self.step_dir(step).name}-{os.getpid()}"
-            os.rename(self.step_dir(step), gone)
-            shutil.rmtree(gone, ignore_errors=True)
-
-    def clear(self) -> None:
-        """Start over (trainer.overwrite): no marker and no step of a previous run is left to resume from."""
-        (self.root / LATEST).unlink(missing_ok=True)
-        _fsync_dir(self.root)
-        self._delete(self.all_steps())
-
-    def _recover(self) -> None:
-        """Clean up after saves that crashed (their process is gone)."""
-        for entry in self.root.iterdir():
-            match = _PARTIAL.match(entry.name)
-            if not match or _pid_alive(int(match.group(3))):
-                continue
-            kind, name = match.group(1), match.group(2)
-            if kind == "old" and not (self.root / name).exists():
-                os.rename(entry, self.root / name)  # crashed between the two renames
-            else:
-                shutil.rmtree(entry, ignore_errors=True)
+def restore_sampler(sampler, state: dict[str, Any], path: Path, step: int) -> None:
+    """The prompt sampler's state from trainer.json (`path`), where it keeps one (data.skip_uniform_passes)."""
+    if not sampler.adaptive:
+        return
+    if "sampler" not in state:  # saved by a run without data.skip_uniform_passes
+        log.warning("%s holds no sampler state (saved without data.skip_uniform_passes): the prompts "
+                    "continue from step %d's place in the epochs, with no prompt skipped yet", path, step)
+        sampler.start_after(step)
+        return
+    try:
+        sampler.load_state_dict(state["sampler"])
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise CheckpointError(step, f"{path}: its sampler state does not fit this run's training prompts "
+                                    f"({type(exc).__name__}: {exc}); resume with the data it was saved "
+                                    "with, or start over with trainer.resume=disable trainer.overwrite=true"
+                              ) from None

@@ -17,7 +17,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import typing
 from typing import Callable, Optional, Protocol, TextIO
 
 from hybridflow.config.schema import LoggerName
-from hybridflow.common import nearest_name
+from hybridflow.common import atomic_write, nearest_name
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +111,8 @@ def _truncate_after(path: Path, step: int) -> None:
     """Drop records with step > `step` (and a torn last line), atomically."""
     if not path.is_file():
         return
-    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        for record in kept:
-            f.write(_dump(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    kept = "".join(_dump(r) + "\n" for r in read_metrics(path) if r.get("step", 0) <= step)
+    atomic_write(path, lambda f: f.write(kept.encode()))
 
 
 def _dump(record: dict) -> str:

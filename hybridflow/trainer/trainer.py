@@ -21,9 +21,7 @@ resumed run repeats an uninterrupted one exactly.
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import time
 import traceback
@@ -47,9 +45,10 @@ from hybridflow.data.sampler import PromptSampler
 from hybridflow.roles.actor import actor_update_plan
 from hybridflow.roles.critic import critic_update_plan
 from hybridflow.trainer import rl_steps as S
+from hybridflow.checkpoint.format import trainer_state
+from hybridflow.checkpoint.manager import CheckpointManager
 from hybridflow.trainer.build import build_groups, checkpoint_layouts, model_tensors, weights_bytes
-from hybridflow.trainer.checkpointing import (CheckpointError, CheckpointManager, atomic_write_json, check_layouts,
-                                              check_models)
+from hybridflow.trainer.checkpointing import load_latest, save_step
 from hybridflow.trainer.interrupt import GracefulInterrupt
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
@@ -82,25 +81,6 @@ def shares(batch: dict[str, Any], plan: list[list[torch.Tensor]], method) -> tup
 def _per_item(fn: Callable[[Any], Any]) -> Callable[[Any, list], list]:
     """A DataFlow forward_fn applying a per-batch stage to each chunk it receives."""
     return lambda model, items: [fn(item) for item in items]
-
-
-def _trainer_state(directory: Path, step: int) -> dict[str, Any]:
-    """A checkpoint's trainer.json, or a CheckpointError naming it (a step saved before manifests recorded
-    digests is not checked by its manifest)."""
-    path = directory / "trainer.json"
-    try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(state, dict):
-            raise ValueError("not a JSON object")
-        # Step 0 from `hybridflow reshard` (an HF model at a layout) has no KL coefficient yet: the config's.
-        if ("kl_coef" in state or state.get("step") != 0) and not math.isfinite(float(state["kl_coef"])):
-            raise ValueError("no finite kl_coef")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(step, f"trainer.resume=auto: {path} is not a trainer state this run can resume "
-                                    f"from ({type(exc).__name__}: {exc}); move the step away to resume from an "
-                                    "earlier one, or start over with trainer.resume=disable trainer.overwrite=true"
-                              ) from None
-    return state
 
 
 class RLTrainer:
@@ -358,100 +338,28 @@ class RLTrainer:
     def _groups(self) -> list:
         return [g for g in (self.actor, self.critic) if g is not None]  # the ones with checkpoints
 
-    def _write_checkpoint(self, step: int, directory: Path) -> None:
-        for group in self._groups():
-            group.save(str(directory))  # each rank writes its own shard
-        state = {"step": step, "kl_coef": self.kl_ctrl.value, "models": self.model_tensors,
-                 "layouts": checkpoint_layouts(self.plan)}
-        if self.sampler.adaptive:
-            state["sampler"] = self.sampler.state_dict()
-        atomic_write_json(directory / "trainer.json", state)
-
     def save_checkpoint(self, step: int) -> Path:
+        """Save step `step`: every rank's shard and trainer.json (`trainer/checkpointing.py`)."""
+        state = trainer_state(step, self.model_tensors, checkpoint_layouts(self.plan), self.kl_ctrl.value,
+                              self.sampler.state_dict() if self.sampler.adaptive else None)
         floor = weights_bytes(self.cfg, self.model_tensors)  # the free space a save needs at least
-        if not self.spmd_driver:
-            return self.ckpt.save(step, lambda d: self._write_checkpoint(step, d), floor)
-        # Under torchrun every rank drives: rank 0 owns the directory (tmp,
-        # rename, pruning) and tells the others where to write their shards.
-        import torch.distributed as dist
-
-        told = []
-
-        def write(directory: Path) -> None:
-            dist.broadcast_object_list([str(directory)], src=0)
-            told.append(directory)
-            self._write_checkpoint(step, directory)
-
-        if dist.get_rank() == 0:
-            try:
-                return self.ckpt.save(step, write, floor)
-            except CheckpointError as exc:
-                if not told:  # refused before writing (too little free space): the others wait to hear where
-                    dist.broadcast_object_list([(exc.strerror or str(exc), exc.errno, exc.filename)], src=0)
-                raise
-        where = [None]
-        dist.broadcast_object_list(where, src=0)
-        if isinstance(where[0], tuple):
-            raise CheckpointError(step, *where[0])
-        for group in self._groups():
-            group.save(where[0])
-        return Path(where[0])
+        return save_step(self.ckpt, step, self._groups(), state, floor, self.spmd_driver)
 
     def restore(self) -> int:
         """Load the newest checkpoint when trainer.resume=auto; returns the step to continue after."""
         if self.cfg.trainer.resume != "auto":
             return 0
-        found = self._resume_point()
+        paths = {"actor": self.cfg.model.path, "critic": self.cfg.critic.model_path or self.cfg.model.path}
+        found = load_latest(self.ckpt, self.spmd_driver, self._groups(), self.sampler, self.model_tensors,
+                            checkpoint_layouts(self.plan), paths)
         if found is None:
             return 0
-        step, directory = found
-        state = _trainer_state(directory, step)  # before any shard loads: a bad one fails fast, naming the file
-        paths = {"actor": self.cfg.model.path, "critic": self.cfg.critic.model_path or self.cfg.model.path}
-        check_models(state.get("models"), self.model_tensors, directory, step, paths)
-        check_layouts(state.get("layouts"), checkpoint_layouts(self.plan), directory, step)
-        self._restore_sampler(state, directory / "trainer.json", step)
-        for group in self._groups():
-            group.load(str(directory))
+        step, directory, state = found
         self.transition()
         if "kl_coef" in state:  # absent where `hybridflow reshard` made the step from an HF model (step 0)
             self.kl_ctrl.value = state["kl_coef"]
         log.info("resumed from %s (step %d)", directory, step)
         return step
-
-    def _restore_sampler(self, state: dict[str, Any], path: Path, step: int) -> None:
-        if not self.sampler.adaptive:
-            return
-        if "sampler" not in state:  # saved by a run without data.skip_uniform_passes
-            log.warning("%s holds no sampler state (saved without data.skip_uniform_passes): the prompts "
-                        "continue from step %d's place in the epochs, with no prompt skipped yet", path, step)
-            self.sampler.start_after(step)
-            return
-        try:
-            self.sampler.load_state_dict(state["sampler"])
-        except (KeyError, ValueError, TypeError, AttributeError) as exc:
-            raise CheckpointError(step, f"{path}: its sampler state does not fit this run's training prompts "
-                                        f"({type(exc).__name__}: {exc}); resume with the data it was saved "
-                                        "with, or start over with trainer.resume=disable trainer.overwrite=true"
-                                  ) from None
-
-    def _resume_point(self) -> Optional[tuple[int, Path]]:
-        """The checkpoint to resume from; under torchrun rank 0 decides and tells the others, so every
-        rank loads the same step (or all raise the same error)."""
-        if not self.spmd_driver:
-            return self.ckpt.resume_point()
-        import torch.distributed as dist
-
-        box: list = [None]
-        if dist.get_rank() == 0:
-            try:
-                box = [("ok", self.ckpt.resume_point())]
-            except CheckpointError as exc:
-                box = [("error", str(exc))]
-        dist.broadcast_object_list(box, src=0)
-        kind, value = box[0]
-        if kind == "error":
-            raise CheckpointError(-1, value)
-        return value
 
     def export_hf(self) -> Path:
         return Path(self.actor.export_hf(str(self.run_dir / "hf_actor")))

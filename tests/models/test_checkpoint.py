@@ -76,7 +76,7 @@ def test_overwrite_replaces_atomically(tmp_path, hf_checkpoint):
 
 
 def test_a_directory_write_replaces_whole_or_not_at_all(tmp_path, monkeypatch):
-    """utils.write_dir_atomically (HF saves, the reshard tool): a failed write leaves the old directory as it
+    """common.write_dir_atomically (HF saves, the reshard tool): a failed write leaves the old directory as it
     was, even when it fails at the last rename, after the old one was moved aside; a good one replaces it."""
     import os
 

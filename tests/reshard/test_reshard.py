@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
+from hybridflow.checkpoint import shard_file
 from hybridflow.errors import ConfigError
 from hybridflow.models.checkpoint import INDEX_FILE
 from hybridflow.reshard.cli import main
-from hybridflow.reshard.sources import shard_file
 from tests.reshard.conftest import assert_same_hf, write_model
 
 
@@ -133,6 +133,41 @@ def test_refusals_before_anything_is_written(tmp_path, qwen, args, option, words
         reshard(qwen, tmp_path / "dst", *args)
     assert err.value.path == option and words in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_the_formats_table_finds_opens_and_refuses_by_format(tmp_path, qwen):
+    """FORMATS is the one table of formats: `--to` takes its names, each SRC is held by exactly one entry (the
+    one that opens it), and the refusals name the formats an option applies to from the entries' fields."""
+    from hybridflow.reshard.cli import build_parser
+    from hybridflow.reshard.formats import FORMATS, open_source
+
+    assert build_parser()._option_string_actions["--to"].choices == tuple(FORMATS) == ("hf", "hybridflow", "dist")
+    reshard(qwen, tmp_path / "run", "--to", "hybridflow", "--tp", 2)
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    (dist / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    run, step = tmp_path / "run", tmp_path / "run" / "step_000000"
+    for path, name in ((qwen, "hf"), (run, "hybridflow"), (step, "hybridflow"), (step / "actor", "hybridflow"),
+                       (dist, "dist")):
+        assert [n for n, f in FORMATS.items() if f.holds(path)] == [name], path
+    assert open_source(qwen).kind == "hf" and open_source(dist, config=qwen).kind == "dist"
+    source = open_source(run)
+    assert source.kind == "hybridflow" and str(source.layout) == "p1-t2-d1" and source.step_dir == step
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no hybridflow actor checkpoint"):
+        open_source(tmp_path / "empty")  # no format holds it: the hybridflow reader says what it looked for
+    for args, option, text in [
+            (("--to", "dist", "--pp", 2), "--pp", "dist checkpoints hold whole tensors; --pp and --dp apply to --to "
+                                                  "hybridflow only"),
+            (("--to", "hf", "--dp", 2), "--dp", "hf checkpoints hold whole tensors; --pp and --dp apply to --to "
+                                                "hybridflow only"),
+            (("--to", "hf", "--tp", 2), "--tp", "HF checkpoints hold whole tensors; --tp applies to --to hybridflow "
+                                                "and dist"),
+            (("--to", "dist", "--role", "critic"), "--to", "a critic has no megatron-core GPTModel form; convert it to "
+                                                           "hf or hybridflow")]:
+        with pytest.raises(ConfigError) as err:
+            reshard(qwen, tmp_path / "dst", *args)
+        assert err.value.path == option and str(err.value) == f"{option}: {text}"
 
 
 def test_unknown_architecture_and_non_empty_dst_are_refused(tmp_path, qwen):

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hybridflow.trainer import CheckpointManager
+from hybridflow.checkpoint import CheckpointManager
 from hybridflow.trainer.interrupt import GracefulInterrupt
 
 ROOT = Path(__file__).resolve().parents[2]

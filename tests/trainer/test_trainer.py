@@ -10,8 +10,8 @@ import torch
 from hybridflow.config.loader import load_config
 from hybridflow.errors import ConfigError
 from hybridflow.data.dataset import DatasetError
-from hybridflow.trainer import CheckpointManager, read_metrics
-from hybridflow.trainer.checkpointing import CheckpointError
+from hybridflow.checkpoint import CheckpointError, CheckpointManager
+from hybridflow.trainer import read_metrics
 from hybridflow.trainer.trainer import RLTrainer, TrainingError
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
@@ -109,7 +109,7 @@ def test_skipping_uniform_prompts_resumes_identically(tmp_path):
     # manifest matching) is refused, naming the file.
     import hashlib
 
-    from hybridflow.trainer.checkpointing import MANIFEST
+    from hybridflow.checkpoint import MANIFEST
 
     step_dir = tmp_path / "b/tiny-grpo/checkpoints/step_000004"
     path, manifest = step_dir / "trainer.json", json.loads((step_dir / MANIFEST).read_text())

@@ -1,12 +1,13 @@
-"""CheckpointManager: atomic step directories, latest marker, pruning, failed and crashed saves."""
+"""hybridflow.checkpoint: CheckpointManager (atomic step directories, latest marker, pruning, failed and crashed
+saves), the atomic file writes it uses, and the checks a resume makes (models, layouts)."""
 import json
 import os
 
 import pytest
 import torch
 
-from hybridflow.trainer import (CheckpointError, CheckpointManager, atomic_torch_save,
-                                atomic_write_json)
+from hybridflow.checkpoint import CheckpointError, CheckpointManager
+from hybridflow.common import atomic_torch_save, atomic_write_json
 
 DEAD_PID = 4_194_304 + 12_345  # above Linux's largest pid_max: never a live process
 
@@ -65,7 +66,7 @@ def test_an_interrupted_prune_leaves_no_half_deleted_step(tmp_path, monkeypatch)
     the next manager clears it once this process is gone."""
     import shutil
 
-    from hybridflow.trainer import checkpointing
+    from hybridflow.checkpoint import manager
 
     mgr = CheckpointManager(tmp_path, keep_last=2)
     for step in (1, 2):
@@ -77,7 +78,7 @@ def test_an_interrupted_prune_leaves_no_half_deleted_step(tmp_path, monkeypatch)
             raise KeyboardInterrupt
         return real_rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpointing.shutil, "rmtree", interrupted)
+    monkeypatch.setattr(manager.shutil, "rmtree", interrupted)
     with pytest.raises(KeyboardInterrupt):
         mgr.save(3, _writer("3"))
     monkeypatch.undo()
@@ -214,7 +215,7 @@ def test_a_model_of_another_shape_is_named_by_its_first_differing_tensor(tmp_pat
     from hybridflow.config.plan import RunPlan
     from hybridflow.models.config import DecoderConfig
     from hybridflow.trainer.build import model_tensors
-    from hybridflow.trainer.checkpointing import check_models
+    from hybridflow.checkpoint.format import check_models
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_config(os.path.join(root, "configs/tiny-ppo.yaml"))
@@ -313,7 +314,7 @@ def test_a_resume_at_another_layout_is_named_as_one(tmp_path):
     from hybridflow.config.plan import RunPlan
     from hybridflow.models.config import DecoderConfig
     from hybridflow.trainer.build import checkpoint_layouts, model_tensors
-    from hybridflow.trainer.checkpointing import check_layouts
+    from hybridflow.checkpoint.format import check_layouts
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     demo = DecoderConfig.from_pretrained(os.path.join(root, "hybridflow/assets/demo_model"))
