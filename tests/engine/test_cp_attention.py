@@ -1,0 +1,56 @@
+"""Context parallelism without Transformer Engine: GPTModel at cp = 2 (2 gloo ranks) equals cp = 1.
+
+The check (cp_check.py) feeds each rank its load-balanced chunks; the logits gathered back and every
+parameter's gradient (summed over the CP group) must equal the one-rank model's, for a Llama-shaped
+model with GQA and a sliding-window one with a single KV head. The same comparison must fail when
+the positions are wrong (RoPE at the contiguous split's positions; the contiguous split fed as if
+balanced), when the window is dropped, and when the K/V gather's backward does not reduce-scatter:
+so a pass says the positions, the mask and the backward are right, not that the check is blind.
+"""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tests.torchrun import torchrun_scripts
+
+EQUAL = {"cp2", "cp2_rows"}
+WRONG = {"wrong_rope", "contiguous", "slice_backward", "window_ignored"}
+
+
+def test_core_attention_choice_keeps_cp1_as_megatron_builds_it():
+    from hybridflow.engine.cp_attention import CpDotProductAttention, core_attention_for
+
+    assert core_attention_for(SimpleNamespace(context_parallel_size=1), "cpu") is None
+    assert core_attention_for(SimpleNamespace(context_parallel_size=2), "cpu") is CpDotProductAttention
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cp") / "cp.json"
+    torchrun_scripts(2, [{"script": "tests/engine/cp_check.py", "args": [out]}], timeout=400)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("model", ["llama_gqa", "sliding_window"])
+def test_cp2_equals_cp1(results, model):
+    for variant in EQUAL:
+        diff = results[model][variant]
+        assert diff["logits"] < 1e-5, (variant, diff)
+        assert diff["grads"] < 1e-5, (variant, diff)  # relative to each parameter's largest gradient
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("model", ["llama_gqa", "sliding_window"])
+def test_check_fails_on_wrong_positions_window_or_backward(results, model):
+    wrong = WRONG if model == "sliding_window" else WRONG - {"window_ignored"}
+    assert set(results[model]) == EQUAL | wrong
+    for variant in wrong:
+        diff = results[model][variant]
+        assert max(diff["logits"], diff["grads"]) > 0.1, (variant, diff)
+    assert results[model]["slice_backward"]["logits"] < 1e-5  # the forward is right; only gradients differ
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
