@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hybridflow.parallel.cp_split import cp_gather_order, cp_positions
+from hybridflow.parallel.cp_split import cp_gather_order, cp_positions, cp_unsplit
 
-__all__ = ["CpDotProductAttention", "core_attention_for", "gather_sequence"]
+__all__ = ["CpDotProductAttention", "core_attention_for", "gather_output", "gather_sequence"]
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -58,6 +58,30 @@ class _GatherSequence(torch.autograd.Function):
 def gather_sequence(x: Tensor, group) -> Tensor:
     """All-gather `x` [s, ...] over `group` along dim 0 (rank order), differentiably."""
     return _GatherSequence.apply(x, group)
+
+
+class _GatherOutput(torch.autograd.Function):
+    """The model's output for this rank's tokens [b, s/cp, ...] -> the whole sequence [b, s, ...] in order,
+    on every CP rank; backward: this rank's tokens' slice of the gradient, not a sum, because every CP
+    rank computes the same loss from the same gathered output (megatron-core's schedule multiplies it
+    by cp and DDP averages over dp x cp, which together give the one-rank gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return cp_unsplit(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.index_select(1, cp_positions(grad.shape[1], cp, rank, grad.device)), None
+
+
+def gather_output(x: Tensor, group) -> Tensor:
+    """This CP rank's model output [b, s/cp, ...] -> [b, s, ...] in sequence order (see `_GatherOutput`)."""
+    return _GatherOutput.apply(x, group)
 
 
 def _window_of(config, layer_number: int) -> Optional[tuple[int, int]]:

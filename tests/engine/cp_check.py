@@ -135,14 +135,14 @@ def check_model(cfg) -> dict:
 
 def main(path: str) -> None:
     import torch.distributed as dist
-
-    from hybridflow.engine.distributed import destroy
+    from megatron.core import parallel_state as ps
 
     results = {name: check_model(decoder(overrides)) for name, overrides in MODELS.items()}
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(results, f)
-    destroy()
+    ps.destroy_model_parallel()  # the process group stays for the launch's next script
+    dist.barrier()
 
 
 if __name__ == "__main__":

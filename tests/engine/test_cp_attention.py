@@ -11,6 +11,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.torchrun import torchrun_scripts
 
@@ -26,13 +27,25 @@ def test_core_attention_choice_keeps_cp1_as_megatron_builds_it():
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp") / "cp.json"
-    torchrun_scripts(2, [{"script": "tests/engine/cp_check.py", "args": [out]}], timeout=400)
-    return json.loads(out.read_text())
+def launched(tmp_path_factory):
+    """One 2-rank launch: cp_check.py (GPTModel) and cp_engine_check.py (the engine at cp = 2)."""
+    from tests.engine.conftest import write_layout_model
+
+    tmp = tmp_path_factory.mktemp("cp")
+    hf = write_layout_model(tmp / "hf")
+    torchrun_scripts(2, [{"script": "tests/engine/cp_check.py", "args": [tmp / "cp.json"]},
+                         {"script": "tests/engine/cp_engine_check.py", "args": [tmp / "engine.pt", hf]}],
+                     timeout=500)
+    return {"model": json.loads((tmp / "cp.json").read_text()), "engine": torch.load(tmp / "engine.pt"),
+            "hf": hf}
 
 
-@pytest.mark.timeout(420)
+@pytest.fixture(scope="module")
+def results(launched):
+    return launched["model"]
+
+
+@pytest.mark.timeout(540)
 @pytest.mark.parametrize("model", ["llama_gqa", "sliding_window"])
 def test_cp2_equals_cp1(results, model):
     for variant in EQUAL:
@@ -41,7 +54,7 @@ def test_cp2_equals_cp1(results, model):
         assert diff["grads"] < 1e-5, (variant, diff)  # relative to each parameter's largest gradient
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(540)
 @pytest.mark.parametrize("model", ["llama_gqa", "sliding_window"])
 def test_check_fails_on_wrong_positions_window_or_backward(results, model):
     wrong = WRONG if model == "sliding_window" else WRONG - {"window_ignored"}
@@ -50,6 +63,24 @@ def test_check_fails_on_wrong_positions_window_or_backward(results, model):
         diff = results[model][variant]
         assert max(diff["logits"], diff["grads"]) > 0.1, (variant, diff)
     assert results[model]["slice_backward"]["logits"] < 1e-5  # the forward is right; only gradients differ
+
+
+
+
+@pytest.mark.timeout(540)
+def test_engine_at_cp2_equals_one_rank(launched, megatron_world):
+    """The engine's forward step at cp = 2: rows padded to 2*cp chunks, each rank its chunks, outputs
+    gathered: the one-rank log-probs, entropy, values, gradient norm and updated weights."""
+    from tests.engine.test_layouts import reference
+
+    got, want = launched["engine"], reference(launched["hf"])
+    assert got["same_on_cp_ranks"]
+    for key in ("old_log_probs", "entropy", "values"):
+        torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0, msg=key)
+    for key in ("actor/grad_norm", "actor/pg_loss", "actor/entropy"):
+        assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5, abs=1e-7), key
+    for name, value in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], value, atol=1e-6, rtol=0, msg=name)
 
 
 if __name__ == "__main__":
