@@ -38,9 +38,10 @@ def main(out_path: str, hf_path: str) -> None:
     out["weights"] = engine.hf_state_dict()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {k: out[k] for k in ("old_log_probs", "values", "metrics")})
+    first = everyone[0]
     out["same_on_cp_ranks"] = all(
-        torch.equal(e["old_log_probs"], everyone[0]["old_log_probs"]) and torch.equal(e["values"], everyone[0]["values"])
-        and e["metrics"] == everyone[0]["metrics"] for e in everyone)
+        torch.equal(e["old_log_probs"], first["old_log_probs"]) and torch.equal(e["values"], first["values"])
+        and e["metrics"] == first["metrics"] for e in everyone)
     if dist.get_rank() == 0:
         torch.save(out, out_path)
     ps.destroy_model_parallel()
