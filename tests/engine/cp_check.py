@@ -14,6 +14,8 @@ cp = 2 and the same weights run with each rank fed its load-balanced chunks (`cp
 - "slice_backward": the K/V gather's backward taking only the rank's slice (no reduce-scatter): the
   gradients must not match.
 
+And "bf16": the GQA model's logits in bfloat16 at cp = 2 against cp = 1.
+
 Rank 0 writes {model: {variant: {"logits": max abs diff, "grads": max over parameters of the max abs diff
 over the largest gradient}}} to argv[1].
 """
@@ -35,7 +37,7 @@ def decoder(overrides):
                          max_position_embeddings=64, **overrides)
 
 
-def build(cfg, cp: int):
+def build(cfg, cp: int, dtype=None):
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -50,8 +52,16 @@ def build(cfg, cp: int):
     init_model_parallel(parallel)
     tensor_parallel.model_parallel_cuda_manual_seed(0)  # megatron-core's named RNG streams (dropout, p = 0)
     rope = RopePositions()
-    model = build_model(cfg, transformer_config(cfg, parallel, torch.float32, "cpu"), cfg.vocab_size,
-                        torch.float32, torch.device("cpu"), rope)
+    dtype = dtype or torch.float32
+    model = build_model(cfg, transformer_config(cfg, parallel, dtype, "cpu"), cfg.vocab_size,
+                        dtype, torch.device("cpu"), rope)
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from hybridflow.engine.cp_attention import CpDotProductAttention
+
+    # cp = 1 is megatron-core's own attention (the reference); cp = 2 the engine's
+    cores = {type(m) for n, m in model.named_modules() if n.endswith("core_attention")}
+    assert cores == {DotProductAttention if cp == 1 else CpDotProductAttention}, cores
     gen = torch.Generator().manual_seed(0)  # the same weights at every cp: parameters in build order
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen)
@@ -133,11 +143,32 @@ def check_model(cfg) -> dict:
     return out
 
 
+def check_bf16(cfg) -> dict:
+    """bf16 logits at cp = 2 against cp = 1 (the float32 softmax of half inputs): max abs diff and the
+    logits' largest magnitude."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from hybridflow.parallel.cp_split import cp_split, cp_unsplit
+
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
+    with torch.no_grad():
+        ref = build(cfg, 1, torch.bfloat16)[0](ids, None, causal).float()
+        model = build(cfg, 2, torch.bfloat16)[0]
+        local = model(cp_split(ids, 2, ps.get_context_parallel_rank())[0], None, causal).float()
+    parts = [torch.empty_like(local) for _ in range(2)]
+    dist.all_gather(parts, local, group=ps.get_context_parallel_group())
+    return {"logits": (cp_unsplit(parts) - ref).abs().max().item(), "scale": ref.abs().max().item()}
+
+
 def main(path: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     results = {name: check_model(decoder(overrides)) for name, overrides in MODELS.items()}
+    results["bf16"] = check_bf16(decoder(MODELS["llama_gqa"]))
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(results, f)
