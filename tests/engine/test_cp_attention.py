@@ -3,10 +3,12 @@
 The check (cp_check.py) feeds each rank its load-balanced chunks; the logits gathered back and every
 parameter's gradient (summed over the CP group) must equal the one-rank model's, for a Llama-shaped
 model with GQA and a sliding-window one with a single KV head (and the GQA model's logits in
-bfloat16); cp = 1 is checked to run megatron-core's own attention, cp = 2 the engine's. The same comparison must fail when
-the positions are wrong (RoPE at the contiguous split's positions; the contiguous split fed as if
-balanced), when the window is dropped, and when the K/V gather's backward does not reduce-scatter:
-so a pass says the positions, the mask and the backward are right, not that the check is blind.
+bfloat16); cp = 1 is checked to run megatron-core's own attention, cp = 2 the engine's. The same
+comparison must fail when the positions are wrong (RoPE at the contiguous split's positions; the
+contiguous split fed as if balanced), when the window is dropped, and when the K/V gather's backward
+does not reduce-scatter: so a pass says the positions, the mask and the backward are right, not that
+the check is blind. In the same launch, cp_engine_check.py runs the engine at cp = 2: its log-probs,
+values and one update must equal one rank's.
 """
 import json
 from types import SimpleNamespace
