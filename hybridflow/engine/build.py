@@ -11,7 +11,10 @@ or registers a hook, never patching a megatron object (rule 13):
 - `HiddenOutput` replaces it where the loss applies the output layer itself
   (`fused_output`), holding the same weight Parameter;
 - `RopePositions` is a forward hook on the rotary module that gives it
-  per-row positions (shared-prompt rows).
+  per-row positions (shared-prompt rows), and at cp > 1 the angles of this
+  CP rank's chunks (`parallel.cp_split`);
+- at cp > 1 the local spec's core attention is `cp_attention`'s (megatron-core's
+  local one asserts cp == 1); at cp = 1 the spec is as megatron-core gives it.
 
 Each keeps parameter names, checkpoints and the bridge as they are.
 `use_fused_adam` switches the optimizer's torch Adam steps to the fused CPU
@@ -27,9 +30,11 @@ from torch import Tensor, nn
 
 from hybridflow.config.schema import ParallelConfig
 from hybridflow.engine import cpu_layers
+from hybridflow.engine.cp_attention import core_attention_for
 from hybridflow.models.config import DecoderConfig
 from hybridflow.models.decoder import rope_inv_freq
 from hybridflow.models.sharding import spec_for
+from hybridflow.parallel.cp_split import cp_positions
 
 
 class ValueHead(nn.Module):
@@ -66,13 +71,21 @@ class RopePositions:
     `at(positions)` (positions [b, s]) the hook replaces the module's angles
     by those of the given positions, per row (`[s, b, 1, dim]`, which the
     rotation broadcasts over heads): what shared-prompt rows need. Outside
-    it the module's own angles stand.
+    it the module's own angles stand; at cp > 1 the rank's local token i is
+    global position `cp_positions(S)[i]`, and `at` takes global positions.
     """
 
     def __init__(self):
         self.positions: Optional[Tensor] = None
+        self.cp_size, self.cp_rank = 1, 0
 
-    def attach(self, rope: nn.Module) -> None:
+    def attach(self, rope: nn.Module, cp_size: int = 1, cp_rank: int = 0) -> None:
+        if cp_size > 1:
+            # megatron-core slices the angles for a CP rank with a pinned CUDA index, which a CPU-only
+            # torch cannot make; without a CP group the module gives the whole sequence's angles (it is
+            # called with the global length) and `_angles` takes this rank's chunks (the same chunks).
+            rope.cp_group = None
+        self.cp_size, self.cp_rank = cp_size, cp_rank
         rope.register_forward_hook(self._angles)
 
     @contextmanager
@@ -85,7 +98,10 @@ class RopePositions:
 
     def _angles(self, rope: nn.Module, args, output: Tensor) -> Optional[Tensor]:
         if self.positions is None:
-            return None  # keep the module's output
+            if self.cp_size == 1:
+                return None  # keep the module's output
+            return output.index_select(0, cp_positions(output.shape[0], self.cp_size, self.cp_rank,
+                                                       output.device))
         inv_freq = rope.inv_freq.to(self.positions.device)
         freqs = self.positions.t()[..., None].to(inv_freq.dtype) * inv_freq  # [s, b, dim / 2]
         return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
@@ -126,10 +142,14 @@ def build_model(cfg: DecoderConfig, tconfig, padded_vocab: int, dtype: torch.dty
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    spec = (cpu_layers.layer_spec(tconfig) if tconfig.use_te_activation_func
+            else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    core_attention = core_attention_for(tconfig, torch.device(device).type)
+    if core_attention is not None:  # cp > 1
+        for layer in getattr(spec, "layer_specs", [spec]):
+            layer.submodules.self_attention.submodules.core_attention = core_attention
     model = GPTModel(
-        config=tconfig, transformer_layer_spec=(
-            cpu_layers.layer_spec(tconfig) if tconfig.use_te_activation_func
-            else get_gpt_layer_local_spec(normalization="RMSNorm")),
+        config=tconfig, transformer_layer_spec=spec,
         vocab_size=padded_vocab, max_sequence_length=cfg.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         position_embedding_type="rope", rotary_base=int(cfg.rope_theta),
@@ -137,7 +157,7 @@ def build_model(cfg: DecoderConfig, tconfig, padded_vocab: int, dtype: torch.dty
     # RoPE frequencies (incl. linear / llama3 scaling) come from the one
     # definition the plain decoder uses, so both layouts agree exactly.
     model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(device)
-    rope.attach(model.rotary_pos_emb)
+    rope.attach(model.rotary_pos_emb, ps.get_context_parallel_world_size(), ps.get_context_parallel_rank())
     if value_head and model.post_process:
         model.output_layer = ValueHead(cfg.hidden_size, dtype)
     if fused_output and model.post_process:

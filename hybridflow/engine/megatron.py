@@ -35,6 +35,7 @@ from hybridflow.config.schema import OptimConfig, ParallelConfig
 from hybridflow.data import fields as F
 from hybridflow.data.batch import pad_with_empty_rows, slice_rows
 from hybridflow.engine.build import HiddenOutput, RopePositions, build_model, transformer_config, use_fused_adam
+from hybridflow.engine.cp_attention import gather_output
 from hybridflow.engine.distributed import init_model_parallel
 from hybridflow.engine.packing import (left_align_index, pack_rows, share_prompt_rows, to_cpu, unalign,
                                        unpack_sequences, unshare_rows)
@@ -42,6 +43,7 @@ from hybridflow.models.bridge import get_bridge
 from hybridflow.models.checkpoint import resolve_dtype
 from hybridflow.models.config import DecoderConfig
 from hybridflow.models.sharding import unshard_tensor
+from hybridflow.parallel.cp_split import cp_split
 from hybridflow.parallel.layout import Coord, ParallelDims
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -328,11 +330,30 @@ class MegatronEngine:
                 ids, mask.sum(-1), mask[:, :prompt_width].sum(-1))
             with self.rope.at(positions):
                 output = unshare_rows(model(shared_ids, positions, shared_mask), index)
+        elif self.layout.cp > 1:
+            output = self._context_parallel_forward(model, ids)
         else:
             positions = torch.arange(s, device=ids.device)[None].expand_as(ids)
             causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
             output = model(ids, positions, causal)
         return output, functools.partial(self._loss, step_fn, batch, idx, rows)
+
+    def _context_parallel_forward(self, model, ids: Tensor) -> Tensor:
+        """The output [b, s, ...] of left-aligned rows `ids` [b, s] at cp > 1, on every CP rank.
+
+        Rows are padded at the end to a multiple of 2*cp (causal attention keeps the padding out of every
+        real token's view); the rank runs its load-balanced chunks (`cp_split`) against the full causal
+        mask, which its CP attention takes its queries' rows of; the outputs are gathered back in order.
+        """
+        from megatron.core import parallel_state as ps
+
+        cp, s = self.layout.cp, ids.shape[1]
+        width = -(-s // (2 * cp)) * 2 * cp
+        ids = torch.nn.functional.pad(ids, (0, width - s))
+        causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=ids.device), 1)[None, None]
+        local, positions = cp_split(ids, cp, self.coord.cp)
+        output = model(local, positions[None].expand_as(local), causal)
+        return gather_output(output, ps.get_context_parallel_group())[:, :s]
 
     @staticmethod
     def _loss(step_fn: StepFn, batch: dict[str, Any], idx: Tensor, rows: int, output: Tensor):
@@ -362,14 +383,19 @@ class MegatronEngine:
         sees the same [b, S, ...] output either way. share_prompts=True runs
         the rows that share a prompt as one row, the prompt computed once
         (`share_prompt_rows`; pp = 1, cp = 1, full attention; each micro-batch
-        holds RESPONSES, which mark where prompts end).
+        holds RESPONSES, which mark where prompts end). At cp > 1 (pp = 1, padded rows only) each CP rank
+        runs its load-balanced chunks of every row and step_fn sees the whole output, gathered, on every
+        CP rank (`_context_parallel_forward`).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not forward_only and self.optimizer is None:
             raise RuntimeError("this engine is frozen (built without an optimizer)")
-        if packed and (self.layout.pp > 1 or any(w is not None for w in self.cfg.layer_windows)):
-            raise ValueError("packed micro-batches need pp = 1 and full attention in every layer")
+        windowed = any(w is not None for w in self.cfg.layer_windows)
+        if packed and (self.layout.pp > 1 or self.layout.cp > 1 or windowed):
+            raise ValueError("packed micro-batches need pp = 1, cp = 1 and full attention in every layer")
+        if self.layout.cp > 1 and self.layout.pp > 1:
+            raise NotImplementedError("context parallelism with pipeline stages is not wired (pp > 1, cp > 1)")
         if share_prompts and (packed or self.layout.pp > 1 or self.layout.cp > 1
                               or any(w is not None for w in self.cfg.layer_windows)):
             raise ValueError("shared-prompt micro-batches need pp = 1, cp = 1, full attention in every layer "
