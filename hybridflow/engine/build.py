@@ -33,13 +33,23 @@ from hybridflow.models.sharding import spec_for
 
 
 class ValueHead(nn.Module):
-    """The critic's output layer: hidden -> one value, replicated across TP."""
+    """The critic's output layer: hidden -> one value, replicated across TP.
 
-    def __init__(self, hidden: int, dtype: torch.dtype):
+    Under sequence parallelism its input is this rank's slice of the sequence (the vocabulary layer it
+    replaces gathers it itself); it gathers the whole sequence, and as every TP rank then computes the
+    same values and loss, the backward takes the rank's slice of the gradient (no reduce-scatter sum).
+    """
+
+    def __init__(self, hidden: int, dtype: torch.dtype, sequence_parallel: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return hidden_states @ self.weight.t(), None
 
 
@@ -139,7 +149,7 @@ def build_model(cfg: DecoderConfig, tconfig, padded_vocab: int, dtype: torch.dty
     model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(device)
     rope.attach(model.rotary_pos_emb)
     if value_head and model.post_process:
-        model.output_layer = ValueHead(cfg.hidden_size, dtype)
+        model.output_layer = ValueHead(cfg.hidden_size, dtype, tconfig.sequence_parallel)
     if fused_output and model.post_process:
         model.output_layer = HiddenOutput(model.output_layer)
     model.to(device)
