@@ -111,6 +111,10 @@ def transformer_config(cfg: DecoderConfig, parallel: ParallelConfig, dtype: torc
     window = cfg.layer_windows[0] if cfg.layer_windows else None
     # On CPU the norms, the SwiGLU and the rotation run hybridflow's one-pass kernels (engine/cpu_layers.py).
     cpu_kernels = device == "cpu" and layer_kernels and cpu_layers.install_rope()
+    if parallel.sequence_parallel and device == "cpu" and not cpu_kernels:  # else an assert while building
+        raise NotImplementedError("sequence parallelism on CPU needs the engine's layer kernels "
+                                  "(model.cpu_layer_kernels: true): without apex, megatron-core's own norm "
+                                  "(WrappedTorchNorm) does not support it")
     return TransformerConfig(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_heads, num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
