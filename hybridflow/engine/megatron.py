@@ -373,7 +373,10 @@ class MegatronEngine:
         sees the same [b, S, ...] output either way. share_prompts=True runs
         the rows that share a prompt as one row, the prompt computed once
         (`share_prompt_rows`; pp = 1, cp = 1, full attention; each micro-batch
-        holds RESPONSES, which mark where prompts end).
+        holds RESPONSES, which mark where prompts end). Under sequence
+        parallelism each row is padded on the right to a multiple of tp columns
+        (`pad_columns`: megatron-core splits the sequence evenly over the TP
+        ranks); step_fn never sees the padding either.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
