@@ -4,7 +4,8 @@ For each layout (on 4 processes TP2xPP2, TP2xDP2, PP2xDP2; on 2, TP2 with and
 without sequence parallelism) the ranks rebuild megatron-core's parallel state
 and, from the same HF checkpoint (read slice by slice):
 
-- log-probs and entropy of the actor, values of a critic, on the whole batch;
+- log-probs and entropy of the actor, values of a critic, on the whole batch
+  (at dp = pp = 1 also one critic update);
   at pp = 1 also the log-probs of GRPO-shaped rows run as shared-prompt rows,
   and of the batch packed (rows of 14 and 9 tokens);
 - one actor update, each DP replica on its share of the batch, then the
@@ -31,6 +32,7 @@ def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str, sp: bool = False) 
     from megatron.core import parallel_state as ps
 
     from hybridflow.config.schema import CriticConfig, OptimConfig, ParallelConfig
+    from hybridflow.data import fields as F
     from hybridflow.data.batch import rows_for_plan
     from hybridflow.engine import MegatronEngine
     from hybridflow.hybrid_engine import GroupedWeights
@@ -56,8 +58,10 @@ def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str, sp: bool = False) 
     critic_engine.load_hf_checkpoint(case.path)
     if ps.is_pipeline_last_stage():  # a non-zero value head, so the values say something
         critic_engine.named_params()["output_layer.weight"].data.copy_(case.value_head)
-    out.update(Critic(CriticConfig(ppo_micro_batch_size=3), critic_engine, mini_batch_size=4).compute_values(
-        case.batch))
+    critic = Critic(CriticConfig(ppo_micro_batch_size=3), critic_engine, mini_batch_size=4)
+    out.update(critic.compute_values(case.batch))
+    if pp == 1 and actor_engine.layout.dp == 1:  # the value head's backward (under SP, of the gathered sequence)
+        out["critic_metrics"] = critic.update({**case.batch, F.VALUES: out[F.VALUES], F.RETURNS: case.returns}, 0)
 
     generation = GroupedWeights(actor_engine, 1)  # tg = 1: every rank gathers the whole model
     layout = actor_engine.layout

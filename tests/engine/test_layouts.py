@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hybridflow.config.schema import CriticConfig, OptimConfig, ParallelConfig
+from hybridflow.data import fields as F
 from hybridflow.engine import MegatronEngine
 from hybridflow.roles import Actor, Critic
 from tests.engine.conftest import layout_case
@@ -37,8 +38,9 @@ def reference(hf_path) -> dict:
                                    value_head=True)
     critic_engine.load_hf_checkpoint(case.path)
     critic_engine.named_params()["output_layer.weight"].data.copy_(case.value_head)
-    out.update(Critic(CriticConfig(ppo_micro_batch_size=3), critic_engine, mini_batch_size=4).compute_values(
-        case.batch))
+    critic = Critic(CriticConfig(ppo_micro_batch_size=3), critic_engine, mini_batch_size=4)
+    out.update(critic.compute_values(case.batch))
+    out["critic_metrics"] = critic.update({**case.batch, F.VALUES: out[F.VALUES], F.RETURNS: case.returns}, 0)
     out["metrics"] = actor.update(case.batch, step=0)
     out["weights"] = engine.hf_state_dict()
     return out
@@ -127,8 +129,8 @@ def sequence_parallel(two_process_launch, one_rank):
 def test_sequence_parallel_at_tp2_equals_tp2_and_one_rank(sequence_parallel):
     """Every output and learned metric, the gradient norm and the updated weights at TP2 with sequence
     parallelism equal TP2 without it and one rank (fp32). The batch's 9 columns do not divide by tp, so this
-    also covers the padding `pad_columns` adds; its packed and shared-prompt rows and the critic's value head (which
-    gathers the sequence itself) run split too."""
+    also covers the padding `pad_columns` adds; its packed and shared-prompt rows, and the critic's value head
+    (which gathers the sequence itself) in its forward pass and update, run split too."""
     sp, plain, want = sequence_parallel
     assert (sp["final_norm_columns"], plain["final_norm_columns"]) == (5, 9)  # 9 columns padded to 10, split
     mask = want["grouped_mask"]
@@ -144,4 +146,7 @@ def test_sequence_parallel_at_tp2_equals_tp2_and_one_rank(sequence_parallel):
             assert sp["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
         for name, value in other["weights"].items():
             torch.testing.assert_close(sp["weights"][name], value, atol=1e-6, rtol=0, msg=name)
+        # The critic's grad norm would double were the value head's backward to sum its gradient over TP.
+        for key, value in other["critic_metrics"].items():
+            assert sp["critic_metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
     assert sp["fresh_after_refresh"] and sp["resume_metrics_equal"] and sp["resume_weights_equal"]
