@@ -36,17 +36,26 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
-def four_process_launch(tmp_path_factory):
+def layouts_hf(tmp_path_factory):
+    """The layout checks' HF checkpoint (`write_layout_model`), written once for both launches and the
+    one-rank reference."""
+    from tests.engine.conftest import write_layout_model
+
+    return write_layout_model(tmp_path_factory.mktemp("layouts") / "hf")
+
+
+@pytest.fixture(scope="session")
+def four_process_launch(tmp_path_factory, layouts_hf):
     """One torchrun launch on 4 gloo processes for every 4-rank engine check: the engine at TP2xPP2, TP2xDP2
     and PP2xDP2 (tests/engine/layouts_check.py), the switch to generation in every grouping
     (tests/hybrid_engine/reshard_check.py) and the reshard benchmark at its quick size. A launch costs
     about 20 s of start-up on 2 cores, paid once. Returns the paths the checks wrote."""
     from hybridflow.models.checkpoint import save_hf_checkpoint
-    from tests.engine.conftest import tiny_model, write_layout_model
+    from tests.engine.conftest import tiny_model
     from tests.torchrun import torchrun_scripts
 
     tmp = tmp_path_factory.mktemp("four_processes")
-    paths = {"layouts_hf": write_layout_model(tmp / "layouts_hf"), "layouts": tmp / "layouts.pt",
+    paths = {"layouts_hf": layouts_hf, "layouts": tmp / "layouts.pt",
              "reshard_hf": tmp / "reshard_hf", "reshard": tmp / "reshard.pt", "bench_reshard": tmp / "bench.txt"}
     cfg, _, hf = tiny_model(num_key_value_heads=4, tie_word_embeddings=True)  # 4 KV heads: TP up to 4
     save_hf_checkpoint(hf, cfg.to_hf_dict(), paths["reshard_hf"])
@@ -60,13 +69,16 @@ def four_process_launch(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def two_process_launch(tmp_path_factory):
+def two_process_launch(tmp_path_factory, layouts_hf):
     """One torchrun launch on 2 gloo processes for the 2-rank checks: the built-in generator at tg = 2
-    (tests/hybrid_engine/tp_generate_check.py) and an update at DP = 2 (tests/engine/dp_step.py)."""
+    (tests/hybrid_engine/tp_generate_check.py), an update at DP = 2 (tests/engine/dp_step.py) and the engine
+    at TP2 with and without sequence parallelism (tests/engine/layouts_check.py)."""
     from tests.torchrun import torchrun_scripts
 
     tmp = tmp_path_factory.mktemp("two_processes")
-    paths = {"tp_generate": tmp / "tp_generate.pt", "dp_step": tmp / "dp2.pt"}
+    paths = {"tp_generate": tmp / "tp_generate.pt", "dp_step": tmp / "dp2.pt", "sp_layouts": tmp / "sp.pt"}
     torchrun_scripts(2, [{"script": "tests/hybrid_engine/tp_generate_check.py", "args": [paths["tp_generate"]]},
-                         {"script": "tests/engine/dp_step.py", "args": [paths["dp_step"]]}], timeout=300)
+                         {"script": "tests/engine/dp_step.py", "args": [paths["dp_step"]]},
+                         {"script": "tests/engine/layouts_check.py",
+                          "args": [paths["sp_layouts"], layouts_hf, "tp2_pp1_sp,tp2_pp1"]}], timeout=600)
     return paths

@@ -38,13 +38,23 @@ from hybridflow.parallel.cp_split import cp_positions
 
 
 class ValueHead(nn.Module):
-    """The critic's output layer: hidden -> one value, replicated across TP."""
+    """The critic's output layer: hidden -> one value, replicated across TP.
 
-    def __init__(self, hidden: int, dtype: torch.dtype):
+    Under sequence parallelism its input is this rank's slice of the sequence (the vocabulary layer it
+    replaces gathers it itself); it gathers the whole sequence, and as every TP rank then computes the
+    same values and loss, the backward takes the rank's slice of the gradient (no reduce-scatter sum).
+    """
+
+    def __init__(self, hidden: int, dtype: torch.dtype, sequence_parallel: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return hidden_states @ self.weight.t(), None
 
 
@@ -117,6 +127,10 @@ def transformer_config(cfg: DecoderConfig, parallel: ParallelConfig, dtype: torc
     window = cfg.layer_windows[0] if cfg.layer_windows else None
     # On CPU the norms, the SwiGLU and the rotation run hybridflow's one-pass kernels (engine/cpu_layers.py).
     cpu_kernels = device == "cpu" and layer_kernels and cpu_layers.install_rope()
+    if parallel.sequence_parallel and device == "cpu" and not cpu_kernels:  # else an assert while building
+        raise NotImplementedError("sequence parallelism on CPU needs the engine's layer kernels "
+                                  "(model.cpu_layer_kernels: true): without apex, megatron-core's own norm "
+                                  "(WrappedTorchNorm) does not support it")
     return TransformerConfig(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_heads, num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
@@ -159,7 +173,7 @@ def build_model(cfg: DecoderConfig, tconfig, padded_vocab: int, dtype: torch.dty
     model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(device)
     rope.attach(model.rotary_pos_emb, ps.get_context_parallel_world_size(), ps.get_context_parallel_rank())
     if value_head and model.post_process:
-        model.output_layer = ValueHead(cfg.hidden_size, dtype)
+        model.output_layer = ValueHead(cfg.hidden_size, dtype, tconfig.sequence_parallel)
     if fused_output and model.post_process:
         model.output_layer = HiddenOutput(model.output_layer)
     model.to(device)

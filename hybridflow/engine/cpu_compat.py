@@ -23,8 +23,12 @@ sees a difference. It is applied by the engine only when it runs on CPU in a
 process without a visible GPU, and it is idempotent.
 
 Known to work on CPU through this layer: GPTModel (local layer spec),
-TP/PP/DP collectives over gloo, Megatron DDP and the distributed optimizer.
-Not supported: sequence parallelism and Transformer Engine layers.
+TP/PP/DP collectives over gloo, Megatron DDP and the distributed optimizer,
+and sequence parallelism, whose collectives need nothing here: gloo in torch
+2.13 implements the `reduce_scatter_tensor` and `all_gather_into_tensor`
+that megatron-core's mappings and linear layers call (what SP needed on CPU
+is in the engine: docs/megatron-on-cpu.md). Not supported: Transformer
+Engine layers.
 """
 from __future__ import annotations
 

@@ -27,6 +27,10 @@ from hybridflow.kernels.layers import rms_norm, rotary, swiglu
 class RMSNorm(torch.nn.RMSNorm):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
         super().__init__(hidden_size, eps=eps)
+        # Under sequence parallelism each TP rank's gradient covers its slice of the sequence only;
+        # megatron-core sums the gradients of weights so tagged over TP (finalize_model_grads), as it
+        # does for apex's FusedLayerNorm, which tags its weights the same way.
+        self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, self.eps)

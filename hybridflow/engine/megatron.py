@@ -37,8 +37,8 @@ from hybridflow.data.batch import pad_with_empty_rows, slice_rows
 from hybridflow.engine.build import HiddenOutput, RopePositions, build_model, transformer_config, use_fused_adam
 from hybridflow.engine.cp_attention import gather_output
 from hybridflow.engine.distributed import init_model_parallel
-from hybridflow.engine.packing import (left_align_index, pack_rows, share_prompt_rows, to_cpu, unalign,
-                                       unpack_sequences, unshare_rows)
+from hybridflow.engine.packing import (left_align_index, pack_rows, pad_columns, padded_width, share_prompt_rows,
+                                       to_cpu, unalign, unpack_sequences, unshare_rows)
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.checkpoint import resolve_dtype
 from hybridflow.models.config import DecoderConfig
@@ -319,45 +319,59 @@ class MegatronEngine:
         idx = left_align_index(batch[F.ATTENTION_MASK])
         ids = batch[F.INPUT_IDS].gather(1, idx).to(self.torch_device)
         s = ids.shape[1]
+        split = self._sequence_split
         if packed:  # the micro-batch's sequences back to back in one row: no padding token is computed
             lengths = batch[F.ATTENTION_MASK].sum(-1).to(ids.device)
             packed_ids, positions, mask = pack_rows(ids, lengths)
-            output = unpack_sequences(model(packed_ids, positions, mask), lengths, s)
+            n = packed_ids.shape[1]
+            output = model(*pad_columns(packed_ids, positions, mask, split))[:, :n]
+            output = unpack_sequences(output, lengths, s)
         elif share_prompts:  # each distinct prompt computed once, its rows' responses after it
             mask = batch[F.ATTENTION_MASK].to(ids.device)
             prompt_width = s - batch[F.RESPONSES].shape[1]
             shared_ids, positions, shared_mask, index = share_prompt_rows(
                 ids, mask.sum(-1), mask[:, :prompt_width].sum(-1))
+            n = shared_ids.shape[1]
+            shared_ids, positions, shared_mask = pad_columns(shared_ids, positions, shared_mask, split)
             with self.rope.at(positions):
-                output = unshare_rows(model(shared_ids, positions, shared_mask), index)
+                output = unshare_rows(model(shared_ids, positions, shared_mask)[:, :n], index)
         elif self.layout.cp > 1:
             output = self._context_parallel_forward(model, ids)
         else:
             positions = torch.arange(s, device=ids.device)[None].expand_as(ids)
             causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
-            output = model(ids, positions, causal)
+            # At pp > 1 the output is this stage's activations, so the padding is cut in `_loss`.
+            output = model(*pad_columns(ids, positions, causal, split))
         return output, functools.partial(self._loss, step_fn, batch, idx, rows)
 
     def _context_parallel_forward(self, model, ids: Tensor) -> Tensor:
         """The output [b, s, ...] of left-aligned rows `ids` [b, s] at cp > 1, on every CP rank.
 
-        Rows are padded at the end to a multiple of 2*cp (causal attention keeps the padding out of every
-        real token's view); the rank runs its load-balanced chunks (`cp_split`) against the full causal
-        mask, which its CP attention takes its queries' rows of; the outputs are gathered back in order.
+        Rows are padded at the end to a multiple of 2*cp, times tp under sequence parallelism (causal
+        attention keeps the padding out of every real token's view); the rank runs its load-balanced chunks
+        (`cp_split`) against the full causal mask, which its CP attention takes its queries' rows of; the
+        outputs are gathered back in order.
         """
         from megatron.core import parallel_state as ps
 
         cp, s = self.layout.cp, ids.shape[1]
-        width = -(-s // (2 * cp)) * 2 * cp
+        chunk = 2 * cp * self._sequence_split  # under SP each rank's chunks split over tp
+        width = -(-s // chunk) * chunk
         ids = torch.nn.functional.pad(ids, (0, width - s))
         causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=ids.device), 1)[None, None]
         local, positions = cp_split(ids, cp, self.coord.cp)
         output = model(local, positions[None].expand_as(local), causal)
         return gather_output(output, ps.get_context_parallel_group())[:, :s]
 
+    @property
+    def _sequence_split(self) -> int:
+        """What every row's width must be a multiple of: tp under sequence parallelism (each TP rank holds
+        an equal slice of the sequence between the TP regions), else 1."""
+        return self.layout.tp if self.tconfig.sequence_parallel else 1
+
     @staticmethod
     def _loss(step_fn: StepFn, batch: dict[str, Any], idx: Tensor, rows: int, output: Tensor):
-        output = unalign(output, idx.to(output.device))
+        output = unalign(output[:, :idx.shape[1]], idx.to(output.device))  # less any columns `pad_columns` added
         # The micro-batch arrives as the controller sent it (CPU); the loss is computed where the model ran.
         batch = {k: v.to(output.device) if isinstance(v, Tensor) else v for k, v in batch.items()}
         if output.shape[-1] == 1:
@@ -386,6 +400,10 @@ class MegatronEngine:
         holds RESPONSES, which mark where prompts end). At cp > 1 (pp = 1, padded rows only) each CP rank
         runs its load-balanced chunks of every row and step_fn sees the whole output, gathered, on every
         CP rank (`_context_parallel_forward`).
+        holds RESPONSES, which mark where prompts end). Under sequence
+        parallelism each row is padded on the right to a multiple of tp columns
+        (`pad_columns`: megatron-core splits the sequence evenly over the TP
+        ranks); step_fn never sees the padding either.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -408,7 +426,8 @@ class MegatronEngine:
             reports = get_forward_backward_func()(
                 forward_step_func=functools.partial(self._forward_step, step_fn, packed, share_prompts),
                 data_iterator=iter(data), model=[self.model],
-                num_microbatches=len(data), seq_length=data[0][0][F.INPUT_IDS].shape[1],
+                num_microbatches=len(data),
+                seq_length=padded_width(data[0][0][F.INPUT_IDS].shape[1], self._sequence_split),
                 micro_batch_size=data[0][0][F.INPUT_IDS].shape[0], forward_only=forward_only)
         return self._from_last_stage(to_cpu(reports))  # reports leave the engine as CPU tensors, like batches
 

@@ -7,7 +7,8 @@ column 0 (`left_align_index`) and rotates the outputs back (`unalign`); with
 only right padding left, the plain causal mask is exact. The aligned rows may
 then run as one packed row of their real tokens (`pack_rows` /
 `unpack_sequences`) or with each shared prompt computed once
-(`share_prompt_rows` / `unshare_rows`). Last, `to_cpu`: what an object
+(`share_prompt_rows` / `unshare_rows`). Under sequence parallelism every row
+is padded on the right to a multiple of tp columns (`pad_columns`). Last, `to_cpu`: what an object
 collective may send. Rows are cut or padded in `hybridflow.data.batch`
 (pipeline micro-batches: `pad_with_empty_rows`). Pure tensor functions: no
 megatron, no process groups.
@@ -109,6 +110,30 @@ def share_prompt_rows(aligned_ids: Tensor, lengths: Tensor,
     allowed &= (owner[:, None, :] == -1) | (owner[:, None, :] == owner[:, :, None])
     allowed |= torch.eye(L, dtype=torch.bool, device=device)[None]  # a padding slot sees itself: no NaN
     return ids.view(u, L), positions.view(u, L), ~allowed[:, None], index
+
+
+def padded_width(width: int, multiple: int) -> int:
+    """`width` rounded up to a multiple of `multiple`."""
+    return -(-width // multiple) * multiple
+
+
+def pad_columns(ids: Tensor, positions: Tensor, mask: Tensor, multiple: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows ids, positions [b, S] and their attention mask [1 or b, 1, S, S] (True = masked), padded on the
+    right to a multiple of `multiple` columns.
+
+    Sequence parallelism splits the sequence dimension evenly over the TP ranks, and megatron-core asserts
+    (deep inside a collective) that it divides. No real column attends to a padding column and a padding
+    column sees only itself (no all-masked row), so the real columns' outputs are those of the unpadded rows;
+    the caller cuts the output back to S columns.
+    """
+    s = ids.shape[1]
+    extra = padded_width(s, multiple) - s
+    if extra == 0:
+        return ids, positions, mask
+    pad = torch.nn.functional.pad
+    mask = pad(mask, (0, extra, 0, extra), value=True)
+    mask[..., s:, s:] &= ~torch.eye(extra, dtype=torch.bool, device=mask.device)
+    return pad(ids, (0, extra)), pad(positions, (0, extra)), mask
 
 
 def unshare_rows(output: Tensor, index: Tensor) -> Tensor:

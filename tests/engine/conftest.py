@@ -94,5 +94,6 @@ def layout_case(path):
     optim = OptimConfig(lr=1e-2, eps=1.0, grad_clip=0.5)
     actor_cfg = ActorConfig(optim=optim, ppo_mini_batch_size=4, ppo_micro_batch_size=1)
     value_head = 0.1 * torch.randn(1, cfg.hidden_size, generator=g)
+    returns = torch.randn(batch["responses"].shape, generator=g)  # the critic's targets
     return SimpleNamespace(cfg=cfg, path=str(path), batch=batch, optim=optim, actor_cfg=actor_cfg,
-                           value_head=value_head, grouped=grouped_rl_batch(cfg.vocab_size))
+                           value_head=value_head, returns=returns, grouped=grouped_rl_batch(cfg.vocab_size))

@@ -1,32 +1,38 @@
-"""Run by test_layouts.py under `torchrun --nproc-per-node 4`: the engine at several layouts in one launch.
+"""Run by test_layouts.py under torchrun: the engine at several layouts in one launch.
 
-For each layout (TP2xPP2, TP2xDP2, PP2xDP2) the ranks rebuild megatron-core's
-parallel state and, from the same HF checkpoint (read slice by slice):
+For each layout (on 4 processes TP2xPP2, TP2xDP2, PP2xDP2; on 2, TP2 with and
+without sequence parallelism) the ranks rebuild megatron-core's parallel state
+and, from the same HF checkpoint (read slice by slice):
 
-- log-probs and entropy of the actor, values of a critic, on the whole batch;
-  at pp = 1 also the log-probs of GRPO-shaped rows run as shared-prompt rows;
+- log-probs and entropy of the actor, values of a critic, on the whole batch
+  (at dp = pp = 1 also one critic update);
+  at pp = 1 also the log-probs of GRPO-shaped rows run as shared-prompt rows,
+  and of the batch packed (rows of 14 and 9 tokens);
 - one actor update, each DP replica on its share of the batch, then the
   weights gathered back to HF layout;
 - the generation model at tg = 1 (the whole model on every rank): stale after the update until refreshed,
   then equal to the trained weights (the invariant of weights shared between
   training and generation);
-- at TP2xPP2 (dp 1: plain Adam) and TP2xDP2 (the distributed optimizer's
-  sharded state): a checkpoint of the shard resumes exactly (a second update
-  from the restored engine equals the second update of the original).
+- at TP2xPP2 (dp 1: plain Adam) and TP2 (on 4 processes dp 2: the distributed
+  optimizer's sharded state): a checkpoint of the shard resumes exactly (a
+  second update from the restored engine equals the second update of the original).
 
 Rank 0 writes everything to argv[1] for the test to compare with one rank;
-argv[2] is the HF checkpoint the test wrote (`conftest.write_layout_model`).
+argv[2] is the HF checkpoint the test wrote (`conftest.write_layout_model`);
+argv[3], if given, the layouts: comma-separated `tp{n}_pp{n}`, `_sp` appended
+for sequence parallelism (default: the 4-process ones).
 """
 import os
 import sys
 
 
-def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str) -> dict:
+def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str, sp: bool = False) -> dict:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from hybridflow.config.schema import CriticConfig, OptimConfig, ParallelConfig
+    from hybridflow.data import fields as F
     from hybridflow.data.batch import rows_for_plan
     from hybridflow.engine import MegatronEngine
     from hybridflow.hybrid_engine import GroupedWeights
@@ -34,20 +40,28 @@ def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str) -> dict:
     from tests.engine.conftest import layout_case
 
     case = layout_case(hf_path)
-    parallel = ParallelConfig(tp=tp, pp=pp)
+    parallel = ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp)
     actor_engine = MegatronEngine(case.cfg, parallel, case.optim, total_steps=10)
     read = actor_engine.load_hf_checkpoint(case.path)
     actor = Actor(case.actor_cfg, actor_engine)
     out = {"bytes_read": read, "distributed_optimizer": actor_engine.distributed_optimizer}
+    if ps.is_pipeline_last_stage():  # the sequence columns the final norm sees: S / tp under sequence parallelism
+        def columns(module, args, output):
+            out.setdefault("final_norm_columns", args[0].shape[0])
+
+        actor_engine.module.decoder.final_layernorm.register_forward_hook(columns)
     out.update(actor.compute_log_probs(case.batch, 3))
     if pp == 1:  # shared-prompt rows under TP: per-token RoPE angles and the gather of vocab-parallel logits
         out["shared_log_probs"] = actor.compute_log_probs(case.grouped, 8, share_prompts=True)["old_log_probs"]
+        out["packed_log_probs"] = actor.compute_log_probs(case.batch, 4, max_tokens=16)["old_log_probs"]  # 14 + 9
     critic_engine = MegatronEngine(case.cfg, parallel, OptimConfig(lr=1e-2), total_steps=10, value_head=True)
     critic_engine.load_hf_checkpoint(case.path)
     if ps.is_pipeline_last_stage():  # a non-zero value head, so the values say something
         critic_engine.named_params()["output_layer.weight"].data.copy_(case.value_head)
-    out.update(Critic(CriticConfig(ppo_micro_batch_size=3), critic_engine, mini_batch_size=4).compute_values(
-        case.batch))
+    critic = Critic(CriticConfig(ppo_micro_batch_size=3), critic_engine, mini_batch_size=4)
+    out.update(critic.compute_values(case.batch))
+    if pp == 1 and actor_engine.layout.dp == 1:  # the value head's backward (under SP, of the gathered sequence)
+        out["critic_metrics"] = critic.update({**case.batch, F.VALUES: out[F.VALUES], F.RETURNS: case.returns}, 0)
 
     generation = GroupedWeights(actor_engine, 1)  # tg = 1: every rank gathers the whole model
     layout = actor_engine.layout
@@ -75,7 +89,7 @@ def run_layout(tp: int, pp: int, hf_path: str, ckpt_dir: str) -> dict:
                 pass
         out["export_dir"] = export
     if (tp, pp) in ((2, 2), (2, 1)):
-        shards = os.path.join(ckpt_dir, f"tp{tp}_pp{pp}")
+        shards = os.path.join(ckpt_dir, f"tp{tp}_pp{pp}" + "_sp" * sp)
         actor_engine.save(shards)
         steps = actor.plan(rows, step=1, replicas=layout.dp)[actor_engine.coord.dp]
         again = actor.update_share(*rows_for_plan(case.batch, steps))
@@ -98,7 +112,7 @@ def _same_everywhere(value) -> bool:
     return all(v == everyone[0] for v in everyone)
 
 
-def main(out_path: str, hf_path: str) -> None:
+def main(out_path: str, hf_path: str, layouts: str = "tp2_pp2,tp2_pp1,tp1_pp2") -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     import tempfile
@@ -118,8 +132,10 @@ def main(out_path: str, hf_path: str) -> None:
     ckpt_dir = tempfile.mkdtemp() if dist.get_rank() == 0 else None
     box = [ckpt_dir]
     dist.broadcast_object_list(box, src=0)
-    for tp, pp in ((2, 2), (2, 1), (1, 2)):
-        results[f"tp{tp}_pp{pp}"] = run_layout(tp, pp, hf_path, box[0])
+    for name in layouts.split(","):
+        tp, pp, *sp = name.split("_")
+        ps.destroy_model_parallel()  # from the layout of whatever ran before in this launch (dp_step.py: tp 1)
+        results[name] = run_layout(int(tp[2:]), int(pp[2:]), hf_path, box[0], sp=sp == ["sp"])
         ps.destroy_model_parallel()
     if dist.get_rank() == 0:
         torch.save(results, out_path)
@@ -127,4 +143,4 @@ def main(out_path: str, hf_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

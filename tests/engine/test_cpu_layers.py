@@ -72,3 +72,14 @@ def test_rotation_angles_are_recomputed_when_the_frequencies_change():
     other = freqs + 1.0  # a new tensor
     torch.testing.assert_close(cache(other)[1], other[:, :, 0].sin())
     assert cache.computed == 3
+
+
+def test_sequence_parallelism_without_the_layer_kernels_is_refused_by_name():
+    """megatron-core's own norm (no apex) asserts `not sequence_parallel` while the model is built; the engine
+    says which setting to change instead."""
+    from hybridflow.engine.build import transformer_config
+
+    cfg, _, _ = tiny_model()
+    with pytest.raises(NotImplementedError, match=r"model.cpu_layer_kernels: true"):
+        transformer_config(cfg, ParallelConfig(tp=2, sequence_parallel=True), torch.float32, "cpu",
+                           layer_kernels=False)

@@ -10,7 +10,7 @@ from tests.engine.conftest import dp_case
 pytestmark = pytest.mark.usefixtures("megatron_world")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # its setup may run the 2-process launch (tests/conftest.py)
 def test_dp2_update_equals_dp1_update(two_process_launch):
     dp2 = torch.load(two_process_launch["dp_step"])  # tests/engine/dp_step.py on 2 processes
 

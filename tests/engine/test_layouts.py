@@ -1,8 +1,10 @@
-"""The engine at TP2xPP2, TP2xDP2 and PP2xDP2 (4 gloo processes, one launch) equals the one-rank engine."""
+"""The engine at TP2xPP2, TP2xDP2 and PP2xDP2 (4 gloo processes, one launch) and at TP2 with sequence
+parallelism (2 processes) equals the one-rank engine."""
 import pytest
 import torch
 
 from hybridflow.config.schema import CriticConfig, OptimConfig, ParallelConfig
+from hybridflow.data import fields as F
 from hybridflow.engine import MegatronEngine
 from hybridflow.roles import Actor, Critic
 from tests.engine.conftest import layout_case
@@ -12,10 +14,15 @@ LAYOUTS = ("tp2_pp2", "tp2_pp1", "tp1_pp2")
 
 
 @pytest.fixture(scope="module")
-def launched(four_process_launch):
+def one_rank(layouts_hf):
+    return reference(layouts_hf)
+
+
+@pytest.fixture(scope="module")
+def launched(four_process_launch, one_rank):
     """layouts_check.py's results over every layout (in the suite's one 4-process launch); and the one-rank
     reference."""
-    return torch.load(four_process_launch["layouts"]), reference(four_process_launch["layouts_hf"])
+    return torch.load(four_process_launch["layouts"]), one_rank
 
 
 def reference(hf_path) -> dict:
@@ -26,12 +33,14 @@ def reference(hf_path) -> dict:
     out.update(actor.compute_log_probs(case.batch, 3))
     out["shared_log_probs"] = actor.compute_log_probs(case.grouped, 3)["old_log_probs"]  # padded, one rank
     out["grouped_mask"] = case.grouped["response_mask"].bool()
+    out["response_mask"] = case.batch["response_mask"].bool()
     critic_engine = MegatronEngine(case.cfg, ParallelConfig(), OptimConfig(lr=1e-2), total_steps=10,
                                    value_head=True)
     critic_engine.load_hf_checkpoint(case.path)
     critic_engine.named_params()["output_layer.weight"].data.copy_(case.value_head)
-    out.update(Critic(CriticConfig(ppo_micro_batch_size=3), critic_engine, mini_batch_size=4).compute_values(
-        case.batch))
+    critic = Critic(CriticConfig(ppo_micro_batch_size=3), critic_engine, mini_batch_size=4)
+    out.update(critic.compute_values(case.batch))
+    out["critic_metrics"] = critic.update({**case.batch, F.VALUES: out[F.VALUES], F.RETURNS: case.returns}, 0)
     out["metrics"] = actor.update(case.batch, step=0)
     out["weights"] = engine.hf_state_dict()
     return out
@@ -106,3 +115,38 @@ def test_checkpoints_resume_exactly_with_and_without_the_distributed_optimizer(l
         got = launched[0][layout]
         assert got["distributed_optimizer"] is sharded, layout
         assert got["resume_metrics_equal"] and got["resume_weights_equal"], layout
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel(two_process_launch, one_rank):
+    """layouts_check.py at TP2 (dp 1) with and without sequence parallelism (in the 2-process launch); and
+    the one-rank reference."""
+    got = torch.load(two_process_launch["sp_layouts"])
+    return got["tp2_pp1_sp"], got["tp2_pp1"], one_rank
+
+
+@pytest.mark.timeout(600)
+def test_sequence_parallel_at_tp2_equals_tp2_and_one_rank(sequence_parallel):
+    """Every output and learned metric, the gradient norm and the updated weights at TP2 with sequence
+    parallelism equal TP2 without it and one rank (fp32). The batch's 9 columns do not divide by tp, so this
+    also covers the padding `pad_columns` adds; its packed and shared-prompt rows, and the critic's value head
+    (which gathers the sequence itself) in its forward pass and update, run split too."""
+    sp, plain, want = sequence_parallel
+    assert (sp["final_norm_columns"], plain["final_norm_columns"]) == (5, 9)  # 9 columns padded to 10, split
+    mask = want["grouped_mask"]
+    for other in (plain, want):
+        for key in ("old_log_probs", "entropy", "values"):
+            torch.testing.assert_close(sp[key], other[key], atol=1e-5, rtol=0, msg=key)
+        torch.testing.assert_close(sp["shared_log_probs"][mask], other["shared_log_probs"][mask], atol=1e-5, rtol=0)
+        response = want["response_mask"]
+        torch.testing.assert_close(sp["packed_log_probs"][response], other["old_log_probs"][response],
+                                   atol=1e-5, rtol=0)
+        assert sp["metrics"].keys() == other["metrics"].keys()
+        for key, value in other["metrics"].items():  # dp 1: every metric is the one rank's
+            assert sp["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
+        for name, value in other["weights"].items():
+            torch.testing.assert_close(sp["weights"][name], value, atol=1e-6, rtol=0, msg=name)
+        # The critic's grad norm would double were the value head's backward to sum its gradient over TP.
+        for key, value in other["critic_metrics"].items():
+            assert sp["critic_metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
+    assert sp["fresh_after_refresh"] and sp["resume_metrics_equal"] and sp["resume_weights_equal"]

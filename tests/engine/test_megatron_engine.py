@@ -215,6 +215,18 @@ def test_pack_rows_keeps_real_tokens_only_and_blocks_attention_across_sequences(
     assert torch.equal(out, aligned.float())
 
 
+def test_pad_columns_hides_the_padding_from_real_columns_and_each_padding_column_sees_itself():
+    from hybridflow.engine.packing import pack_rows, pad_columns
+
+    ids, positions, mask = pack_rows(torch.tensor([[5, 6, 7], [8, 9, 0]]), torch.tensor([3, 2]))
+    assert pad_columns(ids, positions, mask, 5) == (ids, positions, mask)  # 5 columns divide: as they were
+    padded_ids, padded_positions, padded = pad_columns(ids, positions, mask, 4)
+    assert padded_ids.tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]] and padded_positions.shape == (1, 8)
+    allowed = ~padded[0, 0]
+    assert torch.equal(allowed[:5, :5], ~mask[0, 0]) and not allowed[:5, 5:].any()
+    assert torch.equal(allowed[5:], torch.eye(8, dtype=torch.bool)[5:])
+
+
 def test_share_prompt_rows_computes_each_prompt_once_at_each_tokens_own_position():
     from hybridflow.engine.packing import share_prompt_rows, unshare_rows
 

@@ -55,7 +55,7 @@ def launched(two_process_launch):
     return torch.load(two_process_launch["tp_generate"])  # tp_generate_check.py, in the 2-process launch
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # its setup may run the 2-process launch (tests/conftest.py)
 @pytest.mark.parametrize("tied", [False, True])
 def test_tg2_generator_equals_one_rank(launched, tied):
     cfg, bridge, full, batch = case(tied, tp=1)
