@@ -55,7 +55,7 @@ def _check_placement(cfg: Config) -> None:
                           "actor's processes; rollout, critic and reward may be placed apart")
 
 
-def _check_layout(par: ParallelConfig, n: int, path: str, device: str) -> None:
+def _check_layout(par: ParallelConfig, n: int, path: str) -> None:
     for key, value in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp)):
         if value < 1:
             raise ConfigError(f"{path}.{key}", f"must be >= 1, got {value}")
@@ -64,9 +64,9 @@ def _check_layout(par: ParallelConfig, n: int, path: str, device: str) -> None:
                           f"divide the {n} device(s) this role runs on")
     if par.virtual_pp is not None and (par.pp < 2 or par.virtual_pp < 1):
         raise ConfigError(f"{path}.virtual_pp", "needs pp >= 2 and a value >= 1")
-    if par.sequence_parallel and device == "cpu":
-        raise ConfigError(f"{path}.sequence_parallel", "is not supported on CPU: megatron-core's sequence "
-                          "parallelism needs CUDA collectives (docs/megatron-on-cpu.md)")
+    if par.sequence_parallel and par.tp < 2:
+        raise ConfigError(f"{path}.sequence_parallel", "needs tp >= 2: it splits each sequence over the "
+                          f"tensor-parallel ranks (tp here is {par.tp})")
 
 
 def _check_reference_layout(cfg: Config) -> None:
@@ -316,7 +316,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("model.path", "is required: a directory holding an HF config.json and weights")
     _check_placement(cfg)
     for role, (path, par) in engine_parallel(cfg).items():
-        _check_layout(par, role_world(cfg, role), path, cfg.trainer.device)
+        _check_layout(par, role_world(cfg, role), path)
+        if par.sequence_parallel and cfg.trainer.device == "cpu" and not cfg.model.cpu_layer_kernels:
+            raise ConfigError("model.cpu_layer_kernels", f"must be true for {path}.sequence_parallel on CPU: "
+                              "without apex, megatron-core's own norm does not support sequence parallelism")
     _check_reference_layout(cfg)
     _check_generation_layout(cfg)
     _check_sampling(cfg)
