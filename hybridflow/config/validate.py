@@ -108,8 +108,9 @@ def _check_not_built(cfg: Config, plan: RunPlan) -> None:
         if par.virtual_pp is not None:
             raise ConfigError(f"{path}.virtual_pp", "the interleaved pipeline schedule is not built yet")
         if par.cp > 1:
-            raise ConfigError(f"{path}.cp", "context parallelism needs Transformer Engine's attention, which "
-                              "the engine's local layer spec does not use")
+            raise ConfigError(f"{path}.cp", "context parallelism is not built yet for training runs: the "
+                              "engine's model runs at cp > 1 (padded rows, pp = 1), the roles and the trainer "
+                              "around it do not yet")
     _check_engine(cfg)
 
 

@@ -201,6 +201,8 @@ CONFIG = {
                               "actor.parallel.virtual_pp: needs pp >= 2"),
     "sequence parallel at tp 1": (lambda t: ["actor.parallel.sequence_parallel=true"], 2,
                                   "actor.parallel.sequence_parallel: needs tp >= 2"),
+    "context parallelism in a run": (lambda t: ["trainer.n_devices=2", "actor.parallel.cp=2"], 2,
+                                     "actor.parallel.cp: context parallelism is not built yet for training runs"),
     "override without =": (lambda t: ["trainer.total_steps"], 2,
                            "override 'trainer.total_steps' must look like key.path=value"),
     "override with an empty key": (lambda t: ["=3"], 2, "override '=3' has an empty key"),
