@@ -27,12 +27,14 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from hybridflow.config.schema import ENGINES
 from hybridflow.errors import ConfigError
 from hybridflow.models.hf import (RewardModel, load_classifier, prompt_ids, read_config, resolve_device,
                                   resolve_dtype)
-from hybridflow.rollout.backend import ENGINES, RolloutBackend, hf_named
+from hybridflow.rollout.backend import RolloutBackend
 from hybridflow.rollout.generator import Generator
 from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.rollout.weights import hf_named
 
 __all__ = ["CausalLM", "ENGINES", "HFModel", "RewardModel", "load_hf_model"]
 

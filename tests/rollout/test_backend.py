@@ -7,9 +7,9 @@ import torch
 
 from hybridflow.config.schema import ENGINES, RolloutConfig
 from hybridflow.errors import ConfigError
-from hybridflow.rollout import (Generator, RolloutBackend, SamplingParams, build_backend, hf_named,
-                                sync_weights)
-from hybridflow.rollout.backend import buckets
+from hybridflow.rollout import Generator, RolloutBackend, SamplingParams, hf_named, sync_weights
+from hybridflow.rollout.factory import build_backend
+from hybridflow.rollout.weights import buckets
 from hybridflow.rollout.vllm_backend import TESTED_VLLM, cpu_kv_cache_bytes, import_vllm, untested
 from tests.rollout.conftest import PAD, left_padded_prompts, tiny_decoder
 
