@@ -5,7 +5,9 @@ The table is the one copy of the order: this test reads its `packages` column
 `import hybridflow.X` / `from hybridflow.X import ...` (module level, inside
 functions, under TYPE_CHECKING) to its package. A package may import its own
 modules and packages in lower layers; an import of a package in the same or a
-higher layer fails, naming the file, the line and the import.
+higher layer fails, naming the file, the line and the import. Inside a package,
+no two modules may import each other either, directly or around a longer
+circle (test_no_import_circle), at module or function level.
 """
 from __future__ import annotations
 
@@ -123,3 +125,78 @@ def test_a_leaf_loads_only_leaves():
                   for line, target in imports(init) if unit(target) not in LEAVES]
     assert not found, "\n".join(found)
 
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the hybridflow modules importing it runs: each imported module, and each package __init__
+    above it that the importer is not already inside (importing a.b.c runs a/__init__ and a/b/__init__)."""
+    graph: dict[str, set[str]] = {}
+    for path in sources():
+        here = module_name(path)
+        edges = graph.setdefault(here, set())
+        for _, target in imports(path):
+            while target and not is_module(target):
+                target = target.rpartition(".")[0]
+            parts = target.split(".")
+            for n in range(1, len(parts) + 1):
+                module = ".".join(parts[:n])
+                if module != here and not here.startswith(module + ".") and is_module(module):
+                    edges.add(module)
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle (a, b, ..., a) through each strongly connected part of `graph` with more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    parts: list[set[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm; the graph has a few hundred modules
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = set()
+            while not part or w != v:
+                w = stack.pop()
+                part.add(w)
+            if len(part) > 1:
+                parts.append(part)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    circles = []
+    for part in parts:  # a shortest way back to the part's first module, by breadth-first search inside it
+        start = min(part)
+        paths = {start: [start]}
+        queue = [start]
+        while queue:
+            v = queue.pop(0)
+            for w in sorted(graph[v] & part):
+                if w == start:
+                    circles.append(paths[v] + [start])
+                    queue = []
+                    break
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    queue.append(w)
+    return circles
+
+
+def test_no_import_circle():
+    """No two modules import each other, directly or around a longer circle, at module or function level:
+    an import inside a function that only breaks a circle at run time counts as one."""
+    circles = import_circles(import_graph())
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, get_args
 
 # The rollout engines (rollout.engine, `Node(engine=...)`, `load_hf_model(engine=...)`): the one list of their
-# names; `hybridflow.rollout.backend` builds each.
+# names; `hybridflow.rollout.factory` builds each.
 EngineName = Literal["builtin", "vllm"]
 ENGINES: tuple[str, ...] = get_args(EngineName)
 

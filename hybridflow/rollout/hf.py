@@ -13,34 +13,29 @@ layer because a causal LM generates with the `Generator`; what loading needs
 below it (devices, dtypes, config.json, prompt ids, the classifier) is in
 `models/hf.py`. Users import `load_hf_model` from `hybridflow.utils`.
 
-`engine="vllm"` generates with the vLLM backend (`rollout/vllm_backend.py`,
-the trainer's own) when the package imports, its weights pushed from the
-loaded decoder, never read again from disk; otherwise it warns and falls back
-to the built-in engine.
+Both engines are built by the rollout factory (`rollout/factory.py`), as the
+trainer's are. `engine="vllm"` generates with the vLLM backend
+(`rollout/vllm_backend.py`, the trainer's own) when the package imports, its
+weights pushed from the loaded decoder, never read again from disk; otherwise
+the factory warns and falls back to the built-in engine.
 """
 from __future__ import annotations
 
-import logging
-import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from hybridflow.config.schema import ENGINES, RolloutConfig
 from hybridflow.data.prompts import left_pad
-from hybridflow.errors import ConfigError
 from hybridflow.models.hf import (RewardModel, load_classifier, prompt_ids, read_config, resolve_device,
                                   resolve_dtype)
-from hybridflow.rollout.backend import ENGINES, RolloutBackend, hf_named
-from hybridflow.rollout.generator import Generator
+from hybridflow.rollout.backend import RolloutBackend
+from hybridflow.rollout.factory import build_backend, build_with_fallback
 from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.rollout.weights import sync_weights
 
 __all__ = ["CausalLM", "ENGINES", "HFModel", "RewardModel", "load_hf_model"]
-
-logger = logging.getLogger(__name__)
-
-_VLLM_MISSING = ("engine='vllm' requested but vLLM is not installed or does not import ({}); falling back to the "
-                 "built-in engine")
 
 
 class CausalLM:
@@ -59,7 +54,7 @@ class CausalLM:
         pad = tokenizer.pad_token_id
         if pad is None:
             raise ValueError(f"tokenizer at {path} has neither a pad nor an EOS token")
-        self.generator = Generator(decoder, pad_token_id=pad, tokenizer=tokenizer)
+        self.generator = build_backend(RolloutConfig(engine="builtin"), decoder, tokenizer, str(path))
         self.backend: RolloutBackend = self.generator
         self.engine = "builtin"
         self._vllm: Any = None  # built on first use, then kept
@@ -74,24 +69,18 @@ class CausalLM:
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         self.backend, self.engine = self.generator, "builtin"
-        if engine == "vllm":
-            try:
-                self.backend = self._vllm_backend()
-                self.engine = "vllm"
-            except ConfigError as exc:  # the package is missing: the DataFlow API promises a fallback
-                message = _VLLM_MISSING.format(exc)
-                logger.warning(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
+        if engine == "vllm" and self._vllm is None:
+            # The factory warns (at this method's caller) and hands back a built-in engine when vLLM does not
+            # import; that one is dropped for `self.generator`, on the same decoder, and vLLM is tried again
+            # on the next call.
+            backend, built = build_with_fallback(RolloutConfig(engine="vllm"), self.model, self.tokenizer,
+                                                 str(self.path), device=self.device.type)
+            if built == "vllm":
+                sync_weights(backend, self.model)
+                self._vllm = backend
+        if engine == "vllm" and self._vllm is not None:
+            self.backend, self.engine = self._vllm, "vllm"
         return self
-
-    def _vllm_backend(self) -> RolloutBackend:
-        if self._vllm is None:
-            from hybridflow.rollout.vllm_backend import VLLMBackend
-
-            dtype = str(self.model.embed.weight.dtype).removeprefix("torch.")
-            self._vllm = VLLMBackend(str(self.path), self.tokenizer, dtype=dtype, device=self.device.type)
-            self._vllm.load_weights(hf_named(self.model))
-        return self._vllm
 
     def _wants_chat(self, chat: Optional[bool]) -> bool:
         if chat is None:

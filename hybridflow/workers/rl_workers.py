@@ -5,7 +5,7 @@
   process; the generator's weights are views of the engine's at tp = pp = 1,
   else the generation shard the 3D-HybridEngine refills after each update.
   The rollout engine is the one `rollout.engine` names, built by
-  `rollout.build_backend` (the worker never chooses); an engine with its own
+  `rollout.factory.build_backend` (the worker never chooses); an engine with its own
   copy of the weights (vLLM) takes them by a push after each refill.
 - `RolloutWorker`: rollout on devices apart from training, on a copy of the
   actor's weights that the controller refreshes after each update (each
@@ -47,7 +47,8 @@ from hybridflow.roles.actor import LOG_PROB_FIELDS
 from hybridflow.roles.actor import UPDATE_FIELDS as ACTOR_UPDATE_FIELDS
 from hybridflow.roles.critic import UPDATE_FIELDS as CRITIC_UPDATE_FIELDS
 from hybridflow.roles.critic import VALUE_FIELDS
-from hybridflow.rollout import RolloutBackend, build_backend, sync_weights
+from hybridflow.rollout import RolloutBackend, sync_weights
+from hybridflow.rollout.factory import build_backend
 from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutWorkerSpec, Run
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hybridflow import Node
+from hybridflow.rollout import Generator, factory
 from hybridflow.utils import CausalLM, RewardModel, load_hf_model
 from hybridflow.models.hf import resolve_device
 from tests.dataflow.conftest import DEMO, TINY_RM
@@ -104,3 +105,31 @@ def test_a_chat_template_renders_the_pair_without_doubling_special_tokens(tmp_pa
     assert templated.chat and not reward_model.chat
     pairs = [("042+917=", "0959"), ("1+1=", "2")]
     assert templated.score(pairs) == pytest.approx(reward_model.score(pairs), abs=1e-6)
+
+
+def test_both_engines_of_a_causal_lm_come_from_the_rollout_factory(monkeypatch):
+    """The vLLM engine a `CausalLM` uses is the factory's (here a stand-in for `VLLMBackend`), built once
+    with the trainer's arguments and the decoder's weights pushed into it; the built-in one is a `Generator`
+    on the decoder itself."""
+    built = []
+
+    class FakeVLLM:
+        def __init__(self, *args, **kwargs):
+            self.args, self.kwargs, self.taken = args, kwargs, 0
+            built.append(self)
+
+        def load_weights(self, named):
+            self.taken += sum(t.numel() * t.element_size() for _, t in named)
+            return self.taken
+
+    monkeypatch.setattr(factory, "VLLMBackend", FakeVLLM)
+    model = load_hf_model(DEMO, engine="vllm")
+    assert model.engine == "vllm" and len(built) == 1 and model.backend is built[0]
+    engine = built[0]
+    dtype = str(model.model.embed.weight.dtype).removeprefix("torch.")
+    assert engine.args == (str(DEMO), model.tokenizer)
+    assert engine.kwargs == dict(dtype=dtype, seed=0, device="cpu", bucket_bytes=64 * 2**20, tensor_parallel_size=1)
+    assert engine.taken == sum(p.numel() * p.element_size() for p in model.model.parameters())
+    assert isinstance(model.generator, Generator) and model.generator.model is model.model
+    assert model.use_engine("builtin").backend is model.generator and model.engine == "builtin"
+    assert model.use_engine("vllm").backend is engine and len(built) == 1  # built once, then kept

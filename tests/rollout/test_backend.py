@@ -7,9 +7,10 @@ import torch
 
 from hybridflow.config.schema import ENGINES, RolloutConfig
 from hybridflow.errors import ConfigError
-from hybridflow.rollout import (Generator, RolloutBackend, SamplingParams, build_backend, hf_named,
-                                sync_weights)
-from hybridflow.rollout.backend import buckets
+from hybridflow.rollout import Generator, RolloutBackend, SamplingParams, hf_named, sync_weights
+from hybridflow.rollout import factory
+from hybridflow.rollout.factory import build_backend, build_with_fallback
+from hybridflow.rollout.weights import buckets
 from hybridflow.rollout.vllm_backend import TESTED_VLLM, cpu_kv_cache_bytes, import_vllm, untested
 from tests.rollout.conftest import PAD, left_padded_prompts, tiny_decoder
 
@@ -88,6 +89,26 @@ def test_missing_vllm_is_a_config_error_naming_the_extra(monkeypatch):
         import_vllm()
     with pytest.raises(ConfigError, match="needs the vLLM package"):
         build_backend(RolloutConfig(engine="vllm"), tiny_decoder("llama-gqa"), _Tok(), "unused")
+
+
+@pytest.mark.skipif("vllm" in sys.modules, reason="checks the fallback where vLLM is missing")
+def test_the_factory_falls_back_to_the_builtin_engine_only_where_vllm_does_not_import(monkeypatch):
+    """The DataFlow API's promise, kept in the factory: a missing vLLM is a warning and a `Generator` on the
+    model; any other error building the vLLM engine (here a refused layout) is raised, not hidden."""
+    model = tiny_decoder("llama-gqa")
+    backend, engine = build_with_fallback(RolloutConfig(), model, _Tok(), "unused")
+    assert engine == "builtin" and isinstance(backend, Generator) and backend.model is model
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    with pytest.warns(RuntimeWarning, match="vLLM is not installed.*needs the vLLM package.*built-in engine"):
+        backend, engine = build_with_fallback(RolloutConfig(engine="vllm"), model, _Tok(), "unused")
+    assert engine == "builtin" and isinstance(backend, Generator) and backend.model is model
+
+    def refused(*args, **kwargs):
+        raise ConfigError("rollout.grouping", "not a block of consecutive ranks")
+
+    monkeypatch.setattr(factory, "VLLMBackend", refused)
+    with pytest.raises(ConfigError, match="rollout.grouping"):
+        build_with_fallback(RolloutConfig(engine="vllm"), model, _Tok(), "unused")
 
 
 def test_versions_outside_the_tested_range_are_named():
