@@ -99,7 +99,7 @@ test-scale: $(STAMP)
 	test -f data/gsm8k/train.parquet || $(PY) tools/prepare_gsm8k.py --out data/gsm8k
 	$(VENV)/bin/hybridflow train configs/qwen2.5-0.5b-grpo-gsm8k.yaml $(SCALE_RUN)
 
-# What tools/gpu_check.sh needs on the bare, offline GPU machine (../shared/gpu/README.md): megatron-core's
+# What tools/gpu_check.sh needs on the bare, offline GPU machine (no megatron-core, Ray or network): megatron-core's
 # Python 3.12 wheel in .whl (ignored; carry [".whl"]). GSM8K ships in the tree (hybridflow/assets/gsm8k).
 gpu-prep:
 	grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude

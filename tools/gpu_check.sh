@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU checks, in one call of the device tool (../shared/gpu/README.md), in this order:
+# The prepared GPU checks, in one call on a bare, offline GPU machine, in this order:
 #   pytest    pytest -m gpu: the CUDA kernels against the eager reference, the CUDA generation and training
 #             paths against the CPU ones (tests/trainer/test_on_cuda.py), and the static decode path's CUDA
 #             graph and reduce-overhead replays against the eager loop (tests/rollout/test_static_decode.py);
