@@ -133,3 +133,19 @@ def test_both_engines_of_a_causal_lm_come_from_the_rollout_factory(monkeypatch):
     assert isinstance(model.generator, Generator) and model.generator.model is model.model
     assert model.use_engine("builtin").backend is model.generator and model.engine == "builtin"
     assert model.use_engine("vllm").backend is engine and len(built) == 1  # built once, then kept
+
+
+def test_the_users_names_import_from_the_root_and_from_utils_without_loading_torch_first():
+    """`from hybridflow.utils import load_hf_model` (docs/api.md) and the root's re-export are the same
+    objects; `import hybridflow` alone loads neither torch nor the rollout engines (a leaf import runs it)."""
+    import subprocess
+
+    import hybridflow
+    from hybridflow import utils
+    assert all(getattr(hybridflow, n) is getattr(utils, n) for n in ("CausalLM", "HFModel", "RewardModel",
+                                                                    "load_hf_model"))
+    with pytest.raises(AttributeError, match="no attribute 'load_model'"):
+        hybridflow.load_model
+    probe = "import sys, hybridflow.common; print('torch' in sys.modules, 'hybridflow.rollout' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
