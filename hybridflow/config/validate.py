@@ -107,10 +107,17 @@ def _check_not_built(cfg: Config, plan: RunPlan) -> None:
     for path, par in engine_parallel(cfg).values():
         if par.virtual_pp is not None:
             raise ConfigError(f"{path}.virtual_pp", "the interleaved pipeline schedule is not built yet")
-        if par.cp > 1:
-            raise ConfigError(f"{path}.cp", "context parallelism is not built yet for training runs: the "
-                              "engine's model runs at cp > 1 (padded rows, pp = 1), the roles and the trainer "
-                              "around it do not yet")
+        if par.cp > 1 and par.pp > 1:
+            raise ConfigError(f"{path}.cp", f"context parallelism runs at pipeline size 1; the layout has "
+                              f"pp = {par.pp} and cp = {par.cp} (the engine does not pipeline CP chunks)")
+    a = cfg.actor.parallel
+    if a.cp > 1 and a.tp > 1:
+        raise ConfigError("actor.parallel.cp", f"{a.cp} at tp = {a.tp}: the 3D-HybridEngine's reshard plan "
+                          "does not place the CP ranks of a replica yet (at tp = 1 each rank generates from its "
+                          "whole weights)")
+    if a.cp > 1 and plan.rollout_apart:
+        raise ConfigError("actor.parallel.cp", f"{a.cp}: a rollout group placed apart from training is fed "
+                          "from cp = 1 layouts only (colocate the rollout at cp > 1)")
     _check_engine(cfg)
 
 
@@ -336,7 +343,8 @@ def validate(cfg: Config) -> Config:
 
 def _check_packing(cfg: Config, model: "DecoderConfig") -> None:
     """Packed micro-batches (use_dynamic_bsz): one row per micro-batch with a block-diagonal mask, which
-    needs pp = 1 (the pipeline sends fixed shapes) and full attention (a sliding window rebuilds its mask).
+    needs pp = 1 (the pipeline sends fixed shapes), cp = 1 (CP splits padded rows) and full attention (a sliding
+    window rebuilds its mask).
     Shared-prompt rows (share_prompts) need the same, and cp = 1 (their positions are not the row's)."""
     windowed = any(w is not None for w in model.layer_windows)
     roles = [  # (section, its dynamic-batch-size switch, token budget and shared-prompt switch, its layout)
@@ -354,6 +362,9 @@ def _check_packing(cfg: Config, model: "DecoderConfig") -> None:
             raise ConfigError(f"{section}.{budget}", f"must be >= 1 token, got {getattr(role, budget)}")
         if parallel.pp > 1:
             raise ConfigError(key, f"packed micro-batches need pipeline size 1, the layout has pp = {parallel.pp}")
+        if parallel.cp > 1:
+            raise ConfigError(key, f"packed micro-batches need context-parallel size 1, the layout has "
+                                   f"cp = {parallel.cp} (the engine splits padded rows over the CP ranks)")
         if windowed:
             raise ConfigError(key, "packed micro-batches need full attention; the model has sliding-window layers")
     for section, dynamic, _, share, parallel in roles:

@@ -70,6 +70,19 @@ class StepStats:
     lr: float
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """The identity, whose backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.scale, None
+
+
 class MegatronEngine:
     """One rank's shard of a megatron-core GPTModel, its DDP wrapper and optimizer.
 
@@ -173,7 +186,13 @@ class MegatronEngine:
         """With fused_output, the weight the output layer was to apply in the last forward pass (its own,
         or the tied embedding); None before the first one and on stages without the output layer."""
         layer = getattr(self._inner(), "output_layer", None)
-        return layer.used_weight if isinstance(layer, HiddenOutput) else None
+        weight = layer.used_weight if isinstance(layer, HiddenOutput) else None
+        if weight is not None and self.layout.cp > 1:
+            # At cp > 1 every CP rank applies it to the whole gathered output, so each holds the weight's
+            # full gradient, which the schedule's x cp and DDP's average over dp x cp would count cp times;
+            # the layers before it see only their own chunks' gradient (the gather's backward slices).
+            weight = _ScaleGrad.apply(weight, 1.0 / self.layout.cp)
+        return weight
 
     def named_params(self) -> dict[str, Tensor]:
         """This rank's parameters under megatron-core's *local* names (layers numbered per stage)."""
@@ -399,8 +418,7 @@ class MegatronEngine:
         (`share_prompt_rows`; pp = 1, cp = 1, full attention; each micro-batch
         holds RESPONSES, which mark where prompts end). At cp > 1 (pp = 1, padded rows only) each CP rank
         runs its load-balanced chunks of every row and step_fn sees the whole output, gathered, on every
-        CP rank (`_context_parallel_forward`).
-        holds RESPONSES, which mark where prompts end). Under sequence
+        CP rank (`_context_parallel_forward`). Under sequence
         parallelism each row is padded on the right to a multiple of tp columns
         (`pad_columns`: megatron-core splits the sequence evenly over the TP
         ranks); step_fn never sees the padding either.
