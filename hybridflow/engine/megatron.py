@@ -374,8 +374,7 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         cp, s = self.layout.cp, ids.shape[1]
-        chunk = 2 * cp * self._sequence_split  # under SP each rank's chunks split over tp
-        width = -(-s // chunk) * chunk
+        width = padded_width(s, 2 * cp * self._sequence_split)  # under SP each rank's chunks split over tp
         ids = torch.nn.functional.pad(ids, (0, width - s))
         causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=ids.device), 1)[None, None]
         local, positions = cp_split(ids, cp, self.coord.cp)
@@ -432,8 +431,7 @@ class MegatronEngine:
             raise ValueError("packed micro-batches need pp = 1, cp = 1 and full attention in every layer")
         if self.layout.cp > 1 and self.layout.pp > 1:
             raise NotImplementedError("context parallelism with pipeline stages is not wired (pp > 1, cp > 1)")
-        if share_prompts and (packed or self.layout.pp > 1 or self.layout.cp > 1
-                              or any(w is not None for w in self.cfg.layer_windows)):
+        if share_prompts and (packed or self.layout.pp > 1 or self.layout.cp > 1 or windowed):
             raise ValueError("shared-prompt micro-batches need pp = 1, cp = 1, full attention in every layer "
                              "and no token packing")
         rows = [len(mb[F.INPUT_IDS]) for mb in micro_batches]

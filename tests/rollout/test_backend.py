@@ -91,7 +91,6 @@ def test_missing_vllm_is_a_config_error_naming_the_extra(monkeypatch):
         build_backend(RolloutConfig(engine="vllm"), tiny_decoder("llama-gqa"), _Tok(), "unused")
 
 
-@pytest.mark.skipif("vllm" in sys.modules, reason="checks the fallback where vLLM is missing")
 def test_the_factory_falls_back_to_the_builtin_engine_only_where_vllm_does_not_import(monkeypatch):
     """The DataFlow API's promise, kept in the factory: a missing vLLM is a warning and a `Generator` on the
     model; any other error building the vLLM engine (here a refused layout) is raised, not hidden."""
