@@ -195,7 +195,10 @@ def response_log_probs(output: Tensor, batch: dict[str, Tensor], engine,
         if temperature != 1.0:
             hidden = hidden / temperature  # (h / T) W^T = (h W^T) / T
         weight = engine.output_weight[:vocab]  # the padded rows are not part of the distribution
-        lp, ent = fused_linear_logprob_entropy(hidden, weight, labels[real])
+        # Below float32, megatron-core's Float16Module hands the last stage's output back in float32; the
+        # hidden states were the weight's dtype before that cast, so casting back loses nothing (and is the
+        # product the unfused output layer computes).
+        lp, ent = fused_linear_logprob_entropy(hidden.to(weight.dtype), weight, labels[real])
         zeros = torch.zeros(labels.shape, dtype=lp.dtype, device=lp.device)  # 0 where the mask is 0
         return zeros.masked_scatter(real, lp), zeros.masked_scatter(real, ent)
     logits = response_slice(output, batch)

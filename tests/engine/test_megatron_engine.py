@@ -344,3 +344,21 @@ def test_gradient_clip_scales_with_one_foreach_op():
     assert torch.equal(src[0], torch.arange(3.0))
     cpu_compat._foreach_scale(0, None, [src, src], 2.0)
     assert torch.equal(src[0], torch.tensor([0.0, 2.0, 4.0]))
+
+
+def test_fused_output_log_probs_in_bfloat16_equal_the_unfused_layer():
+    """Below float32 megatron-core's Float16Module returns the hidden states in float32 while the output
+    weight stays bfloat16: the fused log-prob must take them (it raised a dtype mismatch on the first GPU run
+    of the 0.5B-shaped step) and give the unfused layer's log-probs. Tolerance: both round the logits to
+    bfloat16 (the same matmul), the log-softmax in float32 may sum them in another order."""
+    cfg, _, hf = tiny_model()
+    batch = rl_batch(cfg.vocab_size)
+    mask = batch["response_mask"].bool()
+    got = {}
+    for fused in (False, True):
+        engine = MegatronEngine(cfg, ParallelConfig(), None, dtype="bfloat16", fused_output=fused)
+        engine.load_hf_state_dict(hf)
+        got[fused] = Reference(ReferenceConfig(log_prob_micro_batch_size=3), engine).compute_ref_log_probs(batch)
+    assert got[True][F.REF_LOG_PROBS].dtype == torch.float32
+    torch.testing.assert_close(got[True][F.REF_LOG_PROBS][mask], got[False][F.REF_LOG_PROBS][mask],
+                               atol=1e-4, rtol=1e-4)
