@@ -366,6 +366,7 @@ def _replayed_step_ms(gen, bucket: int, prompt_len: int, steps: int, cuda: bool)
     st = gen.static.states[bucket]
     replays = min(32, steps - 1)
 
+    @torch.no_grad()  # as generate() runs it: with grad on, the compiled step recompiles to trace a backward
     def replay_steps():
         st.step.fill_(1)
         st.pos.fill_(prompt_len)

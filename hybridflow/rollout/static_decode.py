@@ -99,11 +99,16 @@ class DecodeState:
         self.out_tokens = torch.zeros(bucket, steps, dtype=torch.long, device=device)
         self.out_log_probs = torch.zeros(bucket, steps, dtype=torch.float32, device=device)
         self.out_mask = torch.zeros(bucket, steps, dtype=torch.bool, device=device)
+        # The call's stop ids, copied: a captured step reads what lives at a tensor's address when it was
+        # captured, and the caller's tensor is freed when its call returns (a second call's replay then read
+        # whatever the allocator had put there: rows ran past their EOS on the first GPU run).
+        self.stop_ids = torch.zeros(0, dtype=torch.long, device=device)
         self.replay = None  # the captured step, set by StaticDecoder
 
     def tensors(self) -> list[torch.Tensor]:
         return self.k + self.v + [self.key_mask, self.slots, self.seen, self.pos, self.step, self.token,
-                                  self.done, self.keys, self.out_tokens, self.out_log_probs, self.out_mask]
+                                  self.done, self.keys, self.out_tokens, self.out_log_probs, self.out_mask,
+                                  self.stop_ids]
 
     def clear(self, pad: int) -> None:
         """Every row padding (ended), nothing attended to: what `load` and the prefill start from."""
@@ -234,15 +239,20 @@ class StaticDecoder:
                   params.top_p, keyed, tuple(stop_ids.tolist()), pad)
         if family != self.family:  # other shapes or sampling: the old graphs will not be replayed
             self.states.clear()
+            # Their graphs are gone, and with them the pool's last user: the allocator frees a pool whose
+            # use count fell to 0 and refuses to capture into it again (an INTERNAL ASSERT, `use_count > 0`,
+            # on the first GPU run of the demo, where validation's greedy family alternates with training's).
+            self.pool = None
             self.family = family
         if bucket not in self.states:
             device = stop_ids.device
             st = DecodeState(self.model, bucket, capacity, params.max_new_tokens, device)
-            st.replay = self._capture(st, params, keyed, stop_ids, pad, self._mode(device))
+            st.stop_ids = stop_ids.clone()  # the family fixes their values; the state owns their storage
+            st.replay = self._capture(st, params, keyed, pad, self._mode(device))
             self.states[bucket] = st
         return self.states[bucket]
 
-    def _capture(self, st: DecodeState, params, keyed, stop_ids, pad, mode: str):
+    def _capture(self, st: DecodeState, params, keyed, pad, mode: str):
         """A zero-argument callable running one decode step on `st` (captured or compiled on CUDA).
 
         Warm-up and capture run on the fresh state (every row ended, outputs at columns < WARMUP); the
@@ -254,7 +264,7 @@ class StaticDecoder:
             choose = compiled_keyed_choice()
 
         def step():
-            sample_step(st, forward_step(model, st), params, keyed, stop_ids, pad, choose)
+            sample_step(st, forward_step(model, st), params, keyed, st.stop_ids, pad, choose)
 
         self.captures += 1
         warm = min(WARMUP, st.steps)
@@ -324,7 +334,7 @@ class StaticDecoder:
         st.step.zero_()
         first = torch.zeros(st.bucket, logits.shape[-1], dtype=logits.dtype, device=device)
         first[:rows] = logits.repeat_interleave(n, 0)
-        sample_step(st, first, params, keyed, stop_ids, pad)  # the first token, eagerly
+        sample_step(st, first, params, keyed, st.stop_ids, pad)  # the first token, eagerly
 
         tokens = torch.full((rows, steps), pad, dtype=torch.long, device=device)
         log_probs = torch.zeros(rows, steps, device=device)

@@ -143,6 +143,42 @@ def test_weights_are_read_in_place():
     assert gen.static.captures > captures
 
 
+def test_a_state_reads_no_tensor_of_an_earlier_call():
+    """A captured step reads the storage its tensors had when it was captured, so everything it reads must
+    be the state's or the model's: a tensor of the call that captured it is freed when that call returns,
+    and a later replay reads what the allocator put there (on the first GPU run, the stop ids: replays ran
+    past EOS). On the CPU the step runs eagerly on the same closure, so overwriting the first call's stop
+    ids shows whether the step still reads them."""
+    model = tiny_decoder("llama-gqa")
+    ids, mask = left_padded_prompts(model.cfg.vocab_size)
+    params = _params(True)
+    dec = StaticDecoder(model)
+    stop = torch.tensor(EOS)
+    first = dec.generate(ids, mask, params, None, stop, PAD)
+    assert first[2].sum(1).min() < 40  # rows did stop early
+    captures = dec.captures
+    stop.fill_(-1)  # what a freed and reused block would hold
+    again = dec.generate(ids, mask, params, None, torch.tensor(EOS), PAD)
+    assert dec.captures == captures  # the first call's steps replayed
+    for got, want in zip(again, first):
+        assert torch.equal(torch.as_tensor(got), torch.as_tensor(want))
+
+
+def test_a_new_sampling_family_captures_into_a_new_pool():
+    """Changing the sampling (validation's greedy family, then training's) drops the captured steps, and
+    with them their graph pool's last user: the next capture must not reuse that pool (the CUDA allocator
+    asserts `use_count > 0` there, seen on the first GPU run of the demo)."""
+    model = tiny_decoder("llama-gqa")
+    ids, mask = left_padded_prompts(model.cfg.vocab_size)
+    dec = StaticDecoder(model)
+    dec.generate(ids, mask, _params(True), None, torch.tensor(EOS), PAD)
+    dec.pool = object()  # stands for the pool handle a CUDA capture leaves (none is made on the CPU)
+    dec.generate(ids, mask, _params(True), None, torch.tensor(EOS), PAD)
+    assert dec.pool is not None  # the same family: its states and pool are kept
+    dec.generate(ids, mask, _params(False), KEYS.repeat_interleave(3), torch.tensor(EOS), PAD)
+    assert dec.pool is None
+
+
 def test_sampling_from_a_torch_generator_draws_keys_from_it():
     """Without row_keys the static path draws one key per prompt from the generator: reproducible for a
     seed, different for another, log-probs of log_softmax(logits / T) as a full forward recomputes them."""
@@ -358,3 +394,17 @@ def test_cuda_graph_sees_weights_copied_in_place():
     assert gen.static.captures == captures
     _assert_same(after, Generator(other, PAD, decode="python").generate(ids, mask, params), atol=1e-4)
     assert not torch.equal(before, after.responses)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_survive_families_alternating_as_in_training():
+    """The trainer's pattern: validation (greedy), then training steps (keyed sampling), then validation
+    again, each family dropping the other's graphs and capturing its own; every call equals the eager loop
+    (the first GPU run of the demo hit the allocator's `use_count > 0` assert here and fell back to eager)."""
+    model, ids, mask = _cuda_case("llama-gqa")
+    gen = Generator(model, PAD, decode="static")
+    for greedy in (True, False, False, True, False):
+        params = _params(greedy)
+        want = Generator(model, PAD, decode="python").generate(ids, mask, params, row_keys=KEYS)
+        _assert_same(gen.generate(ids, mask, params, row_keys=KEYS), want, atol=1e-4)
+    assert gen.static_failed is None
