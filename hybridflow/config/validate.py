@@ -341,19 +341,25 @@ def validate(cfg: Config) -> Config:
 
 # --------------------------------------------------------------------------- with the run plan and the model
 
-def _check_packing(cfg: Config, model: "DecoderConfig") -> None:
-    """Packed micro-batches (use_dynamic_bsz): one row per micro-batch with a block-diagonal mask, which
-    needs pp = 1 (the pipeline sends fixed shapes), cp = 1 (CP splits padded rows) and full attention (a sliding
-    window rebuilds its mask).
-    Shared-prompt rows (share_prompts) need the same, and cp = 1 (their positions are not the row's)."""
-    windowed = any(w is not None for w in model.layer_windows)
-    roles = [  # (section, its dynamic-batch-size switch, token budget and shared-prompt switch, its layout)
+def row_layouts(cfg: Config) -> list[tuple]:
+    """(section, its dynamic-batch-size switch, token budget and shared-prompt switch, its layout) for each
+    role that runs the engine's forward: where packed and shared-prompt rows are asked for."""
+    return [
         ("actor", "use_dynamic_bsz", "ppo_max_token_len_per_gpu", "share_prompts", cfg.actor.parallel),
         ("rollout", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu", "log_prob_share_prompts",
          cfg.actor.parallel),
         ("reference", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu", "log_prob_share_prompts",
          cfg.reference.parallel or cfg.actor.parallel),
         ("critic", "use_dynamic_bsz", "ppo_max_token_len_per_gpu", "share_prompts", cfg.critic.parallel)]
+
+
+def _check_packing(cfg: Config, model: "DecoderConfig") -> None:
+    """Packed micro-batches (use_dynamic_bsz): one row per micro-batch with a block-diagonal mask, which
+    needs pp = 1 (the pipeline sends fixed shapes), cp = 1 (CP splits padded rows) and full attention (a sliding
+    window rebuilds its mask).
+    Shared-prompt rows (share_prompts) need the same, and cp = 1 (their positions are not the row's)."""
+    windowed = any(w is not None for w in model.layer_windows)
+    roles = row_layouts(cfg)
     for section, dynamic, budget, _, parallel in roles:
         role, key = getattr(cfg, section), f"{section}.{dynamic}"
         if not getattr(role, dynamic):

@@ -15,6 +15,13 @@ and what is not:
   parallelism): the stored inputs of both norms and matmuls, Q/K/V, the SwiGLU halves and the unfused
   attention's softmax (`heads * seq` per token). Full recomputation keeps one layer input per token.
   1F1B keeps `min(p, micro-batches)` micro-batches in flight on the first stage.
+- Context parallelism (`layout.cp`, the engine's `CpDotProductAttention`): each CP rank keeps the layers'
+  activations of its S/cp tokens, each token's attention probabilities still spanning all S keys, plus
+  the all-gathered keys and values of the whole sequence per layer (`cp_kv_bytes`); the model's output is
+  gathered to the whole sequence on every CP rank before the loss, so the logits are not divided by cp.
+  Per layer and micro-batch the forward all-gathers K and V and the backward reduce-scatters their
+  gradients over the CP group (`cp_time`); the gradients reduce over dp x cp ranks, and the distributed
+  optimizer shards over them.
 - Time is FLOPs over peak times an efficiency per kind of work (GEMM, attention), a decode step is the
   slower of its FLOPs and its bytes (weights and KV cache) over memory bandwidth, plus a per-layer launch
   overhead; collectives are ring all-reduces (`2 (g-1)/g` of the bytes) over the link the group spans.
@@ -93,7 +100,7 @@ def grad_bytes(params: int) -> int:
 
 def optimizer_bytes(params: int, dtype_bytes: int, dp: int = 1, distributed: bool = True) -> int:
     """Adam: two fp32 moments, plus an fp32 master copy of 16-bit weights (12 or 8 bytes per parameter),
-    split over the `dp` ranks by the distributed optimizer."""
+    split over the `dp` ranks by the distributed optimizer (at cp > 1 pass dp * cp: it shards over both)."""
     per = 3 * FP32 if dtype_bytes < FP32 else 2 * FP32
     shards = dp if distributed else 1
     return -(-params * per // shards)
@@ -110,18 +117,30 @@ def activation_bytes_per_token(cfg: DecoderConfig, seq: int, tp: int, dtype_byte
     return (stored + softmax) * dtype_bytes
 
 
+def cp_kv_bytes(cfg: DecoderConfig, micro: int, seq: int, tp: int, cp: int, dtype_bytes: int) -> float:
+    """One layer's all-gathered keys and values at cp > 1, kept for its backward: the whole sequence's
+    2 * kv_heads * head_dim per token (0 at cp = 1, where each token's own K and V are in the layer's QKV)."""
+    if cp <= 1:
+        return 0.0
+    return 2 * cfg.num_kv_heads * cfg.head_dim / tp * micro * seq * dtype_bytes
+
+
 def activation_bytes(cfg: DecoderConfig, layout: ParallelDims, micro: int, seq: int, micro_batches: int,
                      dtype_bytes: int, recompute: bool = False, logits: bool = True) -> int:
     """Activations a training rank holds at its peak: the first stage's layers for the micro-batches
-    1F1B keeps in flight, one layer's full set while recomputing, and the last stage's fp32 logits."""
-    tokens = micro * seq
+    1F1B keeps in flight, one layer's full set while recomputing, and the last stage's fp32 logits.
+    At cp > 1 a rank holds its S/cp tokens of each layer, the gathered K and V, and the whole logits."""
+    tokens = micro * seq / layout.cp
     layers = cfg.num_layers // layout.pp
     in_flight = min(layout.pp, max(1, micro_batches))
     kept = layers * in_flight * tokens * activation_bytes_per_token(cfg, seq, layout.tp, dtype_bytes, recompute)
+    gathered = cp_kv_bytes(cfg, micro, seq, layout.tp, layout.cp, dtype_bytes)
     if recompute:
-        kept += tokens * activation_bytes_per_token(cfg, seq, layout.tp, dtype_bytes)
+        kept += tokens * activation_bytes_per_token(cfg, seq, layout.tp, dtype_bytes) + gathered
+    else:
+        kept += layers * in_flight * gathered
     vocab = padded_vocab_size(cfg.vocab_size, 128, layout.tp) // layout.tp if logits else 1
-    return int(kept + tokens * vocab * FP32)
+    return int(kept + micro * seq * vocab * FP32)
 
 
 def kv_cache_bytes(cfg: DecoderConfig, tokens: int, dtype_bytes: int, tg: int = 1, pg: int = 1) -> int:
@@ -177,6 +196,17 @@ def gather_time(nbytes_received: float, group: int, span: int, device: DeviceSpe
     if group <= 1 or nbytes_received <= 0:
         return 0.0
     return nbytes_received / link_bandwidth(device, span) + (group - 1) * device.link_latency
+
+
+def cp_time(cfg: DecoderConfig, layout: ParallelDims, micro: int, seq: float, dtype_bytes: int,
+            device: DeviceSpec, backward: bool = True) -> float:
+    """One layer's CP exchange for one micro-batch: the all-gather of K and V (each rank receives the
+    other ranks' (cp-1)/cp of them), and with `backward` the reduce-scatter of their gradients."""
+    if layout.cp <= 1:
+        return 0.0
+    received = cp_kv_bytes(cfg, micro, int(seq), layout.tp, layout.cp, dtype_bytes) * (layout.cp - 1) / layout.cp
+    one = gather_time(received, layout.cp, layout.span("cp"), device)
+    return one * (2 if backward else 1)
 
 
 def transition_bytes(model_bytes: float, tp: int, pp: int, tg: int, pg: int = 1) -> float:

@@ -93,11 +93,12 @@ def overlay_data(c: Candidate, base: dict, uses_critic: bool, device: str) -> di
     trainer["n_devices"] = n
     trainer["device"] = "cpu" if device == "cpu" else "cuda"
     actor = section("actor")
-    actor["parallel"] = {**(actor.get("parallel") or {}), "tp": c.actor.tp, "pp": c.actor.pp}
+    actor["parallel"] = {**(actor.get("parallel") or {}), "tp": c.actor.tp, "pp": c.actor.pp, "cp": c.actor.cp}
     actor["ppo_micro_batch_size"] = c.micro.get("actor", actor.get("ppo_micro_batch_size", 8))
     if uses_critic and c.critic is not None:
         critic = section("critic")
-        critic["parallel"] = {**(critic.get("parallel") or {}), "tp": c.critic.tp, "pp": c.critic.pp}
+        critic["parallel"] = {**(critic.get("parallel") or {}), "tp": c.critic.tp, "pp": c.critic.pp,
+                              "cp": c.critic.cp}
         critic["ppo_micro_batch_size"] = c.micro.get("critic", critic.get("ppo_micro_batch_size", 8))
     section("rollout")["tg"] = c.tg
     data["placement"] = _placement(c)

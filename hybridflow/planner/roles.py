@@ -50,6 +50,8 @@ class Workload:
     uses_critic: bool
     distributed_optimizer: bool
     reward_model: Optional[DecoderConfig] = None
+    # Packed micro-batches or shared-prompt rows in a training role: layouts the engine runs at cp = 1 only.
+    packed_rows: bool = False
 
     @property
     def rows(self) -> int:
@@ -64,6 +66,7 @@ class Workload:
                     reward_model: Optional[DecoderConfig] = None) -> "Workload":
         """Mean lengths default to the maxima (every response runs to `max_response_length`)."""
         from hybridflow.config.plan import needs_old_log_probs
+        from hybridflow.config.validate import row_layouts
 
         d = cfg.data
         return cls(prompts=d.train_batch_size, n=cfg.rollout.n,
@@ -76,7 +79,9 @@ class Workload:
                    critic_epochs=cfg.critic.ppo_epochs,
                    needs_reference=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss,
                    needs_old_log_probs=needs_old_log_probs(cfg), uses_critic=cfg.algorithm.adv_estimator == "gae",
-                   distributed_optimizer=cfg.actor.parallel.distributed_optimizer, reward_model=reward_model)
+                   distributed_optimizer=cfg.actor.parallel.distributed_optimizer, reward_model=reward_model,
+                   packed_rows=any(getattr(getattr(cfg, section), dynamic) or getattr(getattr(cfg, section), share)
+                                   for section, dynamic, _, share, _ in row_layouts(cfg)))
 
 
 def train_memory(model: DecoderConfig, wl: Workload, layout: ParallelDims, micro: int, value_head: bool = False,
@@ -85,15 +90,18 @@ def train_memory(model: DecoderConfig, wl: Workload, layout: ParallelDims, micro
     params = cost.rank_params(model, layout.tp, layout.pp, wl.divisible_by, value_head)
     m = cost.micro_batch_count(wl.mini_batch_rows, layout.dp, micro)
     return {"weights": cost.weight_bytes(params, wl.dtype_bytes), "grads": cost.grad_bytes(params),
-            "optimizer": cost.optimizer_bytes(params, wl.dtype_bytes, layout.dp, wl.distributed_optimizer),
+            "optimizer": cost.optimizer_bytes(params, wl.dtype_bytes, layout.dp * layout.cp,
+                                              wl.distributed_optimizer),
             "activations": cost.activation_bytes(model, layout, micro, wl.max_len, m, wl.dtype_bytes, recompute,
                                                  logits=not value_head)}
 
 
 def _passes(model: DecoderConfig, wl: Workload, layout: ParallelDims, device: DeviceSpec, micro: int, rows: int,
             passes: float, value_head: bool) -> dict[str, float]:
-    """Seconds of `passes` forward-equivalents over `rows` rows (3 = forward and backward), split by
-    resource; activations cross TP twice per layer and pass, and pipeline stages once per pass."""
+    """Seconds of `passes` forward-equivalents over `rows` rows (3 = forward and backward, 4 with the
+    recompute's forward), split by resource; activations cross TP twice per layer and pass, and pipeline
+    stages once per pass; at cp > 1 each layer exchanges K and V (`cost.cp_time`) and the output is
+    gathered to the whole sequence once per micro-batch."""
     tokens = rows * wl.seq
     gemm, attention = cost.forward_flops(model, tokens, wl.seq, value_head)
     m = cost.micro_batch_count(rows, layout.dp, micro)
@@ -101,7 +109,12 @@ def _passes(model: DecoderConfig, wl: Workload, layout: ParallelDims, device: De
     activation = micro * wl.seq * model.hidden_size * wl.dtype_bytes
     layers = model.num_layers // layout.pp
     calls = m * layers * math.ceil(passes)
-    return {"compute": passes * cost.compute_time(gemm, attention, layout.world_size, device) * bubble,
+    cp = m * layers * cost.cp_time(model, layout, micro, wl.seq, wl.dtype_bytes, device, backward=passes > 1)
+    if passes > 3:  # the recompute's forward gathers again
+        cp += m * layers * cost.cp_time(model, layout, micro, wl.seq, wl.dtype_bytes, device, backward=False)
+    if layout.cp > 1:
+        cp += m * cost.gather_time(activation * (layout.cp - 1) / layout.cp, layout.cp, layout.span("cp"), device)
+    return {"cp": cp, "compute": passes * cost.compute_time(gemm, attention, layout.world_size, device) * bubble,
             "tp": 2 * passes * m * layers * cost.allreduce_time(activation, layout.tp, layout.span("tp"), device),
             "pp": (passes * m * activation / cost.link_bandwidth(device, layout.span("pp"))
                    if layout.pp > 1 else 0.0),
@@ -116,11 +129,12 @@ def train_time(model: DecoderConfig, wl: Workload, layout: ParallelDims, device:
     out = {k: v * epochs for k, v in _passes(model, wl, layout, device, micro, wl.rows,
                                               4.0 if recompute else 3.0, value_head).items()}
     params = cost.rank_params(model, layout.tp, layout.pp, wl.divisible_by, value_head)
+    g = layout.dp * layout.cp  # gradients reduce over the data-and-context group (megatron-core's DDP)
     if wl.distributed_optimizer:  # reduce-scatter fp32 gradients, all-gather the weights
-        share = (layout.dp - 1) / layout.dp * params * (cost.FP32 + wl.dtype_bytes)
-        dp = cost.gather_time(share, layout.dp, layout.span("dp"), device)
+        share = (g - 1) / g * params * (cost.FP32 + wl.dtype_bytes)
+        dp = cost.gather_time(share, g, layout.span("dp"), device)
     else:
-        dp = cost.allreduce_time(params * cost.FP32, layout.dp, layout.span("dp"), device)
+        dp = cost.allreduce_time(params * cost.FP32, g, layout.span("dp"), device)
     out["dp"] = epochs * minis * dp
     return out
 

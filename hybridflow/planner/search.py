@@ -11,7 +11,9 @@ Placements (HybridFlow's auto-mapping, §6 of the paper, restricted to what hybr
   apart: every rollout process holds the whole model, refreshed by a broadcast), actor and critic apart.
 
 Parallel sizes: training `p-t-d` per role (TP within a node, dividing heads, KV heads and MLP features;
-PP dividing the layers), generation `tg` dividing the actor's TP, replicas = devices / tg. A candidate
+PP dividing the layers), and context parallelism `c` where the engine builds it (tp = pp = 1, padded rows:
+no packing or shared prompts, not with a rollout placed apart), generation `tg` dividing the actor's TP,
+replicas = devices / tg. A candidate
 is kept only where the config's batch arithmetic splits evenly (mini-batch rows over each DP degree,
 prompts over generation replicas), as `config/validate.py` demands. Memory is checked against a usable
 fraction of the device (`USABLE`); a candidate that does not fit names the phase, role and GiB over.
@@ -69,20 +71,24 @@ class Candidate:
         return f"{self.placement} [{split}] actor {self.actor} tg{self.tg}{critic}"
 
 
-def layouts(world: int, model: DecoderConfig, device: DeviceSpec, wl: Workload) -> list[ParallelDims]:
-    """Every p-t-d of `world` devices the model splits into and the batch arithmetic allows."""
+def layouts(world: int, model: DecoderConfig, device: DeviceSpec, wl: Workload,
+            context_parallel: bool = True) -> list[ParallelDims]:
+    """Every p-t-d(-c) of `world` devices the model splits into and the batch arithmetic allows; cp > 1 only
+    where the config accepts it (tp = pp = 1, no packed or shared-prompt rows) and `context_parallel`."""
     out = []
     for tp in (1, 2, 4, 8, 16):
         if tp > device.devices_per_node or model.num_heads % tp or model.num_kv_heads % tp \
                 or model.intermediate_size % tp:
             continue
         for pp in (1, 2, 4, 8, 16):
-            dp = ParallelDims.data_parallel_size(world, tp=tp, pp=pp)
-            if model.num_layers % pp or dp is None:
-                continue
-            if wl.mini_batch_rows % dp or wl.prompts % dp:
-                continue
-            out.append(ParallelDims(tp=tp, pp=pp, dp=dp))
+            cps = (1, 2, 4, 8) if context_parallel and tp == pp == 1 and not wl.packed_rows else (1,)
+            for cp in cps:
+                dp = ParallelDims.data_parallel_size(world, tp=tp, pp=pp, cp=cp)
+                if model.num_layers % pp or dp is None or cp > device.devices_per_node:
+                    continue
+                if wl.mini_batch_rows % dp or wl.prompts % dp:
+                    continue
+                out.append(ParallelDims(tp=tp, pp=pp, dp=dp, cp=cp))
     return out
 
 
@@ -274,7 +280,7 @@ class Planner:
             for nr, na, nc in cuts:
                 if wl.prompts % nr:
                     continue
-                for a in layouts(na, m, dev, wl):
+                for a in layouts(na, m, dev, wl, context_parallel=False):  # an apart rollout is fed from cp = 1
                     for k in (layouts(nc, m, dev, wl) if nc else [None]):
                         devices = {"rollout": nr, "actor": na, **({"critic": nc} if nc else {})}
                         out.append(self.split("split-all", devices, a, k, 1))

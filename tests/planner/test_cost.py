@@ -92,3 +92,29 @@ def test_device_specs_load_and_a_bad_entry_names_its_key(tmp_path):
         parse_device("a100", {**entry, "peak_tflop": 1})
     with pytest.raises(ConfigError, match=r"--device: unknown device 'h10'.*did you mean 'h100'"):
         get_device("h10")
+
+
+def test_context_parallelism_divides_a_ranks_tokens_and_adds_the_gathered_keys_and_values():
+    """At cp = 2 a rank keeps the layers' activations of S/2 tokens (each token's probabilities still span
+    all S keys) plus each layer's all-gathered K and V of the whole sequence; the logits are of the whole
+    sequence (the output is gathered before the loss). Hand-computed for Qwen2.5-7B at S = 8192."""
+    seq, micro, layers = 8192, 1, 28
+    one = cost.activation_bytes(QWEN7B, ParallelDims(tp=1, pp=1, dp=2), micro, seq, 4, 2, logits=False)
+    two = cost.activation_bytes(QWEN7B, ParallelDims(tp=1, pp=1, dp=1, cp=2), micro, seq, 4, 2, logits=False)
+    per_token = cost.activation_bytes_per_token(QWEN7B, seq, 1, 2)
+    kv = 2 * 4 * 128 * seq * 2  # K and V: 4 KV heads x 128, bf16, the whole sequence
+    assert cost.cp_kv_bytes(QWEN7B, micro, seq, 1, 2, 2) == kv and cost.cp_kv_bytes(QWEN7B, micro, seq, 1, 1, 2) == 0
+    value = seq * 4  # logits=False: the critic's one fp32 value per token
+    assert one == layers * seq * per_token + value
+    assert two == layers * (seq // 2 * per_token + kv) + value
+    assert 0.5 < two / one < 0.51  # the gathered K and V are small beside the probabilities at this length
+    vocab = 152064 * 4 * seq  # fp32 logits of every token, on every CP rank
+    assert cost.activation_bytes(QWEN7B, ParallelDims(tp=1, pp=1, dp=1, cp=2), micro, seq, 4, 2) == two - value + vocab
+    # The exchange: per layer and micro-batch, an all-gather of K and V (each rank receives the other
+    # half) and, training, the reduce-scatter of their gradients.
+    h100 = get_device("h100")
+    layout = ParallelDims(tp=1, pp=1, dp=4, cp=2)
+    gather = cost.gather_time(kv / 2, 2, layout.span("cp"), h100)
+    assert cost.cp_time(QWEN7B, layout, micro, seq, 2, h100) == pytest.approx(2 * gather)
+    assert cost.cp_time(QWEN7B, layout, micro, seq, 2, h100, backward=False) == pytest.approx(gather)
+    assert cost.cp_time(QWEN7B, ParallelDims(tp=1, pp=1, dp=8), micro, seq, 2, h100) == 0
