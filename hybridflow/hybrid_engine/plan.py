@@ -85,7 +85,9 @@ class GenCoord:
     tg_rank: int
     pg_stage: int
     micro_dp_rank: int
-    replica: int  # the training DP replica (generation DP = replica x micro-DP)
+    # The training replica, CP ranks counted apart (dp * cp + cp rank): each CP rank holds its replica's
+    # whole shards, so it serves as one more generation replica (generation DP = replica x micro-DP).
+    replica: int
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ class ReshardPlan:
         """
         per = self.train.tp * self.train.pp // (self.gen.tg * self.gen.pg)
         g = self.gen_coords[rank]
-        return g.replica * per + g.micro_dp_rank, self.train.dp * per
+        return g.replica * per + g.micro_dp_rank, self.train.dp * self.train.cp * per
 
 
 def _layer(name: str) -> Optional[int]:
@@ -159,7 +161,8 @@ def gen_coord(train: ParallelDims, gen: GenLayout, grouping: str, rank: int) -> 
         tg_rank, tp_micro = c.tp // k, c.tp % k
     else:  # consecutive generation TP groups
         tg_rank, tp_micro = c.tp % gen.tg, c.tp // gen.tg
-    return GenCoord(tg_rank=tg_rank, pg_stage=c.pp // q, micro_dp_rank=tp_micro * q + c.pp % q, replica=c.dp)
+    return GenCoord(tg_rank=tg_rank, pg_stage=c.pp // q, micro_dp_rank=tp_micro * q + c.pp % q,
+                    replica=c.dp * train.cp + c.cp)
 
 
 def _check(train: ParallelDims, gen: GenLayout, grouping: str, layers: int) -> None:
@@ -171,6 +174,8 @@ def _check(train: ParallelDims, gen: GenLayout, grouping: str, layers: int) -> N
         raise ValueError(f"pg={gen.pg} must divide p={train.pp}")
     if layers % train.pp:
         raise ValueError(f"p={train.pp} must divide the {layers} layers")
+    if grouping == "full" and train.cp > 1:
+        raise ValueError(f"the 'full' baseline gathers over data-parallel replicas only; got cp = {train.cp}")
 
 
 def plan_reshard(params: Iterable[ParamInfo], train: ParallelDims, gen: GenLayout,
@@ -217,7 +222,8 @@ def _gather_transfers(plan: ReshardPlan, info: dict[str, ParamInfo], rank: int) 
         peers = next(g for g in plan.micro_dp_groups if rank in g)
         wanted = plan.needed[rank]
     else:
-        peers = tuple(r for r in range(train.world_size) if train.coord(r).dp == train.coord(rank).dp)
+        mine = plan.gen_coords[rank].replica
+        peers = tuple(r for r in range(train.world_size) if plan.gen_coords[r].replica == mine)
         wanted = {piece for r in peers for piece in plan.held[r]}
     out = []
     for piece in sorted(wanted - plan.held[rank]):

@@ -85,8 +85,10 @@ class GroupedWeights:
         # k consecutive TP ranks of one stage gather among themselves: a micro-DP group (hybridflow), or
         # the whole TP group (vanilla: everything, then cut); `full` uses megatron's TP group per tensor.
         self.k = train.tp // tg if grouping == "hybridflow" else train.tp
-        gather = [[train.rank(Coord(tp=j * self.k + i, cp=0, dp=d, pp=s)) for i in range(self.k)]
-                  for d in range(train.dp) for s in range(train.pp) for j in range(train.tp // self.k)]
+        # Each CP rank holds its replica's whole shards, so it gathers with its own CP index's TP peers.
+        gather = [[train.rank(Coord(tp=j * self.k + i, cp=c, dp=d, pp=s)) for i in range(self.k)]
+                  for d in range(train.dp) for c in range(train.cp) for s in range(train.pp)
+                  for j in range(train.tp // self.k)]
         self.gather_group = _new_groups(gather)[rank]
         gen_tp = _new_groups([list(g) for g in self.plan.gen_tp_groups])[rank]
         parallel = GroupTensorParallel(gen_tp, engine.bridge.padded_vocab) if tg > 1 else None

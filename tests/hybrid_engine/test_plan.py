@@ -127,3 +127,39 @@ def test_bad_layouts_are_refused():
         plan_reshard(uniform_params(), ParallelDims(tp=4), GenLayout(tg=3))
     with pytest.raises(ValueError, match="grouping must be one of"):
         plan_reshard(uniform_params(), ParallelDims(tp=2), GenLayout(tg=1), "ring")
+
+
+CP_CASES = [(t, p, d, tg) for t, p, d in ((2, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2)) for tg in (1, 2) if t % tg == 0]
+
+
+@pytest.mark.parametrize("t, p, d, tg", CP_CASES)
+@pytest.mark.parametrize("grouping", ["hybridflow", "vanilla"])
+def test_context_parallel_ranks_are_generation_replicas_of_their_own(t, p, d, tg, grouping):
+    """At cp = 2 each CP rank holds its training replica's whole shards (the context, not the weights, is
+    split), so it plans as one more replica: the groups partition the world within one CP index, every
+    generation TP group covers the model once, the bytes are the formula's, and the replicas number
+    d * cp * t*p / tg, each served once."""
+    cp, params = 2, uniform_params()
+    train = ParallelDims(tp=t, pp=p, dp=d, cp=cp)
+    m, world = sum(x.nbytes for x in params), t * p * d * cp
+    plan = plan_reshard(params, train, GenLayout(tg), grouping)
+    for groups in (plan.gen_tp_groups, plan.micro_dp_groups):
+        assert sorted(r for g in groups for r in g) == list(range(world))
+        assert all(len({train.coord(r).cp for r in g}) == 1 for g in groups)  # never across CP ranks
+    want = {"hybridflow": Fraction(t * p - tg, tg * t * p), "vanilla": Fraction(t * p - 1, t * p)}[grouping] * m
+    assert all(plan.bytes_received(r) == want for r in range(world))
+    assert all(train.coord(t_.src).cp == train.coord(t_.dst).cp for t_ in plan.transfers)
+    served = {plan.generation_replica(r) for r in range(world) if plan.gen_coords[r].tg_rank == 0
+              and plan.gen_coords[r].pg_stage == 0}
+    count = d * cp * t * p // tg
+    assert served == {(i, count) for i in range(count)}
+    every = {(x.name, r, b) for x in params for r in range(t) for b in range(x.spec.blocks)}
+    for group in plan.gen_tp_groups:
+        if grouping == "hybridflow":
+            pieces = [piece for r in group for piece in plan.needed[r]]
+            assert len(pieces) == len(set(pieces)) and set(pieces) == every if p == 1 else True
+
+
+def test_the_full_baseline_is_refused_at_cp_above_1():
+    with pytest.raises(ValueError, match="cp = 2"):
+        plan_reshard(uniform_params(), ParallelDims(tp=2, cp=2), GenLayout(1), "full")
