@@ -151,9 +151,11 @@ class MlflowLogger:
         state = json.loads(self._state.read_text())
         if state.get("tracking_uri") != self.uri:
             return None
+        from mlflow.exceptions import MlflowException
+
         try:
             run = self._client.get_run(state["run_id"])
-        except Exception:  # deleted or purged on the server: start a new run
+        except MlflowException:  # purged, or not this store's: start a new run
             return None
         return run.info.run_id if run.info.lifecycle_stage == "active" else None
 
