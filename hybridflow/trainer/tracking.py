@@ -47,15 +47,13 @@ CONSOLE_METRICS = (
 class _Logger(Protocol):
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, failed: bool = False) -> None: ...  # failed: the run ended in an error
 
 
-class _FileLogger(Protocol):
+class _FileLogger(_Logger, Protocol):
     """A logger that also keeps files (plots, models) with the run: wandb, mlflow."""
 
     def add_artifact(self, path: Path, kind: str) -> None: ...
-
-    def close(self, failed: bool = False) -> None: ...
 
 
 # --- metrics.jsonl ------------------------------------------------------------
@@ -144,7 +142,7 @@ class JsonlLogger:
             self._file.write(_dump({"step": step, **metrics}) + "\n")
             self._file.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         with self._named_errors():
             self._file.close()
 
@@ -213,7 +211,7 @@ class ConsoleLogger:
         # sys.stdout is looked up per call so redirection after start is honoured.
         print(self.line(step, metrics), file=self.stream or sys.stdout, flush=True)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         pass
 
 
@@ -245,7 +243,7 @@ class TensorboardLogger:
             self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self._writer is not None:
             self._writer.close()
 
@@ -332,10 +330,7 @@ class Tracker:
             return
         self._closed = True
         for logger in self.loggers.values():
-            if hasattr(logger, "add_artifact"):
-                typing.cast(_FileLogger, logger).close(failed=failed)
-            else:
-                logger.close()
+            logger.close(failed=failed)
 
     def __enter__(self) -> "Tracker":
         return self
