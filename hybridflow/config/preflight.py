@@ -4,13 +4,15 @@
 plan and the model (`validate.check_plan`), then asks the machine: the run
 directory can be written and holds no previous run it would clobber, the
 paths named exist, a Ray address answers, env.function loads, vLLM imports
-when it is the engine, and torch reaches CUDA when the device is "cuda".
+when it is the engine, the libraries of the wandb / mlflow loggers are
+installed, and torch reaches CUDA when the device is "cuda".
 The trainer calls it once it has read the model's config.json
 (`config/inputs.py`, `load_model_config`). Each failure is a `ConfigError`
 naming the key to change.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import tempfile
@@ -100,6 +102,25 @@ def _check_vllm(cfg: Config) -> None:
     import_vllm()
 
 
+# trainer.loggers that need a library of their own: (module, pip install line).
+LOGGER_LIBRARIES = {
+    "wandb": ("wandb", "pip install 'hybridflow[wandb]' (or: pip install wandb)"),
+    "mlflow": ("mlflow", "pip install 'hybridflow[mlflow]' (or: pip install mlflow-skinny)"),
+}
+
+
+def check_logger_library(name: str) -> None:
+    """A ConfigError naming trainer.loggers and the pip command when logger `name`'s library is missing.
+
+    Asked of the import system without importing (wandb's import alone takes a good part of a second)."""
+    if name not in LOGGER_LIBRARIES:
+        return
+    module, install = LOGGER_LIBRARIES[name]
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError("trainer.loggers", f"{name!r} needs the {module} package, which is not installed: "
+                          f"{install}; or drop {name!r} from trainer.loggers")
+
+
 def check_runnable(cfg: Config, plan: RunPlan, model: "DecoderConfig",
                    critic_model: Optional["DecoderConfig"] = None) -> None:
     """ConfigError for what the config, its run plan and the models' own config.json / the machine cannot
@@ -109,6 +130,8 @@ def check_runnable(cfg: Config, plan: RunPlan, model: "DecoderConfig",
     """
     check_plan(cfg, plan, model, critic_model)
     _check_vllm(cfg)
+    for name in cfg.trainer.loggers:
+        check_logger_library(name)
     _check_output_dir(plan.run_dir)
     _check_ray_address(cfg)
     _check_previous_run(cfg, plan.run_dir)

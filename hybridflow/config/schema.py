@@ -16,7 +16,7 @@ EngineName = Literal["builtin", "vllm"]
 ENGINES: tuple[str, ...] = get_args(EngineName)
 
 # The metrics backends trainer/tracking.py builds (its LOGGERS): checked by the loader like any choice.
-LoggerName = Literal["console", "jsonl", "tensorboard"]
+LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The trainer: the PPO/GRPO loop on the single controller and its plumbing.
 
-- tracking.py: Tracker (console, metrics.jsonl, TensorBoard), read_metrics
+- tracking.py: Tracker (console, metrics.jsonl, TensorBoard), read_metrics;
+  tracking_services.py: its wandb and mlflow loggers (optional extras)
 - checkpointing.py: a run's save and resume (every group's shards and
   trainer.json, torchrun's broadcasts), on `hybridflow.checkpoint`
 - plot.py: plot_run, behind `hybridflow plot RUN_DIR`

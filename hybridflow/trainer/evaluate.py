@@ -1,14 +1,20 @@
 """Greedy held-out evaluation of HF models on a prompt dataset: `hybridflow eval`.
 
     hybridflow eval data/addition-chat/test.parquet --model BEFORE --model AFTER \
-        --reward arithmetic_chat --reward arithmetic_chat_lenient --examples 4
+        --reward arithmetic_chat --reward arithmetic_chat_lenient --examples 4 [--engine vllm]
 
-Each model answers every prompt greedily on the built-in generator (prompts
-rendered as training renders them: :class:`PromptDataset` with the chat
-template), and each named reward scores the answers. Several rewards read the
-same answers differently, e.g. a strict and a lenient reading, to tell a real
-gain from a formatting one. With two models, the report ends with prompts
-whose answers changed.
+Each model answers every prompt greedily (prompts rendered as training
+renders them: :class:`PromptDataset` with the chat template), and each named
+reward scores the answers. Several rewards read the same answers differently,
+e.g. a strict and a lenient reading, to tell a real gain from a formatting
+one. With two models, the report ends with prompts whose answers changed.
+
+`engine` is the rollout engine that generates: "builtin" (the default) or
+"vllm", both built by the rollout factory (`rollout/factory.py`, through
+`load_hf_model`) as the trainer builds them, so a model trained with vLLM
+rollouts is evaluated on the engine that generated its training samples.
+The scorer is the same for both. vLLM missing is an error naming the pip
+command, never a silent fall back to the built-in engine.
 """
 from __future__ import annotations
 
@@ -18,7 +24,8 @@ from typing import Sequence
 
 import torch
 
-from hybridflow.config.schema import DataConfig
+from hybridflow.config.schema import ENGINES, DataConfig
+from hybridflow.errors import ConfigError
 from hybridflow.data.dataset import PromptDataset
 from hybridflow.rewards.registry import get_reward_fn
 
@@ -31,24 +38,42 @@ class Evaluation:
     prompts: list[str]  # the user's question (last message)
     responses: list[str]
     scores: dict[str, list[float]]  # reward name -> one score per prompt
+    engine: str = "builtin"  # the engine that generated the responses
 
     def accuracy(self, reward: str) -> float:
         values = self.scores[reward]
         return sum(v >= 1.0 for v in values) / len(values)
 
 
-@torch.no_grad()
-def evaluate(model_dir: str | Path, data_files: Sequence[str | Path], rewards: Sequence[str] = ("default",),
-             limit: int = 0, max_new_tokens: int = 64, batch_size: int = 64) -> Evaluation:
+def _load(model_dir: str | Path, engine: str):
+    """The model at `model_dir` generating on `engine`; ConfigError naming --engine when it cannot."""
     from hybridflow.rollout.hf import load_hf_model
 
-    model = load_hf_model(model_dir)
+    if engine not in ENGINES:
+        raise ConfigError("--engine", f"{engine!r} is not one of {list(ENGINES)}")
+    if engine == "vllm":
+        from hybridflow.rollout.vllm_backend import VLLMUnavailable, import_vllm
+
+        try:
+            import_vllm()
+        except VLLMUnavailable as exc:  # its message names rollout.engine, the trainer's key
+            raise ConfigError("--engine", str(exc).removeprefix(f"{exc.path}: ")) from exc
+    model = load_hf_model(model_dir, engine=engine)
+    if model.engine != engine:  # load_hf_model falls back to the built-in engine; an evaluation must not
+        raise ConfigError("--engine", f"{engine!r} could not be built for {model_dir} (got {model.engine!r})")
+    return model
+
+
+@torch.no_grad()
+def evaluate(model_dir: str | Path, data_files: Sequence[str | Path], rewards: Sequence[str] = ("default",),
+             limit: int = 0, max_new_tokens: int = 64, batch_size: int = 64, engine: str = "builtin") -> Evaluation:
+    model = _load(model_dir, engine)
     data = PromptDataset(DataConfig(max_prompt_length=1 << 20, apply_chat_template=True), model.tokenizer,
                          list(data_files))
     count = min(len(data), limit or len(data))
     params = model.sampling_params(max_new_tokens)  # greedy, EOS stops
     fns = {name: get_reward_fn(name) for name in rewards}
-    result = Evaluation(str(model_dir), [], [], {name: [] for name in rewards})
+    result = Evaluation(str(model_dir), [], [], {name: [] for name in rewards}, engine)
     for start in range(0, count, batch_size):
         items = [data[i] for i in range(start, min(start + batch_size, count))]
         batch = data.collate(items)
@@ -63,7 +88,8 @@ def evaluate(model_dir: str | Path, data_files: Sequence[str | Path], rewards: S
 
 def report(results: Sequence[Evaluation], examples: int = 4) -> str:
     names = list(results[0].scores)
-    lines = [f"{len(results[0].prompts)} held-out prompts, greedy"]
+    engines = ", ".join(dict.fromkeys(r.engine for r in results))
+    lines = [f"{len(results[0].prompts)} held-out prompts, greedy ({engines} engine)"]
     for r in results:
         lines.append(f"  {r.model}: " + ", ".join(f"{n} {r.accuracy(n):.1%}" for n in names))
     if len(results) == 2 and examples:

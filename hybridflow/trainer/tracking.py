@@ -1,4 +1,4 @@
-"""Per-step metrics to the console, `metrics.jsonl` and TensorBoard.
+"""Per-step metrics to the console, `metrics.jsonl`, TensorBoard, Weights & Biases and MLflow.
 
     tracker = Tracker(run_dir, ["console", "jsonl"], total_steps=100)
     tracker.log(step, {"reward/mean": 0.4, "actor/kl": 1e-3})
@@ -8,8 +8,11 @@ The single controller owns the one Tracker of a run; workers return metrics
 to it rather than logging themselves. `metrics.jsonl` is the run's record
 (`hybridflow plot` reads it): one `{"step": s, ...}` object per line, flushed
 each step, NaN written as `null` and infinities as `"inf"`/`"-inf"` so the file
-stays strict JSON. Simplified relative to verl's tracking: no wandb/mlflow
-backends; a new backend is one class with `log` and `close` added to LOGGERS.
+stays strict JSON. The wandb and mlflow loggers (`tracking_services.py`, each
+an optional extra imported only when named) also take the run's config and,
+through `add_artifact`, the run's plot and exported model. A new backend is
+one class with `log` and `close` (and `add_artifact` where files go) added to
+LOGGERS.
 """
 from __future__ import annotations
 
@@ -44,7 +47,13 @@ CONSOLE_METRICS = (
 class _Logger(Protocol):
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, failed: bool = False) -> None: ...  # failed: the run ended in an error
+
+
+class _FileLogger(_Logger, Protocol):
+    """A logger that also keeps files (plots, models) with the run: wandb, mlflow."""
+
+    def add_artifact(self, path: Path, kind: str) -> None: ...
 
 
 # --- metrics.jsonl ------------------------------------------------------------
@@ -133,7 +142,7 @@ class JsonlLogger:
             self._file.write(_dump({"step": step, **metrics}) + "\n")
             self._file.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         with self._named_errors():
             self._file.close()
 
@@ -202,7 +211,7 @@ class ConsoleLogger:
         # sys.stdout is looked up per call so redirection after start is honoured.
         print(self.line(step, metrics), file=self.stream or sys.stdout, flush=True)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         pass
 
 
@@ -234,7 +243,7 @@ class TensorboardLogger:
             self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self._writer is not None:
             self._writer.close()
 
@@ -243,34 +252,54 @@ LOGGERS = typing.get_args(LoggerName)
 
 
 class Tracker:
-    """Sends each step's metrics to the named loggers ("console", "jsonl", "tensorboard").
+    """Sends each step's metrics to the named loggers (console, jsonl, tensorboard, wandb, mlflow).
 
     `resume_from_step=k` continues a run that is resuming from the checkpoint
     of step k: metrics.jsonl records with step > k (written after that
     checkpoint, before the crash) are dropped so no step appears twice, and
-    the console ETA counts only steps done since k. Without it, an existing
-    metrics.jsonl is appended to; pass 0 to start it afresh.
+    the console ETA counts only steps done since k; TensorBoard, W&B and
+    MLflow drop them their own ways (`tracking_services.py`). Without it, an
+    existing metrics.jsonl is appended to; pass 0 to start it afresh.
+
+    `config` (nested plain data, `config.loader.to_dict`), `project` and
+    `name` (default: the run directory's name) describe the run to W&B and
+    MLflow; the other loggers ignore them.
     """
 
     def __init__(self, run_dir: Path | str, loggers: list[str], total_steps: int, *,
-                 resume_from_step: Optional[int] = None, stream: Optional[TextIO] = None):
-        for name in loggers:
-            if name not in LOGGERS:
-                close = nearest_name(name, LOGGERS)
+                 resume_from_step: Optional[int] = None, stream: Optional[TextIO] = None,
+                 config: Optional[dict] = None, project: str = "hybridflow", name: Optional[str] = None):
+        for logger_name in loggers:
+            if logger_name not in LOGGERS:
+                close = nearest_name(logger_name, LOGGERS)
                 hint = f"did you mean {close!r}? " if close else ""
-                raise ValueError(f"unknown logger {name!r}: {hint}valid loggers: {', '.join(LOGGERS)}")
+                raise ValueError(f"unknown logger {logger_name!r}: {hint}valid loggers: {', '.join(LOGGERS)}")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
-        self._loggers: list[_Logger] = []
-        for name in dict.fromkeys(loggers):  # a name given twice logs once
-            if name == "console":
-                self._loggers.append(ConsoleLogger(total_steps, resume_from_step or 0, stream))
-            elif name == "jsonl":
-                self._loggers.append(JsonlLogger(self.run_dir, resume_from_step))
-            else:
-                self._loggers.append(TensorboardLogger(self.run_dir, resume_from_step))
+        self.loggers: dict[str, _Logger] = {}  # a name given twice logs once
         self._closed = False
+        try:
+            for logger_name in loggers:
+                if logger_name not in self.loggers:
+                    self.loggers[logger_name] = self._build(logger_name, resume_from_step, stream, config or {},
+                                                            project, name or self.run_dir.name)
+        except BaseException:
+            self.close(failed=True)  # the loggers already started (a W&B run) end, not linger
+            raise
+
+    def _build(self, logger_name: str, resume_from_step: Optional[int], stream: Optional[TextIO],
+               config: dict, project: str, name: str) -> _Logger:
+        if logger_name == "console":
+            return ConsoleLogger(self.total_steps, resume_from_step or 0, stream)
+        if logger_name == "jsonl":
+            return JsonlLogger(self.run_dir, resume_from_step)
+        if logger_name == "tensorboard":
+            return TensorboardLogger(self.run_dir, resume_from_step)
+        from hybridflow.trainer import tracking_services
+
+        cls = tracking_services.WandbLogger if logger_name == "wandb" else tracking_services.MlflowLogger
+        return cls(self.run_dir, resume_from_step, tracking_services.flatten(config), project, name)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record `metrics` for `step` in every logger."""
@@ -279,19 +308,32 @@ class Tracker:
         if "step" in metrics:
             raise ValueError("'step' is reserved for the step number; rename that metric")
         clean = {k: _to_number(k, v) for k, v in metrics.items()}
-        for logger in self._loggers:
+        for logger in self.loggers.values():
             logger.log(int(step), clean)
 
-    def close(self) -> None:
-        """Flush and close every logger; calling it twice is harmless."""
+    def add_artifact(self, path: Path | str, kind: str) -> None:
+        """Keep the file or directory `path` with the run, under `kind` ("plots", "hf_actor"), in every
+        logger that keeps files (wandb, mlflow); the others have it in the run directory already."""
+        if self._closed:
+            raise RuntimeError("Tracker.add_artifact after close()")
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"artifact {path} does not exist")
+        for logger in self.loggers.values():
+            if hasattr(logger, "add_artifact"):
+                typing.cast(_FileLogger, logger).add_artifact(path, kind)
+
+    def close(self, failed: bool = False) -> None:
+        """Flush and close every logger (`failed`: W&B and MLflow mark the run failed); calling it twice is
+        harmless."""
         if self._closed:
             return
         self._closed = True
-        for logger in self._loggers:
-            logger.close()
+        for logger in self.loggers.values():
+            logger.close(failed=failed)
 
     def __enter__(self) -> "Tracker":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(failed=exc_type is not None)

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from hybridflow.algos import build_kl_controller
+from hybridflow.config.loader import to_dict
 from hybridflow.config.inputs import check_prompt_count, load_model_config, load_reward_function, load_tokenizer
 from hybridflow.config.plan import RunPlan
 from hybridflow.config.preflight import check_runnable
@@ -445,13 +446,16 @@ class RLTrainer:
             self.ckpt.clear()  # else a crash before the first save would leave the old run to resume
         # A fresh run (start 0) in an existing run directory starts a new metrics file.
         tracker = Tracker(self.run_dir, t.loggers if self.is_main else [], t.total_steps,
-                          resume_from_step=start if start > 0 else -1)
+                          resume_from_step=start if start > 0 else -1, config=to_dict(self.cfg),
+                          project=t.project, name=t.experiment)
         summary: dict[str, Any] = {"run_dir": self.run_dir}
-        try:
+        with tracker:  # a raised error closes it as failed (W&B and MLflow mark the run)
             with GracefulInterrupt() as interrupt:
                 self._loop(start, stop_after, tracker, summary, interrupt)
-        finally:
-            tracker.close()
-        if "jsonl" in t.loggers and self.is_main:
-            summary["plots"] = plot_run(self.run_dir)
+            if "jsonl" in t.loggers and self.is_main:
+                summary["plots"] = plot_run(self.run_dir)
+            for path in summary.get("plots", []):
+                tracker.add_artifact(path, "plots")
+            if "hf_actor" in summary and self.is_main:
+                tracker.add_artifact(summary["hf_actor"], "hf_actor")
         return summary

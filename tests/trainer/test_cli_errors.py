@@ -131,7 +131,8 @@ CONFIG = {
     "device tpu": (lambda t: ["trainer.device=tpu"], 2, "trainer.device: 'tpu' is not one of ['cpu', 'cuda']"),
     "rollout engine sglang": (lambda t: ["rollout.engine=sglang"], 2, "rollout.engine: 'sglang' is not one of"),
     "logger wandbx": (lambda t: ["trainer.loggers=[jsonl,wandbx]"], 2,
-                      "trainer.loggers[1]: 'wandbx' is not one of ['console', 'jsonl', 'tensorboard']"),
+                      "trainer.loggers[1]: 'wandbx' is not one of ['console', 'jsonl', 'tensorboard', 'wandb', 'mlflow'] "
+                      "(did you mean 'wandb'?)"),
     "train_batch_size 0": (lambda t: ["data.train_batch_size=0"], 2, "data.train_batch_size: must be >= 1, got 0"),
     "mini-batch 0": (lambda t: ["actor.ppo_mini_batch_size=0"], 2, "actor.ppo_mini_batch_size: must be >= 1, got 0"),
     "n 0": (lambda t: ["rollout.n=0"], 2, "rollout.n: must be >= 1, got 0"),

