@@ -111,10 +111,6 @@ def _check_not_built(cfg: Config, plan: RunPlan) -> None:
             raise ConfigError(f"{path}.cp", f"context parallelism runs at pipeline size 1; the layout has "
                               f"pp = {par.pp} and cp = {par.cp} (the engine does not pipeline CP chunks)")
     a = cfg.actor.parallel
-    if a.cp > 1 and a.tp > 1:
-        raise ConfigError("actor.parallel.cp", f"{a.cp} at tp = {a.tp}: the 3D-HybridEngine's reshard plan "
-                          "does not place the CP ranks of a replica yet (at tp = 1 each rank generates from its "
-                          "whole weights)")
     if a.cp > 1 and plan.rollout_apart:
         raise ConfigError("actor.parallel.cp", f"{a.cp}: a rollout group placed apart from training is fed "
                           "from cp = 1 layouts only (colocate the rollout at cp > 1)")

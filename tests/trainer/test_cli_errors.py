@@ -211,8 +211,6 @@ CONFIG = {
     "context parallelism with shared-prompt rows": (
         lambda t: ["trainer.n_devices=2", "actor.parallel.cp=2", "rollout.log_prob_share_prompts=true"], 2,
         "rollout.log_prob_share_prompts: shared-prompt rows need context-parallel size 1"),
-    "context parallelism at tp 2": (lambda t: ["trainer.n_devices=4", "actor.parallel.cp=2", "actor.parallel.tp=2"], 2,
-                                    "actor.parallel.cp: 2 at tp = 2: the 3D-HybridEngine's reshard plan"),
     "override without =": (lambda t: ["trainer.total_steps"], 2,
                            "override 'trainer.total_steps' must look like key.path=value"),
     "override with an empty key": (lambda t: ["=3"], 2, "override '=3' has an empty key"),
