@@ -1,7 +1,10 @@
 """Context parallelism combined with tensor parallelism, through the trainer on Ray (issue 41, item 5)."""
 import pytest
+import torch
 
-from tests.trainer.test_distributed_trainer import _assert_same_metrics, run
+from hybridflow.cli import main
+from hybridflow.models.checkpoint import load_hf_state_dict
+from tests.trainer.test_distributed_trainer import ROOT, _assert_same_metrics, run
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(400)]
 
@@ -10,16 +13,25 @@ def test_grpo_at_tp2_cp2_on_four_ray_workers_matches_the_single_process_run(tmp_
     """The actor at TP2 x CP2 on four Ray processes (one DP replica): each TP pair of a CP index gathers its
     generation weights itself (the 3D-HybridEngine's plan counts every CP rank as one more generation
     replica, so 4 replicas at tg = 1), each CP rank runs its load-balanced chunks through TP2 layers. Two
-    steps' learned metrics equal one process's up to summation order."""
+    steps' learned metrics equal one process's up to summation order. Its checkpoint (written by the CP
+    rank 0 of each TP rank: CP ranks hold the same weights) converts with `hybridflow reshard` to the HF
+    model the run exported, bit for bit."""
     from tests.trainer.test_trainer import learned
 
-    common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0", "actor.ppo_mini_batch_size=8"]
-    _, records = run("tiny-grpo.yaml", tmp_path / "tp2cp2", "trainer.n_devices=4", "trainer.launcher=ray",
-                     "actor.parallel.tp=2", "actor.parallel.cp=2", *common)
-    _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
+    common = ["trainer.total_steps=2", "trainer.val_every=0", "actor.ppo_mini_batch_size=8"]
+    summary, records = run("tiny-grpo.yaml", tmp_path / "tp2cp2", "trainer.n_devices=4", "trainer.launcher=ray",
+                           "actor.parallel.tp=2", "actor.parallel.cp=2", "trainer.save_every=2", *common)
+    _, single = run("tiny-grpo.yaml", tmp_path / "one", "trainer.save_every=0", *common)
     assert [r["step"] for r in records] == [r["step"] for r in single]
     tpcp, one = learned(records), learned(single)
     worst = max(abs(tpcp[step][key] - value) / abs(value)
                 for step in (1, 2) for key, value in one[step].items() if abs(value) > 1e-5 and key in tpcp[step])
     print(f"grpo at tp2 cp2 against one process: worst relative difference {worst:.3g}")
     _assert_same_metrics({"one": single, "tp2cp2": records}, (1, 2))
+
+    run_dir = summary["run_dir"]
+    assert main(["reshard", str(run_dir / "checkpoints" / "step_000002"), str(tmp_path / "hf"), "--to", "hf",
+                 "--config", str(ROOT / "hybridflow/assets/demo_model"), "--no-progress"]) == 0
+    converted, exported = load_hf_state_dict(tmp_path / "hf"), load_hf_state_dict(run_dir / "hf_actor")
+    assert sorted(converted) == sorted(exported)
+    assert all(torch.equal(converted[k], exported[k]) for k in exported)
