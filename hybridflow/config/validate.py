@@ -107,9 +107,6 @@ def _check_not_built(cfg: Config, plan: RunPlan) -> None:
     for path, par in engine_parallel(cfg).values():
         if par.virtual_pp is not None:
             raise ConfigError(f"{path}.virtual_pp", "the interleaved pipeline schedule is not built yet")
-        if par.cp > 1 and par.pp > 1:
-            raise ConfigError(f"{path}.cp", f"context parallelism runs at pipeline size 1; the layout has "
-                              f"pp = {par.pp} and cp = {par.cp} (the engine does not pipeline CP chunks)")
     a = cfg.actor.parallel
     if a.cp > 1 and plan.rollout_apart:
         raise ConfigError("actor.parallel.cp", f"{a.cp}: a rollout group placed apart from training is fed "

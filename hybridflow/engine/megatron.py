@@ -374,12 +374,20 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         cp, s = self.layout.cp, ids.shape[1]
-        width = padded_width(s, 2 * cp * self._sequence_split)  # under SP each rank's chunks split over tp
+        width = self._pipeline_width(s)  # 2*cp chunks; under SP each rank's chunks split over tp
         ids = torch.nn.functional.pad(ids, (0, width - s))
         causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=ids.device), 1)[None, None]
         local, positions = cp_split(ids, cp, self.coord.cp)
         output = model(local, positions[None].expand_as(local), causal)
+        if not ps.is_pipeline_last_stage():  # this stage's activations of its chunks go to the next stage
+            return output
         return gather_output(output, ps.get_context_parallel_group())[:, :s]
+
+    def _pipeline_width(self, s: int) -> int:
+        """The row width the forward pass runs at, from which megatron-core's schedule sizes the activations
+        its stages send (it divides by cp, and by tp under sequence parallelism, itself)."""
+        multiple = self._sequence_split * (2 * self.layout.cp if self.layout.cp > 1 else 1)
+        return padded_width(s, multiple)
 
     @property
     def _sequence_split(self) -> int:
@@ -415,7 +423,7 @@ class MegatronEngine:
         sees the same [b, S, ...] output either way. share_prompts=True runs
         the rows that share a prompt as one row, the prompt computed once
         (`share_prompt_rows`; pp = 1, cp = 1, full attention; each micro-batch
-        holds RESPONSES, which mark where prompts end). At cp > 1 (pp = 1, padded rows only) each CP rank
+        holds RESPONSES, which mark where prompts end). At cp > 1 (padded rows only) each CP rank
         runs its load-balanced chunks of every row and step_fn sees the whole output, gathered, on every
         CP rank (`_context_parallel_forward`). Under sequence
         parallelism each row is padded on the right to a multiple of tp columns
@@ -429,8 +437,6 @@ class MegatronEngine:
         windowed = any(w is not None for w in self.cfg.layer_windows)
         if packed and (self.layout.pp > 1 or self.layout.cp > 1 or windowed):
             raise ValueError("packed micro-batches need pp = 1, cp = 1 and full attention in every layer")
-        if self.layout.cp > 1 and self.layout.pp > 1:
-            raise NotImplementedError("context parallelism with pipeline stages is not wired (pp > 1, cp > 1)")
         if share_prompts and (packed or self.layout.pp > 1 or self.layout.cp > 1 or windowed):
             raise ValueError("shared-prompt micro-batches need pp = 1, cp = 1, full attention in every layer "
                              "and no token packing")
@@ -443,7 +449,7 @@ class MegatronEngine:
                 forward_step_func=functools.partial(self._forward_step, step_fn, packed, share_prompts),
                 data_iterator=iter(data), model=[self.model],
                 num_microbatches=len(data),
-                seq_length=padded_width(data[0][0][F.INPUT_IDS].shape[1], self._sequence_split),
+                seq_length=self._pipeline_width(data[0][0][F.INPUT_IDS].shape[1]),
                 micro_batch_size=data[0][0][F.INPUT_IDS].shape[0], forward_only=forward_only)
         return self._from_last_stage(to_cpu(reports))  # reports leave the engine as CPU tensors, like batches
 

@@ -11,8 +11,8 @@ Placements (HybridFlow's auto-mapping, §6 of the paper, restricted to what hybr
   apart: every rollout process holds the whole model, refreshed by a broadcast), actor and critic apart.
 
 Parallel sizes: training `p-t-d` per role (TP within a node, dividing heads, KV heads and MLP features;
-PP dividing the layers), and context parallelism `c` where the engine builds it (tp = pp = 1, padded rows:
-no packing or shared prompts, not with a rollout placed apart), generation `tg` dividing the actor's TP,
+PP dividing the layers), and context parallelism `c` where the engine builds it (padded rows: no packing or
+shared prompts, not with a rollout placed apart; tp x c inside a node), generation `tg` dividing the actor's TP,
 replicas = devices / tg. A candidate
 is kept only where the config's batch arithmetic splits evenly (mini-batch rows over each DP degree,
 prompts over generation replicas), as `config/validate.py` demands. Memory is checked against a usable
@@ -74,17 +74,18 @@ class Candidate:
 def layouts(world: int, model: DecoderConfig, device: DeviceSpec, wl: Workload,
             context_parallel: bool = True) -> list[ParallelDims]:
     """Every p-t-d(-c) of `world` devices the model splits into and the batch arithmetic allows; cp > 1 only
-    where the config accepts it (tp = pp = 1, no packed or shared-prompt rows) and `context_parallel`."""
+    where the config accepts it (no packed or shared-prompt rows) and `context_parallel`, with tp x cp inside a
+    node (the CP exchange runs every layer)."""
     out = []
     for tp in (1, 2, 4, 8, 16):
         if tp > device.devices_per_node or model.num_heads % tp or model.num_kv_heads % tp \
                 or model.intermediate_size % tp:
             continue
         for pp in (1, 2, 4, 8, 16):
-            cps = (1, 2, 4, 8) if context_parallel and tp == pp == 1 and not wl.packed_rows else (1,)
+            cps = (1, 2, 4, 8) if context_parallel and not wl.packed_rows else (1,)
             for cp in cps:
                 dp = ParallelDims.data_parallel_size(world, tp=tp, pp=pp, cp=cp)
-                if model.num_layers % pp or dp is None or cp > device.devices_per_node:
+                if model.num_layers % pp or dp is None or tp * cp > device.devices_per_node:
                     continue
                 if wl.mini_batch_rows % dp or wl.prompts % dp:
                     continue

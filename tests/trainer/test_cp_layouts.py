@@ -35,3 +35,14 @@ def test_grpo_at_tp2_cp2_on_four_ray_workers_matches_the_single_process_run(tmp_
     converted, exported = load_hf_state_dict(tmp_path / "hf"), load_hf_state_dict(run_dir / "hf_actor")
     assert sorted(converted) == sorted(exported)
     assert all(torch.equal(converted[k], exported[k]) for k in exported)
+
+
+def test_grpo_at_pp2_cp2_on_four_ray_workers_matches_the_single_process_run(tmp_path):
+    """The actor at PP2 x CP2: megatron-core's 1F1B schedule sends each CP rank's chunks' activations from
+    the first stage to the second (the schedule sizes them width / cp), the last stage gathers the output
+    over the CP group; the reshard plan gathers the stages per CP index. Two steps equal one process."""
+    common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0", "actor.ppo_mini_batch_size=8"]
+    _, records = run("tiny-grpo.yaml", tmp_path / "pp2cp2", "trainer.n_devices=4", "trainer.launcher=ray",
+                     "actor.parallel.pp=2", "actor.parallel.cp=2", *common)
+    _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
+    _assert_same_metrics({"one": single, "pp2cp2": records}, (1, 2))
