@@ -133,3 +133,23 @@ class RoleGroup:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.group!r})"
+
+
+def run_together(*calls: Callable[[], Any]) -> list[Any]:
+    """Run group calls at the same time, one driver thread each; their results in order.
+
+    For calls on *different* groups whose workers meet in one collective (a
+    process group spanning both): run one after the other, the first would
+    wait for the second forever. The first failure is raised once all have
+    ended (a group's failure tears its processes down, which breaks the
+    other group's side of the collective too).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        errors = [f.exception() for f in futures]
+    for error in errors:
+        if error is not None:
+            raise error
+    return [f.result() for f in futures]

@@ -42,12 +42,13 @@ class ActorWorkerSpec:
 
 @dataclass(frozen=True)
 class RolloutWorkerSpec:
-    """Rollout on devices apart from training."""
+    """Rollout on devices apart from training, at rollout.tg."""
 
     run: Run
     model: ModelConfig
     rollout: RolloutConfig
     max_response_length: int
+    train_layout: ParallelDims  # the actor's layout, whose shards it receives (and whose padded vocabulary)
     env: EnvConfig = field(default_factory=EnvConfig)
 
 
