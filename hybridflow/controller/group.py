@@ -19,7 +19,7 @@ import functools
 from typing import Any, Callable, Concatenate, Optional, ParamSpec, TypeVar
 
 from hybridflow.controller.dispatch import (Dispatch, MeshCoord, call_batch, check_mesh, flat_mesh, method_mesh,
-                                            registered_methods, strip_padding)
+                                            registered_methods, strip_padding, tensor_bytes)
 from hybridflow.controller.resource_pool import ResourcePool
 from hybridflow.controller.worker import Worker
 
@@ -37,6 +37,7 @@ class WorkerGroup:
         self._modes = registered_methods(worker_cls)
         self._meshes: dict[str, list[MeshCoord]] = {}
         self.shipped_bytes = 0  # tensor bytes the calls so far delivered to the ranks (each transport counts)
+        self.received_bytes = 0  # tensor bytes the calls' answers brought back to the caller (the driver)
 
     def _set_meshes(self, per_rank: list[dict[str, MeshCoord]]) -> None:
         """Every rank's registered mesh coordinates (rank order), checked to form whole replicas."""
@@ -78,7 +79,9 @@ class WorkerGroup:
         if mode is Dispatch.DP_SPLIT:  # only the fields the method reads; padded to equal shares
             replicas = self._mesh_of(name, mode)[0].dp_size
             args, real = call_batch(getattr(self.worker_cls, name), tuple(args), replicas)
-        return strip_padding(self._call(name, mode, args, kwargs), real)
+        out = strip_padding(self._call(name, mode, args, kwargs), real)
+        self.received_bytes += tensor_bytes(out)
+        return out
 
     def _call(self, name: str, mode: Dispatch, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError  # each transport implements it

@@ -21,12 +21,15 @@ dim each of a parameter's `blocks` is cut into `t` training and `tg`
 generation ranges, and training rank `r` sends generation rank `j` their
 intersection (empty unless they overlap), block by block.
 
-Who sends. Rollout replica `q` is fed by training replica `q % d`, so the
-`d` copies of the model share the sending. Within it the holder of the piece
-(the stage's training TP rank whose range overlaps) sends; a replicated tensor
-(norms) comes from training TP rank `j % t`, spreading those too. One slice
-goes once to every rollout rank that needs it, as one broadcast over the
-group {sender, those rollout ranks}: its bytes are counted once per receiver.
+Who sends. A slice of generation TP rank `j`'s shard goes, in one broadcast,
+to rank `j` of every rollout replica. Its sender is one of the training
+ranks that hold it: the `d` copies of its piece (the stage's training TP
+rank whose range overlaps, in each replica; for a replicated tensor, such as
+a norm, TP rank `j % t`, which spreads those over the TP ranks and at
+t = tg keeps each generation rank on one sender); among them the one with the fewest
+bytes assigned so far, slice by slice in plan order, so the training
+ranks share the sending evenly (a pure, deterministic choice). Its bytes
+are counted once per receiver.
 
 Buckets. A sender's slices for one group are packed into flat buffers of at
 most `bucket_bytes` (a larger slice travels alone): one broadcast per bucket.
@@ -148,14 +151,16 @@ def plan_apart(params: Iterable[ParamInfo], train: ParallelDims, tg: int, rollou
     plan = ApartPlan(train, tg, rollout_world, bucket_bytes)
     # (sender, receivers) -> that group's slices, in parameter order
     by_group: dict[tuple[int, tuple[int, ...]], list[Slice]] = {}
+    load = {rank: 0 for rank in range(n)}
     for j in range(tg):
-        for d in range(min(train.dp, replicas)):
-            dsts = tuple(n + q * tg + j for q in range(replicas) if q % train.dp == d)
-            for p in params:
-                stage = _stage(p.name, layers, train.pp)
-                for r, s in _slices_of(p, train.tp, tg, j):
-                    src = train.rank(Coord(tp=r, cp=0, dp=d, pp=stage))
-                    by_group.setdefault((src, dsts), []).append(s)
+        dsts = tuple(n + q * tg + j for q in range(replicas))
+        for p in params:
+            stage = _stage(p.name, layers, train.pp)
+            for r, s in _slices_of(p, train.tp, tg, j):
+                holders = [train.rank(Coord(tp=r, cp=0, dp=d, pp=stage)) for d in range(train.dp)]
+                src = min(holders, key=lambda h: (load[h], h))
+                load[src] += s.nbytes
+                by_group.setdefault((src, dsts), []).append(s)
     for (src, dsts), slices in sorted(by_group.items()):
         bucket: list[Slice] = []
         for s in slices:

@@ -378,8 +378,13 @@ class RLTrainer:
         groups = (*self._groups(), self.reward_model, self.separate_rollout)
         return sum(g.group.shipped_bytes for g in groups if g is not None)
 
+    def received_bytes(self) -> int:
+        """Tensor bytes the groups' answers have brought back to the controller so far."""
+        groups = (*self._groups(), self.reward_model, self.separate_rollout)
+        return sum(g.group.received_bytes for g in groups if g is not None)
+
     def train_step(self, step: int) -> dict[str, float]:
-        start, shipped = time.perf_counter(), self.shipped_bytes()
+        start, shipped, received = time.perf_counter(), self.shipped_bytes(), self.received_bytes()
         batch, metrics, flow = self.prepare(step)
         prepared = time.perf_counter()
         metrics.update(self.update(batch, step))
@@ -390,6 +395,9 @@ class RLTrainer:
         metrics["timing/step_s"] = time.perf_counter() - start
         metrics["perf/tokens_per_s"] = metrics["batch/tokens"] / metrics["timing/step_s"]
         metrics["controller/shipped_bytes"] = float(self.shipped_bytes() - shipped)
+        metrics["controller/received_bytes"] = float(self.received_bytes() - received)
+        # every tensor byte that passed through the driver this step, out to the groups and back
+        metrics["controller/driver_bytes"] = metrics["controller/shipped_bytes"] + metrics["controller/received_bytes"]
         metrics.update(self.sync_metrics)
         self.sync_metrics = {}
         return metrics

@@ -33,6 +33,7 @@ import torch
 from hybridflow.config.schema import ModelConfig, OptimConfig, ParallelConfig, RewardConfig
 from hybridflow.controller.dispatch import Dispatch, register
 from hybridflow.controller.group import RoleGroup, remote
+from hybridflow.controller.transfer import remote_rows
 from hybridflow.controller.worker import Worker
 from hybridflow.data import fields as F
 from hybridflow.data.tokenizer import Tokenizer
@@ -59,6 +60,9 @@ from hybridflow.rollout import RolloutBackend, hf_named, sync_weights
 from hybridflow.rollout.factory import build_backend
 from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutWorkerSpec, Run
 
+# Rollout fields the driver never reads (it reads masks, texts, scores): a rollout group apart leaves them in
+# the object store, and the training groups fetch them from there.
+LEFT_IN_STORE = (F.PROMPTS, F.RESPONSES, F.INPUT_IDS)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
@@ -319,10 +323,16 @@ class RolloutWorker(_Generates):
     @register(Dispatch.DP_SPLIT, mesh="generation")
     def generate(self, prompts: dict[str, Any], seed: int, validation: bool = False,
                  pad: bool = False) -> dict[str, Any]:
+        """As the actor's `generate`, except that the token fields the driver never reads stay in the object
+        store (`LEFT_IN_STORE`): the driver gets references, and the training groups' workers fetch the rows
+        from here (`controller.transfer.remote_rows`)."""
         if self.syncs == 0:
             raise RuntimeError("the rollout group apart has no weights yet: the actor's are broadcast into it "
                                "(receive_weights) before its first rollout")
-        return self.rollout.generate(prompts, seed, validation, pad)
+        out = self.rollout.generate(prompts, seed, validation, pad)
+        if self.spec.rows_in_object_store and self.rank % self.spec.rollout.tg == 0:  # it answers for its replica
+            out.update({name: remote_rows(out[name]) for name in LEFT_IN_STORE if name in out})
+        return out
 
     @register(Dispatch.RANK_ZERO)
     def hf_weights(self) -> dict[str, torch.Tensor]:
