@@ -131,10 +131,11 @@ def _check_engine(cfg: Config) -> None:
                           f"{ro.weight_bucket_mb}")
     if ro.engine != "vllm":
         return
-    if ro.tg > 1 and ro.tg < cfg.actor.parallel.tp and ro.grouping == "hybridflow":
+    if ro.tg > 1 and ro.tg < cfg.actor.parallel.tp and ro.grouping == "hybridflow" and not rollout_apart(cfg):
         # vLLM's tensor-parallel groups (distributed_executor_backend="external_launcher") are blocks of tg
         # consecutive ranks of the job's world; the paper's grouping puts a generation group's ranks at
-        # stride t/tg, so vLLM would pair ranks that do not share a generation shard.
+        # stride t/tg, so vLLM would pair ranks that do not share a generation shard. A rollout group apart
+        # has its own world, whose generation groups are consecutive ranks.
         raise ConfigError("rollout.grouping", f"'hybridflow' at tg={ro.tg} < actor.parallel.tp="
                           f"{cfg.actor.parallel.tp} puts a generation group's ranks {cfg.actor.parallel.tp // ro.tg}"
                           " apart; the vLLM engine's tensor-parallel groups are consecutive ranks. Use "
