@@ -32,7 +32,8 @@ sync: seconds, MiB each rollout rank received against the formula (its
 generation shard, `M_sharded / tg + M_replicated`) and against the plan,
 MiB the busiest training rank sent, collectives per rank. `vs tg1` = the
 tg = 1 sync's time / this one's (the whole model into every rollout rank,
-what the object-store path it replaced moved too).
+what the object-store path it replaced moved too); `exact` = every rollout
+rank then holds exactly its generation shard of the senders' model.
 
 `--tool [--model DIR]` measures the checkpoint resharding tool instead
 (`hybridflow reshard`, one process, no torchrun): each conversion of the HF
@@ -159,13 +160,14 @@ def _apart(cfg, train_kw: dict, tg: int, args) -> dict:
     world = SyncWorld(plan, rank, address[0], address[1], "cpu")
     layers = 1 + max(_layer(p.name) for p in params if _layer(p.name) is not None)
     g = torch.Generator().manual_seed(0)
+    full = {p.name: torch.randn(p.shape, generator=g) for p in params}  # the same model on every rank
+    j = (rank - train.world_size) % tg
     if rank < train.world_size:
         c = train.coord(rank)
-        mine = {p.name: shard_tensor(torch.randn(p.shape, generator=g), p.spec, c.tp, train.tp)
+        mine = {p.name: shard_tensor(full[p.name], p.spec, c.tp, train.tp)
                 for p in params if _stage(p.name, layers, train.pp) == c.pp}
     else:
-        mine = {p.name: shard_tensor(torch.empty(p.shape), p.spec, (rank - train.world_size) % tg, tg).clone()
-                for p in params}
+        mine = {p.name: torch.full_like(shard_tensor(full[p.name], p.spec, j, tg), float("nan")) for p in params}
     times, traffic = [], Traffic()
     for _ in range(args.repeats):
         traffic = Traffic()
@@ -177,10 +179,14 @@ def _apart(cfg, train_kw: dict, tg: int, args) -> dict:
             receive(world, mine, torch.float32, traffic)
         dist.barrier()  # a sync is done when the last rank is
         times.append(time.perf_counter() - start)
+    # a rollout rank holds exactly its generation shard of the senders' model (NaN nowhere)
+    exact = rank < train.world_size or all(torch.equal(mine[p.name], shard_tensor(full[p.name], p.spec, j, tg))
+                                           for p in params)
     counts = [None] * WORLD
-    dist.all_gather_object(counts, (traffic.bytes_received, traffic.bytes_sent, traffic.collectives))
+    dist.all_gather_object(counts, (traffic.bytes_received, traffic.bytes_sent, traffic.collectives, exact))
     n = train.world_size
     return {"train": train, "tg": tg, "s": statistics.median(times), "recv": counts[n][0],
+            "exact": all(c[3] for c in counts),
             "formula": plan.needed_bytes[0], "plan": plan.bytes_received(n),
             "sent": max(c[1] for c in counts[:n]), "collectives": max(c[2] for c in counts)}
 
@@ -189,14 +195,14 @@ def _print_apart(m: int, args, rows: list[dict]) -> None:
     print(f"apart: ranks 0-1 train, ranks 2-3 roll out (sync world of 4 gloo processes), bucket {args.bucket_mb} "
           f"MiB, median of {args.repeats}")
     print(f"{'training':<9} {'tg':>3} {'time ms':>9} {'vs tg1':>7} {'MiB recv':>9} {'formula':>8} {'= plan':>6} "
-          f"{'MiB sent':>9} {'collect.':>8}")
+          f"{'MiB sent':>9} {'collect.':>8} {'exact':>6}")
     base = {str(r["train"]): r["s"] for r in rows if r["tg"] == 1}
     for r in rows:
         name = f"t{r['train'].tp}d{r['train'].dp}"
         same = "yes" if r["recv"] == r["plan"] == r["formula"] else "NO"
         print(f"apart-{name:<3} {r['tg']:>3} {1e3 * r['s']:9.1f} {base[str(r['train'])] / r['s']:6.2f}x "
               f"{r['recv'] / 2**20:9.1f} {r['formula'] / 2**20:8.1f} {same:>6} {r['sent'] / 2**20:9.1f} "
-              f"{r['collectives']:8d}")
+              f"{r['collectives']:8d} {'yes' if r['exact'] else 'NO':>6}")
 
 
 def _print(cfg, m: int, args, rows) -> None:

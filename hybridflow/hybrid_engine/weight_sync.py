@@ -125,6 +125,6 @@ def sync_metrics(traffic: Traffic, plan: ApartPlan, rank: int, seconds: float) -
     formula: its generation shard's bytes)."""
     formula = plan.needed_bytes.get(rank - plan.train_world, 0)
     return {"sync/formula_bytes_received": float(formula), "sync/bytes_received": float(traffic.bytes_received), "sync/bytes_sent": float(traffic.bytes_sent),
-            "sync/collectives": float(traffic.collectives),
+            "sync/collectives": float(traffic.collectives), "sync/plan_collectives": float(plan.collectives(rank)),
             "sync/plan_bytes_received": float(plan.bytes_received(rank)),
             "sync/plan_bytes_sent": float(plan.bytes_sent(rank)), "sync/time_s": seconds}

@@ -41,6 +41,9 @@ class ApartWeightSync:
                "sync/bytes_sent": sum(s["sync/bytes_sent"] for s in sent),
                "sync/plan_bytes_sent": sum(s["sync/plan_bytes_sent"] for s in sent),
                "sync/collectives": max(x["sync/collectives"] for x in (*sent, *received)),
+               # every rank joined exactly its planned collectives (0 when none differs)
+               "sync/collectives_off_plan": float(sum(x["sync/collectives"] != x["sync/plan_collectives"]
+                                                      for x in (*sent, *received))),
                "sync/time_s": seconds}
         push = [r["reshard/push_bytes"] for r in received if "reshard/push_bytes" in r]
         if push:  # an engine with its own copy (vLLM) took the received shard by a push

@@ -93,6 +93,7 @@ def _assert_synced_by_plan(records, steps):
         r = records[step]
         assert r["sync/bytes_received"] == r["sync/plan_bytes_received"] == r["sync/formula_bytes_received"] > 0, step
         assert r["sync/bytes_sent"] == r["sync/plan_bytes_sent"] > 0, step
+        assert r["sync/collectives"] > 0 and r["sync/collectives_off_plan"] == 0, step
 
 
 @pytest.mark.timeout(600)
