@@ -1,6 +1,5 @@
 """The weight-sync plan for a rollout group apart, as data: run in one process (pack on the sender, unpack
 on every receiver) it must rebuild every rollout rank's generation shard exactly, with the formula's bytes."""
-import itertools
 
 import pytest
 import torch
@@ -10,7 +9,6 @@ from hybridflow.hybrid_engine.plan import _stage, bridge_params
 from hybridflow.hybrid_engine.weight_sync import pack, unpack
 from hybridflow.models import DecoderConfig, get_bridge, shard_tensor
 from hybridflow.parallel import ParallelDims
-from hybridflow.parallel.layout import Coord
 
 CFG = DecoderConfig(model_type="qwen2", vocab_size=70, hidden_size=32, intermediate_size=48, num_layers=2,
                     num_heads=4, num_kv_heads=4, head_dim=8)
@@ -29,7 +27,7 @@ def full_state(bridge, seed=0):
     return {p.name: torch.randn(p.shape, generator=g) for p in bridge_params(bridge)}
 
 
-def simulate(plan, bridge, full, bucket_tg_shapes=True):
+def simulate(plan, bridge, full):
     """Every broadcast run by hand: the sender's pack from its training shard, each receiver's unpack
     into an empty generation shard. Returns rollout rank -> megatron name -> received shard."""
     train, tg = plan.train, plan.tg
