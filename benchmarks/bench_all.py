@@ -38,6 +38,7 @@ SUITE: dict[str, tuple[list[str], list[str], bool]] = {
     "rollout": ([], ["--quick"], True),
     "controller": ([], ["--quick"], True),
     "reshard": ([], ["--quick"], False),
+    "data_plane": ([], ["--steps", "1"], False),
     "update_memory": ([], ["--layers", "1", "--batch", "4", "--micro", "4", "--prompt", "32", "--response", "32",
                            "--vocab", "8192", "--hidden", "256"], True),
     "long_context": ([], ["--seq", "1024", "--cps", "1,2", "--layers", "1"], True),

@@ -21,6 +21,20 @@ executors (and checked against the plan in tests/hybrid_engine); peak is the
 most generation-weight bytes held at once. Ratios are against `full` in the
 same run.
 
+Then the apart case (a rollout group on devices of its own,
+`hybrid_engine/weight_sync.py`): ranks 0-1 play the training group
+(t = 2, or d = 2), ranks 2-3 the rollout group (one replica at tg = 2, or
+two at tg = 1), joined by a sync world of their own beside the launch's
+(a TCP store and one gloo group per broadcast group, as the trainer builds
+it). Each sync broadcasts, in `--bucket-mb` buckets, the slices of the
+training shards each rollout rank's generation shard needs. Reported per
+sync: seconds, MiB each rollout rank received against the formula (its
+generation shard, `M_sharded / tg + M_replicated`) and against the plan,
+MiB the busiest training rank sent, collectives per rank. `vs tg1` = the
+tg = 1 sync's time / this one's (the whole model into every rollout rank,
+what the object-store path it replaced moved too); `exact` = every rollout
+rank then holds exactly its generation shard of the senders' model.
+
 `--tool [--model DIR]` measures the checkpoint resharding tool instead
 (`hybridflow reshard`, one process, no torchrun): each conversion of the HF
 model at DIR (default: the ~100M-parameter model above, random, written to a
@@ -113,6 +127,82 @@ def run(args) -> None:
         _print(cfg, m, args, rows)
     ps.destroy_model_parallel()
     dist.barrier()
+    apart = [_apart(cfg, train, tg, args) for train, tg in APART]
+    if dist.get_rank() == 0:
+        _print_apart(m, args, apart)
+    dist.barrier()
+
+
+APART = ((dict(tp=2), 2), (dict(tp=2), 1), (dict(dp=2), 2), (dict(dp=2), 1))  # (training layout, rollout tg)
+
+
+def _apart(cfg, train_kw: dict, tg: int, args) -> dict:
+    """One apart layout on this launch's 4 ranks: 0-1 send their training shards of a random model,
+    2-3 receive their generation shards; the median sync of `--repeats`, and what rank 2 and 0 moved."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridflow.hybrid_engine import bridge_params
+    from hybridflow.hybrid_engine.apart import plan_apart
+    from hybridflow.hybrid_engine.plan import _layer, _stage
+    from hybridflow.hybrid_engine.traffic import Traffic
+    from hybridflow.hybrid_engine.weight_sync import SyncWorld, receive, send
+    from hybridflow.models import get_bridge, shard_tensor
+    from hybridflow.parallel import ParallelDims
+    from hybridflow.parallel.process_group import free_port
+
+    rank, train = dist.get_rank(), ParallelDims(**train_kw)
+    bridge = get_bridge(cfg, 128, train.tp)
+    params = bridge_params(bridge)
+    plan = plan_apart(params, train, tg, WORLD - train.world_size, int(args.bucket_mb * 2**20))
+    address = [os.environ["MASTER_ADDR"], free_port(os.environ["MASTER_ADDR"]) if rank == 0 else 0]
+    dist.broadcast_object_list(address, src=0)
+    world = SyncWorld(plan, rank, address[0], address[1], "cpu")
+    layers = 1 + max(_layer(p.name) for p in params if _layer(p.name) is not None)
+    g = torch.Generator().manual_seed(0)
+    full = {p.name: torch.randn(p.shape, generator=g) for p in params}  # the same model on every rank
+    j = (rank - train.world_size) % tg
+    if rank < train.world_size:
+        c = train.coord(rank)
+        mine = {p.name: shard_tensor(full[p.name], p.spec, c.tp, train.tp)
+                for p in params if _stage(p.name, layers, train.pp) == c.pp}
+    else:
+        mine = {p.name: torch.full_like(shard_tensor(full[p.name], p.spec, j, tg), float("nan")) for p in params}
+    times, traffic = [], Traffic()
+    for _ in range(args.repeats):
+        traffic = Traffic()
+        dist.barrier()
+        start = time.perf_counter()
+        if rank < train.world_size:
+            send(world, mine, traffic)
+        else:
+            receive(world, mine, torch.float32, traffic)
+        dist.barrier()  # a sync is done when the last rank is
+        times.append(time.perf_counter() - start)
+    # a rollout rank holds exactly its generation shard of the senders' model (NaN nowhere)
+    exact = rank < train.world_size or all(torch.equal(mine[p.name], shard_tensor(full[p.name], p.spec, j, tg))
+                                           for p in params)
+    counts = [None] * WORLD
+    dist.all_gather_object(counts, (traffic.bytes_received, traffic.bytes_sent, traffic.collectives, exact))
+    n = train.world_size
+    return {"train": train, "tg": tg, "s": statistics.median(times), "recv": counts[n][0],
+            "exact": all(c[3] for c in counts),
+            "formula": plan.needed_bytes[0], "plan": plan.bytes_received(n),
+            "sent": max(c[1] for c in counts[:n]), "collectives": max(c[2] for c in counts)}
+
+
+def _print_apart(m: int, args, rows: list[dict]) -> None:
+    print(f"apart: ranks 0-1 train, ranks 2-3 roll out (sync world of 4 gloo processes), bucket {args.bucket_mb} "
+          f"MiB, median of {args.repeats}")
+    print(f"{'training':<9} {'tg':>3} {'time ms':>9} {'vs tg1':>7} {'MiB recv':>9} {'formula':>8} {'= plan':>6} "
+          f"{'MiB sent':>9} {'collect.':>8} {'exact':>6}")
+    base = {str(r["train"]): r["s"] for r in rows if r["tg"] == 1}
+    for r in rows:
+        name = f"t{r['train'].tp}d{r['train'].dp}"
+        same = "yes" if r["recv"] == r["plan"] == r["formula"] else "NO"
+        print(f"apart-{name:<3} {r['tg']:>3} {1e3 * r['s']:9.1f} {base[str(r['train'])] / r['s']:6.2f}x "
+              f"{r['recv'] / 2**20:9.1f} {r['formula'] / 2**20:8.1f} {same:>6} {r['sent'] / 2**20:9.1f} "
+              f"{r['collectives']:8d} {'yes' if r['exact'] else 'NO':>6}")
 
 
 def _print(cfg, m: int, args, rows) -> None:

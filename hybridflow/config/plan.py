@@ -67,6 +67,12 @@ def uses_ray(cfg: Config) -> bool:
     return t.n_devices > 1 or t.ray_address is not None
 
 
+def rollout_apart(cfg: Config) -> bool:
+    """Rollout has a group of its own, on other devices than training (under Ray; elsewhere every role runs
+    on every rank)."""
+    return uses_ray(cfg) and sorted(devices_for(cfg, "rollout")) != sorted(devices_for(cfg, "training"))
+
+
 def role_world(cfg: Config, role: str) -> int:
     """Processes of a role's worker group: its placement under Ray, the job's ranks otherwise."""
     return len(devices_for(cfg, role)) if uses_ray(cfg) else job_world()
@@ -124,13 +130,13 @@ class RunPlan:
         layouts = {role: ParallelDims.for_world(worlds[role], tp=par.tp, pp=par.pp, cp=par.cp)
                    for role, (_, par) in engine_parallel(cfg).items()}
         critic = cfg.algorithm.adv_estimator == "gae"
-        apart = ray and sorted(devices["rollout"]) != sorted(devices["training"])
+        apart = rollout_apart(cfg)
         on_actor_devices = {role: sorted(devices[role]) == sorted(devices["training"]) for role in ROLES}
         a, c = cfg.actor.parallel, cfg.critic.parallel
         same_process_layout = all(getattr(a, k) == getattr(c, k) for k in PROCESS_LAYOUT_KEYS)
-        # Generation replicas: the rollout group's processes when it is apart (tg = 1), else the actor's
-        # processes over the generation layout's tg * pg.
-        replicas = worlds["rollout"] if apart else worlds["training"] // (cfg.rollout.tg * cfg.rollout.pg)
+        # Generation replicas: the rollout group's processes, or the actor's when it is not apart, over the
+        # generation layout's tg * pg.
+        replicas = worlds["rollout" if apart else "training"] // (cfg.rollout.tg * cfg.rollout.pg)
         rows = math.lcm(layouts["training"].dp, layouts["critic"].dp if critic else 1)
         prompts = math.lcm(rows, replicas)
         return cls(

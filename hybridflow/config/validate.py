@@ -27,7 +27,8 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Optional
 
-from hybridflow.config.plan import PROCESS_LAYOUT_KEYS, RunPlan, devices_for, engine_parallel, role_world
+from hybridflow.config.plan import (PROCESS_LAYOUT_KEYS, RunPlan, devices_for, engine_parallel, role_world,
+                                   rollout_apart)
 from hybridflow.config.schema import Config, ParallelConfig
 from hybridflow.errors import ConfigError
 from hybridflow.parallel.layout import ParallelDims
@@ -83,7 +84,12 @@ def _check_reference_layout(cfg: Config) -> None:
 def _check_generation_layout(cfg: Config) -> None:
     tp, pp = cfg.actor.parallel.tp, cfg.actor.parallel.pp
     ro = cfg.rollout
-    if ro.tg < 1 or tp % ro.tg:
+    if rollout_apart(cfg):  # its own group: the actor's layout does not bound it
+        world = role_world(cfg, "rollout")
+        if ro.tg < 1 or world % ro.tg:
+            raise ConfigError("rollout.tg", f"must divide the rollout group's {world} devices "
+                              f"(placement.rollout), got {ro.tg}")
+    elif ro.tg < 1 or tp % ro.tg:
         raise ConfigError("rollout.tg", f"must divide actor.parallel.tp={tp}, got {ro.tg}")
     if ro.pg < 1 or pp % ro.pg:
         raise ConfigError("rollout.pg", f"must divide actor.parallel.pp={pp}, got {ro.pg}")
@@ -95,10 +101,6 @@ def _check_not_built(cfg: Config, plan: RunPlan) -> None:
     if ro.pg > 1:
         raise ConfigError("rollout.pg", f"{ro.pg}: generation pipelining is not built yet; the 3D-HybridEngine "
                           "merges the actor's pipeline stages into one generation stage (pg = 1)")
-    if ro.tg > 1 and plan.rollout_apart:
-        raise ConfigError("rollout.tg", f"{ro.tg}: a rollout group placed apart from training generates at "
-                          "tg = 1 (each rollout process reassembles the whole model from the actor's shards); "
-                          "tg > 1 is the colocated 3D-HybridEngine layout")
     train = plan.layouts["training"]
     if ro.grouping == "full" and train.dp > 1 and train.model_parallel_size > 1:
         raise ConfigError("rollout.grouping", f"'full' (the DeepSpeed-Chat baseline) gathers within one training "
@@ -122,10 +124,11 @@ def _check_engine(cfg: Config) -> None:
                           f"{ro.weight_bucket_mb}")
     if ro.engine != "vllm":
         return
-    if ro.tg > 1 and ro.tg < cfg.actor.parallel.tp and ro.grouping == "hybridflow":
+    if ro.tg > 1 and ro.tg < cfg.actor.parallel.tp and ro.grouping == "hybridflow" and not rollout_apart(cfg):
         # vLLM's tensor-parallel groups (distributed_executor_backend="external_launcher") are blocks of tg
         # consecutive ranks of the job's world; the paper's grouping puts a generation group's ranks at
-        # stride t/tg, so vLLM would pair ranks that do not share a generation shard.
+        # stride t/tg, so vLLM would pair ranks that do not share a generation shard. A rollout group apart
+        # has its own world, whose generation groups are consecutive ranks.
         raise ConfigError("rollout.grouping", f"'hybridflow' at tg={ro.tg} < actor.parallel.tp="
                           f"{cfg.actor.parallel.tp} puts a generation group's ranks {cfg.actor.parallel.tp // ro.tg}"
                           " apart; the vLLM engine's tensor-parallel groups are consecutive ranks. Use "
@@ -415,6 +418,11 @@ def check_plan(cfg: Config, plan: RunPlan, model: "DecoderConfig",
         shape = critic_model if role == "critic" and critic_model is not None else model
         check_model_split(plan.layouts[role], path, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                           num_layers=shape.num_layers, ffn_size=shape.intermediate_size, virtual_pp=par.virtual_pp)
+    if plan.rollout_apart:  # its tg-way generator splits heads, KV groups and MLP features like TP does
+        for what, size in (("attention heads", model.num_heads), ("KV heads", model.num_kv_heads),
+                           ("MLP features", model.intermediate_size)):
+            if size % cfg.rollout.tg:
+                raise ConfigError("rollout.tg", f"{cfg.rollout.tg} does not divide the model's {size} {what}")
     _check_one_process_layout(cfg, plan)
     _check_async_ranks(cfg, plan)
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length

@@ -174,7 +174,12 @@ def strip_padding(answer: Any, real: Optional[Tensor]) -> Any:
 
 def shipped_bytes(per_rank: PerRank) -> int:
     """The tensor bytes a call's arguments deliver, summed over the ranks (what each rank receives)."""
-    return sum(leaf.nbytes for leaf in tree_leaves(per_rank) if isinstance(leaf, Tensor))
+    return tensor_bytes(per_rank)
+
+
+def tensor_bytes(value: Any) -> int:
+    """The bytes of every tensor inside `value` (dicts, lists, tuples): what a call's answer brings back."""
+    return sum(leaf.nbytes for leaf in tree_leaves(value) if isinstance(leaf, Tensor))
 
 
 def _rows_of(value: Any) -> int:

@@ -19,7 +19,7 @@ import functools
 from typing import Any, Callable, Concatenate, Optional, ParamSpec, TypeVar
 
 from hybridflow.controller.dispatch import (Dispatch, MeshCoord, call_batch, check_mesh, flat_mesh, method_mesh,
-                                            registered_methods, strip_padding)
+                                            registered_methods, strip_padding, tensor_bytes)
 from hybridflow.controller.resource_pool import ResourcePool
 from hybridflow.controller.worker import Worker
 
@@ -37,6 +37,7 @@ class WorkerGroup:
         self._modes = registered_methods(worker_cls)
         self._meshes: dict[str, list[MeshCoord]] = {}
         self.shipped_bytes = 0  # tensor bytes the calls so far delivered to the ranks (each transport counts)
+        self.received_bytes = 0  # tensor bytes the calls' answers brought back to the caller (the driver)
 
     def _set_meshes(self, per_rank: list[dict[str, MeshCoord]]) -> None:
         """Every rank's registered mesh coordinates (rank order), checked to form whole replicas."""
@@ -78,7 +79,9 @@ class WorkerGroup:
         if mode is Dispatch.DP_SPLIT:  # only the fields the method reads; padded to equal shares
             replicas = self._mesh_of(name, mode)[0].dp_size
             args, real = call_batch(getattr(self.worker_cls, name), tuple(args), replicas)
-        return strip_padding(self._call(name, mode, args, kwargs), real)
+        out = strip_padding(self._call(name, mode, args, kwargs), real)
+        self.received_bytes += tensor_bytes(out)
+        return out
 
     def _call(self, name: str, mode: Dispatch, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError  # each transport implements it
@@ -133,3 +136,23 @@ class RoleGroup:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.group!r})"
+
+
+def run_together(*calls: Callable[[], Any]) -> list[Any]:
+    """Run group calls at the same time, one driver thread each; their results in order.
+
+    For calls on *different* groups whose workers meet in one collective (a
+    process group spanning both): run one after the other, the first would
+    wait for the second forever. The first failure is raised once all have
+    ended (a group's failure tears its processes down, which breaks the
+    other group's side of the collective too).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        errors = [f.exception() for f in futures]
+    for error in errors:
+        if error is not None:
+            raise error
+    return [f.result() for f in futures]

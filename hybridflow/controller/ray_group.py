@@ -35,7 +35,7 @@ from hybridflow.controller.dispatch import Dispatch, PerRank, answering, collect
 from hybridflow.controller.group import WorkerGroup
 from hybridflow.controller.ray_nodes import NodeOf, describe_lost, log_placement, lost_nodes
 from hybridflow.controller.resource_pool import ResourcePool
-from hybridflow.controller.transfer import pack, unpack, unpack_results
+from hybridflow.controller.transfer import fetch_remote_rows, pack, unpack, unpack_results
 from hybridflow.controller.worker import Worker, WorkerContext, WorkerError, construct_worker, first_os_error
 
 STARTUP_TIMEOUT_S = 600.0  # actor start plus the worker's __init__ (model build, checkpoint load)
@@ -103,9 +103,11 @@ class _Host:
         return self.workers[slot].mesh_coords()
 
     def call(self, slot: str, name: str, reply: bool, kw_names: tuple, *values):
-        """Run the method; a rank whose result the caller drops (a TP or earlier-stage peer) sends None."""
-        args, kwargs = _split_kw(kw_names, unpack(values))
+        """Run the method; a rank whose result the caller drops (a TP or earlier-stage peer) sends None.
+        Rows another group left in the object store (`transfer.remote_rows`) are fetched here, not on the
+        driver."""
         try:
+            args, kwargs = _split_kw(kw_names, fetch_remote_rows(unpack(values)))
             out = getattr(self.workers[slot], name)(*args, **kwargs)
         except Exception as exc:
             return _Failure(exc)

@@ -15,15 +15,25 @@ through the object store, not the driver:
 
     # in a worker of group A
     @register(Dispatch.RANK_ZERO)
-    def publish_weights(self):
-        return ObjectHandle(self.engine.generation_state())
+    def publish(self):
+        return ObjectHandle(self.state())
 
     # on the controller: only the handle (a reference, a few bytes) passes through
-    rollout_group.load_weights(actor_group.publish_weights())
+    group_b.load(group_a.publish())
 
     # in a worker of group B
-    def load_weights(self, handle):
+    def load(self, handle):
         self.model.load_state_dict(handle.get())
+
+Rows left in the object store (`remote_rows`), for batch fields the driver
+never reads: a worker returns a tensor field as a tuple of `RowRef`s (one
+object-store reference per tensor, shared, and a row index each), which
+every batch operation on the driver treats as a per-row field like any
+tuple (select, cut, join, pad), at tens of bytes a row. A worker that
+receives such a tuple in a call gets the tensor back (`unpack`: each
+referenced tensor fetched once, from the process that put it, and its rows
+taken in order), so the rows travel from one worker group to another
+without passing the driver.
 
 Under Ray, `ObjectHandle(value)` puts the value into the object store once, in
 the process that creates it (which then owns it); the handle carries only the
@@ -106,6 +116,62 @@ def unpack(value: Any) -> Any:
     if type(value) in (list, tuple):
         return type(value)(unpack(v) for v in value)
     return value
+
+
+class RowRef:
+    """Row `row` of a tensor left in the object store (`remote_rows`); `ref` is shared by its rows."""
+
+    __slots__ = ("ref", "row")
+
+    def __init__(self, ref, row: int):
+        self.ref, self.row = ref, row
+
+    def __reduce__(self):
+        return RowRef, (self.ref, self.row)
+
+
+def remote_rows(tensor) -> Any:
+    """A tensor [B, ...] put into the object store once, as B `RowRef`s; the tensor itself without Ray."""
+    if not _ray_running():
+        return tensor
+    import ray
+
+    ref = ray.put(pack(tensor))
+    return tuple(RowRef(ref, i) for i in range(len(tensor)))
+
+
+def is_remote_rows(value: Any) -> bool:
+    return type(value) is tuple and bool(value) and all(type(v) is RowRef for v in value)
+
+
+def fetch_remote_rows(value: Any) -> Any:
+    """`value` (a worker's call arguments, unpacked) with every tuple of `RowRef`s replaced by its tensor."""
+    if is_remote_rows(value):
+        return fetch_rows(value)
+    if type(value) is dict:
+        return {k: fetch_remote_rows(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(fetch_remote_rows(v) for v in value)
+    return value
+
+
+def fetch_rows(rows: tuple) -> Any:
+    """The tensor of `RowRef`s `rows`, in their order: each referenced tensor fetched once."""
+    import ray
+    import torch
+
+    refs = list({r.ref.hex(): r.ref for r in rows}.items())
+    tensors = {key: unpack_results([t])[0] for (key, _), t in zip(refs, ray.get([ref for _, ref in refs]))}
+    first = tensors[rows[0].ref.hex()]  # read-only views of the store: copied into `out` below
+    out = first.new_empty((len(rows), *first.shape[1:]))
+    by_ref: dict[str, tuple[list[int], list[int]]] = {}
+    for position, r in enumerate(rows):
+        slots, picks = by_ref.setdefault(r.ref.hex(), ([], []))
+        slots.append(position)
+        picks.append(r.row)
+    for key, (slots, picks) in by_ref.items():
+        out[torch.tensor(slots)] = tensors[key][torch.tensor(picks)]
+    return out
 
 
 def unpack_results(parts: list) -> list:

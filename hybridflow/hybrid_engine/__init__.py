@@ -9,7 +9,9 @@ refills after each update (`reshard.py`), as the reshard plan lays out
 tensor-parallel generator is the plain `Decoder` given its TP group
 (`tensor_parallel.py`). Prompts reach the generation replicas, and responses
 the training layout, through the worker's "generation" mesh
-(`workers/rl_workers.py`).
+(`workers/rl_workers.py`). A rollout group placed apart is fed by the
+training ranks' broadcasts over a process group spanning both groups, as
+the sync plan lays out (`apart.py`, plain data; run by `weight_sync.py`).
 """
 from hybridflow.hybrid_engine.generation import ViewWeights
 from hybridflow.hybrid_engine.plan import GROUPINGS, GenLayout, ParamInfo, ReshardPlan, bridge_params, plan_reshard

@@ -79,3 +79,20 @@ def _loopback_store(addr: str, port: int, rank: int, world: int) -> dist.TCPStor
     listener.listen(128)
     # The store's server takes the descriptor over (and closes it with itself).
     return dist.TCPStore(addr, port, world, True, timeout=timeout, master_listen_fd=listener.detach())
+
+
+def rendezvous_store(addr: str, port: int, rank: int, world: int) -> dist.TCPStore:
+    """A TCP store shared by `world` processes, served by rank 0 at `addr:port` (on `addr` alone when it is
+    a loopback address), for process groups that are not this process's default world (a group spanning
+    two worker groups: `hybrid_engine/weight_sync.py`)."""
+    if is_loopback(addr):
+        _gloo_on_loopback()
+        return _loopback_store(addr, port, rank, world)
+    return dist.TCPStore(addr, port, world, rank == 0, timeout=datetime.timedelta(minutes=30))
+
+
+def free_port(addr: str) -> int:
+    """A TCP port free on `addr` now (a store's port, chosen where it will be served)."""
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]

@@ -24,6 +24,7 @@ from hybridflow.controller.resource_pool import ResourcePool, pools_from_placeme
 from hybridflow.models.config import DecoderConfig
 from hybridflow.workers.rl_workers import (ActorGroup, ActorRolloutRefWorker, CriticGroup, CriticWorker,
                                            RewardModelGroup, RewardModelWorker, RolloutGroup, RolloutWorker)
+from hybridflow.workers.apart_sync import ApartWeightSync
 from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutWorkerSpec, Run
 
 
@@ -40,9 +41,10 @@ def actor_spec(cfg: Config, plan: RunPlan) -> ActorWorkerSpec:
                            generates=not plan.rollout_apart, env=cfg.env)
 
 
-def rollout_spec(cfg: Config) -> RolloutWorkerSpec:
+def rollout_spec(cfg: Config, plan: RunPlan) -> RolloutWorkerSpec:
     return RolloutWorkerSpec(run=_run(cfg), model=cfg.model, rollout=cfg.rollout,
-                             max_response_length=cfg.data.max_response_length, env=cfg.env)
+                             max_response_length=cfg.data.max_response_length,
+                             train_layout=plan.layouts["training"], env=cfg.env)
 
 
 def critic_spec(cfg: Config, plan: RunPlan) -> CriticWorkerSpec:
@@ -86,6 +88,7 @@ class Groups:
     critic: Optional[CriticGroup] = None
     reward_model: Optional[RewardModelGroup] = None
     rollout: Optional[RolloutGroup] = None         # rollout on devices apart from training
+    weight_sync: Optional[ApartWeightSync] = None  # the actor's weights into `rollout`, by collectives
 
     @property
     def generation(self) -> Union[ActorGroup, RolloutGroup]:
@@ -129,10 +132,14 @@ def build_groups(cfg: Config, plan: RunPlan) -> Groups:
         """`role`'s group: in the actor's processes, or in processes of its own on its pool."""
         return RayWorkerGroup.colocated(actor, worker_cls, spec) if colocate else RayWorkerGroup(worker_cls, pools[role], spec)
 
-    return Groups(
+    groups = Groups(
         ActorGroup(actor),
         CriticGroup(beside_actor(CriticWorker, "critic", critic_spec(cfg, plan), plan.colocate_critic))
         if plan.uses_critic else None,
         RewardModelGroup(beside_actor(RewardModelWorker, "reward", cfg.reward, plan.colocate_reward_model))
         if plan.uses_reward_model else None,
-        RolloutGroup(RayWorkerGroup(RolloutWorker, pools["rollout"], rollout_spec(cfg))) if plan.rollout_apart else None)
+        RolloutGroup(RayWorkerGroup(RolloutWorker, pools["rollout"], rollout_spec(cfg, plan))) if plan.rollout_apart else None)
+    if groups.rollout is not None:
+        groups.weight_sync = ApartWeightSync(groups.actor, groups.rollout, plan.layouts["training"], cfg.rollout.tg,
+                                             cfg.rollout.weight_bucket_mb * 2**20)
+    return groups

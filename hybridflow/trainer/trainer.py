@@ -11,8 +11,9 @@ The models live in worker groups (`hybridflow.workers.rl_workers`, built by
 `trainer/build.py`): the actor, its rollout and the reference share one
 group (the hybrid layout); the critic has its own. Rollout may instead have
 a group of its own (placement.rollout != placement.training): it then
-generates from a copy of the actor's weights that the actor group publishes
-to the object store after each update. A group is Ray actors on the devices
+generates from its own generation shards (any rollout.tg), which the actor's
+ranks broadcast into it before the first rollout after each update, over a
+process group spanning both groups (no weights through the driver). A group is Ray actors on the devices
 `placement` gives the role, or in-process (`trainer.launcher`). Which
 preparation stages run is decided once, when the trainer is built.
 Checkpoints hold each engine's shard (weights, Adam state, LR schedule) and
@@ -110,11 +111,13 @@ class RLTrainer:
         self.chunk_prompts = plan.chunk_prompts
         groups = build_groups(cfg, plan)
         self.actor, self.critic, self.reward_model = groups.actor, groups.critic, groups.reward_model
-        # Rollout apart from training (groups.rollout) works on a copy of the
-        # actor's weights, refreshed before the first rollout after each update.
+        # Rollout apart from training (groups.rollout) holds no weights of its own: the actor's are
+        # broadcast into it (groups.weight_sync) before the first rollout, and after each update.
         self.separate_rollout = groups.rollout
         self.rollout_group = groups.generation
-        self.rollout_weights_stale = False
+        self.weight_sync = groups.weight_sync
+        self.rollout_weights_stale = self.separate_rollout is not None
+        self.sync_metrics: Metrics = {}  # the last sync's figures, reported with the step that used it
         # Launched by torchrun: every rank runs this loop over its LocalWorkerGroup share.
         self.spmd_driver = not plan.uses_ray and plan.job_world > 1
         self.is_main = not self.spmd_driver or int(os.environ.get("RANK", "0")) == 0
@@ -162,8 +165,8 @@ class RLTrainer:
                                       if self.cfg.rollout.pad_to_max_length else None)
 
     def rollout(self, prompts: dict[str, Any], seed: int, validation: bool = False, pad: bool = False) -> dict[str, Any]:
-        if self.rollout_weights_stale:  # actor group -> object store -> rollout group; a handle via here
-            self.rollout_group.load_weights(self.actor.publish_weights())
+        if self.rollout_weights_stale:  # actor group -> rollout group by collectives; no weight via here
+            self.sync_metrics = self.weight_sync.push()
             self.rollout_weights_stale = False
         return self.rollout_group.generate(prompts, seed, validation, pad)
 
@@ -376,8 +379,13 @@ class RLTrainer:
         groups = (*self._groups(), self.reward_model, self.separate_rollout)
         return sum(g.group.shipped_bytes for g in groups if g is not None)
 
+    def received_bytes(self) -> int:
+        """Tensor bytes the groups' answers have brought back to the controller so far."""
+        groups = (*self._groups(), self.reward_model, self.separate_rollout)
+        return sum(g.group.received_bytes for g in groups if g is not None)
+
     def train_step(self, step: int) -> dict[str, float]:
-        start, shipped = time.perf_counter(), self.shipped_bytes()
+        start, shipped, received = time.perf_counter(), self.shipped_bytes(), self.received_bytes()
         batch, metrics, flow = self.prepare(step)
         prepared = time.perf_counter()
         metrics.update(self.update(batch, step))
@@ -388,6 +396,11 @@ class RLTrainer:
         metrics["timing/step_s"] = time.perf_counter() - start
         metrics["perf/tokens_per_s"] = metrics["batch/tokens"] / metrics["timing/step_s"]
         metrics["controller/shipped_bytes"] = float(self.shipped_bytes() - shipped)
+        metrics["controller/received_bytes"] = float(self.received_bytes() - received)
+        # every tensor byte that passed through the driver this step, out to the groups and back
+        metrics["controller/driver_bytes"] = metrics["controller/shipped_bytes"] + metrics["controller/received_bytes"]
+        metrics.update(self.sync_metrics)
+        self.sync_metrics = {}
         return metrics
 
     def _loop(self, start: int, stop_after: Optional[int], tracker: Tracker, summary: dict[str, Any],

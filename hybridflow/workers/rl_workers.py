@@ -7,10 +7,11 @@
   The rollout engine is the one `rollout.engine` names, built by
   `rollout.factory.build_backend` (the worker never chooses); an engine with its own
   copy of the weights (vLLM) takes them by a push after each refill.
-- `RolloutWorker`: rollout on devices apart from training, on a copy of the
-  actor's weights that the controller refreshes after each update (each
-  actor rank publishes its own shard to the object store; only handles pass
-  through the controller).
+- `RolloutWorker`: rollout on devices apart from training, at any `rollout.tg`,
+  on its own generation shard of the actor's weights, which the actor's ranks
+  broadcast into it after each update over a process group spanning both
+  groups (`hybrid_engine/weight_sync.py`; the driver passes no weights, only
+  the store's address).
 - `CriticWorker`: the value model, colocated with the actor or on its own devices.
 
 Each runs inside a worker group (`hybridflow.controller`): a Ray actor per
@@ -23,6 +24,7 @@ trainer calls them through: each lists the methods the controller uses.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,27 +32,37 @@ import torch
 
 from hybridflow.config.schema import ModelConfig, OptimConfig, ParallelConfig, RewardConfig
 from hybridflow.controller.dispatch import Dispatch, register
-from hybridflow.controller.transfer import ObjectHandle
 from hybridflow.controller.group import RoleGroup, remote
+from hybridflow.controller.transfer import remote_rows
 from hybridflow.controller.worker import Worker
 from hybridflow.data import fields as F
 from hybridflow.data.tokenizer import Tokenizer
 from hybridflow.engine import MegatronEngine
 from hybridflow.hybrid_engine import generation_weights
-from hybridflow.hybrid_engine.publish import assemble, training_shard
-from hybridflow.models.checkpoint import load_decoder, save_hf_checkpoint, save_hf_checkpoint_parts
+from hybridflow.hybrid_engine.apart import plan_apart
+from hybridflow.hybrid_engine.plan import bridge_params
+from hybridflow.hybrid_engine.reshard import _new_groups
+from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel
+from hybridflow.hybrid_engine.traffic import Traffic
+from hybridflow.hybrid_engine.weight_sync import SyncWorld, receive, send, sync_metrics
+from hybridflow.models.checkpoint import save_hf_checkpoint, save_hf_checkpoint_parts
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.config import DecoderConfig
+from hybridflow.models.decoder import Decoder, rope_inv_freq
 from hybridflow.parallel.layout import ParallelDims
+from hybridflow.parallel.process_group import free_port
 from hybridflow.roles import Actor, Critic, Reference, Rollout
 from hybridflow.roles.actor import LOG_PROB_FIELDS
 from hybridflow.roles.actor import UPDATE_FIELDS as ACTOR_UPDATE_FIELDS
 from hybridflow.roles.critic import UPDATE_FIELDS as CRITIC_UPDATE_FIELDS
 from hybridflow.roles.critic import VALUE_FIELDS
-from hybridflow.rollout import RolloutBackend, sync_weights
+from hybridflow.rollout import RolloutBackend, hf_named, sync_weights
 from hybridflow.rollout.factory import build_backend
 from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutWorkerSpec, Run
 
+# Rollout fields the driver never reads (it reads masks, texts, scores): a rollout group apart leaves them in
+# the object store, and the training groups fetch them from there.
+LEFT_IN_STORE = (F.PROMPTS, F.RESPONSES, F.INPUT_IDS)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
@@ -187,13 +199,28 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
             self.generation.release()
             self.backend.release()
 
+    @register(Dispatch.RANK_ZERO)
+    def sync_address(self) -> tuple[str, int]:
+        """Where training rank 0 will serve the weight-sync store: its group's master address, a free port."""
+        return self.context.master_addr, free_port(self.context.master_addr)
+
     @register(Dispatch.ONE_TO_ALL)
-    def publish_weights(self) -> Optional[ObjectHandle]:
-        """This rank's training shard, left in the object store for a rollout group apart (None outside
-        the first DP replica): no rank gathers the whole model; only handles reach the controller."""
-        shard = training_shard(self.engine)
-        # Under Ray the tensors are written into the object store once: a snapshot.
-        return None if shard is None else ObjectHandle(shard)
+    def join_weight_sync(self, address: str, port: int, tg: int, rollout_world: int, bucket_bytes: int) -> None:
+        """Join the process group spanning this group and a rollout group apart (sync ranks 0 .. N-1), and
+        keep the plan both sides build alike (`hybrid_engine/apart.py`). The rollout group joins at once."""
+        element = torch.empty((), dtype=self.engine.dtype).element_size()
+        plan = plan_apart(bridge_params(self.engine.bridge, element), self.engine.layout, tg, rollout_world,
+                          bucket_bytes)
+        self.weight_sync = SyncWorld(plan, self.rank, address, port, self.context.device)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def send_weights(self) -> dict[str, float]:
+        """Broadcast this rank's slices of its training shard to the rollout ranks that need them; what
+        this rank moved (`sync/*`), beside the plan's figures."""
+        start, traffic = time.perf_counter(), Traffic()
+        params = self.engine.named_params()
+        send(self.weight_sync, {e.megatron: params[n].detach() for e, n in self.engine.stage_entries()}, traffic)
+        return sync_metrics(traffic, self.weight_sync.plan, self.rank, time.perf_counter() - start)
 
     @register(Dispatch.DP_SPLIT, mesh="actor", reads=LOG_PROB_FIELDS)
     def compute_log_probs(self, batch: dict[str, Any], old: bool = True,
@@ -234,33 +261,89 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
 
 
 class RolloutWorker(_Generates):
-    """Rollout on devices of its own (placement.rollout apart from placement.training).
+    """Rollout on devices of its own (placement.rollout apart from placement.training), at `rollout.tg`.
 
-    It holds a copy of the actor in the generation layout, loaded from
-    model.path and replaced by `load_weights` with what the actor group
-    publishes after each update. Generation needs no collectives, so it joins
-    no process group.
+    Its ranks form `world / tg` generation replicas of `tg` consecutive ranks
+    (its own torch.distributed world holds their TP groups). Each holds one
+    generation shard, allocated empty: the weights come only from the actor,
+    by `receive_weights` (the first before the first rollout), never from a
+    checkpoint of its own, so a missed sync cannot pass for a fresh one
+    (generating before the first one is refused).
     """
 
     def __init__(self, spec: RolloutWorkerSpec):
+        self.init_process_group()  # this group's world: the generation TP groups at tg > 1
         prepare_process(self)
+        self.spec = spec
         model_cfg = DecoderConfig.from_pretrained(spec.model.path)
         self.tokenizer = read_tokenizer(spec.model)
-        self.bridge = get_bridge(model_cfg, spec.model.make_vocab_size_divisible_by)
-        model = load_decoder(spec.model.path, spec.model.dtype).to(spec.run.device).eval()
-        self.register_replica("generation", self.rank, self.world_size, True)  # tg = 1: every rank a replica
-        self.backend: RolloutBackend = build_backend(spec.rollout, model, self.tokenizer, spec.model.path,
+        tg, world = spec.rollout.tg, self.world_size
+        # The actor's padded vocabulary: the shards it sends are cut from it.
+        self.bridge = get_bridge(model_cfg, spec.model.make_vocab_size_divisible_by, spec.train_layout.tp)
+        parallel = None
+        if tg > 1:
+            group = _new_groups([list(range(q * tg, (q + 1) * tg)) for q in range(world // tg)])[self.rank]
+            parallel = GroupTensorParallel(group, self.bridge.padded_vocab)
+        with torch.device("meta"):
+            model = Decoder(model_cfg, parallel) if parallel is not None else Decoder(model_cfg)
+        self.model = model.to_empty(device=spec.run.device).to(_dtype(spec.model.dtype)).eval()
+        self.model.inv_freq = rope_inv_freq(model_cfg).to(spec.run.device)
+        self.model.requires_grad_(False)
+        self.register_replica("generation", self.rank // tg, world // tg, self.rank % tg == 0)
+        self.backend: RolloutBackend = build_backend(spec.rollout, self.model, self.tokenizer, spec.model.path,
                                                      seed=spec.run.seed, device=spec.run.device)
-        sync_weights(self.backend, model, spec.model.make_vocab_size_divisible_by)  # vLLM: the checkpoint's
-        self.rollout = Rollout(spec.rollout, spec.max_response_length, self.backend, self.tokenizer, self.world_size,
+        self.rollout = Rollout(spec.rollout, spec.max_response_length, self.backend, self.tokenizer, world // tg,
                                env=spec.env)
+        self.weight_sync: Optional[SyncWorld] = None
+        self.syncs = 0
 
     @register(Dispatch.ONE_TO_ALL)
-    def load_weights(self, handles: list[Optional[ObjectHandle]]) -> None:
-        """Copy in the actor's weights, reassembled from every training rank's shard (fetched from the
-        object store), by HF name into the rollout engine."""
-        state = assemble((h.get() for h in handles if h is not None), self.bridge)
-        self.backend.load_weights(self.bridge.generation_to_hf(state).items())
+    def join_weight_sync(self, address: str, port: int, train: ParallelDims, bucket_bytes: int) -> None:
+        """Join the process group spanning the actor's group (`train`, sync ranks 0 .. N-1) and this one
+        (N + rank), with the plan the actor's ranks build alike."""
+        element = torch.empty((), dtype=_dtype(self.spec.model.dtype)).element_size()
+        plan = plan_apart(bridge_params(self.bridge, element), train, self.spec.rollout.tg, self.world_size,
+                          bucket_bytes)
+        self.weight_sync = SyncWorld(plan, train.world_size + self.rank, address, port, self.context.device)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def receive_weights(self) -> dict[str, float]:
+        """This rank's generation shard from the actor's ranks, straight into the generator's parameters (an
+        engine with its own copy, vLLM, then takes them by the usual bucketed push); `sync/*` figures."""
+        start, traffic = time.perf_counter(), Traffic()
+        params = dict(self.model.named_parameters())
+        dest = {e.megatron: params[e.generation].data for e in self.bridge.entries()}
+        self.backend.resume()
+        receive(self.weight_sync, dest, _dtype(self.spec.model.dtype), traffic)
+        self.syncs += 1
+        metrics = sync_metrics(traffic, self.weight_sync.plan, self.weight_sync.rank, time.perf_counter() - start)
+        metrics.update(sync_weights(self.backend, self.model, self.spec.model.make_vocab_size_divisible_by))
+        return metrics
+
+    @register(Dispatch.DP_SPLIT, mesh="generation")
+    def generate(self, prompts: dict[str, Any], seed: int, validation: bool = False,
+                 pad: bool = False) -> dict[str, Any]:
+        """As the actor's `generate`, except that the token fields the driver never reads stay in the object
+        store (`LEFT_IN_STORE`): the driver gets references, and the training groups' workers fetch the rows
+        from here (`controller.transfer.remote_rows`)."""
+        if self.syncs == 0:
+            raise RuntimeError("the rollout group apart has no weights yet: the actor's are broadcast into it "
+                               "(receive_weights) before its first rollout")
+        out = self.rollout.generate(prompts, seed, validation, pad)
+        if self.spec.rows_in_object_store and self.rank % self.spec.rollout.tg == 0:  # it answers for its replica
+            out.update({name: remote_rows(out[name]) for name in LEFT_IN_STORE if name in out})
+        return out
+
+    @register(Dispatch.RANK_ZERO)
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """The whole generation model under HF names (gathered over each TP group): for checks, not syncs."""
+        return {name: t.clone() for name, t in hf_named(self.model, self.spec.model.make_vocab_size_divisible_by)}
+
+
+def _dtype(name: str) -> torch.dtype:
+    from hybridflow.models.checkpoint import resolve_dtype
+
+    return resolve_dtype(name)
 
 
 class CriticWorker(EngineWorker):
@@ -314,7 +397,9 @@ class ActorGroup(RoleGroup):
     generate = remote(ActorRolloutRefWorker.generate)
     refresh_generation = remote(ActorRolloutRefWorker.refresh_generation)
     release_generation = remote(ActorRolloutRefWorker.release_generation)
-    publish_weights = remote(ActorRolloutRefWorker.publish_weights)
+    sync_address = remote(ActorRolloutRefWorker.sync_address)
+    join_weight_sync = remote(ActorRolloutRefWorker.join_weight_sync)
+    send_weights = remote(ActorRolloutRefWorker.send_weights)
     compute_log_probs = remote(ActorRolloutRefWorker.compute_log_probs)
     update_actor = remote(ActorRolloutRefWorker.update_actor)
     export_hf = remote(ActorRolloutRefWorker.export_hf)
@@ -326,7 +411,9 @@ class RolloutGroup(RoleGroup):
     """Rollout apart from training."""
 
     generate = remote(RolloutWorker.generate)
-    load_weights = remote(RolloutWorker.load_weights)
+    join_weight_sync = remote(RolloutWorker.join_weight_sync)
+    receive_weights = remote(RolloutWorker.receive_weights)
+    hf_weights = remote(RolloutWorker.hf_weights)
 
 
 class CriticGroup(RoleGroup):

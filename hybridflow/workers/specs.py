@@ -42,12 +42,16 @@ class ActorWorkerSpec:
 
 @dataclass(frozen=True)
 class RolloutWorkerSpec:
-    """Rollout on devices apart from training."""
+    """Rollout on devices apart from training, at rollout.tg."""
 
     run: Run
     model: ModelConfig
     rollout: RolloutConfig
     max_response_length: int
+    train_layout: ParallelDims  # the actor's layout, whose shards it receives (and whose padded vocabulary)
+    # The token fields the driver never reads stay in the object store (workers.rl_workers.LEFT_IN_STORE);
+    # False sends them through the driver, as before (benchmarks/bench_data_plane.py compares the two).
+    rows_in_object_store: bool = True
     env: EnvConfig = field(default_factory=EnvConfig)
 
 

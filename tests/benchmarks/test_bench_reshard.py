@@ -14,3 +14,22 @@ def test_bench_reshard_quick_prints_the_three_groupings(four_process_launch):
     assert rows[("2", "full")][5] == rows[("2", "vanilla")][5] == "0.750", out
     assert all(row[6] == "yes" for row in rows.values()), out  # every executor moved the plan's bytes
     assert int(hybridflow[8]) < int(rows[("2", "vanilla")][8]), out  # no whole stage held before a cut
+
+
+@pytest.mark.timeout(600)
+def test_bench_reshard_quick_prints_the_apart_syncs_against_the_formula(four_process_launch):
+    """The apart case: ranks 0-1 train, 2-3 roll out. Every sync receives exactly the formula's bytes (the
+    generation shard: half the model at tg = 2, all of it at tg = 1) and the plan's, over real gloo broadcasts,
+and ends up holding exactly that shard of the training ranks' model."""
+    out = four_process_launch["bench_reshard"].read_text()
+    rows = {(r[0], r[1]): r for r in (line.split() for line in out.splitlines()) if r and r[0].startswith("apart-")}
+    assert set(rows) == {(f"apart-{t}", tg) for t in ("t2d1", "t1d2") for tg in ("1", "2")}, out
+    assert all(row[6] == "yes" and row[4] == row[5] for row in rows.values()), out  # received = formula = plan
+    assert all(row[9] == "yes" for row in rows.values()), out  # each rollout rank holds its generation shard
+    for t in ("t2d1", "t1d2"):
+        # tg=2 receives about half of tg=1 (the norms are whole on both ranks: a little more than half)
+        half, whole = float(rows[(f"apart-{t}", "2")][4]), float(rows[(f"apart-{t}", "1")][4])
+        assert 0.5 <= half / whole < 0.52, out
+    # at d = 2 into one tg = 2 replica the two training replicas share the sending: the busiest training rank
+    # sends about half the model (one replica alone would send all of it)
+    assert float(rows[("apart-t1d2", "2")][7]) < 0.6 * float(rows[("apart-t1d2", "1")][4]), out

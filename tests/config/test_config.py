@@ -80,6 +80,8 @@ def test_unknown_key_in_yaml_file(tmp_path):
      "2*3*1 = 6"),
     (BASE + ["trainer.n_devices=4", "actor.parallel.tp=4", "rollout.tg=3"], "rollout.tg", "must divide"),
     (BASE + ["trainer.n_devices=4", "actor.parallel.pp=2", "rollout.pg=4"], "rollout.pg", "must divide"),
+    (BASE + ["trainer.n_devices=3", "placement.training=[0, 1]", "placement.reference=[0, 1]",
+             "placement.rollout=[2]", "rollout.tg=2"], "rollout.tg", "must divide the rollout group's 1 devices"),
     (BASE + ["trainer.n_devices=4", "placement.reward=[4]"], "placement.reward", "do not exist"),
     (BASE + ["trainer.n_devices=4", "placement.training=[0, 0]"], "placement.training", "twice"),
     (BASE + ["trainer.n_devices=4", "placement.training=[0, 1, 2]", "actor.parallel.tp=2"],
@@ -113,6 +115,10 @@ def test_valid_split_placement():
         "trainer.n_devices=4", "placement.rollout=[0, 1]", "placement.reward=[2]",
         "placement.training=[0, 1, 2, 3]", "actor.parallel.tp=2", "rollout.tg=1"])
     assert cfg.placement.reward == [2]
+    # A rollout group apart generates at its own tg, whatever the actor's tp (here 1).
+    apart = load_config(None, BASE + ["trainer.n_devices=4", "placement.training=[0, 1]",
+                                      "placement.reference=[0, 1]", "placement.rollout=[2, 3]", "rollout.tg=2"])
+    assert apart.rollout.tg == 2 and apart.actor.parallel.tp == 1
 
 
 def test_missing_or_malformed_config_file(tmp_path):

@@ -8,7 +8,7 @@ import torch
 from hybridflow.controller import ObjectHandle, RayWorkerGroup, ResourcePool
 from hybridflow.controller.dispatch import concat_batches, split_batch
 from hybridflow.controller.transfer import pack, unpack, unpack_results
-from tests.controller.workers import Publisher, Receiver
+from tests.controller.workers import Publisher, Receiver, RowSource
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,6 +25,31 @@ def test_handle_passes_between_groups_without_the_value_on_the_driver(ray_cluste
         want = float(torch.arange(rows * 1024, dtype=torch.float32).sum())
         assert [total for _, total in results] == [want, want]
         assert all(pid != os.getpid() for pid, _ in results)
+    finally:
+        source.shutdown()
+        sink.shutdown()
+
+
+def test_rows_left_in_the_object_store_reach_another_group_in_any_order_without_the_driver(ray_cluster):
+    """A group's answer holds references to its rows (tens of bytes a row, no tensor bytes on the driver);
+    the driver shuffles, pads and splits them like any per-row field, and the other group's workers get
+    exactly those rows as tensors."""
+    from hybridflow.controller.transfer import RowRef
+    from hybridflow.data.batch import take_rows
+
+    source = RayWorkerGroup(RowSource, ResourcePool([0, 1], "cpu"))
+    sink = RayWorkerGroup(Receiver, ResourcePool([1, 0], "cpu"))
+    try:
+        batch = source.call(RowSource.make, torch.arange(8))
+        assert source.received_bytes == 8 * 2 * 8  # the mask only: the ids stayed in the object store
+        assert type(batch["ids"]) is tuple and all(type(r) is RowRef for r in batch["ids"])
+        assert len(pickle.dumps(batch["ids"])) < 8 * 256 * 8 / 4  # references: far below the rows' bytes
+        order = torch.tensor([5, 0, 7, 2, 6, 1, 3])  # 7 rows over 2 ranks: padded to 8 by the call
+        out = sink.call(Receiver.rows_back, take_rows(batch, order))
+        want = order.view(-1, 1) * 1000 + torch.arange(256).view(1, -1)
+        assert torch.equal(out["ids"], want)
+        assert sink.shipped_bytes == 8 * 2 * 8  # the mask (padded to 8 rows); the ids went as references
+        assert all(pid != os.getpid() for pid in out["pid"])
     finally:
         source.shutdown()
         sink.shutdown()

@@ -126,7 +126,24 @@ class Publisher(Worker):
         return ObjectHandle(torch.arange(rows * 1024, dtype=torch.float32).reshape(rows, 1024))
 
 
+class RowSource(Worker):
+    """Generates a batch per rank and leaves its "ids" rows in the object store (as a rollout group apart does)."""
+
+    @register(Dispatch.DP_SPLIT)
+    def make(self, offsets: torch.Tensor) -> dict:
+        from hybridflow.controller.transfer import remote_rows
+
+        ids = offsets.view(-1, 1) * 1000 + torch.arange(256).view(1, -1)  # rows of 256 int64
+        return {"ids": remote_rows(ids), "mask": torch.ones(len(offsets), 2, dtype=torch.long)}
+
+
 class Receiver(Worker):
+    @register(Dispatch.DP_SPLIT)
+    def rows_back(self, batch: dict) -> dict:
+        """The rows it received, as tensors (fetched from the object store before this runs)."""
+        assert isinstance(batch["ids"], torch.Tensor), type(batch["ids"])
+        return {"ids": batch["ids"] + 0, "pid": [os.getpid()] * len(batch["ids"])}
+
     @register(Dispatch.ONE_TO_ALL)
     def dtypes(self, batch: dict) -> dict:
         return {key: str(value.dtype) for key, value in batch.items()}

@@ -96,15 +96,3 @@ def test_generation_mesh_groups_the_ranks_of_one_generation_tp_group(launched):
         assert [(c.dp_rank, c.answers) for c in coords] == expected, grouping
     tg1 = [MeshCoord(*ranks["hybridflow"]["mesh"]) for ranks in launched["t4p1-tg1"]]
     assert [(c.dp_rank, c.dp_size, c.answers) for c in tg1] == [(r, 4, True) for r in range(4)]
-
-
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_rollout_group_apart_gets_the_model_shard_by_shard(launched, layout):
-    """No training rank publishes more than its own shard, together they publish the model once, and the
-    reassembled model equals the trained weights."""
-    ranks = launched[layout]
-    for rank, got in enumerate(ranks):
-        assert 0 < got["published_bytes"] <= got["own_bytes"], rank
-        assert got["assembled_exact"], rank
-    assert sum(got["published_bytes"] for got in ranks) == ranks[0]["model_bytes"]

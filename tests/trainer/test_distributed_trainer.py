@@ -3,6 +3,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridflow.config.loader import load_config
 from hybridflow.errors import ConfigError
@@ -86,25 +87,58 @@ def test_ppo_split_placement_critic_on_its_own_devices(tmp_path, single):
     _assert_same_metrics({"one": single("tiny-ppo.yaml")[1], "split": records}, (1, 2, 3), rel=1e-5, abs_=1e-6)
 
 
-def test_grpo_rollout_apart_from_training_matches_the_single_process_run(tmp_path):
-    """Rollout on its own device (1 process), the actor at TP2 on two others: after each update each
-    actor rank puts only its own shard into the object store and the rollout process reassembles the
-    model before the next rollout, so the responses and metrics are those of one process (keyed
-    sampling; summation order as above)."""
+def _assert_synced_by_plan(records, steps):
+    """Every sync moved exactly the plan's bytes, which are the formula's (a rollout rank's generation shard)."""
+    for step in steps:
+        r = records[step]
+        assert r["sync/bytes_received"] == r["sync/plan_bytes_received"] == r["sync/formula_bytes_received"] > 0, step
+        assert r["sync/bytes_sent"] == r["sync/plan_bytes_sent"] > 0, step
+        assert r["sync/collectives"] > 0 and r["sync/collectives_off_plan"] == 0, step
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", [
+    pytest.param(["trainer.n_devices=3", "placement.rollout=[2]", "actor.parallel.tp=2"], id="t2-to-tg1"),
+    pytest.param(["trainer.n_devices=4", "placement.rollout=[2,3]", "rollout.tg=2"], id="d2-to-tg2")])
+def test_grpo_rollout_apart_from_training_matches_the_single_process_run(tmp_path, single, layout):
+    """Rollout on devices of its own: the actor at TP2 into one rollout process at tg = 1 (3 processes), or
+    at DP2 into a rollout group of two at tg = 2 (4 processes). Before the first rollout and after each
+    update the actor's ranks broadcast the slices of their training shards each rollout rank's generation
+    shard needs, over a process group spanning both groups: the responses and metrics are those of one
+    process (keyed sampling; summation order as above), each sync moves the plan's bytes, no weight passes
+    the driver, and after a sync the rollout's weights are the actor's, bit for bit (without it, they are
+    one update behind: checked)."""
+    from hybridflow.models.checkpoint import load_hf_state_dict
     from tests.trainer.test_trainer import learned
 
-    common = ["trainer.total_steps=3", "trainer.val_every=3", "trainer.save_every=1",
-              "actor.ppo_mini_batch_size=8"]
-    layout = ["trainer.n_devices=3", "trainer.launcher=ray", "placement.training=[0,1]",
-              "placement.reference=[0,1]", "placement.rollout=[2]", "actor.parallel.tp=2"]
-    _, records = run("tiny-grpo.yaml", tmp_path / "apart", *layout, *common)
-    _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
-    apart, one = learned(records), learned(single)
-    assert apart[0] == one[0]  # greedy validation before any update, from the rollout group's own load
+    common = ["actor.ppo_mini_batch_size=8"]
+    layout = [*layout, "trainer.launcher=ray", "placement.training=[0,1]", "placement.reference=[0,1]"]
+    cfg = in_repo(load_config(ROOT / "configs" / "tiny-grpo.yaml", [
+        f"trainer.output_dir={tmp_path / 'apart'}", *layout, *common, *THREE_STEPS, "trainer.save_every=1"]))
+    trainer = RLTrainer(cfg)
+    try:
+        summary = trainer.fit()
+        assert trainer.rollout_weights_stale  # the last update has not reached the rollout group yet
+        behind = trainer.separate_rollout.hf_weights()
+        shipped = trainer.shipped_bytes()
+        again = trainer.weight_sync.push()
+        assert trainer.shipped_bytes() == shipped  # the driver passed no tensor to either group
+        assert again["sync/bytes_received"] == again["sync/formula_bytes_received"]
+        synced = trainer.separate_rollout.hf_weights()
+    finally:
+        trainer.shutdown()
+    actor = load_hf_state_dict(summary["hf_actor"])
+    assert synced.keys() == actor.keys() and all(torch.equal(synced[k], actor[k]) for k in actor)
+    assert not all(torch.equal(behind[k], actor[k]) for k in actor)  # the invariant can fail: a stale copy
+    records = read_metrics(summary["run_dir"] / "metrics.jsonl")
+    _assert_synced_by_plan(records, (1, 2, 3))
+    apart, one = learned(records), learned(single("tiny-grpo.yaml", *common)[1])
     for step in (1, 2, 3):  # steps 2 and 3 roll out with weights updated once and twice
         assert apart[step].keys() == one[step].keys()
         for key, value in one[step].items():
             assert apart[step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
+    if "rollout.tg=2" in layout:
+        return
 
     # Resumed from the same run's step-2 checkpoint (the later one moved away, as the resume error advises):
     # the restored actor's weights must reach the rollout group before step 3.
@@ -112,7 +146,7 @@ def test_grpo_rollout_apart_from_training_matches_the_single_process_run(tmp_pat
 
     shutil.copytree(tmp_path / "apart", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "tiny-grpo" / "checkpoints" / "step_000003")
-    _, again = run("tiny-grpo.yaml", tmp_path / "resumed", *layout, *common, "trainer.resume=auto")
+    _, again = run("tiny-grpo.yaml", tmp_path / "resumed", *layout, *common, *THREE_STEPS, "trainer.resume=auto")
     assert [r["step"] for r in again] == [r["step"] for r in records]  # steps after 2 were replaced, once
     for key, value in apart[3].items():
         assert learned(again)[3][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

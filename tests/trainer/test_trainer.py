@@ -312,9 +312,8 @@ def test_a_worker_failing_inside_a_flow_stage_surfaces_as_worker_error(tmp_path,
 
 @pytest.mark.parametrize("override, message", [
     ("actor.parallel.pp=2 rollout.pg=2", "rollout.pg: 2: generation pipelining is not built yet"),
-    ("trainer.n_devices=3 placement.training=[0,1] placement.reference=[0,1] placement.rollout=[2] "
-     "actor.parallel.tp=2 rollout.tg=2", "rollout.tg: 2: a rollout group placed apart from training generates at "
-                                         "tg = 1"),
+    ("trainer.n_devices=5 placement.training=[0,1] placement.reference=[0,1] placement.rollout=[2,3,4] "
+     "rollout.tg=3", "rollout.tg: 3 does not divide the model's 4 attention heads"),
     ("trainer.n_devices=4 actor.parallel.tp=2 rollout.grouping=full",
      "rollout.grouping: 'full' (the DeepSpeed-Chat baseline) gathers within one training replica"),
     ("trainer.n_devices=4 actor.parallel.tp=4 rollout.tg=2 rollout.engine=vllm",
