@@ -47,6 +47,7 @@ from hybridflow.roles.actor import LOG_PROB_FIELDS
 from hybridflow.roles.actor import UPDATE_FIELDS as ACTOR_UPDATE_FIELDS
 from hybridflow.roles.critic import UPDATE_FIELDS as CRITIC_UPDATE_FIELDS
 from hybridflow.roles.critic import VALUE_FIELDS
+from hybridflow.roles.rollout import TRAIN
 from hybridflow.rollout import RolloutBackend, sync_weights
 from hybridflow.rollout.factory import build_backend
 from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutWorkerSpec, Run
@@ -111,16 +112,17 @@ class _Generates(Worker):
     rollout: Rollout
 
     @register(Dispatch.DP_SPLIT, mesh="generation")
-    def generate(self, prompts: dict[str, Any], seed: int, validation: bool = False,
+    def generate(self, prompts: dict[str, Any], seed: int, mode: str = TRAIN,
                  pad: bool = False) -> dict[str, Any]:
-        """This generation replica's prompts -> the rollout batch (fields in `data.fields`).
+        """This generation replica's prompts -> the rollout batch (fields in `data.fields`); `mode`: "train",
+        "validation" or "baseline" (the ReMax greedy rollout), `roles.rollout.MODES`.
 
         The "generation" mesh is the rollout layout: at tg > 1 the ranks of one
         generation TP group get the same prompts and its TP rank 0 answers, so
         the controller regroups prompts onto generation replicas and the
         responses back into one batch, which the training meshes then split.
         """
-        return self.rollout.generate(prompts, seed, validation, pad)
+        return self.rollout.generate(prompts, seed, mode, pad)
 
 
 class ActorRolloutRefWorker(EngineWorker, _Generates):
