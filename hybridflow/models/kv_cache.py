@@ -96,11 +96,14 @@ class KVCache:
         out.k = self.k.new_empty(shape)
         out.v = self.v.new_empty(shape)
         e = self.length
-        for src, dst in ((self.k, out.k), (self.v, out.v)):
-            for layer in range(src.shape[0]):
-                dst[layer, :, :, :e] = src[layer, rows, :, :e]
         out.key_mask = torch.zeros(rows.numel(), capacity, dtype=torch.bool, device=self.key_mask.device)
         out.key_mask[:, :e] = self.key_mask[rows, :e]
+        # Slots no token was written to (the C++ decode loop feeds no ended row) hold whatever the allocator
+        # left; masked, they get no attention weight, but 0 * NaN is NaN in the attention's product with V.
+        written = out.key_mask[:, None, :e, None]
+        for src, dst in ((self.k, out.k), (self.v, out.v)):
+            for layer in range(src.shape[0]):
+                dst[layer, :, :, :e] = torch.where(written, src[layer, rows, :, :e], 0.0)
         out.seen = self.seen.index_select(0, rows)
         out.windows, out.batch, out.capacity = list(self.windows), rows.numel(), capacity
         out.start, out.length = self.start, self.length

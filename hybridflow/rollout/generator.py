@@ -42,6 +42,11 @@ instead: a fixed-size cache and batch bucket per step, captured once as a CUDA
 graph (or `torch.compile(mode="reduce-overhead")`, `capture="compile"`) and
 replayed per token, sampling inside it. It gives this loop's tokens for greedy
 and keyed sampling; calls with stop strings take this loop.
+
+`prefill` and `decode_after` are the two halves of the eager path, also used
+by the agent loop's cache kept between turns (`turns.py`); `prefill_tokens`
+and `prefill_positions` count the prefill work they did (real tokens, and
+positions computed with padding; the static path is not counted).
 """
 from __future__ import annotations
 

@@ -127,3 +127,10 @@ def test_forget_unmasks_the_slots_after_what_each_row_was_fed():
     picked = cache.select(torch.tensor([1]), 12)
     assert picked.capacity == 12 and picked.k.is_contiguous() and picked.seen.tolist() == [6]
     assert torch.equal(picked.k[:, 0, :, :6], cache.k[:, 1, :, :6])
+    # A slot no token was written to (the C++ loop feeds no ended row) may hold NaN; a masked NaN would
+    # still poison attention (0 * NaN), so select zeroes every masked slot it copies.
+    cache.k[:, 0, :, 4:6] = float("nan")
+    cache.v[:, 0, :, 0] = float("nan")  # the left-padding slot
+    picked = cache.select(torch.tensor([0]), 12)
+    assert torch.isfinite(picked.k[:, :, :, :6]).all() and torch.isfinite(picked.v[:, :, :, :6]).all()
+    assert torch.equal(picked.k[:, 0, :, 1:4], cache.k[:, 0, :, 1:4])
