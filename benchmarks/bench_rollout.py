@@ -1,6 +1,6 @@
 """Rollout benchmark: the built-in Generator against HF `generate` on the same weights.
 
-    python benchmarks/bench_rollout.py [--quick] [--threads N] [--workload greedy|sampled] [--json PATH]
+    python benchmarks/bench_rollout.py [--quick] [--threads N] [--workload greedy|sampled|turns|all] [--json PATH]
     python benchmarks/bench_rollout.py --engine vllm [--quick]      # vLLM against the built-in engine
 
 `--engine vllm` (vLLM installed, e.g. `make test-vllm`'s .venv-vllm) runs vLLM
@@ -36,7 +36,13 @@ machine shift single timings. Two workloads:
   keeps them), on the same keyed samples as `ours`: `vs python` is what the
   C++ loop gains, `vs no-drop` what it and dropping ended rows gain.
 
-Both workloads also report each engine's peak memory for one batch: how far
+- `turns`: multi-turn agent episodes on the built-in engine, the KV cache
+  kept between turns against re-prefilling the whole trajectory at every
+  turn (`rollout_turns.py`): prefill tokens and positions per episode and
+  episode tokens/s of both paths, side by side in one run, and whether they
+  made the same episodes. No HF row.
+
+The first two workloads also report each engine's peak memory for one batch: how far
 the process's resident high-water mark rises during one `generate` call
 (`figures.py`; the KV cache, logits and buffers each engine allocates), and
 `mem` = ours / HF (below 1: ours holds less). `--json PATH` writes the rows.
@@ -59,6 +65,7 @@ from hybridflow.rollout import Generator, SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (hybridflow bench runs this by path)
 from figures import mib, peak_extra_mib, ratio, write_json  # noqa: E402
+from rollout_turns import bench_turns, print_turns  # noqa: E402
 
 # "small": a Llama-shaped model where the matrix multiplies dominate a step;
 # "demo": the shape `make demo` generates with (hidden 128, 16-token vocab),
@@ -279,8 +286,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small", help="model shape (see SHAPES)")
-    parser.add_argument("--workload", choices=("greedy", "sampled", "both"), default="both",
-                        help="greedy fixed-length decoding, RL-style sampling with EOS, or both")
+    parser.add_argument("--workload", choices=("greedy", "sampled", "both", "turns", "all"), default="all",
+                        help="greedy fixed-length decoding, RL-style sampling with EOS, both, multi-turn agent "
+                             "episodes (kept cache against re-prefill), or all three")
+    parser.add_argument("--turns", type=int, default=4, help="turns: model turns per episode")
     parser.add_argument("--eos-ids", type=int, default=64,
                         help="sampled: how many token ids end a row (P(end) per step ~ eos_ids/vocab)")
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
@@ -314,15 +323,21 @@ def main() -> None:
     header = (f"{'batch':>6s} {'prompt':>7s} {'new':>7s} {'ours tok/s':>10s} {'HF tok/s':>10s} "
               f"{'speedup':>8s} {'same':>6s} {memory}")
     rows = []
-    if args.workload in ("greedy", "both"):
+    if args.workload in ("greedy", "both", "all"):
         print(f"greedy, exactly {new_tokens} new tokens per row\n{header}")
         rows += bench(ours, hf_model, batches, prompt_len, new_tokens, repeats)
-    if args.workload in ("sampled", "both"):
+    if args.workload in ("sampled", "both", "all"):
         print(f"sampled (temperature 1), {args.eos_ids} EOS ids of {cfg.vocab_size}, at most {new_tokens} "
               f"new tokens\n{'batch':>6s} {'prompt':>7s} {'new':>7s} {'ours tok/s':>10s} {'python':>10s} "
               f"{'no-drop':>10s} {'HF tok/s':>10s} {'vs HF':>8s} {'vs python':>10s} {'vs no-drop':>10s} "
               f"{'len ratio':>6s} {memory}")
         rows += bench_sampled(ours, hf_model, batches, prompt_len, new_tokens, repeats, args.eos_ids)
+    if args.workload in ("turns", "all"):
+        sizes = dict(prompts=2, n=2, prompt_len=16, turn_tokens=8, obs_len=12, stop_every=4) if args.quick else \
+            dict(prompts=8, n=2, prompt_len=prompt_len, turn_tokens=48, obs_len=32, stop_every=16)
+        row = bench_turns(decoder, turns=args.turns, repeats=repeats, **sizes)
+        print_turns(row)
+        rows.append(row)
     if args.json:
         write_json(args.json, {"quick": args.quick, "shape": args.shape, "threads": args.threads, "rows": rows})
 

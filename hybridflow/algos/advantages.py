@@ -209,12 +209,12 @@ def reinforce_plus_plus_baseline(scores: Tensor, mask: Tensor,
 def remax(scores: Tensor, baseline_scores: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """ReMax (Li et al. 2023): the greedy rollout's score as the baseline.
 
-    Not registered as a trainer estimator: the trainer does not run the
-    extra greedy rollout per prompt that supplies `baseline_scores`. A flow
-    that does (e.g. a DataFlow node) can call this directly.
-
     scores, baseline_scores: [B]; mask: [B, T] -> (advantages, returns) [B, T].
-    A_i = s_i - b_i on every valid token of sequence i.
+    A_i = s_i - b_i on every valid token of sequence i, where b_i is the score
+    of the greedy response to i's prompt (the same b for all n samples of a
+    prompt). The trainer runs that greedy rollout, one per prompt, when
+    `algorithm.adv_estimator=remax` (`trainer.RLTrainer._baseline`). Unlike
+    the group estimators it needs no second sample: n = 1 has a signal.
     """
     _check_scores(scores, mask)
     _check_scores(baseline_scores, mask, "baseline_scores")
@@ -303,3 +303,8 @@ def _reinforce_pp_baseline_entry(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     name = "reinforce_plus_plus_baseline"
     return reinforce_plus_plus_baseline(scores=x.outcome_scores(name), mask=x.mask,
                                         group_ids=x.need("group_ids", name))
+
+
+@register_adv_estimator("remax")
+def _remax_entry(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    return remax(scores=x.outcome_scores("remax"), baseline_scores=x.need("baseline_scores", "remax"), mask=x.mask)

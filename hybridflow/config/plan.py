@@ -117,6 +117,7 @@ class RunPlan:
     chunk_prompts: int  # prompts per rollout chunk of the DataFlow
     needs_reference: bool  # KL against the initial policy, in the reward or as a loss
     needs_old_log_probs: bool  # the old log-probs need a forward pass of their own
+    needs_greedy_baseline: bool  # ReMax: one greedy rollout per prompt, its score the advantage's baseline
     mini_batch_responses: int  # responses per optimizer step: actor.ppo_mini_batch_size * rollout.n
     optimizer_steps: dict[str, int]  # "actor", "critic" -> the LR schedule's length
     run_dir: Path  # trainer.output_dir / trainer.experiment
@@ -147,6 +148,7 @@ class RunPlan:
             prompt_multiple=prompts, chunk_prompts=chunk_prompts(cfg, prompts),
             needs_reference=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss,
             needs_old_log_probs=needs_old_log_probs(cfg),
+            needs_greedy_baseline=cfg.algorithm.adv_estimator == "remax",
             mini_batch_responses=cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
             optimizer_steps={"actor": optimizer_steps(cfg, cfg.actor.ppo_epochs),
                              "critic": optimizer_steps(cfg, cfg.critic.ppo_epochs)}, run_dir=run_dir(cfg))

@@ -55,6 +55,9 @@ REF_LOG_PROBS      FloatTensor[B, R]     per-token log-probs of the frozen refer
 ENTROPY            FloatTensor[B, R]     per-token entropy of the actor's policy.
 VALUES             FloatTensor[B, R]     critic value estimate per response token.
 SCORES             FloatTensor[B]        sequence-level verifier / reward-model score.
+BASELINE_SCORES    FloatTensor[B]        ReMax only: the score of the greedy response
+                                         to the row's prompt (the same for its n
+                                         samples), the baseline of its advantage.
 ENV_REWARDS        FloatTensor[B, R]     multi-turn rollouts only: each environment
                                          step's reward on the last token of the
                                          model turn it answers, zeros elsewhere.
@@ -100,6 +103,7 @@ REF_LOG_PROBS = "ref_log_probs"
 ENTROPY = "entropy"
 VALUES = "values"
 SCORES = "scores"
+BASELINE_SCORES = "baseline_scores"
 ENV_REWARDS = "env_rewards"
 ENV_STATS = "env_stats"
 TOKEN_SCORES = "token_scores"
@@ -128,6 +132,7 @@ FIELD_SHAPES: Mapping[str, str] = MappingProxyType({
     ENTROPY: "FloatTensor[B, R]",
     VALUES: "FloatTensor[B, R]",
     SCORES: "FloatTensor[B]",
+    BASELINE_SCORES: "FloatTensor[B]",
     ENV_REWARDS: "FloatTensor[B, R]",
     ENV_STATS: "list[dict]",
     TOKEN_SCORES: "FloatTensor[B, R]",

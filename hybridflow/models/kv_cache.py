@@ -13,6 +13,15 @@ are dropped in bulk by `keep_rows` (one in-place copy of the filled
 slots), not slot by slot. Only the first append may be shared by several rows (one prompt
 prefilled once for its `n` samples). Only activations are cached, never
 weights.
+
+Kept across an agent's turns (`rollout/turns.py`), a row's real tokens need
+not be contiguous: `forget` unmasks the slots a finished row was fed padding
+into, and the next turn's tokens are appended left-padded after the longest
+row. Positions still count real tokens (`seen`), so a row computes what it
+would on its tokens alone; only the sliding window, which is a slice of
+slots, would be wrong there (such models re-prefill instead). `select`
+copies the rows still running into a new, contiguous cache of a given
+capacity (the C++ decode loop needs contiguous storage).
 """
 from __future__ import annotations
 
@@ -77,6 +86,36 @@ class KVCache:
         self.key_mask = self.key_mask.index_select(0, rows)
         self.seen = self.seen.index_select(0, rows)
         self.batch = n
+
+    def select(self, rows: torch.Tensor, capacity: int) -> "KVCache":
+        """A new cache holding rows `rows` [b'] (int64) of this one, their filled slots copied, with room
+        for `capacity` slots; contiguous, as a freshly built cache."""
+        capacity = max(capacity, self.length)
+        out = KVCache.__new__(KVCache)
+        shape = (self.k.shape[0], rows.numel(), self.k.shape[2], capacity, self.k.shape[4])
+        out.k = self.k.new_empty(shape)
+        out.v = self.v.new_empty(shape)
+        e = self.length
+        out.key_mask = torch.zeros(rows.numel(), capacity, dtype=torch.bool, device=self.key_mask.device)
+        out.key_mask[:, :e] = self.key_mask[rows, :e]
+        # Slots no token was written to (the C++ decode loop feeds no ended row) hold whatever the allocator
+        # left; masked, they get no attention weight, but 0 * NaN is NaN in the attention's product with V.
+        written = out.key_mask[:, None, :e, None]
+        for src, dst in ((self.k, out.k), (self.v, out.v)):
+            for layer in range(src.shape[0]):
+                dst[layer, :, :, :e] = torch.where(written, src[layer, rows, :, :e], 0.0)
+        out.seen = self.seen.index_select(0, rows)
+        out.windows, out.batch, out.capacity = list(self.windows), rows.numel(), capacity
+        out.start, out.length = self.start, self.length
+        return out
+
+    def forget(self, since: int, kept: torch.Tensor) -> None:
+        """Row r keeps only the first kept[r] [B] slots written since slot `since`: the later ones (a finished
+        row's padding, a token it sampled last and was fed) are masked out and no longer counted in `seen`."""
+        slots = torch.arange(self.capacity, device=self.key_mask.device)
+        drop = (slots[None] >= since + kept.to(slots.device)[:, None]) & (slots[None] < self.length)
+        self.seen -= (self.key_mask & drop).sum(-1)
+        self.key_mask &= ~drop
 
     def first_key(self, window: Optional[int]) -> int:
         """First slot a query of the last append can attend to."""

@@ -27,12 +27,22 @@ from hybridflow.common import mix_seed
 Batch = dict[str, Any]
 
 
+# What a rollout is for, which sets its sampling: the training samples (rollout.temperature, top-p/k, n),
+# validation (rollout.val_temperature, one sample) or the ReMax baseline (greedy, one sample per prompt).
+TRAIN, VALIDATION, BASELINE = "train", "validation", "baseline"
+MODES = (TRAIN, VALIDATION, BASELINE)
+
+
 def sampling_params(cfg: RolloutConfig, max_new_tokens: int, tokenizer: Tokenizer,
-                    validation: bool = False, more_stops: tuple[int, ...] = ()) -> SamplingParams:
+                    mode: str = TRAIN, more_stops: tuple[int, ...] = ()) -> SamplingParams:
     stop_ids = tuple(i for i in (tokenizer.eos_token_id,) if i is not None) + more_stops
     common = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, stop=tuple(cfg.stop))
-    if validation:
+    if mode == VALIDATION:
         return SamplingParams(temperature=cfg.val_temperature, do_sample=cfg.val_temperature > 0, n=1, **common)
+    if mode == BASELINE:
+        return SamplingParams(temperature=0.0, do_sample=False, n=1, **common)
+    if mode != TRAIN:
+        raise ValueError(f"rollout mode must be one of {MODES}, got {mode!r}")
     return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, do_sample=cfg.do_sample,
                           n=cfg.n, **common)
 
@@ -82,16 +92,18 @@ class Rollout:
         self.agent, stops = None, ()
         if env is not None and env.function is not None:
             self.agent, stops = agent_loop(env, generator, tokenizer, max_new_tokens)
-        self.sampling = {False: sampling_params(cfg, max_new_tokens, tokenizer, more_stops=stops),
-                         True: sampling_params(cfg, max_new_tokens, tokenizer, validation=True, more_stops=stops)}
+        self.sampling = {mode: sampling_params(cfg, max_new_tokens, tokenizer, mode, more_stops=stops)
+                         for mode in MODES}
 
-    def generate(self, prompts: Batch, seed: int, validation: bool = False, pad: bool = False) -> Batch:
-        """This rank's prompts -> the rollout batch (fields in `data.fields`).
+    def generate(self, prompts: Batch, seed: int, mode: str = TRAIN, pad: bool = False) -> Batch:
+        """This rank's prompts -> the rollout batch (fields in `data.fields`); `mode` one of MODES.
 
         Responses are padded to max_new_tokens when batches are concatenated
         (several ranks or chunks, or `pad`), else to the longest one.
         """
-        params = self.sampling[validation]
+        if mode not in self.sampling:
+            raise ValueError(f"rollout mode must be one of {MODES}, got {mode!r}")
+        params = self.sampling[mode]
         ids, mask = prompts[F.INPUT_IDS], prompts[F.ATTENTION_MASK]
         # Noise keyed by (seed, dataset row, sample): a prompt's samples do not
         # depend on the rank, chunk or batch it is generated in.

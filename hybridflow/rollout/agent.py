@@ -25,9 +25,17 @@ in the sampling params); a turn cut by the per-turn limit, the total budget
 or `max_turns` ends the trajectory. Sampling noise is keyed by (prompt key,
 sample, turn), so a trajectory is the same whichever rank or batch runs it.
 
-Simplified on purpose: each turn prefills the whole trajectory again (the
-generate interface keeps no cache between calls); the tool calls of one turn
-run one after the other on the driver of this rank.
+On the built-in engine a run keeps its trajectories' KV cache between turns
+(`turns.TurnCache`, `reuse_cache=True`, the default): turn k prefills only
+what turn k-1 left out of the cache (the token sampled last, the template's
+glue, the observation), not the whole trajectory again. The tokens are those
+of the re-prefilling path for keyed sampling, the log-probs equal to float
+rounding (tests/rollout/test_turns.py). Other engines, sliding-window models
+and `reuse_cache=False` take one `generate` call per turn on the whole
+trajectory (vLLM's own prefix cache then reuses the blocks it still holds).
+`AgentOutput.prefill_tokens` counts what either path prefilled. Simplified on
+purpose: the tool calls of one turn run one after the other on the driver of
+this rank.
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.rollout.turns import TurnCache
 from hybridflow.common import SEED_STRIDE
 from hybridflow.data.prompts import adds_special_tokens, encode_prompts, left_pad, render_prompt
 
@@ -138,6 +147,7 @@ class Trajectory:
 @dataclass
 class AgentOutput:
     trajectories: list[Trajectory]  # B * n, prompt-major
+    prefill_tokens: int = 0  # real tokens the run prefilled, over all turns (a prompt shared by n samples once)
 
     def tensors(self, width: int, pad_id: int) -> dict[str, torch.Tensor]:
         """ids, mask (the model's tokens), real (every token), log_probs and rewards as [B*n, width]."""
@@ -159,8 +169,10 @@ class AgentLoop:
     """Runs trajectories against environments made by `make_env`, one batched generate call per turn."""
 
     def __init__(self, backend: Any, tokenizer: Any, make_env: Callable[[], Any], limits: AgentLimits,
-                 end_of_turn: Optional[int] = None):
+                 end_of_turn: Optional[int] = None, reuse_cache: bool = True):
         self.backend, self.tokenizer, self.make_env, self.limits = backend, tokenizer, make_env, limits
+        # Keep the KV cache between turns where the engine is the built-in one and computes it exactly.
+        self.reuse_cache = reuse_cache and TurnCache.applies(backend)
         end = tokenizer.eos_token_id if end_of_turn is None else end_of_turn
         self.glue = ChatGlue(tokenizer, end)
         self.pad_id = tokenizer.pad_token_id
@@ -178,29 +190,45 @@ class AgentLoop:
             env.reset(row["prompt"], row.get("ground_truth"), row.get("extra_info"))
             envs.append(env)
         live = list(range(len(trajectories)))
+        turns = TurnCache(self.backend) if self.reuse_cache else None
+        prefilled = 0
         for turn in range(self.limits.max_turns):
             if not live:
                 break
-            sampled = self._generate(turn, live, trajectories, prompt_ids, row_keys, params)
+            sampled, fed = self._generate(turn, live, trajectories, prompt_ids, row_keys, params, turns)
+            prefilled += fed
             for i, (tokens, log_probs, stopped) in zip(live, sampled):
                 self._take_turn(trajectories[i], envs[i], tokens, log_probs, stopped, turn)
             live = [i for i in live if not trajectories[i].ended]
         for i, t in enumerate(trajectories):
             t.stats = dict(envs[i].stats()) if callable(getattr(envs[i], "stats", None)) else {}
-        return AgentOutput(trajectories)
+        return AgentOutput(trajectories, prefilled)
 
-    def _generate(self, turn: int, live: list[int], trajectories: list[Trajectory], prompt_ids, row_keys, params):
-        """One generate call for the live rows -> per row (its tokens, log-probs, whether a stop ended it)."""
+    def _generate(self, turn: int, live: list[int], trajectories: list[Trajectory], prompt_ids, row_keys, params,
+                  turns: Optional[TurnCache]):
+        """One generate call for the live rows -> (per row (its tokens, log-probs, whether a stop ended it), the
+        real tokens prefilled). With `turns`, only what its cache lacks of each sequence is prefilled."""
         n, limits = params.n, self.limits
         budget = {i: min(limits.max_turn_tokens, limits.max_total_tokens - len(trajectories[i].ids)) for i in live}
         steps = max(budget.values())
         if turn == 0:  # every row live: each prompt once, its n samples drawn by the engine
-            ids, mask = left_pad(prompt_ids, self.pad_id)
-            out = self.backend.generate(ids, mask, replace(params, max_new_tokens=steps), row_keys=row_keys)
+            first = replace(params, max_new_tokens=steps)
+            fed = sum(len(p) for p in prompt_ids)
+            if turns is not None:
+                out = turns.first(prompt_ids, first, row_keys)
+            else:
+                out = self.backend.generate(*left_pad(prompt_ids, self.pad_id), first, row_keys=row_keys)
         else:
-            ids, mask = left_pad([prompt_ids[i // n] + trajectories[i].ids for i in live], self.pad_id)
+            sequences = [prompt_ids[i // n] + trajectories[i].ids for i in live]
             keys = torch.stack([(row_keys[i // n].long() * n + i % n) * SEED_STRIDE + turn for i in live])
-            out = self.backend.generate(ids, mask, replace(params, n=1, max_new_tokens=steps), row_keys=keys)
+            later = replace(params, n=1, max_new_tokens=steps)
+            if turns is not None:
+                before = turns.gen.prefill_tokens
+                out = turns.next(live, sequences, later, keys)
+                fed = turns.gen.prefill_tokens - before
+            else:
+                fed = sum(len(s) for s in sequences)
+                out = self.backend.generate(*left_pad(sequences, self.pad_id), later, row_keys=keys)
         stops = set(params.stop_token_ids)
         result = []
         for row, i in enumerate(live):
@@ -210,7 +238,7 @@ class AgentLoop:
             if length > budget[i]:
                 tokens, stopped = tokens[:budget[i]], False
             result.append((tokens, out.log_probs[row, :len(tokens)].tolist(), stopped))
-        return result
+        return result, fed
 
     def _take_turn(self, t: Trajectory, env: Any, tokens: list[int], log_probs: list[float], stopped: bool,
                    turn: int) -> None:

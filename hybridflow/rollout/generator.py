@@ -42,6 +42,11 @@ instead: a fixed-size cache and batch bucket per step, captured once as a CUDA
 graph (or `torch.compile(mode="reduce-overhead")`, `capture="compile"`) and
 replayed per token, sampling inside it. It gives this loop's tokens for greedy
 and keyed sampling; calls with stop strings take this loop.
+
+`prefill` and `decode_after` are the two halves of the eager path, also used
+by the agent loop's cache kept between turns (`turns.py`); `prefill_tokens`
+and `prefill_positions` count the prefill work they did (real tokens, and
+positions computed with padding; the static path is not counted).
 """
 from __future__ import annotations
 
@@ -92,6 +97,8 @@ class Generator:
         self.decode = decode
         self.static = StaticDecoder(model, capture)  # captures nothing until the static path runs
         self.static_failed: Optional[str] = None  # why "auto" stopped taking the static path, if it did
+        # Prefill work so far (`prefill`): real tokens, and positions computed (padding included where run).
+        self.prefill_tokens = self.prefill_positions = 0
 
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -167,19 +174,37 @@ class Generator:
         fused = self._decode_extension(params, row_keys is not None, device)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         cache = KVCache(self.model.cfg, rows, t + steps, self.model.embed.weight.dtype, device)
+        logits = self.prefill(fused, input_ids, attention_mask, cache, n)
+        tokens, log_probs, mask, length = self.decode_after(fused, logits, cache, params, generator,
+                                                            _row_streams(row_keys, n, steps, device))
+        return _output(input_ids, attention_mask, n, home, tokens, log_probs, mask, length)
+
+    def prefill(self, fused, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: KVCache,
+                n: int = 1) -> torch.Tensor:
+        """Append left-padded `input_ids` [b, t] to `cache` (its rows: each of the b inputs n times on an empty
+        cache, else one each); the logits [b * n, V] after each input's last token. `fused`: the C++ module
+        (`_decode_extension`) or None. Counts `prefill_tokens` (real tokens) and `prefill_positions`
+        (the positions computed: the C++ prefill skips padding, `forward_cached` does not)."""
+        real = int(attention_mask.sum())
         # An extension built from sources before the C++ prefill (`bench csrc --baseline`) prefills in Python.
-        if fused is not None and hasattr(fused, "prefill") and bool(attention_mask[:, -1].all()):
+        if fused is not None and hasattr(fused, "prefill") and cache.length == 0 and bool(attention_mask[:, -1].all()):
             logits = self._fused_prefill(fused, input_ids, attention_mask, cache, n)
+            self.prefill_positions += real
         else:
             logits = self.model.forward_cached(input_ids, cache, attention_mask, last_only=True)[:, -1]
-        logits = logits.repeat_interleave(n, 0)
-        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
-        keys = _row_streams(row_keys, n, steps, device)
+            self.prefill_positions += input_ids.numel()
+        self.prefill_tokens += real
+        return logits.repeat_interleave(n, 0) if n > 1 else logits
+
+    def decode_after(self, fused, logits: torch.Tensor, cache: KVCache, params: SamplingParams, generator,
+                     keys: Optional[torch.Tensor], compact: bool = True):
+        """The decode steps after a prefill (C++ loop when `fused`, else the Python one): tokens, log_probs,
+        mask [rows, max_new_tokens] and the steps run. compact=False keeps ended rows in the cache (fed
+        padding; the Python loop drops them otherwise), for a cache kept past this call."""
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=logits.device)
         if fused is not None:
-            tokens, log_probs, mask, length = self._fused_decode(fused, logits, cache, params, keys, stop_ids)
-        else:
-            tokens, log_probs, mask, length = self._python_decode(logits, cache, params, generator, keys, stop_ids)
-        return _output(input_ids, attention_mask, n, home, tokens, log_probs, mask, length)
+            return self._fused_decode(fused, logits, cache, params, keys, stop_ids)
+        return self._python_decode(logits, cache, params, generator, keys, stop_ids, compact)
 
     def _static_applies(self, params: SamplingParams, device: torch.device) -> bool:
         """The static path: asked for, or "auto" on CUDA; never for stop strings (they need the host each step)."""
@@ -203,7 +228,8 @@ class Generator:
                                                                self.pad_token_id)
         return _output(input_ids, attention_mask, n, home, tokens, log_probs, mask, length)
 
-    def _python_decode(self, logits, cache: KVCache, params: SamplingParams, generator, keys, stop_ids):
+    def _python_decode(self, logits, cache: KVCache, params: SamplingParams, generator, keys, stop_ids,
+                       compact: bool = True):
         """The decode steps after the prefill, one batch of torch ops each: tokens, log_probs, mask
         [rows, max_new_tokens] and the number of steps run."""
         rows, steps, device = logits.shape[0], params.max_new_tokens, logits.device
@@ -226,7 +252,7 @@ class Generator:
             ended = int(done.sum())
             if length == steps or ended == done.numel():
                 return tokens, log_probs, mask, length
-            if ended >= _COMPACT_AT * done.numel():
+            if compact and ended >= _COMPACT_AT * done.numel():
                 keep = (~done).nonzero().flatten()
                 cache.keep_rows(keep)
                 live, done, token = live[keep], done[keep], token[keep]

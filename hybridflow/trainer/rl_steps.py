@@ -1,6 +1,6 @@
 """The stages of one RL iteration as small functions on a batch dict (fields in `data.fields`).
 
-score -> [reference log-probs] -> old log-probs -> [KL in reward] -> [values]
+[greedy baseline] -> score -> [reference log-probs] -> old log-probs -> [KL in reward] -> [values]
 -> advantages (the rollout batch itself is assembled by `roles.rollout`);
 the trainer picks which stages run when it is built (rule 7, docs/conventions.md), so none
 of these branch on the config.
@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from hybridflow.algos import AdvantageInputs, apply_kl_penalty, compute_advantages, group_stats
+from hybridflow.algos.advantages import group_index
 from hybridflow.data import fields as F
 from hybridflow.common import shown_value
 
@@ -88,8 +89,27 @@ def kl_in_reward(batch: Batch, kl_coef: float, kind: str) -> tuple[Tensor, float
 def advantages(batch: Batch, estimator: str, gamma: float, lam: float, norm_by_std: bool) -> tuple[Tensor, Tensor]:
     inputs = AdvantageInputs(
         mask=batch[F.RESPONSE_MASK], token_rewards=batch[F.TOKEN_REWARDS], scores=batch[F.SCORES],
-        values=batch.get(F.VALUES), group_ids=batch[F.UID], gamma=gamma, lam=lam, norm_by_std=norm_by_std)
+        values=batch.get(F.VALUES), group_ids=batch[F.UID], baseline_scores=batch.get(F.BASELINE_SCORES),
+        gamma=gamma, lam=lam, norm_by_std=norm_by_std)
     return compute_advantages(estimator, inputs)
+
+
+def rows_off_baseline(batch: Batch) -> Tensor:
+    """ReMax: rows of the prompts where some sample scored other than the greedy response (a signal)."""
+    off = (batch[F.SCORES].float() - batch[F.BASELINE_SCORES].float()).abs() > 1e-6
+    idx, groups = group_index(batch[F.UID])
+    return (torch.zeros(groups).index_add_(0, idx, off.float()) > 0)[idx]
+
+
+def baseline_metrics(batch: Batch, n: int) -> dict[str, float]:
+    """ReMax's greedy responses, one per prompt (every n-th row holds its prompt's baseline): their mean
+    score `remax/baseline_reward` and share scoring >= 1 `remax/baseline_accuracy`, and the share of samples
+    that beat it `remax/above_baseline`."""
+    base = batch[F.BASELINE_SCORES].float()
+    per_prompt = base[::n]
+    return {"remax/baseline_reward": per_prompt.mean().item(),
+            "remax/baseline_accuracy": (per_prompt >= 1.0).float().mean().item(),
+            "remax/above_baseline": (batch[F.SCORES].float() > base).float().mean().item()}
 
 
 def nonuniform_rows(batch: Batch) -> Tensor:

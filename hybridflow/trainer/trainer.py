@@ -1,8 +1,8 @@
 """The PPO/GRPO trainer: the single controller's loop, as the algorithm reads.
 
     for step in steps:
-        batch, metrics, flow = prepare(step)   # DataFlow per prompt chunk: rollout -> reward ->
-                                               #   [reference] -> old log-probs -> [values];
+        batch, metrics, flow = prepare(step)   # DataFlow per prompt chunk: [greedy baseline] -> rollout
+                                               #   -> reward -> [reference] -> old log-probs -> [values];
                                                # then the whole batch: [KL in reward] -> advantages
                                                #   -> [drop uniform groups]
         stats = update(batch, step)            # critic, then actor PPO epochs
@@ -27,7 +27,7 @@ import os
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -46,6 +46,7 @@ from hybridflow.data.dataset import PromptDataset
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.roles.actor import actor_update_plan
 from hybridflow.roles.critic import critic_update_plan
+from hybridflow.roles.rollout import BASELINE, TRAIN, VALIDATION
 from hybridflow.trainer import rl_steps as S
 from hybridflow.checkpoint.format import trainer_state
 from hybridflow.checkpoint.manager import CheckpointManager
@@ -80,6 +81,15 @@ def shares(batch: dict[str, Any], plan: list[list[torch.Tensor]], method) -> tup
     return PerReplica(rows for rows, _ in parts), PerReplica(steps for _, steps in parts)
 
 
+class PromptChunk(NamedTuple):
+    """One DataFlow item before the rollout: the step's sampling seed, some of its prompts and, for ReMax,
+    the score of each prompt's greedy response [B] (the baseline stage fills it in)."""
+
+    seed: int
+    prompts: dict[str, Any]
+    baseline: Optional[torch.Tensor] = None
+
+
 def _per_item(fn: Callable[[Any], Any]) -> Callable[[Any, list], list]:
     """A DataFlow forward_fn applying a per-batch stage to each chunk it receives."""
     return lambda model, items: [fn(item) for item in items]
@@ -108,6 +118,7 @@ class RLTrainer:
                                            cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self.needs_ref = plan.needs_reference
         self.needs_old = plan.needs_old_log_probs
+        self.needs_baseline = plan.needs_greedy_baseline
         self.chunk_prompts = plan.chunk_prompts
         groups = build_groups(cfg, plan)
         self.actor, self.critic, self.reward_model = groups.actor, groups.critic, groups.reward_model
@@ -126,14 +137,19 @@ class RLTrainer:
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", t.keep_last)
 
     def _build_flow(self) -> DataFlow:
-        """Per-chunk preparation as a DataFlow: rollout -> reward -> [reference and old log-probs] -> [values].
+        """Per-chunk preparation as a DataFlow: [baseline] -> rollout -> reward -> [reference and old log-probs]
+        -> [values].
 
         Items are prompt chunks; with dataflow.async_execution the reward and
         log-prob stages start on the first chunk while later chunks generate.
         Sampling noise is keyed by (step, prompt, sample), so chunking, async
-        execution and the number of ranks do not change the samples.
+        execution and the number of ranks do not change the samples. ReMax
+        (plan.needs_greedy_baseline) first generates one greedy response per
+        prompt on the same rollout engine and scores it with the same reward.
         """
         stages = [("rollout", self.actor, self._rollout_chunk), ("reward", self.reward_fn, self._score)]
+        if self.needs_baseline:
+            stages.insert(0, ("baseline", self.actor, self._baseline))
         if self.needs_ref or self.needs_old:  # one call, one shipment of the rows, for both passes
             stages.append(("log_probs", self.actor, self._log_probs))
         if self.critic is not None:
@@ -151,9 +167,12 @@ class RLTrainer:
             stages.append(self._note_uniform_prompts)
         if self.cfg.algorithm.use_kl_in_reward:
             stages.append(self._kl_in_reward)
+        if self.needs_baseline:
+            stages.append(self._baseline_metrics)
         stages.append(self._advantages)
         if self.cfg.algorithm.skip_uniform_groups:
-            stages.append(self._drop_uniform_groups)
+            # ReMax compares each sample with its prompt's greedy response, not with the other samples.
+            stages.append(self._drop_groups_at_baseline if self.needs_baseline else self._drop_uniform_groups)
         return stages
 
     # -- the iteration --------------------------------------------------------
@@ -164,11 +183,12 @@ class RLTrainer:
         return self.train_set.collate(items, pad_to=self.cfg.data.max_prompt_length
                                       if self.cfg.rollout.pad_to_max_length else None)
 
-    def rollout(self, prompts: dict[str, Any], seed: int, validation: bool = False, pad: bool = False) -> dict[str, Any]:
+    def rollout(self, prompts: dict[str, Any], seed: int, mode: str = TRAIN, pad: bool = False) -> dict[str, Any]:
+        """The rollout batch of `prompts`; mode: TRAIN, VALIDATION or BASELINE (`roles.rollout.MODES`)."""
         if self.rollout_weights_stale:  # actor group -> rollout group by collectives; no weight via here
             self.sync_metrics = self.weight_sync.push()
             self.rollout_weights_stale = False
-        return self.rollout_group.generate(prompts, seed, validation, pad)
+        return self.rollout_group.generate(prompts, seed, mode, pad)
 
     def prepare(self, step: int) -> tuple[dict[str, Any], Metrics, Any]:
         """Prompts of `step` through the flow, chunk by chunk, then the whole-batch stages.
@@ -177,7 +197,7 @@ class RLTrainer:
         """
         prompts = self.prompts(step)
         seed = mix_seed(self.cfg.trainer.seed, step)
-        chunks = [(seed, chunk) for chunk in chunk_rows(prompts, self.chunk_prompts)]
+        chunks = [PromptChunk(seed, chunk) for chunk in chunk_rows(prompts, self.chunk_prompts)]
         try:
             result = self.flow.run(chunks, async_execution=self.cfg.dataflow.async_execution, min_batch=1)
         except NodeError as exc:  # a worker (or the reward function) failed inside a stage: report that error
@@ -215,19 +235,33 @@ class RLTrainer:
         return stats
 
     # -- preparation stages (per chunk) ------------------------------------------
-    def _rollout_chunk(self, item: tuple[int, dict[str, Any]]) -> dict[str, Any]:
-        seed, prompts = item
-        return self.rollout(prompts, seed, pad=self.chunk_prompts < self.cfg.data.train_batch_size)
+    def _rollout_chunk(self, item: PromptChunk) -> dict[str, Any]:
+        """The chunk's samples; with a ReMax baseline, BASELINE_SCORES repeated over each prompt's n rows."""
+        batch = self.rollout(item.prompts, item.seed, pad=self.chunk_prompts < self.cfg.data.train_batch_size)
+        if item.baseline is not None:
+            batch[F.BASELINE_SCORES] = item.baseline.repeat_interleave(self.cfg.rollout.n)
+        return batch
 
-    def _score(self, batch):
-        """SCORES: rule_weight * rule score (+ model_weight * reward-model score) (+ the environment's rewards
-        of a multi-turn rollout). TOKEN_SCORES: the first two on the last response token, each environment
-        reward on the turn it answers."""
+    def _baseline(self, item: PromptChunk) -> PromptChunk:
+        """ReMax: one greedy response per prompt, on the rollout engine that samples, scored as the samples are
+        (`_outcome`). Greedy decoding draws no noise; the step's seed is passed as for the samples."""
+        greedy = self.rollout(item.prompts, item.seed, BASELINE, pad=self.chunk_prompts < self.cfg.data.train_batch_size)
+        return item._replace(baseline=self._outcome(greedy) + S.env_scores(greedy))
+
+    def _outcome(self, batch) -> torch.Tensor:
+        """rule_weight * rule score (+ model_weight * reward-model score) per row [B]."""
         r = self.cfg.reward
         outcome = r.rule_weight * self._rule_scores(batch)
         if self.reward_model is not None:
             pairs = {F.PROMPT_TEXT: batch[F.PROMPT_TEXT], F.RESPONSE_TEXT: batch[F.RESPONSE_TEXT]}
             outcome = outcome + r.model_weight * self._reward_model_scores(pairs)
+        return outcome
+
+    def _score(self, batch):
+        """SCORES: rule_weight * rule score (+ model_weight * reward-model score) (+ the environment's rewards
+        of a multi-turn rollout). TOKEN_SCORES: the first two on the last response token, each environment
+        reward on the turn it answers."""
+        outcome = self._outcome(batch)
         batch[F.SCORES] = outcome + S.env_scores(batch)
         batch[F.TOKEN_SCORES] = S.token_scores(outcome, batch[F.RESPONSE_MASK]) + S.env_token_rewards(batch)
         batch[F.TOKEN_REWARDS] = batch[F.TOKEN_SCORES]
@@ -295,6 +329,16 @@ class RLTrainer:
         metrics["batch/kept_fraction"] = keep.float().mean().item()
         return take_rows(batch, keep)
 
+    def _drop_groups_at_baseline(self, batch, metrics: Metrics):
+        """ReMax's uniform groups: every sample of the prompt scored what its greedy response did (advantage 0)."""
+        keep = S.rows_off_baseline(batch)
+        metrics["batch/kept_fraction"] = keep.float().mean().item()
+        return take_rows(batch, keep)
+
+    def _baseline_metrics(self, batch, metrics: Metrics):
+        metrics.update(S.baseline_metrics(batch, self.cfg.rollout.n))
+        return batch
+
     # -- validation -----------------------------------------------------------
     def _announce_validation(self) -> None:
         """Say up front what a validation costs; a long one says how to shorten it."""
@@ -322,7 +366,7 @@ class RLTrainer:
         for start in range(0, self.val_count, size):
             items = [self.val_set[i] for i in range(start, min(start + size, self.val_count))]
             real = len(items)  # any count: DP_SPLIT pads for equal shares and strips the answer
-            batch = self.rollout(self.val_set.collate(items), self.cfg.trainer.seed, validation=True)
+            batch = self.rollout(self.val_set.collate(items), self.cfg.trainer.seed, VALIDATION)
             batch[F.SCORES] = self.cfg.reward.rule_weight * self._rule_scores(batch) + S.env_scores(batch)
             rows.append(batch)
             done += real

@@ -56,6 +56,7 @@ from hybridflow.roles.actor import LOG_PROB_FIELDS
 from hybridflow.roles.actor import UPDATE_FIELDS as ACTOR_UPDATE_FIELDS
 from hybridflow.roles.critic import UPDATE_FIELDS as CRITIC_UPDATE_FIELDS
 from hybridflow.roles.critic import VALUE_FIELDS
+from hybridflow.roles.rollout import TRAIN
 from hybridflow.rollout import RolloutBackend, hf_named, sync_weights
 from hybridflow.rollout.factory import build_backend
 from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutWorkerSpec, Run
@@ -123,16 +124,17 @@ class _Generates(Worker):
     rollout: Rollout
 
     @register(Dispatch.DP_SPLIT, mesh="generation")
-    def generate(self, prompts: dict[str, Any], seed: int, validation: bool = False,
+    def generate(self, prompts: dict[str, Any], seed: int, mode: str = TRAIN,
                  pad: bool = False) -> dict[str, Any]:
-        """This generation replica's prompts -> the rollout batch (fields in `data.fields`).
+        """This generation replica's prompts -> the rollout batch (fields in `data.fields`); `mode`: "train",
+        "validation" or "baseline" (the ReMax greedy rollout), `roles.rollout.MODES`.
 
         The "generation" mesh is the rollout layout: at tg > 1 the ranks of one
         generation TP group get the same prompts and its TP rank 0 answers, so
         the controller regroups prompts onto generation replicas and the
         responses back into one batch, which the training meshes then split.
         """
-        return self.rollout.generate(prompts, seed, validation, pad)
+        return self.rollout.generate(prompts, seed, mode, pad)
 
 
 class ActorRolloutRefWorker(EngineWorker, _Generates):
@@ -321,15 +323,15 @@ class RolloutWorker(_Generates):
         return metrics
 
     @register(Dispatch.DP_SPLIT, mesh="generation")
-    def generate(self, prompts: dict[str, Any], seed: int, validation: bool = False,
+    def generate(self, prompts: dict[str, Any], seed: int, mode: str = TRAIN,
                  pad: bool = False) -> dict[str, Any]:
-        """As the actor's `generate`, except that the token fields the driver never reads stay in the object
+        """As the actor's `generate` (`mode`: `roles.rollout.MODES`), except that the token fields the driver never reads stay in the object
         store (`LEFT_IN_STORE`): the driver gets references, and the training groups' workers fetch the rows
         from here (`controller.transfer.remote_rows`)."""
         if self.syncs == 0:
             raise RuntimeError("the rollout group apart has no weights yet: the actor's are broadcast into it "
                                "(receive_weights) before its first rollout")
-        out = self.rollout.generate(prompts, seed, validation, pad)
+        out = self.rollout.generate(prompts, seed, mode, pad)
         if self.spec.rows_in_object_store and self.rank % self.spec.rollout.tg == 0:  # it answers for its replica
             out.update({name: remote_rows(out[name]) for name in LEFT_IN_STORE if name in out})
         return out

@@ -262,6 +262,21 @@ def test_remax_hand():
         remax(scores=torch.tensor([1.0, 0.2]), baseline_scores=torch.tensor([0.5]), mask=torch.ones(2, 3))
 
 
+def test_remax_registered_subtracts_each_prompts_greedy_score_by_hand():
+    """Two prompts x 3 samples, through the registry as the trainer calls it: each sample's score minus
+    its prompt's greedy score (the baseline repeated over the prompt's rows), on its valid tokens only."""
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    baseline = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])  # prompt 0's greedy answer right, prompt 1's wrong
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 1, 1]])
+    adv, ret = compute_advantages("remax", AdvantageInputs(mask=mask, scores=scores, baseline_scores=baseline,
+                                                           group_ids=["0"] * 3 + ["1"] * 3))
+    want = torch.tensor([[0.0, 0.0, 0.0], [-1.0, 0.0, 0.0], [0.0, 0.0, 0.0],
+                         [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    assert torch.equal(adv, want) and torch.equal(ret, want)  # 1 - 1, 0 - 1, 0 - 0, 1 - 0: exact in float
+    with pytest.raises(ValueError, match="'remax' needs AdvantageInputs.baseline_scores"):
+        compute_advantages("remax", AdvantageInputs(mask=mask, scores=scores))
+
+
 # ---------------------------------------------------------------- registry
 
 

@@ -100,7 +100,7 @@ def test_unknown_key_in_yaml_file(tmp_path):
      "needs groups of samples (rollout.n >= 2)"),
     (BASE + ["trainer.n_devices=2", "reference.parallel.tp=2"], "reference.parallel.tp",
      "must equal actor.parallel.tp=1"),
-    (BASE + ["algorithm.adv_estimator=remax"], "algorithm.adv_estimator", "unknown advantage estimator"),
+    (BASE + ["algorithm.adv_estimator=remaxx"], "algorithm.adv_estimator", "nearest registered: 'remax'"),
     (BASE + ["actor.policy_loss=ppo2"], "actor.policy_loss", "unknown policy loss"),
 ])
 def test_impossible_combinations_fail_early(overrides, path, fragment):
@@ -108,6 +108,15 @@ def test_impossible_combinations_fail_early(overrides, path, fragment):
         load_config(None, overrides)
     assert err.value.path == path
     assert fragment in str(err.value)
+
+
+def test_remax_is_accepted_and_plans_its_greedy_baseline():
+    """ReMax needs no second sample (its baseline is the greedy response): rollout.n = 1 is accepted."""
+    from hybridflow.config.plan import RunPlan
+
+    cfg = load_config(None, BASE + ["algorithm.adv_estimator=remax", "rollout.n=1"])
+    assert RunPlan.from_config(cfg).needs_greedy_baseline and not RunPlan.from_config(cfg).uses_critic
+    assert not RunPlan.from_config(load_config(None, BASE + ["algorithm.adv_estimator=grpo", "rollout.n=2"])).needs_greedy_baseline
 
 
 def test_valid_split_placement():
