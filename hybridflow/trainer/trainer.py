@@ -12,7 +12,10 @@ The models live in worker groups (`hybridflow.workers.rl_workers`, built by
 group (the hybrid layout); the critic has its own. Rollout may instead have
 a group of its own (placement.rollout != placement.training): it then
 generates from a copy of the actor's weights that the actor group publishes
-to the object store after each update. A group is Ray actors on the devices
+to the object store after each update; `trainer.off_policy` lets it generate
+ahead of the update (`trainer/off_policy.py`: one_step, async within
+max_staleness), each row stamped with the weight version that generated it.
+A group is Ray actors on the devices
 `placement` gives the role, or in-process (`trainer.launcher`). Which
 preparation stages run is decided once, when the trainer is built.
 Checkpoints hold each engine's shard (weights, Adam state, LR schedule) and
@@ -30,7 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from hybridflow.algos import build_kl_controller
+from hybridflow.algos import behaviour_metrics, build_kl_controller
 from hybridflow.config.inputs import check_prompt_count, load_model_config, load_reward_function, load_tokenizer
 from hybridflow.config.plan import RunPlan
 from hybridflow.config.preflight import check_runnable
@@ -50,6 +53,7 @@ from hybridflow.checkpoint.manager import CheckpointManager
 from hybridflow.trainer.build import build_groups, checkpoint_layouts, model_tensors, weights_bytes
 from hybridflow.trainer.checkpointing import load_latest, save_step
 from hybridflow.trainer.interrupt import GracefulInterrupt
+from hybridflow.trainer.off_policy import RolloutStream, Schedule, staleness_metrics
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.common import mix_seed
@@ -114,6 +118,13 @@ class RLTrainer:
         self.separate_rollout = groups.rollout
         self.rollout_group = groups.generation
         self.rollout_weights_stale = False
+        self.version = 0  # the actor's weight version: the updates (steps) it has taken
+        # Off-policy (trainer.off_policy; validated to have a rollout group apart): that group generates
+        # ahead, driven by a stream; sync keeps the rollout in the flow.
+        self.stream = None
+        if t.off_policy != "sync":
+            self.stream = RolloutStream(Schedule.of(t), self._generate_chunks, self.rollout_group.load_weights,
+                                        self._prompt_chunks)
         # Launched by torchrun: every rank runs this loop over its LocalWorkerGroup share.
         self.spmd_driver = not plan.uses_ray and plan.job_world > 1
         self.is_main = not self.spmd_driver or int(os.environ.get("RANK", "0")) == 0
@@ -127,9 +138,11 @@ class RLTrainer:
         Items are prompt chunks; with dataflow.async_execution the reward and
         log-prob stages start on the first chunk while later chunks generate.
         Sampling noise is keyed by (step, prompt, sample), so chunking, async
-        execution and the number of ranks do not change the samples.
+        execution and the number of ranks do not change the samples. Off-policy,
+        the stream has generated the chunks: the flow starts at the reward.
         """
-        stages = [("rollout", self.actor, self._rollout_chunk), ("reward", self.reward_fn, self._score)]
+        stages = [] if self.stream is not None else [("rollout", self.actor, self._rollout_chunk)]
+        stages.append(("reward", self.reward_fn, self._score))
         if self.needs_ref or self.needs_old:  # one call, one shipment of the rows, for both passes
             stages.append(("log_probs", self.actor, self._log_probs))
         if self.critic is not None:
@@ -160,7 +173,23 @@ class RLTrainer:
         return self.train_set.collate(items, pad_to=self.cfg.data.max_prompt_length
                                       if self.cfg.rollout.pad_to_max_length else None)
 
+    def _prompt_chunks(self, step: int) -> list[tuple[int, dict[str, Any]]]:
+        """Step `step`'s prompts as the flow's items: (sampling seed, prompt chunk)."""
+        seed = mix_seed(self.cfg.trainer.seed, step)
+        return [(seed, chunk) for chunk in chunk_rows(self.prompts(step), self.chunk_prompts)]
+
+    def _generate_chunks(self, items: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """The rollout group's batches of a step's chunks (the stream's thread calls this)."""
+        pad = self.chunk_prompts < self.cfg.data.train_batch_size
+        return [self.rollout_group.generate(prompts, seed, False, pad) for seed, prompts in items]
+
     def rollout(self, prompts: dict[str, Any], seed: int, validation: bool = False, pad: bool = False) -> dict[str, Any]:
+        if self.stream is not None:  # the stream's thread alone calls the rollout group, with these weights
+            version, handles = self.stream.pushed
+            if version != self.version:
+                version, handles = self.version, self.actor.publish_weights()
+            return self.stream.run_now(version, handles,
+                                       lambda: self.rollout_group.generate(prompts, seed, validation, pad))
         if self.rollout_weights_stale:  # actor group -> object store -> rollout group; a handle via here
             self.rollout_group.load_weights(self.actor.publish_weights())
             self.rollout_weights_stale = False
@@ -171,17 +200,17 @@ class RLTrainer:
 
         Returns the batch, its metrics and the flow's result (timings).
         """
-        prompts = self.prompts(step)
-        seed = mix_seed(self.cfg.trainer.seed, step)
-        chunks = [(seed, chunk) for chunk in chunk_rows(prompts, self.chunk_prompts)]
+        taken: Metrics = {}
+        items = self._prompt_chunks(step) if self.stream is None else self._take_generated(step, taken)
         try:
-            result = self.flow.run(chunks, async_execution=self.cfg.dataflow.async_execution, min_batch=1)
+            result = self.flow.run(items, async_execution=self.cfg.dataflow.async_execution, min_batch=1)
         except NodeError as exc:  # a worker (or the reward function) failed inside a stage: report that error
             if isinstance(exc.__cause__, (WorkerError, TrainingError)):
                 raise exc.__cause__ from None
             raise
         batch = concat_batches(result.final) if len(result.final) > 1 else result.final[0]
         metrics = self._rollout_metrics(batch)
+        metrics.update(taken)
         metrics["batch/tokens"] = float(S.real_tokens(batch))
         for stage in self.batch_stages:
             batch = stage(batch, metrics)
@@ -204,6 +233,27 @@ class RLTrainer:
         stats.update(self.transition())
         return stats
 
+    def _take_generated(self, step: int, metrics: Metrics) -> list[dict[str, Any]]:
+        """Off-policy: step `step`'s generated chunks from the stream, after submitting what the schedule
+        allows now; under stale_samples=drop a batch staler than max_staleness is generated again from the
+        trainer's weights (pushed now)."""
+        schedule = self.stream.schedule
+        self.stream.submit_until(step)
+        start = time.perf_counter()
+        got = self.stream.take(step)
+        dropped = 0
+        if self.version - got.version > schedule.max_staleness:  # only under drop: wait never lets it happen
+            dropped = sum(len(c[F.RESPONSES]) for c in got.chunks)
+            self._push_weights()
+            got = self.stream.regenerate(step)
+        metrics.update({"timing/rollout_s": got.seconds, "timing/rollout_wait_s": time.perf_counter() - start,
+                        "offpolicy/dropped": float(dropped)})
+        return got.chunks
+
+    def _push_weights(self) -> None:
+        """The actor's weights (version self.version), for the stream's next submissions."""
+        self.stream.push(self.version, self.actor.publish_weights())
+
     def transition(self) -> Metrics:
         """Bring generation up to the trained actor: its own weights, and a separate rollout group's."""
         stats = self.actor.refresh_generation()
@@ -213,7 +263,9 @@ class RLTrainer:
     # -- preparation stages (per chunk) ------------------------------------------
     def _rollout_chunk(self, item: tuple[int, dict[str, Any]]) -> dict[str, Any]:
         seed, prompts = item
-        return self.rollout(prompts, seed, pad=self.chunk_prompts < self.cfg.data.train_batch_size)
+        out = self.rollout(prompts, seed, pad=self.chunk_prompts < self.cfg.data.train_batch_size)
+        out[F.WEIGHT_VERSION] = torch.full((len(out[F.RESPONSES]),), self.version, dtype=torch.long)
+        return out
 
     def _score(self, batch):
         """SCORES: rule_weight * rule score (+ model_weight * reward-model score) (+ the environment's rewards
@@ -258,9 +310,15 @@ class RLTrainer:
     # -- preparation stages (whole batch) ---------------------------------------
     def _rollout_metrics(self, batch) -> Metrics:
         metrics = S.rollout_metrics(batch)
+        metrics.update(staleness_metrics(self.version - batch[F.WEIGHT_VERSION]))
         mask = batch[F.RESPONSE_MASK].bool()
         if not self.needs_old:  # the update reports the entropy and KL from its own pass
             return metrics
+        if F.ROLLOUT_LOG_PROBS in batch:  # the sampler-trainer gap, and the correction's weights
+            a = self.cfg.actor
+            metrics.update(behaviour_metrics(batch[F.OLD_LOG_PROBS], batch[F.ROLLOUT_LOG_PROBS], mask,
+                                             a.off_policy_correction, a.off_policy_correction_level,
+                                             a.off_policy_correction_threshold))
         metrics["actor/entropy"] = batch[F.ENTROPY][mask].mean().item()
         if self.needs_ref:
             metrics["actor/kl"] = (batch[F.OLD_LOG_PROBS] - batch[F.REF_LOG_PROBS])[mask].mean().item()
@@ -343,19 +401,29 @@ class RLTrainer:
         state = trainer_state(step, self.model_tensors, checkpoint_layouts(self.plan), self.kl_ctrl.value,
                               self.sampler.state_dict() if self.sampler.adaptive else None)
         floor = weights_bytes(self.cfg, self.model_tensors)  # the free space a save needs at least
-        return save_step(self.ckpt, step, self._groups(), state, floor, self.spmd_driver)
+        if self.stream is not None and self.stream.pushed[0] != self.version:
+            self._push_weights()  # a resume can push only the saved weights: so does the run going on
+        return save_step(self.ckpt, step, self._saved(), state, floor, self.spmd_driver)
+
+    def _saved(self) -> list:
+        """What a checkpoint holds: every group's shards, and the stream's batches generated ahead."""
+        return self._groups() + ([self.stream] if self.stream is not None else [])
 
     def restore(self) -> int:
         """Load the newest checkpoint when trainer.resume=auto; returns the step to continue after."""
         if self.cfg.trainer.resume != "auto":
             return 0
         paths = {"actor": self.cfg.model.path, "critic": self.cfg.critic.model_path or self.cfg.model.path}
-        found = load_latest(self.ckpt, self.spmd_driver, self._groups(), self.sampler, self.model_tensors,
+        found = load_latest(self.ckpt, self.spmd_driver, self._saved(), self.sampler, self.model_tensors,
                             checkpoint_layouts(self.plan), paths)
         if found is None:
             return 0
         step, directory, state = found
+        self.version = step
         self.transition()
+        if self.stream is not None:
+            self.stream.resume_at(step)
+            self._push_weights()
         if "kl_coef" in state:  # absent where `hybridflow reshard` made the step from an HF model (step 0)
             self.kl_ctrl.value = state["kl_coef"]
         log.info("resumed from %s (step %d)", directory, step)
@@ -365,6 +433,8 @@ class RLTrainer:
         return Path(self.actor.export_hf(str(self.run_dir / "hf_actor")))
 
     def shutdown(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
         for group in (*self._groups(), self.reward_model, self.separate_rollout):
             if group is not None:
                 group.shutdown()
@@ -377,14 +447,21 @@ class RLTrainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         start, shipped = time.perf_counter(), self.shipped_bytes()
+        busy = self.stream.busy_s if self.stream is not None else 0.0
         batch, metrics, flow = self.prepare(step)
         prepared = time.perf_counter()
         metrics.update(self.update(batch, step))
+        self.version = step
+        if self.stream is not None and self.stream.schedule.pushes_after(step):
+            self._push_weights()
         metrics.update({f"timing/{name}_s": seconds for name, seconds in flow.timings.items()})
         metrics["timing/prepare_wall_s"] = prepared - start
         metrics["timing/overlap_s"] = flow.overlap_s
         metrics["timing/update_s"] = time.perf_counter() - prepared
         metrics["timing/step_s"] = time.perf_counter() - start
+        # The rollout group's seconds generating in this step's span (a group apart: busy while training too).
+        metrics["timing/rollout_busy_s"] = (self.stream.busy_s - busy if self.stream is not None
+                                            else flow.timings.get("rollout", 0.0))
         metrics["perf/tokens_per_s"] = metrics["batch/tokens"] / metrics["timing/step_s"]
         metrics["controller/shipped_bytes"] = float(self.shipped_bytes() - shipped)
         return metrics
