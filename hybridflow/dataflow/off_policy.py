@@ -34,10 +34,12 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
+# torch is imported where it is used: `from hybridflow import DataFlow` loads no torch (docs/api.md).
 MODES = ("sync", "one_step", "async")
 STALE_SAMPLES = ("wait", "drop")
 BUFFER_FILE = "rollout_buffer.pt"  # in a checkpoint step directory: generated batches of later steps
@@ -91,7 +93,7 @@ class Schedule:
         return version % self.sync_every == 0
 
 
-def staleness_metrics(staleness: torch.Tensor) -> dict[str, float]:
+def staleness_metrics(staleness: "torch.Tensor") -> dict[str, float]:
     """staleness[B] (updates each row's weights lagged the trainer's) -> mean, max and bucket counts."""
     s = staleness.float()
     out = {"offpolicy/staleness_mean": s.mean().item(), "offpolicy/staleness_max": s.max().item()}
@@ -203,9 +205,13 @@ class RolloutStream:
     # -- checkpoints: the trainer saves and loads the stream beside its groups --------------
     def save(self, directory: str) -> None:
         """The batches generated ahead (waiting for those in flight), into the step's directory."""
+        import torch
+
         torch.save([vars(g) for g in self.pending()], Path(directory) / BUFFER_FILE)
 
     def load(self, directory: str) -> None:
+        import torch
+
         path = Path(directory) / BUFFER_FILE
         saved = torch.load(path, weights_only=False) if path.is_file() else []
         self._ready = {g["step"]: Generated(**g) for g in saved}
