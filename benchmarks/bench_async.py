@@ -76,7 +76,9 @@ def measure(name: str, overrides: list[str], args, out: Path) -> dict:
             "staleness": statistics.mean(r["offpolicy/staleness_mean"] for r in records),
             "length_mean": statistics.mean(r["response/length_mean"] for r in records),
             "length_max": max(r["response/length_max"] for r in records),
-            "accuracy": summary["end"].get("val/accuracy", float("nan")), "samples": rows}
+            "accuracy": summary["end"].get("val/accuracy", float("nan")), "samples": rows,
+            "stages_s": {k.removeprefix("timing/"): statistics.median(r.get(k, 0.0) for r in records)
+                         for k in sorted({k for r in records for k in r if k.startswith("timing/")})}}
 
 
 def main(argv=None) -> int:

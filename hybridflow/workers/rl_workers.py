@@ -74,12 +74,17 @@ def build_engine(run: Run, model: ModelConfig, path: str, optim: Optional[OptimC
     return engine
 
 
-def prepare_process(worker: Worker) -> None:
+def prepare_process(worker: Worker, processes: int = 1) -> None:
     """Per-process set-up of a worker: CPU threads, and quiet megatron-core.
 
     Torch threads become this rank's share of the node's cores (Ray starts
-    actors with one). megatron-core narrates its set-up at INFO and warns about
-    deprecated calls it makes itself; a worker keeps its warnings and errors.
+    actors with one): the cores over the run's processes (`Run.processes`), or
+    over the group's when it has more. A group placed apart from another (the
+    rollout beside training) is not alone on the cores: measured on 2 cores,
+    each of two 1-process groups taking both made a split GRPO step ~40x slower
+    (OpenMP threads of two processes contending; `hybridflow bench async`).
+    megatron-core narrates its set-up at INFO and warns about deprecated calls
+    it makes itself; a worker keeps its warnings and errors.
     """
     import logging
     import warnings
@@ -87,7 +92,7 @@ def prepare_process(worker: Worker) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", module=r"(megatron|torch\.distributed)(\..*)?")
     if worker.context.device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, worker.world_size)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, worker.world_size, processes)))
 
 
 class EngineWorker(Worker):
@@ -130,7 +135,7 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
 
     def __init__(self, spec: ActorWorkerSpec):
         self.init_process_group()
-        prepare_process(self)
+        prepare_process(self, spec.run.processes)
         torch.manual_seed(spec.run.seed)
         self.spec = spec
         self.model_cfg = DecoderConfig.from_pretrained(spec.model.path)
@@ -243,7 +248,7 @@ class RolloutWorker(_Generates):
     """
 
     def __init__(self, spec: RolloutWorkerSpec):
-        prepare_process(self)
+        prepare_process(self, spec.run.processes)
         model_cfg = DecoderConfig.from_pretrained(spec.model.path)
         self.tokenizer = read_tokenizer(spec.model)
         self.bridge = get_bridge(model_cfg, spec.model.make_vocab_size_divisible_by)
@@ -270,7 +275,7 @@ class CriticWorker(EngineWorker):
 
     def __init__(self, spec: CriticWorkerSpec):
         self.init_process_group()
-        prepare_process(self)
+        prepare_process(self, spec.run.processes)
         torch.manual_seed(spec.run.seed)
         self.engine = build_engine(spec.run, spec.model, spec.path, spec.critic.optim, spec.critic.parallel,
                                    spec.layout, spec.optimizer_steps, value_head=True)
