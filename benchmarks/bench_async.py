@@ -3,12 +3,13 @@
     hybridflow bench async [--steps N] [--warmup W] [--prompts P] [--max-response R] [--temperature T]
                            [--val N] [--json PATH]
 
-Four runs of the demo task (configs/demo.yaml's model, data and GRPO), each
+Five runs of the demo task (configs/demo.yaml's model, data and GRPO), each
 on two Ray processes:
 
     split sync       training on process 0, the rollout group apart on 1, lock step
     split one_step   the same, batch t + 1 generating while update t runs
     split async k=2  the same, the rollout up to 2 versions ahead
+    ... tis          the same, with truncated importance sampling (actor.off_policy_correction=tis)
     colocated DP2    both processes train (DP2) and generate (the hybrid layout; the default)
 
 The workload is long-tailed: sampling at `--temperature` with room for
@@ -40,6 +41,8 @@ RUNS = {
     "split sync": SPLIT,
     "split one_step": SPLIT + ["trainer.off_policy=one_step"],
     "split async k=2": SPLIT + ["trainer.off_policy=async", "trainer.max_staleness=2"],
+    "split async k=2 tis": SPLIT + ["trainer.off_policy=async", "trainer.max_staleness=2",
+                                    "actor.off_policy_correction=tis"],
     "colocated DP2 sync": [],
 }
 
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-response", type=int, default=24)
     p.add_argument("--temperature", type=float, default=1.5)
     p.add_argument("--val", type=int, default=200)
-    p.add_argument("--only", default="", help="comma-separated run names (default: all four)")
+    p.add_argument("--only", default="", help="comma-separated run names (default: all five)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
