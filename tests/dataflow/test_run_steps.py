@@ -102,3 +102,35 @@ def test_run_steps_refuses_overlap_without_publish_and_load(setup):
         flow.run_steps([PROMPTS], update, publish=dict, load=print, off_policy="async", sync_every=0)
     with pytest.raises(ValueError, match="off_policy must be one of"):
         flow.run_steps([PROMPTS], update, off_policy="two_step")
+
+
+def _counter_flow():
+    """A flow whose one node reports the weight value its model holds: what a rollout from it 'generated'."""
+    rollout_model = {"w": 0}
+    node = Node(name="rollout", model=rollout_model, forward_fn=lambda model, items: [model["w"]] * len(items))
+    return DataFlow(nodes=[node]), rollout_model
+
+
+@pytest.mark.parametrize("stale_samples, sync_every, versions, dropped", [
+    # wait, k = 1, pushes every 2 updates: the rollout waits for a version at most 1 behind.
+    ("wait", 2, [0, 0, 2, 2, 4, 4], [0] * 6),
+    # drop, k = 1, pushes every 3 updates: it runs 1 step ahead on whatever was pushed; a batch more than
+    # 1 behind at its step is dropped and generated again from the weights of then (pushed at once).
+    # Steps 3 and 4 were both submitted with version 0 (before step 3's drop pushed version 2): both drop.
+    ("drop", 3, [0, 0, 2, 3, 3, 5], [0, 0, 1, 1, 0, 1]),
+])
+def test_async_staleness_bound_waits_or_drops(stale_samples, sync_every, versions, dropped):
+    flow, rollout_model = _counter_flow()
+    trained = {"w": 0}
+
+    def update(result, step):
+        trained["w"] = step  # the weights after update `step` are version `step`
+        return result.final
+
+    steps = flow.run_steps([[None]] * 6, update, publish=lambda: dict(trained), load=rollout_model.update,
+                           off_policy="async", max_staleness=1, sync_every=sync_every, stale_samples=stale_samples)
+    assert [s.version for s in steps] == versions
+    assert [s.flow.final for s in steps] == [[v] for v in versions]  # each result came from the version it names
+    assert [s.dropped for s in steps] == dropped
+    assert all(s.staleness <= 1 for s in steps) and [s.staleness for s in steps] == [
+        step - 1 - v for step, v in enumerate(versions, start=1)]

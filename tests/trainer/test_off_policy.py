@@ -91,14 +91,20 @@ def test_schedule_limits():
 def test_async_without_staleness_is_sync(tmp_path, name, steps):
     """async, max_staleness 0: every batch generates from the weights of the update just before, as in
     lock step. The learned metrics, the sampler-trainer gap and the exported weights equal the sync
-    run's (GRPO three steps, two pushes; PPO, slower, two); every row's staleness is 0."""
+    run's (GRPO three steps, two pushes; PPO, slower, two); every row's staleness is 0. GRPO also
+    validates (before step 1, after step 2 and at the end: through the stream, with the trainer's
+    weights of then), and its val/ metrics are among the learned ones compared."""
     steps = [f"trainer.total_steps={steps}", "trainer.save_every=0"]
+    if name == "tiny-grpo.yaml":
+        steps += ["data.val_files=[hybridflow/assets/arithmetic/test.parquet]", "data.val_max_samples=32"]
     sync_summary, sync = _fit(name, tmp_path / "sync", *steps)
     async_summary, lagged = _fit(name, tmp_path / "async", *steps, "trainer.off_policy=async",
                                  "trainer.max_staleness=0")
     _close(learned(lagged), learned(sync))
     _close(_by_step(lagged, GAP + STALENESS), _by_step(sync, GAP + STALENESS))
     assert all(r["offpolicy/staleness_max"] == 0 for r in lagged if r["step"])
+    if name == "tiny-grpo.yaml":
+        assert [r["step"] for r in lagged if "val/accuracy" in r] == [0, 2, 3]
     # The sampler's log-probs reached the batch: at equal weights they are the trainer's to float noise.
     assert all(abs(r["offpolicy/k3_kl"]) < 1e-6 and r["offpolicy/is_weight_max"] < 1.001 for r in lagged if r["step"])
     _same_weights(async_summary["hf_actor"], sync_summary["hf_actor"])
