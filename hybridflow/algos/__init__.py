@@ -1,7 +1,8 @@
 """RL algorithms as small pure functions on [B, T] tensors, selected by name.
 
 - advantages.py: GAE, GRPO, RLOO, REINFORCE++(-baseline), ReMax; ADV_ESTIMATORS
-- losses.py: PPO clip (asymmetric, dual clip), GSPO, clipped value loss; POLICY_LOSSES
+- losses.py: PPO clip (asymmetric, dual clip), GSPO, clipped value loss; POLICY_LOSSES; the off-policy
+  correction's behaviour weights (decoupled PPO, TIS, MIS)
 - kl.py: k1/k2/k3/abs estimators, KL reward penalty and loss, KL controllers; KL_ESTIMATORS
 - aggregate.py: token-mean / seq-mean-token-sum / seq-mean-token-mean
 - metrics.py: float statistics for logging
@@ -16,7 +17,8 @@ from hybridflow.algos.aggregate import LOSS_AGG_MODES, aggregate_loss
 from hybridflow.algos.kl import (KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
                                  apply_kl_penalty, build_kl_controller, get_kl_estimator,
                                  kl_loss, kl_penalty, register_kl_estimator)
-from hybridflow.algos.losses import (POLICY_LOSSES, LossOutput, get_policy_loss, gspo_loss,
+from hybridflow.algos.losses import (CORRECTIONS, POLICY_LOSSES, BehaviourWeights, LossOutput,
+                                     behaviour_metrics, behaviour_weights, get_policy_loss, gspo_loss,
                                      ppo_clip_loss, register_policy_loss, value_loss)
 from hybridflow.algos.metrics import (advantage_stats, approx_kl, clip_fraction, entropy_mean,
                                       explained_variance, masked_stats)
@@ -30,7 +32,8 @@ __all__ = [
     "KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "apply_kl_penalty",
     "build_kl_controller", "get_kl_estimator", "kl_loss", "kl_penalty", "register_kl_estimator",
     "POLICY_LOSSES", "LossOutput", "get_policy_loss", "gspo_loss", "ppo_clip_loss",
-    "register_policy_loss", "value_loss",
+    "register_policy_loss", "value_loss", "CORRECTIONS", "BehaviourWeights", "behaviour_metrics",
+    "behaviour_weights",
     "masked_mean", "masked_std", "masked_sum", "masked_var", "masked_whiten",
     "advantage_stats", "approx_kl", "clip_fraction", "entropy_mean", "explained_variance",
     "masked_stats",

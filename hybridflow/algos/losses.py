@@ -8,7 +8,13 @@ scalar, `metrics` plain floats under stable names ("actor/clip_frac", ...).
 Registered policy losses share one keyword signature, so
 `actor.policy_loss` selects one by name:
     fn(log_probs, old_log_probs, advantages, mask, *, clip_ratio_low,
-       clip_ratio_high, clip_ratio_c, loss_agg_mode, denominator) -> LossOutput
+       clip_ratio_high, clip_ratio_c, loss_agg_mode, denominator,
+       token_weights=None) -> LossOutput
+
+`token_weights[B, T]` (no gradient) scale each token's loss before it is
+aggregated: the off-policy correction (`behaviour_weights`), whose clip stays
+around `old_log_probs` (the proximal policy) while the samples came from the
+behaviour policy that generated them.
 """
 from __future__ import annotations
 
@@ -83,8 +89,9 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, mask: Tensor, clip_rati
 
 
 def _policy_output(terms: ClipTerms, log_ratio: Tensor, mask: Tensor, loss_agg_mode: str,
-                   denominator: Denominator) -> LossOutput:
-    loss = aggregate_loss(terms.loss_mat, mask, loss_agg_mode, denominator)
+                   denominator: Denominator, token_weights: Optional[Tensor] = None) -> LossOutput:
+    loss_mat = terms.loss_mat if token_weights is None else terms.loss_mat * token_weights.detach()
+    loss = aggregate_loss(loss_mat, mask, loss_agg_mode, denominator)
     with torch.no_grad():
         # k3 estimate of KL(pi_old || pi) from the rollout's samples:
         # (r - 1) - log r with r = pi / pi_old, never negative.
@@ -102,7 +109,7 @@ def _policy_output(terms: ClipTerms, log_ratio: Tensor, mask: Tensor, loss_agg_m
 def ppo_clip_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, *,
                   clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                   clip_ratio_c: Optional[float] = 3.0, loss_agg_mode: str = "token-mean",
-                  denominator: Denominator = None) -> LossOutput:
+                  denominator: Denominator = None, token_weights: Optional[Tensor] = None) -> LossOutput:
     """PPO clipped surrogate with asymmetric bounds and the dual clip.
 
     log_probs (differentiable), old_log_probs, advantages, mask: [B, T].
@@ -115,14 +122,14 @@ def ppo_clip_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, 
     log_ratio = _log_ratio(log_probs, old_log_probs, mask)
     terms = clipped_surrogate(log_ratio.exp(), advantages, mask, clip_ratio_low,
                               clip_ratio_high, clip_ratio_c)
-    return _policy_output(terms, log_ratio, mask, loss_agg_mode, denominator)
+    return _policy_output(terms, log_ratio, mask, loss_agg_mode, denominator, token_weights)
 
 
 @register_policy_loss("gspo")
 def gspo_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, *,
               clip_ratio_low: float = 3e-4, clip_ratio_high: float = 4e-4,
               clip_ratio_c: Optional[float] = None, loss_agg_mode: str = "seq-mean-token-mean",
-              denominator: Denominator = None) -> LossOutput:
+              denominator: Denominator = None, token_weights: Optional[Tensor] = None) -> LossOutput:
     """GSPO (Zheng et al. 2025): one clipped importance ratio per sequence.
 
     log_probs (differentiable), old_log_probs, advantages, mask: [B, T].
@@ -142,7 +149,69 @@ def gspo_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask
         -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     terms = clipped_surrogate(token_log_ratio.exp(), advantages, mask, clip_ratio_low,
                               clip_ratio_high, None)
-    return _policy_output(terms, log_ratio, mask, loss_agg_mode, denominator)
+    return _policy_output(terms, log_ratio, mask, loss_agg_mode, denominator, token_weights)
+
+
+# --------------------------------------------------------------------------- off-policy correction
+
+CORRECTIONS = ("none", "decoupled", "tis", "mis")
+
+
+class BehaviourWeights(NamedTuple):
+    """The correction's per-token weights and where the threshold acted, each [B, T]."""
+
+    weights: Tensor  # w (0 at padding): what each token's loss is multiplied by
+    raw: Tensor  # w before truncation or masking (0 at padding)
+    clipped: Tensor  # bool: the threshold truncated (tis) or masked (mis) this token's weight
+
+
+def behaviour_weights(prox_log_probs: Tensor, behaviour_log_probs: Tensor, mask: Tensor, correction: str,
+                      level: str = "token", threshold: float = 2.0) -> BehaviourWeights:
+    """w = pi_prox / pi_behaviour per token ("token") or one per sequence ("sequence": the product of the
+    sequence's token ratios, exp of their summed log ratio), shape [B, T] either way.
+
+    prox_log_probs: the trainer's recomputed old log-probs (the proximal policy of decoupled PPO,
+    Hilton et al. 2022 / AReaL); behaviour_log_probs: the sampler's (the weights, maybe versions behind,
+    and the inference engine that generated the tokens). correction: "decoupled" keeps w as it is, "tis"
+    truncates it at `threshold` (min(w, C)), "mis" masks it to 0 above `threshold`; "none" gives w = 1.
+    No gradient flows through w (both inputs are fixed before the update).
+    """
+    if correction not in CORRECTIONS:
+        raise ValueError(f"off-policy correction must be one of {CORRECTIONS}, got {correction!r}")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"off-policy correction level must be 'token' or 'sequence', got {level!r}")
+    valid = as_bool(mask)
+    log_w = _log_ratio(prox_log_probs.detach(), behaviour_log_probs.detach(), mask)
+    if level == "sequence":
+        log_w = masked_fill_zero(log_w.sum(-1, keepdim=True).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+                                 .expand_as(log_w), mask)
+    raw = masked_fill_zero(log_w.exp(), mask)
+    none = torch.zeros_like(valid)
+    if correction == "none":
+        return BehaviourWeights(valid.to(raw.dtype), raw, none)
+    if correction == "decoupled":
+        return BehaviourWeights(raw, raw, none)
+    over = (raw > threshold) & valid
+    weights = raw.clamp(max=threshold) if correction == "tis" else torch.where(over, torch.zeros_like(raw), raw)
+    return BehaviourWeights(weights, raw, over)
+
+
+@torch.no_grad()
+def behaviour_metrics(prox_log_probs: Tensor, behaviour_log_probs: Tensor, mask: Tensor, correction: str,
+                      level: str = "token", threshold: float = 2.0) -> dict[str, float]:
+    """The sampler-trainer gap of a batch, over its response tokens: the importance weight pi_prox /
+    pi_behaviour at `level` (mean, max, and the fraction the threshold truncated or masked under
+    `correction`) and the k3 estimate of KL(pi_behaviour || pi_prox) from the sampled tokens."""
+    w = behaviour_weights(prox_log_probs, behaviour_log_probs, mask, correction, level, threshold)
+    valid = as_bool(mask)
+    k3 = kl_k3(behaviour_log_probs.float(), prox_log_probs.float())
+    raw = w.raw[valid]
+    return {
+        "offpolicy/is_weight_mean": raw.mean().item() if raw.numel() else 1.0,
+        "offpolicy/is_weight_max": raw.max().item() if raw.numel() else 1.0,
+        "offpolicy/is_clipped_frac": _frac(w.clipped, mask),
+        "offpolicy/k3_kl": masked_mean(k3, mask).item(),
+    }
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,

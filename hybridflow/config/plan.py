@@ -187,10 +187,15 @@ def needs_old_log_probs(cfg: Config) -> bool:
     computed, so the update's own log-probs, detached, are the old ones (TRL
     skips the pass the same way; verl does not). KL in the reward reads them
     before the update, so it keeps the pass.
+
+    Off-policy training (trainer.off_policy) and the sampler-trainer correction keep the pass too: the
+    batch was sampled by other weights, and the recomputed log-probs are the proximal policy the
+    correction and the sampler-trainer metrics compare against.
     """
     a = cfg.actor
     one_step = a.ppo_epochs == 1 and cfg.data.train_batch_size <= a.ppo_mini_batch_size
-    return not (a.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward)
+    off_policy = cfg.trainer.off_policy != "sync" or a.off_policy_correction != "none"
+    return not (a.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward and not off_policy)
 
 
 def optimizer_steps(cfg: Config, epochs: int) -> int:

@@ -154,6 +154,15 @@ class ActorConfig(TrainedRoleConfig):
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl", "abs", "mse"] = "low_var_kl"
+    # The gap between the sampler (ROLLOUT_LOG_PROBS: the rollout engine's, of weights that may be versions
+    # behind under trainer.off_policy) and the trainer's recomputed old log-probs (the proximal policy). The
+    # clip stays around the proximal policy; each token's loss is weighted by w = pi_prox / pi_behaviour:
+    # "decoupled" (AReaL's decoupled PPO) as it is, "tis" truncated at the threshold, "mis" masked (0) above
+    # it; "none": no weight (the PPO of today). The level says whether w is per token or one per sequence
+    # (the product of its tokens' ratios). algos/losses.py: behaviour_weights.
+    off_policy_correction: Literal["none", "decoupled", "tis", "mis"] = "none"
+    off_policy_correction_level: Literal["token", "sequence"] = "token"
+    off_policy_correction_threshold: float = 2.0  # tis / mis only; at least 1
 
 
 @dataclass
@@ -277,6 +286,16 @@ class TrainerConfig:
     # (in this process; or this rank's share under torchrun), "auto" (Ray when
     # n_devices > 1 or ray_address is set, else local).
     launcher: Literal["auto", "ray", "local"] = "auto"
+    # Overlap of rollout and update, with the rollout placed apart (placement.rollout off placement.training):
+    # "sync" (lock step), "one_step" (batch t+1 generates with the weights of before update t while update t
+    # runs), "async" (the rollout group generates up to max_staleness versions ahead; weights are pushed to it
+    # every sync_every updates). Every sample carries the weight version that generated it (trainer/off_policy.py).
+    off_policy: Literal["sync", "one_step", "async"] = "sync"
+    max_staleness: int = 1  # async: updates a sample's weights may lag the trainer's when it trains on it
+    # async: "wait" (the rollout waits for fresh enough weights) or "drop" (it never waits; a batch staler
+    # than max_staleness when its step comes is dropped and generated again from the trainer's weights).
+    stale_samples: Literal["wait", "drop"] = "wait"
+    sync_every: int = 1  # async: push the actor's weights to the rollout group every this many updates
 
 
 @dataclass

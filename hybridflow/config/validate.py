@@ -113,6 +113,10 @@ def _check_not_built(cfg: Config, plan: RunPlan) -> None:
     if a.cp > 1 and plan.rollout_apart:
         raise ConfigError("actor.parallel.cp", f"{a.cp}: a rollout group placed apart from training is fed "
                           "from cp = 1 layouts only (colocate the rollout at cp > 1)")
+    if cfg.trainer.off_policy != "sync" and not plan.rollout_apart:
+        raise ConfigError("trainer.off_policy", f"{cfg.trainer.off_policy!r} overlaps a rollout group placed apart "
+                          "from training; this run has none (under Ray, give placement.rollout devices other "
+                          "than placement.training's)")
     _check_engine(cfg)
 
 
@@ -332,7 +336,32 @@ def validate(cfg: Config) -> Config:
     _check_coefficients(cfg)
     _check_batches(cfg)
     _check_optim(cfg)
+    _check_off_policy(cfg)
     return cfg
+
+
+def _check_off_policy(cfg: Config) -> None:
+    """The overlap's bounds (trainer.off_policy) and the correction's threshold, whichever mode is set."""
+    t, a = cfg.trainer, cfg.actor
+    if t.max_staleness < 0:
+        raise ConfigError("trainer.max_staleness", f"must be >= 0 (updates a sample may lag), got {t.max_staleness}")
+    if t.sync_every < 1:
+        raise ConfigError("trainer.sync_every", f"must be >= 1 (updates between weight pushes), got {t.sync_every}")
+    if t.off_policy == "async" and t.stale_samples == "wait" and t.sync_every > t.max_staleness + 1:
+        raise ConfigError("trainer.sync_every", f"{t.sync_every} with trainer.max_staleness={t.max_staleness} and "
+                          "trainer.stale_samples=wait: weights pushed that rarely leave the rollout waiting for a "
+                          f"version it never gets (use at most {t.max_staleness + 1}, or stale_samples=drop)")
+    if t.off_policy != "sync" and cfg.data.skip_uniform_passes:
+        raise ConfigError("data.skip_uniform_passes", f"{cfg.data.skip_uniform_passes} with trainer.off_policy="
+                          f"{t.off_policy}: skipped prompts depend on the batches trained before, which a "
+                          "rollout generating ahead has not seen yet (use 0, or off_policy=sync)")
+    if t.off_policy != "sync" and cfg.algorithm.adv_estimator == "remax":
+        raise ConfigError("trainer.off_policy", f"{t.off_policy!r} with algorithm.adv_estimator=remax: the greedy "
+                          "baseline rollout is not generated ahead with the samples yet (use off_policy=sync)")
+    c = a.off_policy_correction_threshold
+    if not math.isfinite(c) or c < 1:
+        raise ConfigError("actor.off_policy_correction_threshold", f"must be a finite number >= 1 (the largest "
+                          f"importance weight kept), got {c}")
 
 
 # --------------------------------------------------------------------------- with the run plan and the model

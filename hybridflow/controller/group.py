@@ -21,7 +21,7 @@ from typing import Any, Callable, Concatenate, Optional, ParamSpec, TypeVar
 from hybridflow.controller.dispatch import (Dispatch, MeshCoord, call_batch, check_mesh, flat_mesh, method_mesh,
                                             registered_methods, strip_padding, tensor_bytes)
 from hybridflow.controller.resource_pool import ResourcePool
-from hybridflow.controller.worker import Worker
+from hybridflow.controller.worker import DIED, Worker
 
 
 class WorkerGroup:
@@ -151,8 +151,7 @@ def run_together(*calls: Callable[[], Any]) -> list[Any]:
 
     with ThreadPoolExecutor(max_workers=len(calls)) as pool:
         futures = [pool.submit(call) for call in calls]
-        errors = [f.exception() for f in futures]
-    for error in errors:
-        if error is not None:
-            raise error
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+    if errors:  # a rank whose process died is the cause; its peers' broken collectives follow from it
+        raise min(errors, key=lambda e: 0 if getattr(e, "reason", None) == DIED else 1)
     return [f.result() for f in futures]

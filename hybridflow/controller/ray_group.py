@@ -36,11 +36,11 @@ from hybridflow.controller.group import WorkerGroup
 from hybridflow.controller.ray_nodes import NodeOf, describe_lost, log_placement, lost_nodes
 from hybridflow.controller.resource_pool import ResourcePool
 from hybridflow.controller.transfer import fetch_remote_rows, pack, unpack, unpack_results
-from hybridflow.controller.worker import Worker, WorkerContext, WorkerError, construct_worker, first_os_error
+from hybridflow.controller.worker import DIED, Worker, WorkerContext, WorkerError, construct_worker, first_os_error
 
 STARTUP_TIMEOUT_S = 600.0  # actor start plus the worker's __init__ (model build, checkpoint load)
 DEATH_GRACE_S = 5.0  # after a rank fails, how long to wait for news that a peer's process died
-_DIED = "its worker process died"  # WorkerError.reason of a rank whose process is gone
+_DIED = DIED  # WorkerError.reason of a rank whose process is gone
 
 
 def _split_kw(kw_names: tuple, values: tuple) -> tuple[tuple, dict]:

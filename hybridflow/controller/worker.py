@@ -34,6 +34,9 @@ from typing import Any, Optional
 from hybridflow.controller.dispatch import MeshCoord
 
 
+DIED = "its worker process died"  # WorkerError.reason of a rank whose process is gone (ray_group.py)
+
+
 class WorkerError(RuntimeError):
     """A rank of a worker group failed; `rank`, `method` and the worker-side `traceback` text.
 

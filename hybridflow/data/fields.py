@@ -49,6 +49,9 @@ UID                list[str]  (B)        group id: the n samples of one prompt s
                                          it (GRPO / RLOO baselines).
 ROLLOUT_LOG_PROBS  FloatTensor[B, R]     per-token log-probs reported by the
                                          inference engine while sampling.
+WEIGHT_VERSION     LongTensor[B]         the actor's weight version that generated
+                                         the row: the number of updates those weights
+                                         had taken (trainer.off_policy may lag it).
 OLD_LOG_PROBS      FloatTensor[B, R]     per-token log-probs of the actor in its
                                          training layout, before the update.
 REF_LOG_PROBS      FloatTensor[B, R]     per-token log-probs of the frozen reference.
@@ -98,6 +101,7 @@ RESPONSE_MASK = "response_mask"
 RESPONSE_TEXT = "response_text"
 UID = "uid"
 ROLLOUT_LOG_PROBS = "rollout_log_probs"
+WEIGHT_VERSION = "weight_version"
 OLD_LOG_PROBS = "old_log_probs"
 REF_LOG_PROBS = "ref_log_probs"
 ENTROPY = "entropy"
@@ -127,6 +131,7 @@ FIELD_SHAPES: Mapping[str, str] = MappingProxyType({
     RESPONSE_TEXT: "list[str]",
     UID: "list[str]",
     ROLLOUT_LOG_PROBS: "FloatTensor[B, R]",
+    WEIGHT_VERSION: "LongTensor[B]",
     OLD_LOG_PROBS: "FloatTensor[B, R]",
     REF_LOG_PROBS: "FloatTensor[B, R]",
     ENTROPY: "FloatTensor[B, R]",

@@ -15,12 +15,16 @@ with `n` samples per prompt returns `n`), or, for a filter (a node whose
 outputs are all `bool`), the input items it marked True. Items marked False
 are recorded in `FlowResult.rejected`, not lost.
 
+`DataFlow.run_steps(batches, update, off_policy=...)` trains on a flow, one
+run per step, in lock step or with the next runs overlapping the update
+(`off_policy.py`, the trainer's modes).
+
 `DataFlow.run` runs a flow in this process, or with `launcher="ray"` each
 node in its own Ray worker on its `placement` device (`remote.py`).
 """
 from hybridflow.dataflow.execute import FlowResult, NodeStats
-from hybridflow.dataflow.flow import DataFlow
+from hybridflow.dataflow.flow import DataFlow, StepResult
 from hybridflow.dataflow.plan import DataFlowError, Plan
 from hybridflow.dataflow.node import Node, NodeError
 
-__all__ = ["DataFlow", "DataFlowError", "FlowResult", "Node", "NodeError", "NodeStats", "Plan"]
+__all__ = ["DataFlow", "DataFlowError", "FlowResult", "Node", "NodeError", "NodeStats", "Plan", "StepResult"]

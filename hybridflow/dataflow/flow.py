@@ -21,13 +21,15 @@ their items zipped into tuples, in the order the edges were declared.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from hybridflow.dataflow.node import Node
+from hybridflow.dataflow.off_policy import RolloutStream, Schedule
 from hybridflow.dataflow.plan import DataFlowError, Plan
 from hybridflow.common import nearest_name
 
-__all__ = ["DataFlow", "DataFlowError", "Plan"]
+__all__ = ["DataFlow", "DataFlowError", "Plan", "StepResult"]
 
 logger = logging.getLogger("hybridflow.dataflow")
 
@@ -203,9 +205,68 @@ class DataFlow:
                 for remote in nodes.values():
                     remote.shutdown()
 
+    def run_steps(self, batches: Sequence[Sequence[Any]], update: Callable[[Any, int], Any], *,
+                  publish: Optional[Callable[[], Any]] = None, load: Optional[Callable[[Any], None]] = None,
+                  off_policy: str = "sync", max_staleness: int = 1, sync_every: int = 1,
+                  stale_samples: str = "wait", async_execution: bool = False, min_batch: int = 0) -> list[StepResult]:
+        """Train on the flow: step t runs the flow on `batches[t - 1]`, then `update(result, t)`.
+
+        The modes are the trainer's (`trainer.off_policy`, `hybridflow/dataflow/off_policy.py`): "sync"
+        runs flow and update in lock step; "one_step" runs the flow of step t + 1 on a thread of its own
+        while update t runs, from the weights of before it; "async" lets the flow run up to
+        `max_staleness` weight versions ahead, weights pushed every `sync_every` updates (and
+        `stale_samples="drop"`: it never waits, and a result staler than that is generated again).
+        Overlap needs the generating model apart from the trained one: `publish()` returns a snapshot of
+        the trained weights (called between updates), `load(snapshot)` puts one into the model the flow
+        generates with (called on the flow's thread, between runs). In "sync" both may be left out (the
+        update changes the model the next run uses). Returns one `StepResult` per step: the flow's
+        result, the weight version that generated it, its staleness, and what `update` returned.
+        """
+        schedule = Schedule.make(off_policy, len(batches), max_staleness, sync_every, stale_samples)
+        if off_policy != "sync" and (publish is None or load is None):
+            missing = " and ".join(n for n, f in (("publish", publish), ("load", load)) if f is None)
+            raise ValueError(f"off_policy={off_policy!r} generates while update runs: give {missing} (the "
+                             "trained weights as a snapshot, and loading one into the generating model)")
+        run = lambda items, version: self.run(items, async_execution, min_batch)  # noqa: E731
+        if off_policy == "sync":
+            return _lock_step(run, batches, update, publish, load)
+        stream = RolloutStream(schedule, run, load, publish, lambda step: batches[step - 1])
+        out = []
+        try:
+            for step in range(1, len(batches) + 1):
+                got = stream.next(step, step - 1)
+                out.append(StepResult(step, got.version, step - 1 - got.version, got.output,
+                                      update(got.output, step), got.dropped))
+                stream.updated(step)
+        finally:
+            stream.close()
+        return out
+
     def __repr__(self) -> str:
         edges = ", ".join(f"{a}->{b}" for a, b in self.edges)
         return f"DataFlow(nodes=[{', '.join(self.nodes)}], edges=[{edges}])"
+
+
+@dataclass
+class StepResult:
+    """One step of `DataFlow.run_steps`."""
+
+    step: int
+    version: int  # the weight version (updates taken) that generated the flow's result
+    staleness: int  # updates between those weights and the ones `update` started from
+    flow: Any  # the FlowResult of the step's inputs
+    update: Any  # what update(flow, step) returned
+    dropped: int = 0  # results of this step dropped as too stale (stale_samples="drop")
+
+
+def _lock_step(run, batches, update, publish, load) -> list[StepResult]:
+    out = []
+    for step, items in enumerate(batches, start=1):
+        result = run(items, step - 1)
+        out.append(StepResult(step, step - 1, 0, result, update(result, step)))
+        if publish is not None and load is not None:
+            load(publish())
+    return out
 
 
 def _label(ref: Any) -> str:

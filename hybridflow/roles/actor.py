@@ -6,16 +6,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hybridflow.algos import aggregate_loss, get_policy_loss, kl_loss, masked_mean
+from hybridflow.algos import aggregate_loss, behaviour_weights, get_policy_loss, kl_loss, masked_mean
 from hybridflow.config.schema import ActorConfig
 from hybridflow.data import fields as F
 from hybridflow.roles.batching import (forward_only, mean_metrics, planned_mini_batches, response_log_probs,
                                        one_replica_steps, train_mini_batch, update_plan)
 from hybridflow.common import mix_seed
 
-# What an update reads (OLD_LOG_PROBS when the batch has them, REF_LOG_PROBS with the KL loss).
+# What an update reads (OLD_LOG_PROBS when the batch has them, REF_LOG_PROBS with the KL loss,
+# ROLLOUT_LOG_PROBS with an off-policy correction: the trainer ships them only then).
 UPDATE_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.OLD_LOG_PROBS, F.ADVANTAGES,
-                 F.REF_LOG_PROBS)
+                 F.REF_LOG_PROBS, F.ROLLOUT_LOG_PROBS)
 # What a log-prob pass reads.
 LOG_PROB_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK)
 
@@ -63,9 +64,11 @@ class Actor:
         (`steps[k]` indexes `batch`'s rows; -1 is a padding row, masked). The loss is normalised over the
         global mini-batch, so the replicas together take the one-process step."""
         cfg = self.cfg
-        fields = UPDATE_FIELDS if cfg.use_kl_loss else tuple(f for f in UPDATE_FIELDS if f != F.REF_LOG_PROBS)
+        unused = {F.REF_LOG_PROBS} if not cfg.use_kl_loss else set()
+        if cfg.off_policy_correction == "none":
+            unused.add(F.ROLLOUT_LOG_PROBS)
         # Without OLD_LOG_PROBS (skipped: one optimizer step) the loss takes its own log-probs, detached.
-        data = {k: batch[k] for k in fields if k != F.OLD_LOG_PROBS or k in batch}
+        data = {k: batch[k] for k in UPDATE_FIELDS if k not in unused and (k != F.OLD_LOG_PROBS or k in batch)}
         reports = [train_mini_batch(self.engine, mini, cfg.ppo_micro_batch_size, cfg.loss_agg_mode, self._loss,
                                     "actor", summed=("actor/pg_loss", "actor/kl_loss"),
                                     max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else 0,
@@ -78,9 +81,15 @@ class Actor:
         cfg, mask = self.cfg, mb[F.RESPONSE_MASK]
         logp, ent = self.log_probs(out, mb)
         old = mb[F.OLD_LOG_PROBS] if F.OLD_LOG_PROBS in mb else logp.detach()
+        extra = {}  # a user's registered loss without token_weights still runs uncorrected
+        if cfg.off_policy_correction != "none":  # the clip around the proximal policy (old), weighted to behaviour
+            extra["token_weights"] = behaviour_weights(
+                old, mb[F.ROLLOUT_LOG_PROBS], mask, cfg.off_policy_correction, cfg.off_policy_correction_level,
+                cfg.off_policy_correction_threshold).weights
         pg = self.policy_loss(logp, old, mb[F.ADVANTAGES], mask,
                               clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-                              clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, denominator=denom)
+                              clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, denominator=denom,
+                              **extra)
         loss, metrics = pg.loss, dict(pg.metrics)
         metrics["actor/entropy"] = masked_mean(ent, mask).item()
         if cfg.entropy_coeff:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from hybridflow.checkpoint.format import model_table
-from hybridflow.config.plan import RunPlan, reference_parallel
+from hybridflow.config.plan import RunPlan, reference_parallel, uses_ray
 from hybridflow.config.schema import Config
 from hybridflow.controller.local_group import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ResourcePool, pools_from_placement
@@ -29,7 +29,9 @@ from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutW
 
 
 def _run(cfg: Config) -> Run:
-    return Run(device=cfg.trainer.device, seed=cfg.trainer.seed)
+    # Under Ray every device index is a process of the run (on CPU they share the node's cores).
+    processes = cfg.trainer.n_devices if uses_ray(cfg) else 1
+    return Run(device=cfg.trainer.device, seed=cfg.trainer.seed, processes=processes)
 
 
 def actor_spec(cfg: Config, plan: RunPlan) -> ActorWorkerSpec:

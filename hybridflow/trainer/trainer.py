@@ -12,8 +12,12 @@ The models live in worker groups (`hybridflow.workers.rl_workers`, built by
 group (the hybrid layout); the critic has its own. Rollout may instead have
 a group of its own (placement.rollout != placement.training): it then
 generates from its own generation shards (any rollout.tg), which the actor's
-ranks broadcast into it before the first rollout after each update, over a
-process group spanning both groups (no weights through the driver). A group is Ray actors on the devices
+ranks broadcast into it over a process group spanning both groups (no weights
+through the driver); `trainer.off_policy` lets it generate ahead of the update
+(one_step, async within max_staleness; `dataflow/off_policy.py`), each row
+stamped with the weight version that generated it: the actor's ranks keep a
+snapshot of each published version until the rollout has taken it.
+A group is Ray actors on the devices
 `placement` gives the role, or in-process (`trainer.launcher`). Which
 preparation stages run is decided once, when the trainer is built.
 Checkpoints hold each engine's shard (weights, Adam state, LR schedule) and
@@ -31,15 +35,17 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from hybridflow.algos import build_kl_controller
+from hybridflow.algos import behaviour_metrics, build_kl_controller
 from hybridflow.config.loader import to_dict
 from hybridflow.config.inputs import check_prompt_count, load_model_config, load_reward_function, load_tokenizer
 from hybridflow.config.plan import RunPlan
 from hybridflow.config.preflight import check_runnable
 from hybridflow.config.schema import Config
 from hybridflow.controller.dispatch import PerReplica, concat_batches, method_reads
-from hybridflow.controller.worker import WorkerError
+from hybridflow.controller.worker import DIED, WorkerError
+from hybridflow.controller.transfer import fetch_remote_rows
 from hybridflow.dataflow import DataFlow, Node, NodeError
+from hybridflow.dataflow.off_policy import RolloutStream, Schedule, staleness_metrics
 from hybridflow.data import fields as F
 from hybridflow.data.batch import chunk_rows, rows_for_plan, select_fields, take_rows
 from hybridflow.data.dataset import PromptDataset
@@ -129,6 +135,18 @@ class RLTrainer:
         self.weight_sync = groups.weight_sync
         self.rollout_weights_stale = self.separate_rollout is not None
         self.sync_metrics: Metrics = {}  # the last sync's figures, reported with the step that used it
+        self.version = 0  # the actor's weight version: the updates (steps) it has taken
+        # Off-policy (trainer.off_policy; validated to have a rollout group apart): that group generates
+        # ahead, driven by a stream; sync keeps the rollout in the flow. The stream's publish stages a
+        # snapshot of the actor's weights on its ranks, its load broadcasts that snapshot into the rollout
+        # group (on the stream's thread, in order with the rollouts), so a batch generates from exactly the
+        # version the schedule gave it while the actor trains on.
+        self.stream = None
+        if t.off_policy != "sync":
+            self.sync_metrics = self.weight_sync.push()  # version 0, before the stream's first rollout
+            self.rollout_weights_stale = False
+            self.stream = RolloutStream(Schedule.of(t), self._generate_chunks, self._load_staged,
+                                        self._stage_weights, self._prompt_chunks, portable=fetch_remote_rows)
         # Launched by torchrun: every rank runs this loop over its LocalWorkerGroup share.
         self.spmd_driver = not plan.uses_ray and plan.job_world > 1
         self.is_main = not self.spmd_driver or int(os.environ.get("RANK", "0")) == 0
@@ -146,9 +164,12 @@ class RLTrainer:
         execution and the number of ranks do not change the samples. ReMax
         (plan.needs_greedy_baseline) first generates one greedy response per
         prompt on the same rollout engine and scores it with the same reward.
+        Off-policy, the stream has generated the chunks: the flow starts at the
+        reward.
         """
-        stages = [("rollout", self.actor, self._rollout_chunk), ("reward", self.reward_fn, self._score)]
-        if self.needs_baseline:
+        stages = [] if self.stream is not None else [("rollout", self.actor, self._rollout_chunk)]
+        stages.append(("reward", self.reward_fn, self._score))
+        if self.needs_baseline:  # sync only (the config refuses remax off-policy)
             stages.insert(0, ("baseline", self.actor, self._baseline))
         if self.needs_ref or self.needs_old:  # one call, one shipment of the rows, for both passes
             stages.append(("log_probs", self.actor, self._log_probs))
@@ -183,8 +204,34 @@ class RLTrainer:
         return self.train_set.collate(items, pad_to=self.cfg.data.max_prompt_length
                                       if self.cfg.rollout.pad_to_max_length else None)
 
+    def _prompt_chunks(self, step: int) -> list[PromptChunk]:
+        """Step `step`'s prompts as the flow's items (sampling seed, prompt chunk)."""
+        seed = mix_seed(self.cfg.trainer.seed, step)
+        return [PromptChunk(seed, chunk) for chunk in chunk_rows(self.prompts(step), self.chunk_prompts)]
+
+    def _stage_weights(self) -> int:
+        """The stream's publish: the actor's ranks keep a snapshot of their weights as version `self.version`
+        (the handle the stream passes back to `_load_staged`)."""
+        self.weight_sync.stage(self.version)
+        return self.version
+
+    def _load_staged(self, version: int) -> None:
+        """The stream's load (on its thread): the snapshot of `version` broadcast into the rollout group."""
+        self.sync_metrics = self.weight_sync.push(version)
+
+    def _generate_chunks(self, items: list[PromptChunk], version: int) -> list[dict[str, Any]]:
+        """The rollout group's batches of a step's chunks, generated by weight `version` (the stream's
+        thread calls this)."""
+        pad = self.chunk_prompts < self.cfg.data.train_batch_size
+        out = [self.rollout_group.generate(item.prompts, item.seed, TRAIN, pad) for item in items]
+        for chunk in out:
+            chunk[F.WEIGHT_VERSION] = torch.full((len(chunk[F.RESPONSES]),), version, dtype=torch.long)
+        return out
+
     def rollout(self, prompts: dict[str, Any], seed: int, mode: str = TRAIN, pad: bool = False) -> dict[str, Any]:
         """The rollout batch of `prompts`; mode: TRAIN, VALIDATION or BASELINE (`roles.rollout.MODES`)."""
+        if self.stream is not None:  # the stream's thread alone calls the rollout group, with these weights
+            return self.stream.run_now(self.version, lambda: self.rollout_group.generate(prompts, seed, mode, pad))
         if self.rollout_weights_stale:  # actor group -> rollout group by collectives; no weight via here
             self.sync_metrics = self.weight_sync.push()
             self.rollout_weights_stale = False
@@ -195,17 +242,17 @@ class RLTrainer:
 
         Returns the batch, its metrics and the flow's result (timings).
         """
-        prompts = self.prompts(step)
-        seed = mix_seed(self.cfg.trainer.seed, step)
-        chunks = [PromptChunk(seed, chunk) for chunk in chunk_rows(prompts, self.chunk_prompts)]
+        taken: Metrics = {}
+        items = self._prompt_chunks(step) if self.stream is None else self._take_generated(step, taken)
         try:
-            result = self.flow.run(chunks, async_execution=self.cfg.dataflow.async_execution, min_batch=1)
+            result = self.flow.run(items, async_execution=self.cfg.dataflow.async_execution, min_batch=1)
         except NodeError as exc:  # a worker (or the reward function) failed inside a stage: report that error
             if isinstance(exc.__cause__, (WorkerError, TrainingError)):
                 raise exc.__cause__ from None
             raise
         batch = concat_batches(result.final) if len(result.final) > 1 else result.final[0]
         metrics = self._rollout_metrics(batch)
+        metrics.update(taken)
         metrics["batch/tokens"] = float(S.real_tokens(batch))
         for stage in self.batch_stages:
             batch = stage(batch, metrics)
@@ -224,9 +271,19 @@ class RLTrainer:
                                        layouts["critic"].dp)
             stats.update(mean_of_ranks(self.critic.update_critic(*shares(batch, minis, CriticWorker.update_critic))))
         minis = actor_update_plan(cfg.actor, cfg.rollout.n, seed, step, rows, layouts["training"].dp)
+        if cfg.actor.off_policy_correction == "none":  # the sampler's log-probs stay here: the loss has no use
+            batch = {k: v for k, v in batch.items() if k != F.ROLLOUT_LOG_PROBS}
         stats.update(mean_of_ranks(self.actor.update_actor(*shares(batch, minis, ActorRolloutRefWorker.update_actor))))
         stats.update(self.transition())
         return stats
+
+    def _take_generated(self, step: int, metrics: Metrics) -> list[dict[str, Any]]:
+        """Off-policy: step `step`'s generated chunks from the stream (under stale_samples=drop, generated
+        again from the trainer's weights where they were staler than max_staleness)."""
+        got = self.stream.next(step, self.version)
+        metrics.update({"timing/rollout_s": got.seconds, "timing/rollout_wait_s": got.wait_s,
+                        "offpolicy/dropped_batches": float(got.dropped)})
+        return got.output
 
     def transition(self) -> Metrics:
         """Bring generation up to the trained actor: its own weights, and a separate rollout group's."""
@@ -240,6 +297,7 @@ class RLTrainer:
         batch = self.rollout(item.prompts, item.seed, pad=self.chunk_prompts < self.cfg.data.train_batch_size)
         if item.baseline is not None:
             batch[F.BASELINE_SCORES] = item.baseline.repeat_interleave(self.cfg.rollout.n)
+        batch[F.WEIGHT_VERSION] = torch.full((len(batch[F.RESPONSES]),), self.version, dtype=torch.long)
         return batch
 
     def _baseline(self, item: PromptChunk) -> PromptChunk:
@@ -296,9 +354,15 @@ class RLTrainer:
     # -- preparation stages (whole batch) ---------------------------------------
     def _rollout_metrics(self, batch) -> Metrics:
         metrics = S.rollout_metrics(batch)
+        metrics.update(staleness_metrics(self.version - batch[F.WEIGHT_VERSION]))
         mask = batch[F.RESPONSE_MASK].bool()
         if not self.needs_old:  # the update reports the entropy and KL from its own pass
             return metrics
+        if F.ROLLOUT_LOG_PROBS in batch:  # the sampler-trainer gap, and the correction's weights
+            a = self.cfg.actor
+            metrics.update(behaviour_metrics(batch[F.OLD_LOG_PROBS], batch[F.ROLLOUT_LOG_PROBS], mask,
+                                             a.off_policy_correction, a.off_policy_correction_level,
+                                             a.off_policy_correction_threshold))
         metrics["actor/entropy"] = batch[F.ENTROPY][mask].mean().item()
         if self.needs_ref:
             metrics["actor/kl"] = (batch[F.OLD_LOG_PROBS] - batch[F.REF_LOG_PROBS])[mask].mean().item()
@@ -391,19 +455,28 @@ class RLTrainer:
         state = trainer_state(step, self.model_tensors, checkpoint_layouts(self.plan), self.kl_ctrl.value,
                               self.sampler.state_dict() if self.sampler.adaptive else None)
         floor = weights_bytes(self.cfg, self.model_tensors)  # the free space a save needs at least
-        return save_step(self.ckpt, step, self._groups(), state, floor, self.spmd_driver)
+        if self.stream is not None and self.stream.pushed[0] != self.version:
+            self.stream.push(self.version)  # a resume can push only the saved weights: so does the run going on
+        return save_step(self.ckpt, step, self._saved(), state, floor, self.spmd_driver)
+
+    def _saved(self) -> list:
+        """What a checkpoint holds: every group's shards, and the stream's batches generated ahead."""
+        return self._groups() + ([self.stream] if self.stream is not None else [])
 
     def restore(self) -> int:
         """Load the newest checkpoint when trainer.resume=auto; returns the step to continue after."""
         if self.cfg.trainer.resume != "auto":
             return 0
         paths = {"actor": self.cfg.model.path, "critic": self.cfg.critic.model_path or self.cfg.model.path}
-        found = load_latest(self.ckpt, self.spmd_driver, self._groups(), self.sampler, self.model_tensors,
+        found = load_latest(self.ckpt, self.spmd_driver, self._saved(), self.sampler, self.model_tensors,
                             checkpoint_layouts(self.plan), paths)
         if found is None:
             return 0
         step, directory, state = found
+        self.version = step
         self.transition()
+        if self.stream is not None:
+            self.stream.resume(step)
         if "kl_coef" in state:  # absent where `hybridflow reshard` made the step from an HF model (step 0)
             self.kl_ctrl.value = state["kl_coef"]
         log.info("resumed from %s (step %d)", directory, step)
@@ -413,6 +486,8 @@ class RLTrainer:
         return Path(self.actor.export_hf(str(self.run_dir / "hf_actor")))
 
     def shutdown(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
         for group in (*self._groups(), self.reward_model, self.separate_rollout):
             if group is not None:
                 group.shutdown()
@@ -429,15 +504,34 @@ class RLTrainer:
         return sum(g.group.received_bytes for g in groups if g is not None)
 
     def train_step(self, step: int) -> dict[str, float]:
+        try:
+            return self._train_step(step)
+        except WorkerError:
+            # Off-policy, a rollout rank that died fails the stream's weight push too, and its peers on the
+            # actor's side tear their group down: the call this thread made then fails second-hand. The
+            # stream's own failure names the rank that died.
+            cause = self.stream.failure() if self.stream is not None else None
+            if getattr(cause, "reason", None) == DIED:
+                raise cause from None
+            raise
+
+    def _train_step(self, step: int) -> dict[str, float]:
         start, shipped, received = time.perf_counter(), self.shipped_bytes(), self.received_bytes()
+        busy = self.stream.busy_s if self.stream is not None else 0.0
         batch, metrics, flow = self.prepare(step)
         prepared = time.perf_counter()
         metrics.update(self.update(batch, step))
+        self.version = step
+        if self.stream is not None:
+            self.stream.updated(step)
         metrics.update({f"timing/{name}_s": seconds for name, seconds in flow.timings.items()})
         metrics["timing/prepare_wall_s"] = prepared - start
         metrics["timing/overlap_s"] = flow.overlap_s
         metrics["timing/update_s"] = time.perf_counter() - prepared
         metrics["timing/step_s"] = time.perf_counter() - start
+        # The rollout group's seconds generating in this step's span (a group apart: busy while training too).
+        metrics["timing/rollout_busy_s"] = (self.stream.busy_s - busy if self.stream is not None
+                                            else flow.timings.get("rollout", 0.0))
         metrics["perf/tokens_per_s"] = metrics["batch/tokens"] / metrics["timing/step_s"]
         metrics["controller/shipped_bytes"] = float(self.shipped_bytes() - shipped)
         metrics["controller/received_bytes"] = float(self.received_bytes() - received)

@@ -2,6 +2,7 @@
 
     sync = ApartWeightSync(actor_group, rollout_group, train_layout, tg, bucket_bytes)   # once
     metrics = sync.push()                                                                # after each update
+    sync.stage(v); sync.push(v)       # off-policy: a snapshot of version v, broadcast when the rollout takes it
 
 `__init__` asks training rank 0 for an address (its group's master address,
 a free port), then both groups join one process group at that store
@@ -14,6 +15,7 @@ both calls is 0: tested).
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 from hybridflow.controller.group import run_together
 from hybridflow.parallel.layout import ParallelDims
@@ -27,12 +29,16 @@ class ApartWeightSync:
                      lambda: rollout.join_weight_sync(address, port, train, bucket_bytes))
         self.last: dict = {}  # the last push's per-rank figures (sent: training ranks, received: rollout ranks)
 
-    def push(self) -> dict[str, float]:
-        """One sync; the `sync/*` figures: bytes per receiving rank (the most any received, and the plan's and
-        the formula's for it), bytes every training rank sent together, the most collectives one rank joined,
-        and the wall time of the whole push."""
+    def stage(self, version: int) -> None:
+        """The actor's ranks keep a copy of their weights now as `version`, for a later `push(version)`."""
+        self.actor.stage_weights(version)
+
+    def push(self, version: Optional[int] = None) -> dict[str, float]:
+        """One sync, of the actor's weights now or of the copy staged as `version`; the `sync/*` figures:
+        bytes per receiving rank (the most any received, and the plan's and the formula's for it), bytes every
+        training rank sent together, the most collectives one rank joined, and the wall time of the push."""
         start = time.perf_counter()
-        sent, received = run_together(self.actor.send_weights, self.rollout.receive_weights)
+        sent, received = run_together(lambda: self.actor.send_weights(version), self.rollout.receive_weights)
         seconds = time.perf_counter() - start
         self.last = {"sent": sent, "received": received}
         out = {"sync/bytes_received": max(r["sync/bytes_received"] for r in received),

@@ -87,12 +87,17 @@ def build_engine(run: Run, model: ModelConfig, path: str, optim: Optional[OptimC
     return engine
 
 
-def prepare_process(worker: Worker) -> None:
+def prepare_process(worker: Worker, processes: int = 1) -> None:
     """Per-process set-up of a worker: CPU threads, and quiet megatron-core.
 
     Torch threads become this rank's share of the node's cores (Ray starts
-    actors with one). megatron-core narrates its set-up at INFO and warns about
-    deprecated calls it makes itself; a worker keeps its warnings and errors.
+    actors with one): the cores over the run's processes (`Run.processes`), or
+    over the group's when it has more. A group placed apart from another (the
+    rollout beside training) is not alone on the cores: measured on 2 cores,
+    each of two 1-process groups taking both made a split GRPO step ~40x slower
+    (OpenMP threads of two processes contending; `hybridflow bench async`).
+    megatron-core narrates its set-up at INFO and warns about deprecated calls
+    it makes itself; a worker keeps its warnings and errors.
     """
     import logging
     import warnings
@@ -100,7 +105,7 @@ def prepare_process(worker: Worker) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", module=r"(megatron|torch\.distributed)(\..*)?")
     if worker.context.device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, worker.world_size)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, worker.world_size, processes)))
 
 
 class EngineWorker(Worker):
@@ -144,7 +149,7 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
 
     def __init__(self, spec: ActorWorkerSpec):
         self.init_process_group()
-        prepare_process(self)
+        prepare_process(self, spec.run.processes)
         torch.manual_seed(spec.run.seed)
         self.spec = spec
         self.model_cfg = DecoderConfig.from_pretrained(spec.model.path)
@@ -152,6 +157,7 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         self.engine = build_engine(spec.run, spec.model, spec.model.path, spec.actor.optim, spec.actor.parallel,
                                    spec.layout, spec.optimizer_steps)
         self.register_mesh("actor", spec.layout)
+        self.staged: dict[int, dict[str, torch.Tensor]] = {}  # weight version -> shard copy (`stage_weights`)
         self.actor = Actor(spec.actor, self.engine, samples_per_prompt=spec.rollout.n,
                            temperature=spec.rollout.temperature, seed=spec.run.seed)
         self.reference = None
@@ -216,12 +222,27 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         self.weight_sync = SyncWorld(plan, self.rank, address, port, self.context.device)
 
     @register(Dispatch.ONE_TO_ALL)
-    def send_weights(self) -> dict[str, float]:
-        """Broadcast this rank's slices of its training shard to the rollout ranks that need them; what
-        this rank moved (`sync/*`), beside the plan's figures."""
-        start, traffic = time.perf_counter(), Traffic()
+    def stage_weights(self, version: int) -> None:
+        """Keep a copy of this rank's training shard as weight `version`, for a later `send_weights(version)`:
+        a rollout generating ahead (trainer.off_policy) takes a version after the actor has trained past it.
+        Copies, not views: the optimizer steps the parameters in place."""
         params = self.engine.named_params()
-        send(self.weight_sync, {e.megatron: params[n].detach() for e, n in self.engine.stage_entries()}, traffic)
+        self.staged[version] = {e.megatron: params[n].detach().clone() for e, n in self.engine.stage_entries()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def send_weights(self, version: Optional[int] = None) -> dict[str, float]:
+        """Broadcast this rank's slices of its training shard (now, or the copy staged as `version`, after
+        which it and older copies are dropped) to the rollout ranks that need them; what this rank moved
+        (`sync/*`), beside the plan's figures."""
+        start, traffic = time.perf_counter(), Traffic()
+        if version is None:
+            params = self.engine.named_params()
+            local = {e.megatron: params[n].detach() for e, n in self.engine.stage_entries()}
+        else:
+            local = self.staged[version]
+        send(self.weight_sync, local, traffic)
+        if version is not None:
+            self.staged = {v: w for v, w in self.staged.items() if v > version}
         return sync_metrics(traffic, self.weight_sync.plan, self.rank, time.perf_counter() - start)
 
     @register(Dispatch.DP_SPLIT, mesh="actor", reads=LOG_PROB_FIELDS)
@@ -275,7 +296,7 @@ class RolloutWorker(_Generates):
 
     def __init__(self, spec: RolloutWorkerSpec):
         self.init_process_group()  # this group's world: the generation TP groups at tg > 1
-        prepare_process(self)
+        prepare_process(self, spec.run.processes)
         self.spec = spec
         model_cfg = DecoderConfig.from_pretrained(spec.model.path)
         self.tokenizer = read_tokenizer(spec.model)
@@ -355,7 +376,7 @@ class CriticWorker(EngineWorker):
 
     def __init__(self, spec: CriticWorkerSpec):
         self.init_process_group()
-        prepare_process(self)
+        prepare_process(self, spec.run.processes)
         torch.manual_seed(spec.run.seed)
         self.engine = build_engine(spec.run, spec.model, spec.path, spec.critic.optim, spec.critic.parallel,
                                    spec.layout, spec.optimizer_steps, value_head=True)
@@ -401,6 +422,7 @@ class ActorGroup(RoleGroup):
     release_generation = remote(ActorRolloutRefWorker.release_generation)
     sync_address = remote(ActorRolloutRefWorker.sync_address)
     join_weight_sync = remote(ActorRolloutRefWorker.join_weight_sync)
+    stage_weights = remote(ActorRolloutRefWorker.stage_weights)
     send_weights = remote(ActorRolloutRefWorker.send_weights)
     compute_log_probs = remote(ActorRolloutRefWorker.compute_log_probs)
     update_actor = remote(ActorRolloutRefWorker.update_actor)

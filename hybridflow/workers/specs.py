@@ -22,6 +22,9 @@ class Run:
 
     device: str  # "cpu" | "cuda"
     seed: int
+    # Processes the run starts on the machine's cores (under Ray every device index is one; groups apart
+    # each have their own): a CPU worker's torch threads are its share of them (`prepare_process`).
+    processes: int = 1
 
 
 @dataclass(frozen=True)

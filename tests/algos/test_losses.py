@@ -256,3 +256,87 @@ def test_registered_policy_losses_share_one_signature(name):
     assert set(metrics) == {"actor/pg_loss", "actor/clip_frac", "actor/dual_clip_frac", "actor/approx_kl"}
     assert all(isinstance(v, float) for v in metrics.values())
     assert metrics["actor/approx_kl"] > 0
+
+
+# ---------------------------------------------------------------- off-policy correction (issue 40)
+
+
+def _gap():
+    """prox / behaviour log-probs of two sequences (row 1 has one padding token, poisoned with -inf)."""
+    prox = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.3, 0.6, 1.0]], dtype=torch.float64))
+    behav = torch.log(torch.tensor([[0.25, 0.4, 0.3], [0.3, 0.1, 1.0]], dtype=torch.float64))
+    behav[1, 2] = -math.inf
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    return prox, behav, mask
+
+
+def test_behaviour_weights_token_level_by_hand():
+    from hybridflow.algos import behaviour_weights
+
+    prox, behav, mask = _gap()
+    raw = torch.tensor([[2.0, 0.5, 3.0], [1.0, 6.0, 0.0]], dtype=torch.float64)  # pi_prox / pi_behaviour
+    dec = behaviour_weights(prox, behav, mask, "decoupled")
+    torch.testing.assert_close(dec.weights, raw)
+    assert not dec.clipped.any()
+    tis = behaviour_weights(prox, behav, mask, "tis", threshold=2.5)
+    torch.testing.assert_close(tis.weights, torch.tensor([[2.0, 0.5, 2.5], [1.0, 2.5, 0.0]], dtype=torch.float64))
+    assert tis.clipped.tolist() == [[False, False, True], [False, True, False]]
+    mis = behaviour_weights(prox, behav, mask, "mis", threshold=2.5)
+    torch.testing.assert_close(mis.weights, torch.tensor([[2.0, 0.5, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64))
+    assert mis.clipped.tolist() == tis.clipped.tolist()
+    none = behaviour_weights(prox, behav, mask, "none")
+    torch.testing.assert_close(none.weights, mask.to(torch.float64))
+
+
+def test_behaviour_weights_sequence_level_is_the_product_of_token_ratios():
+    from hybridflow.algos import behaviour_weights
+
+    prox, behav, mask = _gap()
+    seq = behaviour_weights(prox, behav, mask, "tis", level="sequence", threshold=4.0)
+    # row 0: 2 * 0.5 * 3 = 3 (kept), row 1: 1 * 6 = 6 (padding left out) -> truncated at 4
+    torch.testing.assert_close(seq.raw, torch.tensor([[3.0, 3.0, 3.0], [6.0, 6.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(seq.weights, torch.tensor([[3.0, 3.0, 3.0], [4.0, 4.0, 0.0]], dtype=torch.float64))
+    mis = behaviour_weights(prox, behav, mask, "mis", level="sequence", threshold=4.0)
+    torch.testing.assert_close(mis.weights, torch.tensor([[3.0, 3.0, 3.0], [0.0, 0.0, 0.0]], dtype=torch.float64))
+    with pytest.raises(ValueError, match="level"):
+        behaviour_weights(prox, behav, mask, "tis", level="batch")
+    with pytest.raises(ValueError, match="correction"):
+        behaviour_weights(prox, behav, mask, "is")
+
+
+def test_behaviour_metrics_report_the_weights_and_the_k3_gap():
+    from hybridflow.algos import behaviour_metrics
+
+    prox, behav, mask = _gap()
+    m = behaviour_metrics(prox, behav, mask, "tis", threshold=2.5)
+    assert m["offpolicy/is_weight_mean"] == pytest.approx((2 + 0.5 + 3 + 1 + 6) / 5)
+    assert m["offpolicy/is_weight_max"] == pytest.approx(6.0)
+    assert m["offpolicy/is_clipped_frac"] == pytest.approx(2 / 5)
+    # k3 of KL(behaviour || prox) per token: r - 1 - log r with r = pi_prox / pi_behaviour
+    k3 = [r - 1 - math.log(r) for r in (2, 0.5, 3, 1, 6)]
+    assert m["offpolicy/k3_kl"] == pytest.approx(sum(k3) / 5)
+    same = behaviour_metrics(prox, prox, mask, "mis")
+    assert same["offpolicy/k3_kl"] == 0.0 and same["offpolicy/is_weight_max"] == 1.0
+
+
+@pytest.mark.parametrize("name", ["ppo", "gspo"])
+def test_token_weights_scale_each_tokens_loss_and_gradient(name):
+    """Weights w: the loss is aggregate(w * per-token loss); unit weights give the unweighted loss exactly."""
+    torch.manual_seed(0)
+    loss_fn = get_policy_loss(name)
+    old = torch.randn(3, 5, dtype=torch.float64)
+    adv = torch.randn(3, 5, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
+    logp = leaf((old + 0.05 * torch.randn(3, 5, dtype=torch.float64)).tolist())
+    plain = loss_fn(logp, old, adv, mask)
+    ones = loss_fn(logp, old, adv, mask, token_weights=torch.ones(3, 5, dtype=torch.float64))
+    assert ones.loss.item() == plain.loss.item()  # the same arithmetic: x * 1 == x
+    w = torch.rand(3, 5, dtype=torch.float64) * 2
+    weighted = loss_fn(logp, old, adv, mask, token_weights=w)
+    (g_w,) = torch.autograd.grad(weighted.loss, logp)
+    # by hand: each row's (or token's) contribution scaled by its weight; a loop over tokens with w = one-hot
+    want = sum(w[i, j].item() * torch.autograd.grad(
+        loss_fn(logp, old, adv, mask, token_weights=torch.nn.functional.one_hot(
+            torch.tensor(i * 5 + j), 15).view(3, 5).double()).loss, logp)[0]
+        for i in range(3) for j in range(5) if mask[i, j])
+    torch.testing.assert_close(g_w, want)

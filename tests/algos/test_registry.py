@@ -16,7 +16,7 @@ REGISTRIES = [
 
 def test_expected_names_are_registered():
     assert set(ADV_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus",
-                                   "reinforce_plus_plus_baseline"}
+                                   "reinforce_plus_plus_baseline", "remax"}
     assert set(POLICY_LOSSES) == {"ppo", "gspo"}
     assert set(KL_ESTIMATORS) == {"k1", "k2", "mse", "k3", "low_var_kl", "abs"}
 

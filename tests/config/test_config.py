@@ -102,6 +102,15 @@ def test_unknown_key_in_yaml_file(tmp_path):
      "must equal actor.parallel.tp=1"),
     (BASE + ["algorithm.adv_estimator=remaxx"], "algorithm.adv_estimator", "nearest registered: 'remax'"),
     (BASE + ["actor.policy_loss=ppo2"], "actor.policy_loss", "unknown policy loss"),
+    # Off-policy bounds (issue 40): named before any worker starts, whichever mode is set.
+    (BASE + ["trainer.max_staleness=-1"], "trainer.max_staleness", "must be >= 0"),
+    (BASE + ["trainer.off_policy=async", "trainer.sync_every=0"], "trainer.sync_every", "must be >= 1"),
+    (BASE + ["trainer.off_policy=async", "trainer.max_staleness=1", "trainer.sync_every=3"], "trainer.sync_every",
+     "use at most 2, or stale_samples=drop"),
+    (BASE + ["trainer.off_policy=one_step", "algorithm.adv_estimator=grpo", "rollout.n=2",
+             "data.skip_uniform_passes=1"], "data.skip_uniform_passes", "generating ahead"),
+    (BASE + ["actor.off_policy_correction=tis", "actor.off_policy_correction_threshold=0.5"],
+     "actor.off_policy_correction_threshold", "must be a finite number >= 1"),
 ])
 def test_impossible_combinations_fail_early(overrides, path, fragment):
     with pytest.raises(ConfigError) as err:
@@ -173,6 +182,10 @@ def _model(**overrides):
     (["trainer.n_devices=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2"],
      "actor.ppo_mini_batch_size", "do not split over the actor's 4 data-parallel replicas"),
     (["trainer.n_devices=4", "actor.parallel.tp=4"], "actor.parallel.tp", "does not divide the model's 2 KV heads"),
+    # An off-policy mode overlaps a rollout group apart: none colocated, none without Ray.
+    (["trainer.off_policy=one_step"], "trainer.off_policy", "this run has none"),
+    (["trainer.off_policy=async", "trainer.n_devices=2", "trainer.launcher=ray"], "trainer.off_policy",
+     "placement.rollout devices other than placement.training's"),
 ])
 def test_checks_that_need_the_model_or_the_launcher(overrides, path, fragment):
     from hybridflow.config.plan import RunPlan

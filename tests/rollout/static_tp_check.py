@@ -57,3 +57,9 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    # Leave without running the interpreter's and C++ static destructors: under load, gloo's threads torn
+    # down at exit still aborted a rank now and then ("terminate called without an active exception",
+    # SIGABRT) after every result was written (seen in a full-suite run on 2 busy cores).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
