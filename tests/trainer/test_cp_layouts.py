@@ -4,7 +4,7 @@ import torch
 
 from hybridflow.cli import main
 from hybridflow.models.checkpoint import load_hf_state_dict
-from tests.trainer.test_distributed_trainer import ROOT, _assert_same_metrics, run
+from tests.trainer.test_distributed_trainer import ROOT, compare_with_one_process, run
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(400)]
 
@@ -16,18 +16,11 @@ def test_grpo_at_tp2_cp2_on_four_ray_workers_matches_the_single_process_run(tmp_
     steps' learned metrics equal one process's up to summation order. Its checkpoint (written by the CP
     rank 0 of each TP rank: CP ranks hold the same weights) converts with `hybridflow reshard` to the HF
     model the run exported, bit for bit."""
-    from tests.trainer.test_trainer import learned
-
     common = ["trainer.total_steps=2", "trainer.val_every=0", "actor.ppo_mini_batch_size=8"]
     summary, records = run("tiny-grpo.yaml", tmp_path / "tp2cp2", "trainer.n_devices=4", "trainer.launcher=ray",
                            "actor.parallel.tp=2", "actor.parallel.cp=2", "trainer.save_every=2", *common)
     _, single = run("tiny-grpo.yaml", tmp_path / "one", "trainer.save_every=0", *common)
-    assert [r["step"] for r in records] == [r["step"] for r in single]
-    tpcp, one = learned(records), learned(single)
-    worst = max(abs(tpcp[step][key] - value) / abs(value)
-                for step in (1, 2) for key, value in one[step].items() if abs(value) > 1e-5 and key in tpcp[step])
-    print(f"grpo at tp2 cp2 against one process: worst relative difference {worst:.3g}")
-    _assert_same_metrics({"one": single, "tp2cp2": records}, (1, 2))
+    compare_with_one_process("grpo at tp2 cp2", records, single)
 
     run_dir = summary["run_dir"]
     assert main(["reshard", str(run_dir / "checkpoints" / "step_000002"), str(tmp_path / "hf"), "--to", "hf",
@@ -45,4 +38,4 @@ def test_grpo_at_pp2_cp2_on_four_ray_workers_matches_the_single_process_run(tmp_
     _, records = run("tiny-grpo.yaml", tmp_path / "pp2cp2", "trainer.n_devices=4", "trainer.launcher=ray",
                      "actor.parallel.pp=2", "actor.parallel.cp=2", *common)
     _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
-    _assert_same_metrics({"one": single, "pp2cp2": records}, (1, 2))
+    compare_with_one_process("grpo at pp2 cp2", records, single)
