@@ -99,7 +99,7 @@ def staleness_metrics(staleness: "torch.Tensor") -> dict[str, float]:
     out = {"offpolicy/staleness_mean": s.mean().item(), "offpolicy/staleness_max": s.max().item()}
     for low in STALENESS_BUCKETS:
         last = low == STALENESS_BUCKETS[-1]
-        name = f"offpolicy/staleness_{low}{'+' if last else ''}"
+        name = f"offpolicy/staleness_{low}{'plus' if last else ''}"  # "3plus": MLflow's names take no "+"
         out[name] = float(((s >= low) if last else (s == low)).sum().item())
     return out
 

@@ -178,7 +178,7 @@ class MlflowLogger:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        batch = [Metric(_mlflow_name(k), float(v), now, step) for k, v in metrics.items()]
         for i in range(0, len(batch), _MLFLOW_BATCH):
             self._client.log_batch(self.run_id, metrics=batch[i:i + _MLFLOW_BATCH])
 
@@ -190,3 +190,9 @@ class MlflowLogger:
 
     def close(self, failed: bool = False) -> None:
         self._client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def _mlflow_name(name: str) -> str:
+    """A metric name as MLflow stores it: it refuses characters other than letters, digits and _ - . space : /
+    (the whole batch fails), so any other becomes "_"."""
+    return "".join(c if c.isalnum() or c in "_-. :/" else "_" for c in name)

@@ -78,7 +78,7 @@ def test_schedule_limits():
     assert [k2.pushes_after(v) for v in (1, 3, 6)] == [False, True, True]
     m = staleness_metrics(torch.tensor([0, 1, 1, 4, 3]))
     assert m["offpolicy/staleness_mean"] == pytest.approx(1.8) and m["offpolicy/staleness_max"] == 4  # float32 mean
-    assert [m[f"offpolicy/staleness_{b}"] for b in ("0", "1", "2", "3+")] == [1, 2, 0, 2]
+    assert [m[f"offpolicy/staleness_{b}"] for b in ("0", "1", "2", "3plus")] == [1, 2, 0, 2]
 
 
 # --------------------------------------------------------------------------- on Ray
