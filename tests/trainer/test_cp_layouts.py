@@ -1,4 +1,5 @@
-"""Context parallelism combined with tensor parallelism, through the trainer on Ray (issue 41, item 5)."""
+"""The layouts of issue 41 through the trainer on Ray (item 5): CP with TP and with PP, TP with sequence
+parallelism, each against one process."""
 import pytest
 import torch
 
@@ -39,3 +40,14 @@ def test_grpo_at_pp2_cp2_on_four_ray_workers_matches_the_single_process_run(tmp_
                      "actor.parallel.pp=2", "actor.parallel.cp=2", *common)
     _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
     compare_with_one_process("grpo at pp2 cp2", records, single)
+
+
+def test_grpo_at_tp2_with_sequence_parallelism_matches_the_single_process_run(tmp_path):
+    """Sequence parallelism at TP2 on two Ray processes (issue 41, item 3, through the trainer): the
+    activations between the TP regions are split over the sequence (reduce-scatter / all-gather pairs under
+    gloo); the 3D-HybridEngine gathers the generation weights as at TP2. Two steps equal one process."""
+    common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0", "actor.ppo_mini_batch_size=8"]
+    _, records = run("tiny-grpo.yaml", tmp_path / "sp", "trainer.n_devices=2", "trainer.launcher=ray",
+                     "actor.parallel.tp=2", "actor.parallel.sequence_parallel=true", *common)
+    _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
+    compare_with_one_process("grpo at tp2 with sequence parallelism", records, single)
