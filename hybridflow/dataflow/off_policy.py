@@ -230,7 +230,9 @@ class RolloutStream:
         import torch
 
         path = Path(directory) / BUFFER_FILE
-        saved = torch.load(path, weights_only=False) if path.is_file() else []
+        # Tensors, numbers, strings and containers of them (`save` resolves object-store rows first): no
+        # pickled objects are executed on load.
+        saved = torch.load(path, weights_only=True) if path.is_file() else []
         self._ready = {g["step"]: Generated(**g) for g in saved}
 
     def resume(self, version: int) -> None:

@@ -221,13 +221,17 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
                           bucket_bytes)
         self.weight_sync = SyncWorld(plan, self.rank, address, port, self.context.device)
 
+    def _training_shard(self) -> dict[str, torch.Tensor]:
+        """Megatron global name -> this rank's training shard of it (views of the parameters)."""
+        params = self.engine.named_params()
+        return {e.megatron: params[n].detach() for e, n in self.engine.stage_entries()}
+
     @register(Dispatch.ONE_TO_ALL)
     def stage_weights(self, version: int) -> None:
         """Keep a copy of this rank's training shard as weight `version`, for a later `send_weights(version)`:
         a rollout generating ahead (trainer.off_policy) takes a version after the actor has trained past it.
         Copies, not views: the optimizer steps the parameters in place."""
-        params = self.engine.named_params()
-        self.staged[version] = {e.megatron: params[n].detach().clone() for e, n in self.engine.stage_entries()}
+        self.staged[version] = {name: t.clone() for name, t in self._training_shard().items()}
 
     @register(Dispatch.ONE_TO_ALL)
     def send_weights(self, version: Optional[int] = None) -> dict[str, float]:
@@ -235,12 +239,7 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         which it and older copies are dropped) to the rollout ranks that need them; what this rank moved
         (`sync/*`), beside the plan's figures."""
         start, traffic = time.perf_counter(), Traffic()
-        if version is None:
-            params = self.engine.named_params()
-            local = {e.megatron: params[n].detach() for e, n in self.engine.stage_entries()}
-        else:
-            local = self.staged[version]
-        send(self.weight_sync, local, traffic)
+        send(self.weight_sync, self._training_shard() if version is None else self.staged[version], traffic)
         if version is not None:
             self.staged = {v: w for v, w in self.staged.items() if v > version}
         return sync_metrics(traffic, self.weight_sync.plan, self.rank, time.perf_counter() - start)
