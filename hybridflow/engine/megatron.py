@@ -177,6 +177,20 @@ class MegatronEngine:
         """
         return self.parallel.distributed_optimizer and self.layout.dp > 1
 
+    @property
+    def data_parallel_group(self):
+        """The group a mini-batch's rows are split over (the roles sum losses and metrics over it)."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group()
+
+    @property
+    def tensor_parallel_group(self):
+        """The group the vocabulary is split over (the vocab-parallel log-prob reduces over it)."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_group()
+
     # -- weights --------------------------------------------------------------
     def _inner(self) -> nn.Module:
         return self.module.module if hasattr(self.module, "module") else self.module

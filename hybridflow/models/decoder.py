@@ -239,15 +239,24 @@ class Decoder(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
         return self
 
-    def hidden_states(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-        """Final-norm hidden states [B, T, hidden] (input to the output layer)."""
+    def hidden_states(self, input_ids, attention_mask=None, position_ids=None,
+                      allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final-norm hidden states [B, T, hidden] (input to the output layer).
+
+        allowed: an explicit boolean [B or 1, 1, T, T] mask (True = may attend) for every layer instead of
+        the causal one built from `attention_mask`: packed or prompt-shared rows (`engine/packing.py`),
+        whose sequences must not see each other; full attention layers only (it carries no window).
+        """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
-        masks = {w: build_attention_mask(attention_mask, w) for w in set(self.cfg.layer_windows)}
+        if allowed is not None:
+            masks = {w: allowed for w in set(self.cfg.layer_windows)}
+        else:
+            masks = {w: build_attention_mask(attention_mask, w) for w in set(self.cfg.layer_windows)}
         for layer, window in zip(self.layers, self.cfg.layer_windows):
             x = layer(x, cos, sin, masks[window])
         return self.norm(x)
@@ -269,8 +278,9 @@ class Decoder(nn.Module):
             return out
         return self.parallel.gather_vocab(out)[..., :self.full_cfg.vocab_size]
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-        return self.logits(self.hidden_states(input_ids, attention_mask, position_ids))
+    def forward(self, input_ids, attention_mask=None, position_ids=None,
+                allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids, attention_mask, position_ids, allowed))
 
     def forward_cached(self, input_ids, cache: KVCache, attention_mask=None,
                        last_only: bool = False) -> torch.Tensor:

@@ -102,9 +102,7 @@ def train_mini_batch(engine, mini: dict[str, Tensor], micro_batch_size: int, los
     finite before the step); `{prefix}/grad_norm` and `{prefix}/lr` come from
     the step.
     """
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_data_parallel_group()
+    group = engine.data_parallel_group
     denom = global_count(mini[F.RESPONSE_MASK], loss_agg_mode, group)
     micro = micro_batches(mini, micro_batch_size, max_tokens)
     # Megatron divides by the number of micro-batches and DDP averages over
@@ -183,8 +181,6 @@ def response_log_probs(output: Tensor, batch: dict[str, Tensor], engine,
     Megatron pads the vocabulary; padded columns get a huge negative logit so
     the distribution is the unpadded model's (the one generation samples from).
     """
-    from megatron.core import parallel_state as ps
-
     from hybridflow.kernels import fused_linear_logprob_entropy, logprob_entropy, vocab_parallel_logprob_entropy
 
     labels = batch[F.RESPONSES]
@@ -211,4 +207,4 @@ def response_log_probs(output: Tensor, batch: dict[str, Tensor], engine,
     padded = torch.arange(start, start + width, device=logits.device) >= vocab
     if padded.any():
         logits = logits.masked_fill(padded, -1e30)
-    return vocab_parallel_logprob_entropy(logits, labels, group=ps.get_tensor_model_parallel_group())
+    return vocab_parallel_logprob_entropy(logits, labels, group=engine.tensor_parallel_group)

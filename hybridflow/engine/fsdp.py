@@ -1,0 +1,377 @@
+"""The FSDP2 engine: hybridflow's decoder sharded by `torch.distributed.fsdp.fully_shard`.
+
+Beside `MegatronEngine`, behind the interface the roles already call (`run`,
+`zero_grad`, `step`, `save`/`load`, `layout`, `fused_output`; `roles/batching.py`),
+for what users of verl or NeMo-RL pick FSDP for: an HF checkpoint trained with
+no megatron-core layout, and frozen models (reference, reward) that cost each
+rank 1/N of their size instead of all of it.
+
+The model is `models.decoder.Decoder` (the Llama / Qwen2 / Mistral family, in
+megatron's fused qkv / [gate; up] layout, so the bridge's names and the
+3D-HybridEngine's generation model are the same tensors). Every decoder block
+and then the root are `fully_shard`ed over a one-dimensional device mesh of the
+group's world: each rank holds dim-0 chunk `rank` of every parameter; a block's
+parameters are all-gathered just before its forward (and backward) and freed
+after it, so a rank's peak is its shard plus about one block gathered. Gradients
+are reduce-scattered (averaged over the mesh, as Megatron DDP averages over dp).
+
+Every rank of the mesh must run the same number of forward (and backward)
+passes, since each one all-gathers: `run` agrees the largest micro-batch count
+over the mesh, and a rank with fewer runs an idle one-token pass whose gradient
+is zero.
+
+Numbers are megatron-core's: the loss is divided by the micro-batch count, Adam
+(torch's AdamW) decays every parameter but biases and 1-D ones, the gradient is
+clipped by its global norm, the LR follows megatron-core's scheduler. The same
+GRPO or PPO run agrees with `MegatronEngine` to float32 rounding
+(tests/engine/test_fsdp_engine.py, tests/trainer/test_fsdp_roles.py).
+Checkpoints are torch DCP (each rank writes its shards; `hybridflow reshard`
+converts them to HF), exports are HF safetensors.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hybridflow.data import fields as F
+from hybridflow.engine.megatron import StepFn, StepStats
+from hybridflow.engine.packing import (left_align_index, pack_rows, share_prompt_rows, to_cpu, unalign,
+                                       unpack_sequences, unshare_rows)
+from hybridflow.models.bridge import get_bridge
+from hybridflow.models.checkpoint import resolve_dtype
+from hybridflow.models.config import DecoderConfig
+from hybridflow.models.decoder import Decoder, rope_inv_freq
+from hybridflow.parallel.layout import Coord, ParallelDims
+from hybridflow.parallel.process_group import init_process_group
+
+STATE_FILE = "engine.json"  # beside the DCP shards: what DCP does not hold (the LR schedule, the world)
+
+
+class LanguageModel(nn.Module):
+    """The decoder and its vocabulary output: (ids, positions, allowed mask) -> logits [b, s, vocab]."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.decoder = Decoder(cfg)
+
+    def forward(self, ids: Tensor, attention_mask: Optional[Tensor], positions: Optional[Tensor],
+                allowed: Optional[Tensor]) -> Tensor:
+        return self.decoder(ids, attention_mask, positions, allowed)
+
+
+class ValueModel(nn.Module):
+    """The decoder with a scalar head in place of the vocabulary (the critic): -> values [b, s, 1].
+
+    The head starts at zero, as megatron's (`engine.build.ValueHead`), so both engines' critics start
+    from the same function of an HF checkpoint (which has no value head)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.decoder = Decoder(cfg)
+        self.decoder.lm_head = None  # never applied: the head below replaces it
+        self.head = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, ids: Tensor, attention_mask: Optional[Tensor], positions: Optional[Tensor],
+                allowed: Optional[Tensor]) -> Tensor:
+        return self.head(self.decoder.hidden_states(ids, attention_mask, positions, allowed))
+
+
+def _no_weight_decay(name: str, param: Tensor) -> bool:
+    """megatron-core's default: biases and 1-D parameters (norms) are not decayed."""
+    return name.endswith(".bias") or param.dim() == 1
+
+
+class FSDPEngine:
+    """This rank's shard of a decoder under FSDP2, and its optimizer (None: frozen, forward only).
+
+    value_head=True: the critic's scalar head. dtype: the compute dtype; below float32 the parameters
+    and optimizer stay float32 and FSDP casts each block's gathered weights (mixed precision, as
+    megatron's bf16 with float32 main parameters). offload=True keeps parameters, gradients and Adam
+    state in CPU memory between uses (`CPUOffloadPolicy`; a CUDA device only, where it saves device
+    memory). `self.layout` is dp = the world (tp = pp = cp = 1); the output layer is never fused.
+    """
+
+    kind = "fsdp"
+
+    def __init__(self, model_cfg: DecoderConfig, optim=None, *, device: str = "cpu", dtype: str = "float32",
+                 make_vocab_size_divisible_by: int = 128, value_head: bool = False, total_steps: int = 1,
+                 seed: int = 0, offload: bool = False):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        if offload and device == "cpu":
+            raise ValueError("FSDP offload moves parameters and optimizer state from a GPU to the CPU; "
+                             "on the CPU they are there already")
+        self.cfg, self.device, self.value_head = model_cfg, device, value_head
+        self.dtype = resolve_dtype(dtype)
+        self.fused_output = False
+        self.optim_cfg = optim
+        self.bridge = get_bridge(model_cfg, make_vocab_size_divisible_by, 1)
+        init_process_group(device)  # joins the world its launcher set up (idempotent)
+        world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.layout = ParallelDims(dp=world)
+        self.coord: Coord = self.layout.coord(self.rank)
+        self.mesh = init_device_mesh("cpu" if device == "cpu" else "cuda", (world,), mesh_dim_names=("fsdp",))
+        self.group = self.mesh.get_group()
+        with torch.device("meta"):
+            self.module: nn.Module = ValueModel(model_cfg) if value_head else LanguageModel(model_cfg)
+        mixed = (MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+                 if self.dtype != torch.float32 else MixedPrecisionPolicy())
+        policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+        for block in self.module.decoder.layers:
+            fully_shard(block, mesh=self.mesh, mp_policy=mixed, offload_policy=policy)
+        fully_shard(self.module, mesh=self.mesh, mp_policy=mixed, offload_policy=policy)
+        self.module.to_empty(device="cpu" if offload else self.torch_device)
+        self.module.decoder.inv_freq = rope_inv_freq(model_cfg).to(self.torch_device)
+        if value_head:
+            with torch.no_grad():
+                self.module.head.weight.zero_()
+        self.optimizer = self.scheduler = None
+        if optim is not None:
+            self._build_optimizer(optim, total_steps)
+        else:
+            self.module.requires_grad_(False)
+            self.module.eval()
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu") if self.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def data_parallel_group(self):
+        """The group a mini-batch's rows are split over (and its loss and metrics summed over)."""
+        return self.group
+
+    @property
+    def tensor_parallel_group(self):
+        return None
+
+    @property
+    def output_weight(self) -> Optional[Tensor]:
+        return None  # the output layer runs inside the model (`fused_output` is False)
+
+    def _build_optimizer(self, optim, total_steps: int) -> None:
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        decay, plain = [], []
+        for name, param in self.module.named_parameters():
+            (plain if _no_weight_decay(name, param) else decay).append(param)
+        groups = [{"params": decay, "wd_mult": 1.0}, {"params": plain, "wd_mult": 0.0}]
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr,
+                                           betas=tuple(optim.betas), eps=optim.eps,
+                                           weight_decay=optim.weight_decay)
+        steps = max(1, total_steps)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr,
+            min_lr=optim.min_lr, lr_warmup_steps=optim.warmup_steps,
+            lr_decay_steps=max(steps, optim.warmup_steps + 1), lr_decay_style=optim.lr_schedule,
+            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=steps,
+            wd_incr_style="constant")
+
+    # -- weights --------------------------------------------------------------
+    def named_params(self) -> dict[str, Tensor]:
+        """This rank's parameters (DTensors holding its dim-0 chunk), under the module's names."""
+        return dict(self.module.named_parameters())
+
+    def _generation_params(self) -> dict[str, Tensor]:
+        """Generation-layout name (the bridge's `entry.generation`) -> this rank's DTensor parameter."""
+        return {name[len("decoder."):]: p for name, p in self.module.named_parameters() if name.startswith("decoder.")}
+
+    def load_hf_checkpoint(self, path: str | Path) -> int:
+        """This rank's chunk of every tensor from an HF safetensors checkpoint, one whole tensor at a time
+        (a fused one is built from its HF parts, then sliced): no rank holds more than one extra tensor.
+        Returns the bytes read."""
+        from hybridflow.models.checkpoint import SafetensorsReader
+
+        with SafetensorsReader(path) as read:
+            self.bridge.check_hf_names(read.keys())
+            self._load({e.generation: (lambda e=e: self.bridge.fuse_parts(e, [read(n) for n in e.hf]))
+                        for e in self.bridge.entries()})
+        return read.bytes_read
+
+    def load_hf_state_dict(self, hf: dict[str, Tensor]) -> None:
+        self.bridge.check_hf_names(hf.keys())
+        self._load({e.generation: (lambda e=e: self.bridge.fuse_parts(e, [hf[n] for n in e.hf]))
+                    for e in self.bridge.entries()})
+
+    @torch.no_grad()
+    def _load(self, tensors: dict[str, Any]) -> None:
+        params = self._generation_params()
+        for name, param in params.items():
+            if name not in tensors:
+                raise KeyError(f"no weights for {name!r} in the checkpoint")
+            param.to_local().copy_(_my_chunk(tensors[name](), param))
+
+    def full_generation_state(self, traffic=None) -> dict[str, Tensor]:
+        """The whole model under generation names, on every rank (one all-gather per tensor)."""
+        out = {}
+        for name, param in self._generation_params().items():
+            out[name] = gather_full(param, traffic)
+        return out
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        if self.value_head:
+            raise NotImplementedError("a critic is not an HF causal LM; save it with save()")
+        return self.bridge.generation_to_hf(self.full_generation_state())
+
+    def hf_stage_parts(self):
+        """As `MegatronEngine.hf_stage_parts`: one part, the whole model (every rank gathers)."""
+        yield self.hf_state_dict()
+
+    # -- compute --------------------------------------------------------------
+    def _forward(self, mb: dict[str, Any], packed: bool, share_prompts: bool) -> Tensor:
+        dev = self.torch_device
+        ids, mask = mb[F.INPUT_IDS].to(dev), mb[F.ATTENTION_MASK].to(dev)
+        if not (packed or share_prompts):  # the decoder takes left padding itself (positions from the mask)
+            return self.module(ids, mask, None, None)
+        idx = left_align_index(mask)
+        aligned = ids.gather(1, idx)
+        s, lengths = aligned.shape[1], mask.sum(-1)
+        if packed:  # the micro-batch's sequences back to back in one row
+            packed_ids, positions, masked = pack_rows(aligned, lengths)
+            output = unpack_sequences(self.module(packed_ids, None, positions, ~masked), lengths, s)
+        else:  # each distinct prompt once, its rows' responses after it
+            prompt_width = s - mb[F.RESPONSES].shape[1]
+            shared, positions, masked, index = share_prompt_rows(aligned, lengths, mask[:, :prompt_width].sum(-1))
+            output = unshare_rows(self.module(shared, None, positions, ~masked), index)
+        return unalign(output, idx)
+
+    def _idle_forward(self) -> Tensor:
+        """A one-token pass that takes part in every block's all-gather (and, backward, reduce-scatter)."""
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.torch_device)
+        return self.module(ids, torch.ones_like(ids), None, None)
+
+    def _agreed_count(self, n: int) -> int:
+        if self.layout.dp == 1:
+            return n
+        count = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
+        return int(count.item())
+
+    def run(self, micro_batches: list[dict[str, Any]], step_fn: StepFn, forward_only: bool = False,
+            packed: bool = False, share_prompts: bool = False) -> list[dict[str, Any]]:
+        """Forward (and backward) over micro-batches; what each step_fn reported (as `MegatronEngine.run`).
+
+        Each step_fn loss is divided by len(micro_batches) before its backward, as megatron-core's
+        schedule does, so the same role code gives the same gradient under either engine. packed /
+        share_prompts: as there (full attention only).
+        """
+        if not forward_only and self.optimizer is None:
+            raise RuntimeError("this engine is frozen (built without an optimizer)")
+        if (packed or share_prompts) and any(w is not None for w in self.cfg.layer_windows):
+            raise ValueError("packed or shared-prompt micro-batches need full attention in every layer")
+        n = len(micro_batches)
+        total = self._agreed_count(n)
+        reports = []
+        self.module.train(not forward_only)
+        with torch.set_grad_enabled(not forward_only):
+            for i in range(total):
+                if i >= n:  # this rank is out of rows; its peers are not
+                    out = self._idle_forward()
+                    if not forward_only:
+                        (out.float().sum() * 0.0).backward()
+                    continue
+                mb = micro_batches[i]
+                output = self._forward(mb, packed, share_prompts)
+                if output.shape[-1] == 1:
+                    output = output.squeeze(-1)
+                batch = {k: v.to(output.device) if isinstance(v, Tensor) else v for k, v in mb.items()}
+                loss, report = step_fn(output, batch)
+                if not forward_only:
+                    (loss / n).backward()
+                reports.append(report)
+        return to_cpu(reports)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> StepStats:
+        """Clip by the global gradient norm, Adam, the LR schedule (megatron-core's order)."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if not math.isfinite(norm):  # megatron-core skips such a step too
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepStats(grad_norm=float("nan"), lr=lr)
+        if self.optim_cfg.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.optim_cfg.grad_clip, torch.tensor(norm))
+        self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return StepStats(grad_norm=norm, lr=lr)
+
+    # -- checkpoints (torch DCP: every rank writes its own shards) ------------
+    def _has_stepped(self) -> bool:
+        return self.optimizer is not None and bool(self.optimizer.state)
+
+    def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state = {"model": get_model_state_dict(self.module)}
+        if self._has_stepped():
+            state["optimizer"] = get_optimizer_state_dict(self.module, self.optimizer)
+        return state
+
+    def save(self, directory: Path) -> None:
+        """This rank's shards of the model (and, once stepped, of Adam's state) into `directory`, torch DCP."""
+        import torch.distributed.checkpoint as dcp
+
+        directory = Path(directory)
+        dcp.save(self._state(), checkpoint_id=str(directory), process_group=self.group)
+        if self.rank == 0:
+            meta = {"engine": self.kind, "world": self.layout.dp, "value_head": self.value_head,
+                    "optimizer": self._has_stepped(),
+                    "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+            (directory / STATE_FILE).write_text(json.dumps(meta, indent=1))
+
+    def load(self, directory: Path) -> None:
+        """Restore what `save` wrote (any world size: DCP reshards)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        directory = Path(directory)
+        meta_path = directory / STATE_FILE
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{meta_path}: not an FSDP checkpoint (no {STATE_FILE})")
+        meta = json.loads(meta_path.read_text())
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = {"model": get_model_state_dict(self.module)}
+        with_optimizer = self.optimizer is not None and meta["optimizer"]
+        if with_optimizer:
+            state["optimizer"] = get_optimizer_state_dict(self.module, self.optimizer)
+        dcp.load(state, checkpoint_id=str(directory), process_group=self.group)
+        set_model_state_dict(self.module, state["model"])
+        if with_optimizer:
+            set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
+            self.scheduler.load_state_dict(meta["scheduler"])
+
+
+def _my_chunk(full: Tensor, param) -> Tensor:
+    """This rank's piece of the whole tensor `full` as FSDP2 shards it: dim-0 chunk `rank` (torch.chunk
+    sizes; the last ranks' may be short or empty), the shape of `param.to_local()`."""
+    local = param.to_local()
+    mesh = param.device_mesh
+    rank, size = mesh.get_local_rank(), mesh.size()
+    rows = -(-full.shape[0] // size)  # ceil
+    piece = full[rank * rows: rank * rows + local.shape[0]]
+    return piece.to(local.dtype)
+
+
+def gather_full(param, traffic=None) -> Tensor:
+    """The whole tensor of a dim-0-sharded DTensor, on every rank (one all-gather); `traffic` counts the
+    other ranks' chunks this rank received and its own sent to each."""
+    local = param.to_local()
+    full = param.full_tensor()
+    if traffic is not None:
+        mine = local.numel() * local.element_size()
+        whole = full.numel() * full.element_size()
+        traffic.add(whole - mine, mine * (param.device_mesh.size() - 1))
+    return full

@@ -1,0 +1,77 @@
+"""The FSDP2 engine (engine/fsdp.py) against megatron-core at one process, on the roles' own code.
+
+The 2-rank side runs in the session's two-process launch (tests/engine/fsdp_check.py). The two engines are
+two computations of the same function (hybridflow's decoder and megatron-core's GPTModel, in float32), so
+figures agree to float32 rounding, not bit for bit: metrics within rel 1e-5, log-probs and values within
+1e-5 absolute (they are O(1-10)), and weights after Adam's first step within 5% of the learning rate
+(that step is ~lr * sign(grad), and a gradient within rounding of 0 may flip sign, as in
+test_data_parallel.py). A resumed FSDP run is the same computation: there `==`.
+"""
+import pytest
+import torch
+
+from hybridflow.config.schema import CriticConfig, ParallelConfig, ReferenceConfig
+from hybridflow.data import fields as F
+from hybridflow.data.batch import rows_for_plan
+from hybridflow.engine import MegatronEngine
+from hybridflow.roles import Actor, Critic, Reference
+from tests.engine.conftest import dp_case, grouped_rl_batch
+
+pytestmark = [pytest.mark.usefixtures("megatron_world"), pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def fsdp(two_process_launch):
+    return torch.load(two_process_launch["fsdp"])
+
+
+def _close_metrics(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_an_fsdp_actor_at_two_ranks_updates_as_megatron_core_at_one_process(fsdp):
+    cfg, hf, batch, optim, actor_cfg = dp_case()
+    engine = MegatronEngine(cfg, ParallelConfig(), optim, total_steps=10)
+    engine.load_hf_state_dict(hf)
+    metrics = Actor(actor_cfg, engine).update(batch, step=0)
+    _close_metrics(fsdp["metrics"], metrics)
+    for name, value in engine.hf_state_dict().items():
+        torch.testing.assert_close(fsdp["weights"][name], value, atol=0.05 * optim.lr, rtol=0, msg=name)
+    assert fsdp["shard_fraction"] == pytest.approx(0.5, abs=0.01)  # each rank holds half of every tensor
+
+
+def test_an_fsdp_checkpoint_resumes_bit_exact(fsdp):
+    """Saved (torch DCP) after one update and loaded into a fresh engine: the next update's metrics and
+    weights equal those of the engine that never stopped."""
+    assert fsdp["resume_metrics_equal"] and fsdp["resume_weights_equal"]
+
+
+def test_a_frozen_fsdp_reference_scores_uneven_shares_as_one_megatron_process(fsdp):
+    """Rows split 5 / 3 over the ranks, one per micro-batch: the rank with 3 runs two idle passes so that
+    every all-gather has both ranks. Plain, packed and prompt-shared micro-batches all agree with megatron-core."""
+    cfg, hf, _, _, _ = dp_case()
+    engine = MegatronEngine(cfg, ParallelConfig())
+    engine.load_hf_state_dict(hf)
+    batch = grouped_rl_batch(cfg.vocab_size)
+    want = Reference(ReferenceConfig(log_prob_micro_batch_size=1), engine).compute_ref_log_probs(batch)
+    real = batch[F.RESPONSE_MASK].bool()
+    for key in ("ref_log_probs", "ref_log_probs_packed", "ref_log_probs_shared"):
+        torch.testing.assert_close(fsdp[key][real], want[F.REF_LOG_PROBS][real], atol=1e-5, rtol=0, msg=key)
+
+
+def test_an_fsdp_critic_at_two_ranks_trains_as_megatron_core_at_one_process(fsdp):
+    cfg, hf, batch, optim, _ = dp_case()
+    engine = MegatronEngine(cfg, ParallelConfig(), optim, value_head=True, total_steps=10)
+    engine.load_hf_state_dict(hf)
+    critic = Critic(CriticConfig(optim=optim, ppo_micro_batch_size=1), engine, mini_batch_size=4)
+    data = dict(batch)
+    data[F.RETURNS] = torch.randn(batch[F.RESPONSES].shape, generator=torch.Generator().manual_seed(3))
+    data[F.VALUES] = torch.zeros(batch[F.RESPONSES].shape)
+    rows, steps = rows_for_plan(data, critic.plan(len(data[F.INPUT_IDS]), step=0, replicas=1)[0])
+    _close_metrics(fsdp["critic_metrics"], critic.update_share(rows, steps))
+    values = critic.compute_values(grouped_rl_batch(cfg.vocab_size))[F.VALUES]
+    # After one Adam step of lr 1e-2 from a zero head the values are O(0.1): equal to within that step's
+    # sign-flip allowance carried through the model.
+    torch.testing.assert_close(fsdp["values_after"], values, atol=2e-3, rtol=0)
