@@ -106,6 +106,7 @@ class RunPlan:
     devices: dict[str, tuple[int, ...]]  # placement role -> its device indices (used under Ray)
     worlds: dict[str, int]  # placement role -> processes of its worker group
     layouts: dict[str, ParallelDims]  # engine role ("training", "critic", "reference") -> its p-t-d layout
+    engines: dict[str, str]  # engine role -> its training engine ("megatron" or "fsdp": dp = its world)
     uses_critic: bool  # GAE: a critic group exists
     uses_reward_model: bool  # reward.model_path: a reward-model group exists
     rollout_apart: bool  # rollout has a group of its own, on other devices than training (Ray only)
@@ -142,7 +143,8 @@ class RunPlan:
         prompts = math.lcm(rows, replicas)
         return cls(
             device=cfg.trainer.device, uses_ray=ray, job_world=world, devices=devices, worlds=worlds,
-            layouts=layouts, uses_critic=critic, uses_reward_model=cfg.reward.model_path is not None,
+            layouts=layouts, engines={"training": cfg.actor.engine, "critic": cfg.critic.engine,
+                                      "reference": cfg.reference.engine}, uses_critic=critic, uses_reward_model=cfg.reward.model_path is not None,
             rollout_apart=apart, colocate_critic=on_actor_devices["critic"] and same_process_layout,
             colocate_reward_model=on_actor_devices["reward"], generation_replicas=replicas, row_multiple=rows,
             prompt_multiple=prompts, chunk_prompts=chunk_prompts(cfg, prompts),

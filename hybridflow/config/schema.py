@@ -72,6 +72,21 @@ class ParallelConfig:
     distributed_optimizer: bool = True  # shard Adam state over DP ranks; applies only where dp > 1
 
 
+# Which training engine holds a role's model (`hybridflow/engine/`): megatron-core at its parallel layout, or
+# FSDP2 (`engine/fsdp.py`), sharding every tensor over the role's devices (data parallel only).
+TrainEngineName = Literal["megatron", "fsdp"]
+TRAIN_ENGINES: tuple[str, ...] = get_args(TrainEngineName)
+
+
+@dataclass
+class FSDPConfig:
+    """Settings of a role under FSDP2 (its `engine: fsdp`)."""
+
+    # Keep parameters, gradients and Adam state in CPU memory between uses (torch's CPUOffloadPolicy): a
+    # GPU run trades transfer time for device memory. On the CPU they are there already (refused).
+    offload: bool = False
+
+
 @dataclass
 class OptimConfig:
     lr: float = 1e-6
@@ -124,6 +139,8 @@ class TrainedRoleConfig:
     """What the roles trained by PPO-style updates (actor, critic) share: optimizer, layout, micro-batches."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
+    engine: TrainEngineName = "megatron"  # "fsdp": parallel must stay at tp = pp = cp = 1
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     ppo_micro_batch_size: int = 8  # in sequences, per device
     # Sequence packing (verl's dynamic batch size): micro-batches (the update's, and the critic's values pass)
@@ -190,6 +207,10 @@ class ReferenceConfig:
     # None: the actor's layout. The reference lives in the actor's processes,
     # which hold one megatron-core layout, so a value given must equal it.
     parallel: Optional[ParallelConfig] = None
+    # "fsdp": the frozen model sharded over the actor's processes (each holds 1/N of it) whatever the actor's
+    # layout, instead of a megatron-core copy at the actor's layout; parallel is then not set.
+    engine: TrainEngineName = "megatron"
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass

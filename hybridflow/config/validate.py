@@ -118,6 +118,44 @@ def _check_not_built(cfg: Config, plan: RunPlan) -> None:
                           "from training; this run has none (under Ray, give placement.rollout devices other "
                           "than placement.training's)")
     _check_engine(cfg)
+    _check_train_engines(cfg, plan)
+
+
+def _check_train_engines(cfg: Config, plan: RunPlan) -> None:
+    """What FSDP2 (a role's `engine: fsdp`) runs with: data parallelism only, the actor generating at tg = 1
+    in its own processes, a reference under FSDP beside it. Each other combination names both keys."""
+    a, ref = cfg.actor, cfg.reference
+    roles = [("actor", a)] + ([("critic", cfg.critic)] if plan.uses_critic else [])
+    for name, role in roles + ([("reference", ref)] if plan.needs_reference else []):
+        if role.fsdp.offload and cfg.trainer.device == "cpu":
+            raise ConfigError(f"{name}.fsdp.offload", "moves parameters and Adam state from a GPU to the CPU; with "
+                              "trainer.device=cpu they are there already")
+        if role.fsdp.offload and role.engine != "fsdp":
+            raise ConfigError(f"{name}.fsdp.offload", f"applies to {name}.engine=fsdp; {name}.engine is {role.engine!r}")
+    for name, role in roles:
+        if role.engine != "fsdp":
+            continue
+        par = role.parallel
+        for key in ("tp", "pp", "cp"):
+            if getattr(par, key) != 1:
+                raise ConfigError(f"{name}.parallel.{key}", f"{getattr(par, key)} with {name}.engine=fsdp: FSDP2 "
+                                  "shards every tensor over data-parallel ranks only (use engine megatron for "
+                                  "tensor, pipeline or context parallelism)")
+    if a.engine == "fsdp":
+        if cfg.rollout.tg != 1:
+            raise ConfigError("rollout.tg", f"{cfg.rollout.tg} with actor.engine=fsdp: the FSDP actor gathers the "
+                              "whole model into each rank's generator (tg = 1); a tg-way split is built for "
+                              "megatron-core's tensor-parallel shards")
+        if plan.rollout_apart:
+            raise ConfigError("actor.engine", "fsdp with placement.rollout apart from placement.training: the "
+                              "broadcast into a rollout group apart is planned from megatron-core shards; "
+                              "colocate the rollout, or use actor.engine=megatron")
+        if plan.needs_reference and ref.engine == "megatron":
+            raise ConfigError("reference.engine", "megatron with actor.engine=fsdp: the reference's megatron-core "
+                              "layout is the actor's, and an FSDP actor has none; set reference.engine=fsdp")
+    if plan.needs_reference and ref.engine == "fsdp" and ref.parallel is not None:
+        raise ConfigError("reference.parallel", "is a megatron-core layout; with reference.engine=fsdp the "
+                          "reference is sharded over all of the actor's processes: leave it unset")
 
 
 def _check_engine(cfg: Config) -> None:

@@ -100,6 +100,8 @@ class MegatronEngine:
     distributed_optimizer).
     """
 
+    kind = "megatron"
+
     def __init__(self, model_cfg: DecoderConfig, parallel: ParallelConfig,
                  optim: Optional[OptimConfig] = None, *, device: str = "cpu", dtype: str = "float32",
                  make_vocab_size_divisible_by: int = 128, value_head: bool = False,

@@ -68,10 +68,15 @@ def model_tensors(cfg: Config, plan: RunPlan, model: DecoderConfig,
 
 
 def checkpoint_layouts(plan: RunPlan) -> dict[str, str]:
-    """Checkpoint name -> the layout its shards are written at (one file per rank), e.g. "p1-t2-d1"."""
-    out = {"actor": str(plan.layouts["training"])}
+    """Checkpoint name -> the layout its shards are written at, e.g. "p1-t2-d1" (one file per rank), or
+    "fsdp-d2" (a torch DCP checkpoint FSDP2 wrote from 2 ranks)."""
+    def layout(role: str) -> str:
+        dims = plan.layouts[role]
+        return f"fsdp-d{dims.dp}" if plan.engines[role] == "fsdp" else str(dims)
+
+    out = {"actor": layout("training")}
     if plan.uses_critic:
-        out["critic"] = str(plan.layouts["critic"])
+        out["critic"] = layout("critic")
     return out
 
 

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from hybridflow.config.schema import ModelConfig, OptimConfig, ParallelConfig, RewardConfig
+from hybridflow.config.schema import FSDPConfig, ModelConfig, OptimConfig, ParallelConfig, RewardConfig
 from hybridflow.controller.dispatch import Dispatch, register
 from hybridflow.controller.group import RoleGroup, remote
 from hybridflow.controller.transfer import remote_rows
@@ -40,6 +40,7 @@ from hybridflow.data.tokenizer import Tokenizer
 from hybridflow.engine import MegatronEngine
 from hybridflow.hybrid_engine import generation_weights
 from hybridflow.hybrid_engine.apart import plan_apart
+from hybridflow.hybrid_engine.fsdp_gather import FSDPGatheredWeights
 from hybridflow.hybrid_engine.plan import bridge_params
 from hybridflow.hybrid_engine.reshard import _new_groups
 from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel
@@ -74,9 +75,22 @@ def read_tokenizer(model: ModelConfig) -> Tokenizer:
 
 
 def build_engine(run: Run, model: ModelConfig, path: str, optim: Optional[OptimConfig], parallel: ParallelConfig,
-                 layout: ParallelDims, optimizer_steps: int = 1, value_head: bool = False) -> MegatronEngine:
+                 layout: ParallelDims, optimizer_steps: int = 1, value_head: bool = False,
+                 kind: str = "megatron", fsdp: Optional[FSDPConfig] = None):
     """An engine at the run plan's `layout`, loaded from the HF checkpoint at `path` (checked by the trainer);
-    its LR schedule spans `optimizer_steps`."""
+    its LR schedule spans `optimizer_steps`. kind "fsdp": an `FSDPEngine` sharded over the group's world
+    (the plan's layout is then dp = world, which the config checks made sure of)."""
+    if kind == "fsdp":
+        from hybridflow.engine.fsdp import FSDPEngine
+
+        engine = FSDPEngine(
+            DecoderConfig.from_pretrained(path), optim, device=run.device, dtype=model.dtype,
+            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, value_head=value_head,
+            total_steps=optimizer_steps, seed=run.seed, offload=fsdp is not None and fsdp.offload)
+        if engine.layout != layout:
+            raise ValueError(f"the run plan's layout {layout} is not FSDP's {engine.layout} over this group")
+        engine.load_hf_checkpoint(path)
+        return engine
     engine = MegatronEngine(
         DecoderConfig.from_pretrained(path), parallel, optim,
         device=run.device, dtype=model.dtype, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
@@ -155,20 +169,28 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         self.model_cfg = DecoderConfig.from_pretrained(spec.model.path)
         self.tokenizer = read_tokenizer(spec.model)
         self.engine = build_engine(spec.run, spec.model, spec.model.path, spec.actor.optim, spec.actor.parallel,
-                                   spec.layout, spec.optimizer_steps)
+                                   spec.layout, spec.optimizer_steps, kind=spec.actor.engine, fsdp=spec.actor.fsdp)
         self.register_mesh("actor", spec.layout)
         self.staged: dict[int, dict[str, torch.Tensor]] = {}  # weight version -> shard copy (`stage_weights`)
         self.actor = Actor(spec.actor, self.engine, samples_per_prompt=spec.rollout.n,
                            temperature=spec.rollout.temperature, seed=spec.run.seed)
         self.reference = None
         if spec.reference is not None:
-            engine = build_engine(spec.run, spec.model, spec.model.path, None, spec.reference.parallel, spec.layout)
+            ref = spec.reference
+            if ref.engine == "fsdp":  # sharded over all of this group's processes, whatever the actor's layout
+                engine = build_engine(spec.run, spec.model, spec.model.path, None, ParallelConfig(),
+                                      ParallelDims(dp=self.world_size), kind="fsdp", fsdp=ref.fsdp)
+            else:
+                engine = build_engine(spec.run, spec.model, spec.model.path, None, ref.parallel, spec.layout)
             self.reference = Reference(spec.reference, engine, temperature=spec.rollout.temperature)
         # Generation: views of the engine at tp = pp = 1, else a tg-way model the 3D-HybridEngine refills;
         # none when a rollout group apart generates.
         self.generation = None
         if spec.generates:
-            self.generation = generation_weights(self.engine, spec.rollout.tg, spec.rollout.grouping)
+            if self.engine.kind == "fsdp":  # tg = 1: every rank gathers the whole model (config checks)
+                self.generation = FSDPGatheredWeights(self.engine, spec.rollout.weight_bucket_mb * 2**20)
+            else:
+                self.generation = generation_weights(self.engine, spec.rollout.tg, spec.rollout.grouping)
             replica, replicas, answers = self.generation.mesh
             self.register_replica("generation", replica, replicas, answers)
             self.backend = build_backend(spec.rollout, self.generation.model, self.tokenizer, spec.model.path,
@@ -378,7 +400,8 @@ class CriticWorker(EngineWorker):
         prepare_process(self, spec.run.processes)
         torch.manual_seed(spec.run.seed)
         self.engine = build_engine(spec.run, spec.model, spec.path, spec.critic.optim, spec.critic.parallel,
-                                   spec.layout, spec.optimizer_steps, value_head=True)
+                                   spec.layout, spec.optimizer_steps, value_head=True, kind=spec.critic.engine,
+                                   fsdp=spec.critic.fsdp)
         self.register_mesh("critic", spec.layout)
         self.critic = Critic(spec.critic, self.engine, mini_batch_size=spec.mini_batch_size, seed=spec.run.seed)
 
