@@ -69,7 +69,7 @@ demo-real: $(STAMP)
 	$(VENV)/bin/hybridflow fetch-model smollm2
 	test -f $(REAL_DATA)/train.parquet || \
 		$(PY) -m hybridflow.data.arithmetic --chat --digits 2 --train 4000 --test 200 --out $(REAL_DATA)
-	$(VENV)/bin/hybridflow train configs/smollm2-addition-grpo.yaml trainer.overwrite=true
+	$(VENV)/bin/hybridflow train configs/smollm2-addition-grpo.yaml trainer.overwrite=true $(ARGS)
 	$(VENV)/bin/hybridflow eval $(REAL_DATA)/test.parquet --model $(REAL_MODEL) --model runs/demo-real/hf_actor $(REAL_EVAL)
 
 # Multi-turn GRPO with a tool on CPU: SmolLM2-135M-Instruct learns to call a calculator for 3-digit x 2-digit

@@ -25,6 +25,7 @@ def main(out: str) -> None:
     from hybridflow.data import fields as F
     from hybridflow.data.batch import rows_for_plan, slice_rows
     from hybridflow.engine.fsdp import FSDPEngine
+    from hybridflow.hybrid_engine.fsdp_gather import FSDPGatheredWeights
     from hybridflow.roles import Actor, Critic, Reference
     from tests.engine.conftest import dp_case, grouped_rl_batch
 
@@ -50,9 +51,24 @@ def main(out: str) -> None:
     local = {n: p.to_local().numel() for n, p in engine.named_params().items()}
     whole = {n: p.numel() for n, p in engine.named_params().items()}
     result["shard_fraction"] = sum(local.values()) / sum(whole.values())
+    # The generator's weights (tiny buckets: several all-gathers) before and after the update.
+    generation = FSDPGatheredWeights(engine, bucket_bytes=4096)
+    generation.release()
     actor = Actor(actor_cfg, engine)
     result["metrics"] = update(actor, 0)
     result["weights"] = engine.hf_state_dict()
+    try:
+        generation.model(batch[F.INPUT_IDS])
+        result["released_generates"] = True
+    except RuntimeError:
+        result["released_generates"] = False
+    stale = {n: p.clone() for n, p in generation.model.named_parameters()}  # freed: empty tensors
+    result["refresh"] = generation.refresh()
+    gen = dict(generation.model.named_parameters())
+    trained = engine.full_generation_state()
+    result["generation_equals_trained"] = all(torch.equal(gen[n], trained[n]) for n in trained)
+    result["generation_was_freed"] = all(t.numel() == 0 for t in stale.values())
+    result["plan_bytes"] = generation.plan_bytes()
 
     # Resume: save after the first update, load into a fresh engine, both take the second update.
     directory = Path(out).parent / "fsdp_checkpoint"  # every rank is given the same `out`
@@ -96,6 +112,11 @@ def main(out: str) -> None:
     values = critic.compute_values(mine)[F.VALUES]
     dist.all_gather_object(parts, values)
     result["values_after"] = torch.cat(parts)
+    # Mixed precision: bfloat16 compute over float32 parameters and Adam state.
+    bf16 = FSDPEngine(cfg, optim, dtype="bfloat16", total_steps=10)
+    bf16.load_hf_state_dict(hf)
+    result["bf16_metrics"] = update(Actor(actor_cfg, bf16), 0)
+    result["bf16_param_dtypes"] = sorted({str(p.dtype) for p in bf16.module.parameters()})
     if rank == 0:
         torch.save(result, out)
     dist.barrier()
