@@ -31,6 +31,9 @@ VALUE_HEAD = "score.weight"  # the critic's value head in HF form (a one-label t
 OUTPUT_LAYER = "output_layer.weight"  # its Megatron name: the critic's output layer is the value head
 STEP_DIR = re.compile(r"^step_(\d+)$")
 SHARD_FILE = re.compile(r"^engine_tp(\d+)_pp(\d+)_dp(\d+)\.pt$")
+# An FSDP engine's role directory is a torch DCP checkpoint (`.metadata`, `__R_0.distcp`) with this file beside
+# it: {"engine": "fsdp", "world", "value_head", "optimizer", "scheduler"} (engine/fsdp.py writes it).
+FSDP_STATE = "engine.json"
 
 
 class CheckpointError(OSError):

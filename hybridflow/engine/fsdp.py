@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hybridflow.checkpoint.format import FSDP_STATE
 from hybridflow.data import fields as F
 from hybridflow.engine.megatron import StepFn, StepStats
 from hybridflow.engine.packing import (left_align_index, pack_rows, share_prompt_rows, to_cpu, unalign,
@@ -50,7 +51,8 @@ from hybridflow.models.decoder import Decoder, rope_inv_freq
 from hybridflow.parallel.layout import Coord, ParallelDims
 from hybridflow.parallel.process_group import init_process_group
 
-STATE_FILE = "engine.json"  # beside the DCP shards: what DCP does not hold (the LR schedule, the world)
+# beside the DCP shards: what DCP does not hold (the LR schedule, the world)
+STATE_FILE = FSDP_STATE
 
 
 class LanguageModel(nn.Module):

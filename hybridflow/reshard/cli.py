@@ -27,6 +27,10 @@ forms (SRC's format is found from its files; DST is written beside itself and re
       hybridflow reshard models/qwen ckpt/qwen_dist --to dist --tp 2
   dist_checkpointing -> HF or hybridflow:
       hybridflow reshard ckpt/qwen_dist release/ --to hf --config models/qwen
+  an FSDP engine's torch DCP checkpoint (a step with its actor/ or critic/, or that directory) -> any format:
+      hybridflow reshard runs/x/checkpoints/step_000100 release/ --to hf --config models/qwen [--role critic]
+  HF (or any) -> an FSDP checkpoint (whole tensors; FSDPEngine.load takes it at any world size):
+      hybridflow reshard models/qwen ckpt/qwen_fsdp --to fsdp
 checks: --dry-run prints every output file and tensor (shape, source, bytes) and writes nothing;
 --verify reads DST back and compares every tensor with SRC, bit for bit; --verify-logits also
 compares the logits of both on a fixed batch. Refused before anything is written: a TP that does
@@ -64,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="hybridflow reshard", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
-        description="Convert a checkpoint between HF safetensors, megatron-core dist_checkpointing and "
-                    "hybridflow training checkpoints, at any TP/PP; tensor by tensor.")
-    p.add_argument("src", type=Path, help="the checkpoint to read (HF, dist_checkpointing or hybridflow)")
+        description="Convert a checkpoint between HF safetensors, megatron-core dist_checkpointing, "
+                    "hybridflow training checkpoints (megatron-core shards at any TP/PP) and FSDP engine "
+                    "checkpoints (torch DCP); tensor by tensor.")
+    p.add_argument("src", type=Path, help="the checkpoint to read (HF, dist_checkpointing, hybridflow or FSDP)")
     p.add_argument("dst", type=Path, help="the directory to write")
     p.add_argument("--to", required=True, choices=tuple(FORMATS), help="the format of DST")
     p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size of DST (hybridflow, dist)")

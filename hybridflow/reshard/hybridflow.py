@@ -1,13 +1,14 @@
 """The hybridflow format: a training run's checkpoint (`hybridflow.checkpoint`), one role at a time.
 
-Read from a checkpoint root (its `latest` step), a `step_N` directory or its `actor/` / `critic/` directory:
-one `engine_tp*_pp*_dp*.pt` per rank, memory-mapped, a Megatron tensor put together from its TP pieces
-(`unshard_tensor`) only when asked for (`ShardsReader`). Written as a checkpoint root a run resumes from
-(trainer.resume=auto with DST as its checkpoint root): one step directory through `CheckpointManager`
-(manifest, `latest`), one shard per rank holding `{"model": {local name: shard}}` as `MegatronEngine.save`
-writes it (no optimizer state: a run started from it begins with fresh Adam moments), cut by
-`bridge.read_shard` from the source reader, and trainer.json with the role's tensor table and layout. One
-rank's file is held at a time (`torch.save` writes a whole dict); DP copies are hard links.
+Read from a checkpoint root (its `latest` step), a `step_N` directory or its `actor/` / `critic/` directory
+(a role the FSDP engine saved, torch DCP, is handed to `fsdp.py`): one `engine_tp*_pp*_dp*.pt` per rank,
+memory-mapped, a Megatron tensor put together from its TP pieces (`unshard_tensor`) only when asked for
+(`ShardsReader`). Written as a checkpoint root a run resumes from (trainer.resume=auto with DST as its
+checkpoint root): one step directory through `CheckpointManager` (manifest, `latest`), one shard per rank
+holding `{"model": {local name: shard}}` as `MegatronEngine.save` writes it (no optimizer state: a run
+started from it begins with fresh Adam moments), cut by `bridge.read_shard` from the source reader, and
+trainer.json with the role's tensor table and layout. One rank's file is held at a time (`torch.save` writes
+a whole dict); DP copies are hard links.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from typing import Optional
 
 import torch
 
-from hybridflow.checkpoint.format import (LATEST, OUTPUT_LAYER, ROLES, STEP_DIR, TRAINER_STATE, VALUE_HEAD,
-                                          model_table, shard_coordinates, shard_file, trainer_state)
+from hybridflow.checkpoint.format import (FSDP_STATE, LATEST, OUTPUT_LAYER, ROLES, STEP_DIR, TRAINER_STATE,
+                                          VALUE_HEAD, model_table, shard_coordinates, shard_file, trainer_state)
 from hybridflow.checkpoint.manager import CheckpointManager
 from hybridflow.common import atomic_write_json
 from hybridflow.errors import ConfigError
@@ -27,6 +28,7 @@ from hybridflow.models.bridge import get_bridge
 from hybridflow.models.config import DecoderConfig
 from hybridflow.models.sharding import spec_for, unshard_tensor
 from hybridflow.parallel.layout import ParallelDims
+from hybridflow.reshard import fsdp
 from hybridflow.reshard.base import (EMBEDDING, Format, Item, MegatronReader, Plan, Sink, Source, checked,
                                      local_name, model_entries, read_config, stage_of, tensor_for)
 
@@ -56,14 +58,15 @@ def _latest_step(root: Path) -> Optional[Path]:
 
 
 def _role_dir(path: Path, role: str) -> tuple[Path, Optional[Path]]:
-    """(directory of engine shards, step directory) for a root, a step or a role directory."""
+    """(role directory, step directory) for a root, a step or a role directory."""
     if _has_shards(path):
         step = path.parent if (path.parent / TRAINER_STATE).is_file() else None
         return path, step
     step = path if (path / TRAINER_STATE).is_file() or (path / role).is_dir() else _latest_step(path)
     if step is None or not (step / role).is_dir():
-        raise FileNotFoundError(f"{path} holds no hybridflow {role} checkpoint (no {role}/engine_tp*_pp*_dp*.pt "
-                                "under it, its step directories or its 'latest' step)")
+        raise FileNotFoundError(f"{path} holds no hybridflow {role} checkpoint (no {role}/engine_tp*_pp*_dp*.pt, "
+                                f"nor an FSDP {role}/{FSDP_STATE}, under it, its step directories or its 'latest' "
+                                "step)")
     return step / role, step
 
 
@@ -80,6 +83,8 @@ def shard_layout(role_dir: Path) -> ParallelDims:
 def open_source(path: Path, role: str, config: Optional[Path]) -> Source:
     """A role of a training checkpoint; its model's config.json beside the shards or the step, or `config`."""
     role_dir, step = _role_dir(path, role)
+    if fsdp.holds(role_dir):  # this role was trained under the FSDP engine (the other may not have been)
+        return fsdp.open_source(role_dir, role, config)
     where = Path(config) if config else next((d for d in (role_dir, step) if d and (d / "config.json").is_file()),
                                              None)
     if where is None:

@@ -141,14 +141,16 @@ def test_the_formats_table_finds_opens_and_refuses_by_format(tmp_path, qwen):
     from hybridflow.reshard.cli import build_parser
     from hybridflow.reshard.formats import FORMATS, open_source
 
-    assert build_parser()._option_string_actions["--to"].choices == tuple(FORMATS) == ("hf", "hybridflow", "dist")
+    assert build_parser()._option_string_actions["--to"].choices == tuple(FORMATS) == ("hf", "hybridflow", "dist",
+                                                                                       "fsdp")
     reshard(qwen, tmp_path / "run", "--to", "hybridflow", "--tp", 2)
+    reshard(qwen, tmp_path / "fsdp", "--to", "fsdp")
     dist = tmp_path / "dist"
     dist.mkdir()
     (dist / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     run, step = tmp_path / "run", tmp_path / "run" / "step_000000"
     for path, name in ((qwen, "hf"), (run, "hybridflow"), (step, "hybridflow"), (step / "actor", "hybridflow"),
-                       (dist, "dist")):
+                       (dist, "dist"), (tmp_path / "fsdp", "fsdp")):
         assert [n for n, f in FORMATS.items() if f.holds(path)] == [name], path
     assert open_source(qwen).kind == "hf" and open_source(dist, config=qwen).kind == "dist"
     source = open_source(run)
@@ -164,7 +166,7 @@ def test_the_formats_table_finds_opens_and_refuses_by_format(tmp_path, qwen):
             (("--to", "hf", "--tp", 2), "--tp", "HF checkpoints hold whole tensors; --tp applies to --to hybridflow "
                                                 "and dist"),
             (("--to", "dist", "--role", "critic"), "--to", "a critic has no megatron-core GPTModel form; convert it to "
-                                                           "hf or hybridflow")]:
+                                                           "hf or hybridflow or fsdp")]:
         with pytest.raises(ConfigError) as err:
             reshard(qwen, tmp_path / "dst", *args)
         assert err.value.path == option and str(err.value) == f"{option}: {text}"

@@ -1,0 +1,192 @@
+"""The fsdp format: a torch DCP checkpoint as `FSDPEngine.save` writes it (engine/fsdp.py), one role at a time.
+
+Read from the role directory (`actor/`: `.metadata`, one `__R_0.distcp` per rank, `engine.json`); a trainer's
+step directory or checkpoint root holding one is the hybridflow format's to find (`hybridflow.py`), which
+hands an FSDP role directory here, so a step may hold one role from each engine. `engine.json` is the
+authority: a DCP directory without it is refused (it is not what the engine wrote, or rank 0 did not finish),
+and so is a critic (`value_head`) read as an actor or the other way round.
+
+The names are the engine's own: its module (`LanguageModel` / `ValueModel`, built on the `meta` device)
+under DCP's key of the model's state dict, `model.decoder.<generation name>` and a critic's
+`model.head.weight`; their whole shapes come from that module and must match the checkpoint's metadata.
+Each tensor is read alone, whole, by `torch.distributed.checkpoint.load` with `no_dist=True` (no process
+group; DCP puts the ranks' dim-0 chunks together), into a tensor allocated from the metadata; Adam's state
+beside it is never read. A generation tensor is a Megatron one with the vocabulary unpadded, so
+`MegatronReader` turns it into HF tensors, and every other format's writer cuts from that.
+
+Written (`--to fsdp`) as that directory: one `torch.distributed.checkpoint.save` of the whole tensors
+(`no_dist`, so the write holds the model, as `dist` does), `engine.json` (world 1, no optimizer, no
+schedule) and the model's config.json; `FSDPEngine.load` takes it at any world size (DCP reshards) and
+starts a fresh optimizer.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from hybridflow.checkpoint.format import FSDP_STATE, OUTPUT_LAYER, TRAINER_STATE, VALUE_HEAD
+from hybridflow.errors import ConfigError
+from hybridflow.models.bridge import get_bridge
+from hybridflow.models.config import DecoderConfig
+from hybridflow.parallel.layout import ParallelDims
+from hybridflow.reshard import dist
+from hybridflow.reshard.base import (Format, Item, MegatronReader, Plan, Sink, Source, checked, hf_config,
+                                     model_entries, read_config, tensor_for)
+
+MODEL = "model"  # FSDPEngine's key of the model's state dict in what it saves (the optimizer's is beside it)
+DCP_METADATA = ".metadata"  # what torch DCP writes beside the ranks' data files
+FILE = "(torch DCP)"
+
+
+# --- reading -----------------------------------------------------------------
+
+def _is_dcp(path: Path) -> bool:
+    """A torch DCP directory that is not megatron-core's (which writes its metadata.json beside)."""
+    return (path / DCP_METADATA).is_file() and not dist.holds(path)
+
+
+def holds(path: Path) -> bool:
+    """An FSDP engine's directory: its engine.json, or torch DCP data (refused at open without engine.json)."""
+    return path.is_dir() and ((path / FSDP_STATE).is_file() or _is_dcp(path))
+
+
+def read_state(role_dir: Path) -> dict:
+    """engine.json of an FSDP role directory; a ConfigError naming it when it is missing or not the engine's."""
+    path = role_dir / FSDP_STATE
+    if not path.is_file():
+        raise ConfigError("SRC", f"{role_dir} is a torch DCP checkpoint without {FSDP_STATE}: not one FSDPEngine "
+                                 f"saved (or its rank 0 did not finish), so which model it holds is unknown")
+    try:
+        state = json.loads(path.read_text())
+        if not isinstance(state, dict) or state.get("engine") != "fsdp" or not isinstance(state.get("value_head"),
+                                                                                            bool):
+            raise ValueError('not {"engine": "fsdp", "value_head": true|false, ...}')
+    except ValueError as exc:
+        raise ConfigError("SRC", f"{path} is not an FSDP engine's state ({exc})") from None
+    return state
+
+
+def open_source(path: Path, role: str, config: Optional[Path]) -> Source:
+    """The FSDP role directory `path` (a trainer's step holding it is the hybridflow format's to open, which
+    hands it here); the model's config.json beside it or its step's, or `config`."""
+    role_dir, step = path, path.parent if (path.parent / TRAINER_STATE).is_file() else None
+    state = read_state(role_dir)
+    if state["value_head"] != (role == "critic"):
+        saved = "a critic (a value head, no vocabulary output)" if state["value_head"] else "an actor (no value head)"
+        fix = ("--role critic: its HF form is a one-label ...ForTokenClassification, not a causal LM"
+               if state["value_head"] else "--role actor")
+        raise ConfigError("--role", f"{role_dir} holds {saved} by its {FSDP_STATE}, not the {role} asked for; "
+                                    f"pass {fix}")
+    where = Path(config) if config else next((d for d in (role_dir, step) if d and (d / "config.json").is_file()),
+                                             None)
+    if where is None:
+        raise ConfigError("--config", f"{path} is an FSDP checkpoint without a config.json: pass the model's "
+                                      "(--config MODEL_DIR, the model.path it was trained from)")
+    layout = ParallelDims(dp=int(state.get("world", 1)))
+    return Source(FORMAT, role_dir, read_config(where, "--config"), role=role, layout=layout, step_dir=step)
+
+
+def engine_tensors(cfg: DecoderConfig, value_head: bool) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{Megatron name: (DCP key, whole shape)} of the FSDP engine's model: the bridge's entries by their
+    generation names in the engine's module (on `meta`); a critic's output layer is its `head`."""
+    from hybridflow.engine.fsdp import LanguageModel, ValueModel
+
+    with torch.device("meta"):
+        module = ValueModel(cfg) if value_head else LanguageModel(cfg)
+    params = dict(module.named_parameters())
+    out = {}
+    for e in model_entries(cfg, value_head):
+        name = f"decoder.{e.generation}"
+        if name not in params:
+            raise KeyError(f"the FSDP engine's model has no {name!r} for this config")
+        out[e.megatron] = (f"{MODEL}.{name}", tuple(params.pop(name).shape))
+    if value_head:
+        out[OUTPUT_LAYER] = (f"{MODEL}.head.weight", tuple(params.pop("head.weight").shape))
+    if params:
+        raise KeyError(f"the FSDP engine's model has parameters the bridge does not name: {sorted(params)[:3]}")
+    return out
+
+
+class DCPReader(MegatronReader):
+    """HF tensors of an FSDP checkpoint, each engine tensor loaded whole and alone (`dcp.load`, `no_dist`)."""
+
+    def __init__(self, source: Source):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.path = source.path
+        try:
+            stored = FileSystemReader(str(source.path)).read_metadata().state_dict_metadata
+        except Exception as exc:  # a torn or foreign .metadata: say which file
+            raise ConfigError("SRC", f"{source.path / DCP_METADATA} is not readable as torch DCP metadata "
+                                     f"({type(exc).__name__}: {exc})") from None
+        self.tensors = engine_tensors(source.cfg, source.value_head)
+        for megatron_name, (key, shape) in self.tensors.items():  # every tensor checked before anything is written
+            meta = stored.get(key)
+            if not isinstance(meta, TensorStorageMetadata):
+                raise ConfigError("SRC", f"{source.path} holds no tensor {key!r}: not a {source.cfg.model_type} "
+                                         f"{source.role} of this config (--config)?")
+            if tuple(meta.size) != shape:
+                raise ConfigError("SRC", f"{source.path}: {key} is {list(meta.size)}, this config's model has "
+                                         f"{list(shape)} (--config is not the model it was trained from?)")
+        self.stored = {m: stored[key] for m, (key, _) in self.tensors.items()}
+        super().__init__(source.cfg, source.value_head, self._load_one)
+
+    def _dtype_of(self, megatron_name: str) -> torch.dtype:
+        return self.stored[megatron_name].properties.dtype
+
+    def _load_one(self, megatron_name: str) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+
+        key, _ = self.tensors[megatron_name]
+        meta = self.stored[megatron_name]
+        out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({key: out}, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
+        return out
+
+
+# --- writing -----------------------------------------------------------------
+
+def plan_fsdp(cfg: DecoderConfig, dtype: torch.dtype, role: str) -> Plan:
+    """The engine's tensors whole (the vocabulary unpadded), under its DCP keys."""
+    plan = Plan("fsdp", cfg, dtype, role)
+    critic = role == "critic"
+    plan.items = [Item(FILE, key, shape, VALUE_HEAD if critic and name == OUTPUT_LAYER else name)
+                  for name, (key, shape) in engine_tensors(cfg, critic).items()]
+    return plan
+
+
+def write_fsdp(plan: Plan, source: Source, reader, out: Path, sink: Sink) -> None:
+    """Execute an fsdp plan into `out`: every tensor read from the source, one DCP save, engine.json."""
+    import torch.distributed.checkpoint as dcp
+
+    bridge = get_bridge(plan.cfg)
+    entries = {e.megatron: e for e in bridge.entries()}
+    state = {}
+    for item in plan.items:
+        if item.source == VALUE_HEAD:
+            t = tensor_for(plan, item, reader)
+        else:  # the generation tensor: fused from its HF parts, unpadded
+            e = entries[item.source]
+            t = bridge.fuse_parts(e, [reader(n) for n in e.hf])
+        state[item.name] = checked(item, t, plan.dtype).clone()
+        sink.wrote(state[item.name], item.name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(out), no_dist=True)
+    meta = {"engine": "fsdp", "world": 1, "value_head": plan.role == "critic", "optimizer": False,
+            "scheduler": None}
+    (out / FSDP_STATE).write_text(json.dumps(meta, indent=1))
+    (out / "config.json").write_text(json.dumps(hf_config(plan), indent=2))
+
+
+FORMAT = Format("fsdp", "FSDP", holds, open_source, DCPReader,
+                lambda source, req, dtype: plan_fsdp(source.cfg, dtype, source.role), write_fsdp,
+                lambda req: "(whole tensors; FSDPEngine.load reshards them to its world)")
