@@ -9,6 +9,7 @@ the same computation as the run that never stopped: there `==`.
 import shutil
 
 import pytest
+import torch
 
 from hybridflow.config.loader import load_config
 from hybridflow.errors import ConfigError
@@ -70,6 +71,15 @@ def test_ppo_with_actor_critic_and_reference_under_fsdp_matches_megatron_and_res
     checkpoints = summary["run_dir"] / "checkpoints"
     for role in ("actor", "critic"):  # both trained models wrote DCP shards (engine.json: FSDP's own record)
         assert (checkpoints / "step_000002" / role / "engine.json").is_file(), role
+    # The last checkpoint converts with `hybridflow reshard` to the HF model the run exported, bit for bit.
+    from hybridflow.cli import main
+    from hybridflow.models.checkpoint import load_hf_state_dict
+
+    assert main(["reshard", str(checkpoints / "step_000003"), str(tmp_path / "hf"), "--to", "hf",
+                 "--config", str(ROOT / "hybridflow/assets/demo_model"), "--no-progress"]) == 0
+    converted, exported = load_hf_state_dict(tmp_path / "hf"), load_hf_state_dict(summary["hf_actor"])
+    assert sorted(converted) == sorted(exported)
+    assert all(torch.equal(converted[k], exported[k]) for k in exported)
     shutil.copytree(tmp_path / "fsdp", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "tiny-ppo" / "checkpoints" / "step_000003")
     _, again = run("tiny-ppo.yaml", tmp_path / "resumed", *RAY2, *fsdp_roles, "trainer.total_steps=3",
