@@ -39,8 +39,8 @@ PROCESS_LAYOUT_KEYS = ("tp", "pp", "cp")
 def devices_for(cfg: Config, role: str) -> list[int]:
     """Device indices a role runs on: its placement, or every device.
 
-    The reference always shares the actor's processes, so an empty
-    `placement.reference` means `placement.training`'s devices.
+    An empty `placement.reference` means `placement.training`'s devices: the reference shares the actor's
+    processes unless it runs under FSDP on devices of its own (`reference_apart`).
     """
     placed = dataclasses.asdict(cfg.placement)
     if role not in placed:
@@ -73,13 +73,22 @@ def rollout_apart(cfg: Config) -> bool:
     return uses_ray(cfg) and sorted(devices_for(cfg, "rollout")) != sorted(devices_for(cfg, "training"))
 
 
+def reference_apart(cfg: Config) -> bool:
+    """The reference has a group of its own on other devices than training (under Ray, reference.engine=fsdp:
+    a megatron-core reference lives in the actor's processes, `config/validate.py`)."""
+    return uses_ray(cfg) and sorted(devices_for(cfg, "reference")) != sorted(devices_for(cfg, "training"))
+
+
 def role_world(cfg: Config, role: str) -> int:
     """Processes of a role's worker group: its placement under Ray, the job's ranks otherwise."""
     return len(devices_for(cfg, role)) if uses_ray(cfg) else job_world()
 
 
 def reference_parallel(cfg: Config) -> ParallelConfig:
-    """The reference's parallel section: the actor's unless given (and then checked to be equal)."""
+    """The reference's parallel section: the actor's unless given (and then checked to be equal); none of
+    its own under FSDP (data parallel over its processes)."""
+    if cfg.reference.engine == "fsdp":
+        return ParallelConfig()
     return cfg.reference.parallel or cfg.actor.parallel
 
 
@@ -110,6 +119,7 @@ class RunPlan:
     uses_critic: bool  # GAE: a critic group exists
     uses_reward_model: bool  # reward.model_path: a reward-model group exists
     rollout_apart: bool  # rollout has a group of its own, on other devices than training (Ray only)
+    reference_apart: bool  # the reference (under FSDP) has a group of its own, on other devices (Ray only)
     colocate_critic: bool  # under Ray, the critic's workers join the actor's processes
     colocate_reward_model: bool  # under Ray, the reward model's workers join the actor's processes
     generation_replicas: int  # the prompts split over these (each generates its own share)
@@ -133,6 +143,7 @@ class RunPlan:
                    for role, (_, par) in engine_parallel(cfg).items()}
         critic = cfg.algorithm.adv_estimator == "gae"
         apart = rollout_apart(cfg)
+        needs_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
         on_actor_devices = {role: sorted(devices[role]) == sorted(devices["training"]) for role in ROLES}
         a, c = cfg.actor.parallel, cfg.critic.parallel
         same_process_layout = all(getattr(a, k) == getattr(c, k) for k in PROCESS_LAYOUT_KEYS)
@@ -145,10 +156,10 @@ class RunPlan:
             device=cfg.trainer.device, uses_ray=ray, job_world=world, devices=devices, worlds=worlds,
             layouts=layouts, engines={"training": cfg.actor.engine, "critic": cfg.critic.engine,
                                       "reference": cfg.reference.engine}, uses_critic=critic, uses_reward_model=cfg.reward.model_path is not None,
-            rollout_apart=apart, colocate_critic=on_actor_devices["critic"] and same_process_layout,
+            rollout_apart=apart, reference_apart=reference_apart(cfg) and needs_ref, colocate_critic=on_actor_devices["critic"] and same_process_layout,
             colocate_reward_model=on_actor_devices["reward"], generation_replicas=replicas, row_multiple=rows,
             prompt_multiple=prompts, chunk_prompts=chunk_prompts(cfg, prompts),
-            needs_reference=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss,
+            needs_reference=needs_ref,
             needs_old_log_probs=needs_old_log_probs(cfg),
             needs_greedy_baseline=cfg.algorithm.adv_estimator == "remax",
             mini_batch_responses=cfg.actor.ppo_mini_batch_size * cfg.rollout.n,

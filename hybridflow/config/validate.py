@@ -27,7 +27,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Optional
 
-from hybridflow.config.plan import (PROCESS_LAYOUT_KEYS, RunPlan, devices_for, engine_parallel, role_world,
+from hybridflow.config.plan import (PROCESS_LAYOUT_KEYS, RunPlan, devices_for, engine_parallel, role_world, uses_ray,
                                    rollout_apart)
 from hybridflow.config.schema import Config, ParallelConfig
 from hybridflow.errors import ConfigError
@@ -52,8 +52,14 @@ def _check_placement(cfg: Config) -> None:
                 f"placement.{role}", f"device(s) {bad} do not exist: trainer.n_devices is {n} "
                 f"(valid indices 0..{n - 1})")
     if sorted(devices_for(cfg, "reference")) != sorted(devices_for(cfg, "training")):
-        raise ConfigError("placement.reference", "must equal placement.training: the reference shares the "
-                          "actor's processes; rollout, critic and reward may be placed apart")
+        if cfg.reference.engine != "fsdp":
+            raise ConfigError("placement.reference", "must equal placement.training with reference.engine="
+                              f"{cfg.reference.engine!r}: a megatron-core reference shares the actor's processes "
+                              "and layout (reference.engine=fsdp runs it on devices of its own); rollout, critic "
+                              "and reward may be placed apart")
+        if not uses_ray(cfg):
+            raise ConfigError("placement.reference", "a reference on devices of its own is a worker group of "
+                              "its own: it needs trainer.launcher=ray")
 
 
 def _check_layout(par: ParallelConfig, n: int, path: str) -> None:

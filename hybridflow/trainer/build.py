@@ -23,9 +23,10 @@ from hybridflow.controller.local_group import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ResourcePool, pools_from_placement
 from hybridflow.models.config import DecoderConfig
 from hybridflow.workers.rl_workers import (ActorGroup, ActorRolloutRefWorker, CriticGroup, CriticWorker,
-                                           RewardModelGroup, RewardModelWorker, RolloutGroup, RolloutWorker)
+                                           ReferenceGroup, ReferenceWorker, RewardModelGroup, RewardModelWorker,
+                                           RolloutGroup, RolloutWorker)
 from hybridflow.workers.apart_sync import ApartWeightSync
-from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutWorkerSpec, Run
+from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, ReferenceWorkerSpec, RolloutWorkerSpec, Run
 
 
 def _run(cfg: Config) -> Run:
@@ -37,7 +38,7 @@ def _run(cfg: Config) -> Run:
 def actor_spec(cfg: Config, plan: RunPlan) -> ActorWorkerSpec:
     reference = dataclasses.replace(cfg.reference, parallel=reference_parallel(cfg))
     return ActorWorkerSpec(run=_run(cfg), model=cfg.model, actor=cfg.actor, rollout=cfg.rollout,
-                           reference=reference if plan.needs_reference else None,
+                           reference=reference if plan.needs_reference and not plan.reference_apart else None,
                            max_response_length=cfg.data.max_response_length,
                            optimizer_steps=plan.optimizer_steps["actor"], layout=plan.layouts["training"],
                            generates=not plan.rollout_apart, env=cfg.env)
@@ -47,6 +48,11 @@ def rollout_spec(cfg: Config, plan: RunPlan) -> RolloutWorkerSpec:
     return RolloutWorkerSpec(run=_run(cfg), model=cfg.model, rollout=cfg.rollout,
                              max_response_length=cfg.data.max_response_length,
                              train_layout=plan.layouts["training"], env=cfg.env)
+
+
+def reference_spec(cfg: Config, plan: RunPlan) -> ReferenceWorkerSpec:
+    return ReferenceWorkerSpec(run=_run(cfg), model=cfg.model, reference=cfg.reference,
+                               temperature=cfg.rollout.temperature, layout=plan.layouts["reference"])
 
 
 def critic_spec(cfg: Config, plan: RunPlan) -> CriticWorkerSpec:
@@ -96,6 +102,7 @@ class Groups:
     reward_model: Optional[RewardModelGroup] = None
     rollout: Optional[RolloutGroup] = None         # rollout on devices apart from training
     weight_sync: Optional[ApartWeightSync] = None  # the actor's weights into `rollout`, by collectives
+    reference: Optional[ReferenceGroup] = None     # the reference on devices of its own (under FSDP)
 
     @property
     def generation(self) -> Union[ActorGroup, RolloutGroup]:
@@ -145,7 +152,9 @@ def build_groups(cfg: Config, plan: RunPlan) -> Groups:
         if plan.uses_critic else None,
         RewardModelGroup(beside_actor(RewardModelWorker, "reward", cfg.reward, plan.colocate_reward_model))
         if plan.uses_reward_model else None,
-        RolloutGroup(RayWorkerGroup(RolloutWorker, pools["rollout"], rollout_spec(cfg, plan))) if plan.rollout_apart else None)
+        RolloutGroup(RayWorkerGroup(RolloutWorker, pools["rollout"], rollout_spec(cfg, plan))) if plan.rollout_apart else None,
+        reference=ReferenceGroup(RayWorkerGroup(ReferenceWorker, pools["reference"], reference_spec(cfg, plan)))
+        if plan.reference_apart else None)
     if groups.rollout is not None:
         groups.weight_sync = ApartWeightSync(groups.actor, groups.rollout, plan.layouts["training"], cfg.rollout.tg,
                                              cfg.rollout.weight_bucket_mb * 2**20)

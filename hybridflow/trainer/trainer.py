@@ -136,6 +136,7 @@ class RLTrainer:
         self.pad_chunks = plan.chunk_prompts < cfg.data.train_batch_size
         groups = build_groups(cfg, plan)
         self.actor, self.critic, self.reward_model = groups.actor, groups.critic, groups.reward_model
+        self.separate_reference = groups.reference  # the reference on devices of its own (under FSDP), or None
         # Rollout apart from training (groups.rollout) holds no weights of its own: the actor's are
         # broadcast into it (groups.weight_sync) before the first rollout, and after each update.
         self.separate_rollout = groups.rollout
@@ -348,7 +349,10 @@ class RLTrainer:
         return self.reward_model.score(pairs)[F.SCORES]  # DP_SPLIT pads for equal shares and strips the answer
 
     def _log_probs(self, batch):
-        batch.update(self.actor.compute_log_probs(batch, old=self.needs_old, reference=self.needs_ref))
+        apart = self.separate_reference is not None
+        if apart:
+            batch.update(self.separate_reference.compute_ref_log_probs(batch))
+        batch.update(self.actor.compute_log_probs(batch, old=self.needs_old, reference=self.needs_ref and not apart))
         return batch
 
     def _values(self, batch):
@@ -455,8 +459,10 @@ class RLTrainer:
         return [g for g in (self.actor, self.critic) if g is not None]  # the ones with checkpoints
 
     def _every_group(self) -> list:
-        """Every worker group of the run: those with checkpoints, a reward model's, a rollout group apart."""
-        return [g for g in (*self._groups(), self.reward_model, self.separate_rollout) if g is not None]
+        """Every worker group of the run: those with checkpoints, a reward model's, a rollout group and a
+        reference apart."""
+        return [g for g in (*self._groups(), self.reward_model, self.separate_rollout, self.separate_reference)
+                if g is not None]
 
     def save_checkpoint(self, step: int) -> Path:
         """Save step `step`: every rank's shard and trainer.json (`trainer/checkpointing.py`)."""

@@ -60,7 +60,7 @@ from hybridflow.roles.critic import VALUE_FIELDS
 from hybridflow.roles.rollout import TRAIN
 from hybridflow.rollout import RolloutBackend, hf_named, sync_weights
 from hybridflow.rollout.factory import build_backend
-from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, RolloutWorkerSpec, Run
+from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, ReferenceWorkerSpec, RolloutWorkerSpec, Run
 
 # Rollout fields the driver never reads (it reads masks, texts, scores): a rollout group apart leaves them in
 # the object store, and the training groups fetch them from there.
@@ -416,6 +416,25 @@ class CriticWorker(EngineWorker):
         return self.critic.update_share(rows, steps)
 
 
+class ReferenceWorker(Worker):
+    """The frozen reference on devices of its own (placement.reference apart from training), sharded over its
+    processes under FSDP2: each holds 1/N of it, and the actor's processes hold none."""
+
+    def __init__(self, spec: ReferenceWorkerSpec):
+        self.init_process_group()
+        prepare_process(self, spec.run.processes)
+        ref = spec.reference
+        engine = build_engine(spec.run, spec.model, spec.model.path, None, ParallelConfig(), spec.layout,
+                              kind="fsdp", fsdp=ref.fsdp)
+        self.register_mesh("reference", spec.layout)
+        self.reference = Reference(ref, engine, temperature=spec.temperature)
+
+    @register(Dispatch.DP_SPLIT, mesh="reference", reads=LOG_PROB_FIELDS)
+    def compute_ref_log_probs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """REF_LOG_PROBS of this replica's rows."""
+        return self.reference.compute_ref_log_probs(batch)
+
+
 class RewardModelWorker(Worker):
     """An HF sequence classifier scoring (prompt, response) pairs, on the devices of placement.reward."""
 
@@ -460,6 +479,12 @@ class RolloutGroup(RoleGroup):
     join_weight_sync = remote(RolloutWorker.join_weight_sync)
     receive_weights = remote(RolloutWorker.receive_weights)
     hf_weights = remote(RolloutWorker.hf_weights)
+
+
+class ReferenceGroup(RoleGroup):
+    """The reference on devices of its own."""
+
+    compute_ref_log_probs = remote(ReferenceWorker.compute_ref_log_probs)
 
 
 class CriticGroup(RoleGroup):

@@ -59,6 +59,17 @@ class RolloutWorkerSpec:
 
 
 @dataclass(frozen=True)
+class ReferenceWorkerSpec:
+    """The frozen reference on devices of its own, under FSDP (reference.engine=fsdp)."""
+
+    run: Run
+    model: ModelConfig
+    reference: ReferenceConfig
+    temperature: float  # rollout.temperature: the log-probs are of the distribution sampled from
+    layout: ParallelDims  # dp = the group's processes
+
+
+@dataclass(frozen=True)
 class CriticWorkerSpec:
     run: Run
     model: ModelConfig  # dtype and vocabulary padding of the actor's model

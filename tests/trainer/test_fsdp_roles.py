@@ -109,3 +109,29 @@ def test_fsdp_combinations_not_built_are_one_config_error_naming_the_key(tmp_pat
                                                                     *overrides]))
         check_plan(cfg, RunPlan.from_config(cfg), DecoderConfig.from_pretrained(cfg.model.path))
     assert err.value.path == key, err.value
+
+
+def test_a_reference_under_fsdp_on_devices_of_its_own_matches_megatron_at_one_process(tmp_path, single):
+    """placement.reference apart from training (reference.engine=fsdp): the reference is a worker group of
+    two processes of its own, each holding half of it; the actor's process holds none. GRPO with the KL loss
+    reads its log-probs: three steps equal megatron-core at one process within 1e-4 (the KL itself, exactly 0
+    at step 1 where one engine is both, is ~1e-10 across engines: the absolute bound covers it).
+
+    GRPO, not tiny-ppo: with KL in the reward, step 1's returns are that KL alone (every score is 0), and
+    whitening the advantages turns its rounding-level difference between two engines into O(1) advantages;
+    any two codes of the reference diverge there, whatever their placement."""
+    kl = ["actor.use_kl_loss=true", "reference.enabled=true", "actor.ppo_mini_batch_size=8"]
+    _, apart = run("tiny-grpo.yaml", tmp_path / "apart", "trainer.n_devices=3", "trainer.launcher=ray",
+                   "placement.training=[0]", "placement.rollout=[0]", "placement.reference=[1,2]",
+                   "reference.engine=fsdp", *kl, *THREE_STEPS)
+    one = single("tiny-grpo.yaml", *kl)[1]
+    _worst("grpo + kl loss, reference under fsdp apart on 2 ranks, vs megatron one process", apart, one)
+    _assert_same_metrics({"one": one, "apart": apart}, (1, 2, 3), rel=1e-4)
+    assert all(abs(r["actor/kl_loss"]) < 1e-6 for r in apart if r["step"] == 1)
+
+
+def test_a_megatron_reference_apart_from_training_is_refused_naming_both_keys(tmp_path):
+    with pytest.raises(ConfigError, match="placement.reference: must equal placement.training with "
+                                          "reference.engine='megatron'"):
+        load_config(ROOT / "configs/tiny-ppo.yaml", [f"trainer.output_dir={tmp_path}", *RAY2,
+                                                     "placement.reference=[1]", "placement.training=[0]"])
