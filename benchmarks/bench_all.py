@@ -41,6 +41,7 @@ SUITE: dict[str, tuple[list[str], list[str], bool]] = {
     "data_plane": ([], ["--steps", "1"], False),
     "update_memory": ([], ["--layers", "1", "--batch", "4", "--micro", "4", "--prompt", "32", "--response", "32",
                            "--vocab", "8192", "--hidden", "256"], True),
+    "fsdp": ([], ["--quick"], True),
     "long_context": ([], ["--seq", "1024", "--cps", "1,2", "--layers", "1"], True),
     "e2e": ([], ["--steps", "2", "--warmup", "1"], True),
     "calibrate": ([], ["--rounds", "1"], True),

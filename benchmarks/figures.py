@@ -112,3 +112,19 @@ def take_turns(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, lis
         for name in (names if r % 2 == 0 else names[::-1]):
             seen[name].append(runs[name]())
     return seen
+
+
+def peak_tensor_mib(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """(fn(), the peak of the tensor bytes torch allocated during the call and still held, MiB), from the
+    profiler's allocation events (self memory per op, so an allocation counts once). Counts tensors only:
+    not a memory-mapped file's pages, not a library's own buffers (gloo's), which the resident mark does."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    live = peak = 0
+    for event in sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return out, peak / 2**20

@@ -17,6 +17,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main(spec: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # Python put this file's directory (tests/) first on the path, where tests/kernels would shadow the
+    # `kernels` package transformers probes for (ImportError on `import transformers`).
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
     sys.path.insert(0, REPO)
     from hybridflow.engine import cpu_compat
 

@@ -224,6 +224,9 @@ class RewardConfig:
     rule_weight: float = 1.0
     model_weight: float = 1.0
     micro_batch_size: int = 16
+    # "hf": the whole classifier on every rank of placement.reward; "fsdp": sharded over those ranks by FSDP2
+    # (engine/fsdp_frozen.py), each holding about 1/N of it.
+    engine: Literal["hf", "fsdp"] = "hf"
 
 
 @dataclass

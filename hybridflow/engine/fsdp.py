@@ -128,7 +128,10 @@ class FSDPEngine:
         policy = CPUOffloadPolicy() if offload else OffloadPolicy()
         for block in self.module.decoder.layers:
             fully_shard(block, mesh=self.mesh, mp_policy=mixed, offload_policy=policy)
-        fully_shard(self.module, mesh=self.mesh, mp_policy=mixed, offload_policy=policy)
+        # Left to itself FSDP keeps the root's weights (embedding, output layer) whole after a forward, for
+        # the backward; a frozen engine has none, so it frees them (measured: `hybridflow bench fsdp`).
+        fully_shard(self.module, mesh=self.mesh, mp_policy=mixed, offload_policy=policy,
+                    reshard_after_forward=True if optim is None else None)
         self.module.to_empty(device="cpu" if offload else self.torch_device)
         self.module.decoder.inv_freq = rope_inv_freq(model_cfg).to(self.torch_device)
         if value_head:

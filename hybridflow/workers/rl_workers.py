@@ -436,14 +436,22 @@ class ReferenceWorker(Worker):
 
 
 class RewardModelWorker(Worker):
-    """An HF sequence classifier scoring (prompt, response) pairs, on the devices of placement.reward."""
+    """An HF sequence classifier scoring (prompt, response) pairs, on the devices of placement.reward:
+    whole on every rank (reward.engine "hf"), or sharded over the group by FSDP2 ("fsdp"), where every
+    rank scores its share in step with the others (idle passes where it has fewer micro-batches)."""
 
     def __init__(self, cfg: RewardConfig):
-        from hybridflow.rollout.hf import load_hf_model
-
         prepare_process(self)
         self.cfg = cfg
-        self.model = load_hf_model(cfg.model_path, device_map="auto")
+        if cfg.engine == "fsdp":
+            from hybridflow.engine.fsdp_frozen import load_sharded_classifier
+
+            self.init_process_group()
+            self.model = load_sharded_classifier(cfg.model_path, device=self.context.device)
+        else:
+            from hybridflow.rollout.hf import load_hf_model
+
+            self.model = load_hf_model(cfg.model_path, device_map="auto")
 
     @register(Dispatch.DP_SPLIT)
     def score(self, pairs: dict[str, list]) -> dict[str, torch.Tensor]:

@@ -52,6 +52,7 @@ def test_dump_and_reload_round_trip(tmp_path):
     (["actor.ppo_epochs=true"], "actor.ppo_epochs", "expected int"),
     (["rollout.temperature=hot"], "rollout.temperature", "expected float"),
     (["rollout.engine=vlm"], "rollout.engine", "did you mean 'vllm'?"),
+    (["reward.engine=fsdpp"], "reward.engine", "did you mean 'fsdp'?"),
     (["placement.rollout=[0, x]"], "placement.rollout[1]", "expected int"),
     (["actor.optim=3"], "actor.optim", "expected a mapping"),
     (["trainer.seed.x=3"], "trainer.seed", "is a value, not a section"),

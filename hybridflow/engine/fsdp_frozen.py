@@ -1,0 +1,184 @@
+"""Frozen Hugging Face models sharded by FSDP2: a reward model (or guard) that costs each rank 1/N of it.
+
+`load_sharded_classifier(path, group_device)` builds the `transformers`
+sequence classifier at `path` on the meta device (no memory), `fully_shard`s
+it (`shard_frozen`: each decoder layer, the input embedding, then the root)
+over a one-dimensional device mesh of the world, allocates only this rank's
+dim-0 chunk of every parameter, and reads exactly those rows from the
+safetensors files (`models.checkpoint.SafetensorsReader`): no rank ever holds
+the whole model, nor one whole tensor of it. A rank's peak while scoring is
+its shard plus the largest unit gathered (a layer or the embedding), plus
+activations (`hybridflow bench fsdp` measures it).
+
+Every forward all-gathers each unit's weights over the mesh, so every rank
+must run the same number of forward passes: `FSDPRewardModel.score` agrees
+the largest micro-batch count over the mesh (all_reduce MAX) and a rank with
+fewer (none included) runs idle one-token passes after its own.
+
+Simplified: one mesh dimension (pure sharding, no replication); the model's
+own dtype (no mixed-precision policy); non-persistent buffers other than the
+usual rotary embeddings' are refused rather than guessed.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridflow.models.hf import RewardModel
+
+__all__ = ["FSDPRewardModel", "agreed_count", "frozen_units", "load_sharded_classifier", "shard_frozen",
+           "world_mesh"]
+
+
+def world_mesh(device: str = "cpu"):
+    """A one-dimensional device mesh over every rank of the world (gloo on CPU, NCCL on CUDA)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hybridflow.parallel.process_group import init_process_group
+
+    init_process_group(device)  # joins the world its launcher set up (idempotent)
+    return init_device_mesh("cpu" if device == "cpu" else "cuda", (dist.get_world_size(),),
+                            mesh_dim_names=("fsdp",))
+
+
+def frozen_units(model: nn.Module) -> list[nn.Module]:
+    """The submodules sharded as units of their own, in forward order: the input embedding and each decoder
+    layer of an HF model (`model.<base>.embed_tokens`, `model.<base>.layers`). The rest (final norm, score
+    head) stays with the root unit."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    layers = getattr(base, "layers", None)
+    if base is None or layers is None:
+        raise ValueError(f"{type(model).__name__}: no decoder layers at model.<base_model_prefix>.layers to shard")
+    embedding = getattr(base, "embed_tokens", None)
+    return ([embedding] if embedding is not None else []) + list(layers)
+
+
+def shard_frozen(model: nn.Module, mesh) -> nn.Module:
+    """`fully_shard` each of `frozen_units(model)`, then the root, over `mesh`; frozen (no gradients, eval).
+
+    A unit's weights are gathered just before its forward and freed after it (reshard_after_forward), so at
+    most one unit is whole at a time."""
+    from torch.distributed.fsdp import fully_shard
+
+    model.requires_grad_(False)
+    for unit in frozen_units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    # The root too: left to itself FSDP keeps the root's weights whole after a forward, for the backward a
+    # frozen model never runs.
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    return model.eval()
+
+
+def agreed_count(n: int, group) -> int:
+    """The largest `n` over the ranks of `group` (every rank must call it)."""
+    if dist.get_world_size(group) == 1:
+        return n
+    count = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    return int(count.item())
+
+
+def _init_buffers(model: nn.Module) -> None:
+    """Non-persistent buffers are not in the checkpoint and `to_empty` left them uninitialised: the rotary
+    embeddings' are recomputed by transformers' own initialiser; any other is refused."""
+    persistent = set(model.state_dict().keys())
+    for module_name, module in model.named_modules():
+        own = [n for n, _ in module.named_buffers(recurse=False)]
+        if not own:
+            continue
+        if "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq"):
+            model._init_weights(module)
+            continue
+        loose = [f"{module_name}.{n}" for n in own if f"{module_name}.{n}" not in persistent]
+        if loose:
+            raise NotImplementedError(f"{type(model).__name__}: cannot initialise the non-persistent buffer(s) "
+                                      f"{loose} of a model built on the meta device")
+
+
+@torch.no_grad()
+def load_shards(model: nn.Module, path: str | Path) -> int:
+    """Copy this rank's rows of every parameter (and persistent buffer) of the sharded `model` from the HF
+    safetensors at `path`, reading only those rows. Returns the bytes read."""
+    from hybridflow.models.checkpoint import SafetensorsReader
+
+    with SafetensorsReader(path) as read:
+        stored = set(read.keys())
+        wanted = dict(model.named_parameters())
+        buffers = {k: v for k, v in model.state_dict().items() if k not in wanted}
+        missing = sorted(set(wanted) - stored)
+        if missing:
+            raise KeyError(f"the checkpoint at {path} has no tensor(s) {missing[:5]} of {type(model).__name__}")
+        unknown = sorted(n for n in stored - set(wanted) - set(buffers) if not n.endswith("rotary_emb.inv_freq"))
+        if unknown:
+            raise KeyError(f"the checkpoint at {path} holds tensor(s) {unknown[:5]} that "
+                           f"{type(model).__name__} does not have")
+        for name, param in wanted.items():
+            local = param.to_local()
+            if local.numel():
+                rows = -(-read.shape(name)[0] // param.device_mesh.size())  # torch.chunk's sizes
+                start = param.device_mesh.get_local_rank() * rows
+                piece = read(name, rows=slice(start, start + local.shape[0]))
+                local.copy_(piece)
+        for name, buffer in buffers.items():
+            if name in stored:
+                buffer.copy_(read(name))
+    return read.bytes_read
+
+
+class FSDPRewardModel(RewardModel):
+    """A `RewardModel` whose classifier is FSDP-sharded over `group`: every rank of it must call `score`
+    together (with its own pairs, none included), since each forward pass all-gathers."""
+
+    def __init__(self, model: Any, tokenizer: Any, path: Path, device: torch.device, group, bytes_read: int = 0):
+        super().__init__(model, tokenizer, path, device)
+        self.group = group
+        self.bytes_read = bytes_read  # what loading read from the checkpoint: about 1/N of it
+
+    def idle_pass(self) -> None:
+        """A one-token forward that takes part in every unit's all-gather; its output is dropped."""
+        ids = torch.full((1, 1), self.tokenizer.pad_token_id, dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            self.model(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+    def score(self, pairs: Sequence[tuple[str, str]], batch_size: int = 16) -> list[float]:
+        """As `RewardModel.score`, then idle passes up to the largest micro-batch count over the group."""
+        pairs = list(pairs)
+        passes = math.ceil(len(pairs) / batch_size) if batch_size >= 1 else 0
+        total = agreed_count(passes, self.group)
+        out = super().score(pairs, batch_size)
+        for _ in range(total - passes):
+            self.idle_pass()
+        return out
+
+    def local_fraction(self) -> float:
+        """The share of the model's parameters this rank holds (about 1/N)."""
+        params = list(self.model.parameters())
+        return sum(p.to_local().numel() for p in params) / sum(p.numel() for p in params)
+
+    def __repr__(self) -> str:
+        return f"FSDPRewardModel({str(self.path)!r}, device={self.device}, ranks={dist.get_world_size(self.group)})"
+
+
+def load_sharded_classifier(path: str | Path, device: str = "cpu", dtype: Optional[torch.dtype] = None) -> FSDPRewardModel:
+    """The `*ForSequenceClassification` checkpoint at `path`, sharded over the world (see the module doc).
+    `dtype`: None keeps the stored one."""
+    import transformers
+
+    path = Path(path)
+    mesh = world_mesh(device)
+    config = transformers.AutoConfig.from_pretrained(path)
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    with torch.device("meta"):
+        model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+    shard_frozen(model, mesh)
+    torch_device = torch.device("cpu") if device == "cpu" else torch.device("cuda", torch.cuda.current_device())
+    model.to_empty(device=torch_device)
+    _init_buffers(model)
+    bytes_read = load_shards(model, path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    return FSDPRewardModel(model, tokenizer, path, torch_device, mesh.get_group(), bytes_read)
