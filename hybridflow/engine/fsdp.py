@@ -126,10 +126,21 @@ class FSDPEngine:
         mixed = (MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
                  if self.dtype != torch.float32 else MixedPrecisionPolicy())
         policy = CPUOffloadPolicy() if offload else OffloadPolicy()
-        for block in self.module.decoder.layers:
-            fully_shard(block, mesh=self.mesh, mp_policy=mixed, offload_policy=policy)
-        # Left to itself FSDP keeps the root's weights (embedding, output layer) whole after a forward, for
-        # the backward; a frozen engine has none, so it frees them (measured: `hybridflow bench fsdp`).
+        # Units, each gathered only while it runs: every block's attention and MLP (and the block, holding its
+        # norms), the embedding and the output layer when they are not one tied tensor; the root keeps the
+        # rest (final norm, value head). A frozen model at N ranks then holds 1/N of it plus about half a
+        # block gathered (`hybridflow bench fsdp`).
+        decoder = self.module.decoder
+        units = [m for block in decoder.layers for m in (block.attn, block.mlp, block)]
+        if decoder.lm_head is not None:  # untied: the embedding and the output layer, each its own unit
+            units += [decoder.embed, decoder.lm_head]
+        elif value_head:  # the value model's decoder has no output layer: the embedding alone
+            units.append(decoder.embed)
+        # (tied: the one tensor is used first and last, so it stays in the root)
+        for unit in units:
+            fully_shard(unit, mesh=self.mesh, mp_policy=mixed, offload_policy=policy)
+        # Left to itself FSDP keeps the root's weights whole after a forward, for the backward; a frozen
+        # engine has none, so it frees them.
         fully_shard(self.module, mesh=self.mesh, mp_policy=mixed, offload_policy=policy,
                     reshard_after_forward=True if optim is None else None)
         self.module.to_empty(device="cpu" if offload else self.torch_device)
@@ -189,15 +200,19 @@ class FSDPEngine:
         return {name[len("decoder."):]: p for name, p in self.module.named_parameters() if name.startswith("decoder.")}
 
     def load_hf_checkpoint(self, path: str | Path) -> int:
-        """This rank's chunk of every tensor from an HF safetensors checkpoint, one whole tensor at a time
-        (a fused one is built from its HF parts, then sliced): no rank holds more than one extra tensor.
-        Returns the bytes read."""
+        """This rank's chunk of every tensor from an HF safetensors checkpoint, reading only the HF rows it
+        comes from (`LlamaBridge.read_rows`): no rank reads, or holds, the whole model. Returns the bytes
+        read (about 1/N of the checkpoint)."""
         from hybridflow.models.checkpoint import SafetensorsReader
 
-        with SafetensorsReader(path) as read:
+        params = self._generation_params()
+        with SafetensorsReader(path) as read, torch.no_grad():
             self.bridge.check_hf_names(read.keys())
-            self._load({e.generation: (lambda e=e: self.bridge.fuse_parts(e, [read(n) for n in e.hf]))
-                        for e in self.bridge.entries()})
+            for e in self.bridge.entries():
+                local = params[e.generation].to_local()
+                start, _ = _chunk_bounds(params[e.generation])
+                if local.shape[0]:
+                    local.copy_(self.bridge.read_rows(e, read, start, start + local.shape[0]))
         return read.bytes_read
 
     def load_hf_state_dict(self, hf: dict[str, Tensor]) -> None:
@@ -359,15 +374,20 @@ class FSDPEngine:
             self.scheduler.load_state_dict(meta["scheduler"])
 
 
-def _my_chunk(full: Tensor, param) -> Tensor:
-    """This rank's piece of the whole tensor `full` as FSDP2 shards it: dim-0 chunk `rank` (torch.chunk
-    sizes; the last ranks' may be short or empty), the shape of `param.to_local()`."""
-    local = param.to_local()
+def _chunk_bounds(param) -> tuple[int, int]:
+    """The whole tensor's dim-0 rows [start, stop) this rank holds of a DTensor FSDP2 sharded: chunk `rank`
+    of torch.chunk sizes (the last ranks' may be short or empty)."""
     mesh = param.device_mesh
     rank, size = mesh.get_local_rank(), mesh.size()
-    rows = -(-full.shape[0] // size)  # ceil
-    piece = full[rank * rows: rank * rows + local.shape[0]]
-    return piece.to(local.dtype)
+    rows = -(-param.shape[0] // size)  # ceil
+    start = min(rank * rows, param.shape[0])
+    return start, start + param.to_local().shape[0]
+
+
+def _my_chunk(full: Tensor, param) -> Tensor:
+    """This rank's piece of the whole tensor `full`, as `param.to_local()` holds it."""
+    start, stop = _chunk_bounds(param)
+    return full[start:stop].to(param.to_local().dtype)
 
 
 def gather_full(param, traffic=None) -> Tensor:

@@ -165,6 +165,32 @@ class LlamaBridge:
             parts.append(read(name, rows=slice(tp_rank * per, (tp_rank + 1) * per)))
         return torch.cat(parts)
 
+    def read_rows(self, e: ParamEntry, read: SliceReader, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the unpadded whole tensor `e` (the generation layout: fused qkv / [gate; up],
+        `fuse_parts` of its HF tensors), reading only the HF rows they come from: FSDP's dim-0 chunk of it.
+        Equals `fuse_parts(e, [read(n) for n in e.hf])[start:stop]`."""
+        if e.fuse is None:
+            return read(e.hf[0], rows=slice(start, stop))
+        if e.fuse == "gate_up":
+            ffn = read.shape(e.hf[0])[0]
+            parts = [read(e.hf[0], rows=slice(start, min(stop, ffn))) if start < ffn else None,
+                     read(e.hf[1], rows=slice(max(start, ffn) - ffn, stop - ffn)) if stop > ffn else None]
+            return torch.cat([p for p in parts if p is not None])
+        # qkv: per query group g, [q rows of its heads; k row block; v row block], head_dim rows each
+        cfg = self.cfg
+        hd, hpg = cfg.head_dim, cfg.heads_per_group
+        width = (hpg + 2) * hd  # fused rows per group
+        pieces = []
+        for g in range(start // width, -(-stop // width)):
+            lo, hi = max(start, g * width) - g * width, min(stop, (g + 1) * width) - g * width
+            # the group's three blocks: (HF tensor, first HF row, fused offset range)
+            for part, base, a, b in ((0, g * hpg * hd, 0, hpg * hd), (1, g * hd, hpg * hd, (hpg + 1) * hd),
+                                     (2, g * hd, (hpg + 1) * hd, width)):
+                x, y = max(lo, a), min(hi, b)
+                if x < y:
+                    pieces.append(read(e.hf[part], rows=slice(base + x - a, base + y - a)))
+        return torch.cat(pieces)
+
     def check_hf_names(self, names) -> None:
         """KeyError unless an HF checkpoint with these tensor names is a model of this config."""
         required = {n for e in self.entries() for n in e.hf}

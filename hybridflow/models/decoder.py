@@ -273,7 +273,9 @@ class Decoder(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The output layer: [.., hidden] -> [.., vocab], gathered over the TP group, padding dropped."""
-        out = F.linear(h, self.output_weight)
+        # The module's own call where there is one (not the embedding's tied weight): a wrapper that hooks
+        # modules (FSDP2 gathering lm_head as a unit of its own) sees the output layer run.
+        out = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed.weight)
         if self.parallel.size == 1:
             return out
         return self.parallel.gather_vocab(out)[..., :self.full_cfg.vocab_size]

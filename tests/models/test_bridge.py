@@ -129,3 +129,36 @@ def test_bridge_rejects_wrong_checkpoints(tmp_path):
         bridge.hf_to_megatron({k: v for k, v in hf.items() if "layers.1.mlp.up_proj" not in k})
     with pytest.raises(KeyError, match="unexpected tensor"):
         bridge.hf_to_megatron({**hf, "model.layers.9.mlp.up_proj.weight": hf["lm_head.weight"]})
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 1, "attention_bias": True, "model_type": "qwen2"}],
+                         ids=["llama", "qwen2-gqa-bias"])
+def test_read_rows_reads_a_chunk_of_the_fused_tensor_from_its_hf_rows_only(overrides):
+    """FSDP's loader reads rows [start, stop) of each fused tensor (qkv by query group, [gate; up]) from the
+    HF rows they come from: equal to slicing the whole fused tensor, for every chunking of 1 to 5 ranks, and
+    each read names only rows inside its HF tensor."""
+    from hybridflow.models.bridge import get_bridge
+    from tests.engine.conftest import tiny_model
+
+    cfg, _, hf = tiny_model(**overrides)
+    bridge = get_bridge(cfg)
+    reads = []
+
+    class Reader:
+        def __call__(self, name, rows=None, cols=None):
+            assert rows is not None and 0 <= rows.start < rows.stop <= len(hf[name]), (name, rows)
+            reads.append(rows.stop - rows.start)
+            return hf[name][rows]
+
+        def shape(self, name):
+            return tuple(hf[name].shape)
+
+    for e in bridge.entries():
+        whole = bridge.fuse_parts(e, [hf[n] for n in e.hf])
+        for ranks in range(1, 6):
+            chunk = -(-whole.shape[0] // ranks)
+            for start in range(0, whole.shape[0], chunk):
+                stop = min(start + chunk, whole.shape[0])
+                reads.clear()
+                assert torch.equal(bridge.read_rows(e, Reader(), start, stop), whole[start:stop]), (e.generation, start)
+                assert sum(reads) == stop - start  # no HF row read that the chunk does not hold
