@@ -1,7 +1,7 @@
 """Off-policy overlap: the same GRPO work on 2 processes under sync, one_step and async, beside colocated DP2.
 
     hybridflow bench async [--steps N] [--warmup W] [--prompts P] [--max-response R] [--temperature T]
-                           [--val N] [--json PATH]
+                           [--val N] [--only NAMES] [--calibration PATH] [--json PATH]
 
 Five runs of the demo task (configs/demo.yaml's model, data and GRPO), each
 on two Ray processes:
@@ -22,6 +22,20 @@ same processes), the mean staleness, the response lengths, and the greedy
 held-out accuracy on the first `--val` test prompts after the same number of
 samples (W + N steps each). Speed-ups are ratios to split sync measured in
 this one run. The machine is shared: read the ratios, not the seconds.
+
+Beside each run's measured seconds per step (wall / steps), two predictions
+of it and their errors (predicted / measured - 1):
+
+    model s   the planner's cost model (`hybridflow/planner/overlap.py` over the
+              split-all candidate's stages, the colocated candidate's sum),
+              calibrated as `hybridflow plan --calibrate` calibrates it, on the
+              demo's PPO step that `bench calibrate --record` measured on this
+              machine (`--calibration`); the model is given the lengths the run
+              measured (the rollout decodes to each step's longest response,
+              the training passes see the mean), which it cannot know itself;
+    stages s  the same overlap model over this run's own per-stage medians
+              (rollout less its weight sync, sync, reward + log-probs, update):
+              the error of the overlap's composition alone.
 """
 from __future__ import annotations
 
@@ -35,6 +49,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_calibrate (hybridflow bench runs this by path)
+CALIBRATION = ROOT / "tests" / "planner" / "data" / "calibration_cpu_2proc.json"
 
 SPLIT = ["placement.training=[0]", "placement.reference=[0]", "placement.critic=[0]", "placement.rollout=[1]"]
 RUNS = {
@@ -47,10 +63,9 @@ RUNS = {
 }
 
 
-def measure(name: str, overrides: list[str], args, out: Path) -> dict:
+def run_config(name: str, overrides: list[str], args, out: Path):
+    """The run's config: the demo under the bench's settings and the run's overrides."""
     from hybridflow.config.loader import load_config
-    from hybridflow.trainer import read_metrics
-    from hybridflow.trainer.trainer import RLTrainer
 
     steps = args.warmup + args.steps
     cfg = load_config(ROOT / "configs" / "demo.yaml", [
@@ -65,6 +80,14 @@ def measure(name: str, overrides: list[str], args, out: Path) -> dict:
         section.train_files = [str(ROOT / f) for f in section.train_files]
         section.val_files = [str(ROOT / f) for f in section.val_files]
     cfg.model.path = str(ROOT / cfg.model.path)
+    return cfg
+
+
+def measure(name: str, overrides: list[str], args, out: Path) -> dict:
+    from hybridflow.trainer import read_metrics
+    from hybridflow.trainer.trainer import RLTrainer
+
+    cfg = run_config(name, overrides, args, out)
     trainer = RLTrainer(cfg)
     try:
         summary = trainer.fit()
@@ -79,9 +102,82 @@ def measure(name: str, overrides: list[str], args, out: Path) -> dict:
             "staleness": statistics.mean(r["offpolicy/staleness_mean"] for r in records),
             "length_mean": statistics.mean(r["response/length_mean"] for r in records),
             "length_max": max(r["response/length_max"] for r in records),
+            # the step's decode runs to its longest row: the rollout's length; the training passes see the mean
+            "length_max_median": statistics.median(r["response/length_max"] for r in records),
+            "prompt_len": statistics.mean(r["batch/tokens"] for r in records) / (args.prompts * cfg.rollout.n)
+            - statistics.mean(r["response/length_mean"] for r in records),
+            "mean_step_s": wall / len(records),
+            "sync_s": statistics.median([r["sync/time_s"] for r in records if "sync/time_s" in r] or [0.0]),
             "accuracy": summary["end"].get("val/accuracy", float("nan")), "samples": rows,
             "stages_s": {k.removeprefix("timing/"): statistics.median(r.get(k, 0.0) for r in records)
                          for k in sorted({k for r in records for k in r if k.startswith("timing/")})}}
+
+
+def calibration(path: Path):
+    """The CPU spec fitted as `hybridflow plan --calibrate` fits it, to the demo's PPO step on 2 processes
+    that `hybridflow bench calibrate --record` measured (`path`: its JSON, by default the recorded one)."""
+    import bench_calibrate
+    from hybridflow.planner import calibrate
+    from hybridflow.planner.devices import get_device
+
+    full = json.loads(Path(path).read_text())["full"]
+    planner = bench_calibrate.planner_for(bench_calibrate.TWO_PROCESSES, full)
+    return calibrate.fit(bench_calibrate.evaluate(planner), get_device("cpu"), full)
+
+
+def mode_of(cfg) -> tuple[str, int, int]:
+    t = cfg.trainer
+    return t.off_policy, t.max_staleness, t.sync_every
+
+
+def predict_model(cfg, r: dict, fitted) -> float:
+    """Seconds per step of the run as the planner's calibrated cost model predicts them (`overlap.py` over
+    the split-all candidate's stages; the colocated candidate's sum of stages), at the lengths the run
+    measured: the rollout decodes to each step's longest response (the median of the steps' maxima), the
+    training passes see the mean. The rollout and forward passes keep the calibration's residual factors."""
+    import dataclasses
+
+    from hybridflow.parallel.layout import ParallelDims
+    from hybridflow.planner import calibrate, overlap
+    from hybridflow.planner.cli import resolve_model
+    from hybridflow.planner.roles import Workload
+    from hybridflow.planner.search import Planner
+
+    model = resolve_model(cfg.model.path, "model.path")
+    train = Workload.from_config(cfg, r["prompt_len"], r["length_mean"])
+    roll = dataclasses.replace(train, response_len=float(r["length_max_median"]))
+    rollout_f, forward_f = fitted.residual.get("rollout", 1.0), fitted.residual.get("log_probs", 1.0)
+    if not cfg.placement.rollout:  # colocated DP2: today's model, the stages one after another
+        layout = ParallelDims(tp=1, pp=1, dp=2)
+        c = Planner(model, train, fitted.device).colocated(2, layout, None, 1)
+        st = calibrate.bench_stages(c)
+        rollout = calibrate.bench_stages(Planner(model, roll, fitted.device).colocated(2, layout, None, 1))["rollout"]
+        return rollout * rollout_f + st["transition"] + st["log_probs"] * forward_f + st["update"]
+    one = ParallelDims(tp=1, pp=1, dp=1)
+    devices = {"rollout": 1, "actor": 1}
+    c = Planner(model, train, fitted.device).split("split-all", devices, one, None, 1)
+    rollout = sum(Planner(model, roll, fitted.device).split("split-all", devices, one, None, 1)
+                  .stages["rollout"].values())
+    st = dataclasses.replace(c.split_stages, rollout=rollout * rollout_f, prep=c.split_stages.prep * forward_f,
+                             old_log_probs=c.split_stages.old_log_probs * forward_f)
+    mode, k, e = mode_of(cfg)
+    return overlap.iteration_seconds(mode, st, k, e)
+
+
+def predict_stages(cfg, r: dict) -> float:
+    """Seconds per step composed by `overlap.py` from this run's own per-stage medians (what the model of the
+    overlap alone predicts, the stage costs known): the rollout without its weight sync (a sync's wall time is
+    measured apart), the reward and log-prob passes, the update (with the transition and the staged copy)."""
+    from hybridflow.planner import overlap
+
+    t = r["stages_s"]
+    prep = t.get("reward_s", 0.0) + t.get("log_probs_s", 0.0)
+    if not cfg.placement.rollout:  # colocated: the stages one after another
+        return t.get("rollout_s", 0.0) + prep + t["update_s"]
+    sync = r["sync_s"]
+    st = overlap.SplitStages(rollout=max(0.0, t["rollout_s"] - sync), sync=sync, prep=prep, update=t["update_s"])
+    mode, k, e = mode_of(cfg)
+    return overlap.iteration_seconds(mode, st, k, e)
 
 
 def main(argv=None) -> int:
@@ -94,6 +190,9 @@ def main(argv=None) -> int:
     p.add_argument("--val", type=int, default=200)
     p.add_argument("--only", default="", help="comma-separated run names (default: all five)")
     p.add_argument("--json", type=Path)
+    p.add_argument("--calibration", type=Path, default=CALIBRATION,
+                   help="a `hybridflow bench calibrate --record` file the cost model is fitted to "
+                        "(default: the recorded tests/planner/data/calibration_cpu_2proc.json)")
     args = p.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from hybridflow.controller import init_ray
@@ -101,21 +200,32 @@ def main(argv=None) -> int:
     init_ray(num_cpus=8)
     names = [n for n in RUNS if not args.only or n in args.only.split(",")]
     results = {}
+    fitted = calibration(args.calibration)
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            results[name] = measure(name, RUNS[name], args, Path(tmp))
+            results[name] = r = measure(name, RUNS[name], args, Path(tmp))
+            cfg = run_config(name, RUNS[name], args, Path(tmp))
+            r["predicted_model_s"], r["predicted_stages_s"] = predict_model(cfg, r, fitted), predict_stages(cfg, r)
+            r["error_model"] = r["predicted_model_s"] / r["mean_step_s"] - 1
+            r["error_stages"] = r["predicted_stages_s"] / r["mean_step_s"] - 1
     base = results.get("split sync", {}).get("samples_per_s")
     print(f"{args.prompts} prompts x 4 samples per step, {args.steps} timed steps after {args.warmup}, "
           f"temperature {args.temperature}, up to {args.max_response} tokens; load average {os.getloadavg()[0]:.1f}")
     print(f"{'run':<20} {'samples/s':>9} {'vs sync':>7} {'rollout busy':>12} {'train busy':>10} "
-          f"{'staleness':>9} {'len mean':>8} {'len max':>7} {'val acc':>7}")
+          f"{'staleness':>9} {'len mean':>8} {'len max':>7} {'val acc':>7} {'s/step':>7} {'model s':>7} "
+          f"{'error':>6} {'stages s':>8} {'error':>6}")
     for name, r in results.items():
         ratio = r["samples_per_s"] / base if base else float("nan")
         print(f"{name:<20} {r['samples_per_s']:>9.1f} {ratio:>6.2f}x {r['rollout_busy']:>12.2f} "
               f"{r['training_busy']:>10.2f} {r['staleness']:>9.2f} {r['length_mean']:>8.1f} {r['length_max']:>7.0f} "
-              f"{r['accuracy']:>7.3f}")
+              f"{r['accuracy']:>7.3f} {r['mean_step_s']:>7.3f} {r['predicted_model_s']:>7.3f} "
+              f"{r['error_model']:>+6.0%} {r['predicted_stages_s']:>8.3f} {r['error_stages']:>+6.0%}")
+    print("s/step: measured (wall / steps); model s: the planner's cost model calibrated on this machine "
+          f"({args.calibration.name}) at the measured lengths; stages s: the same overlap model over this run's "
+          "own measured stage medians; error = predicted / measured - 1")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results},
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json), "calibration": str(args.calibration)},
+                                         "results": results},
                                         indent=1))
     return 0
 

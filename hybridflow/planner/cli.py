@@ -110,6 +110,9 @@ def main(argv: list[str]) -> int:
     model = resolve_model(cfg.model.path, "model.path", args.model_config)
     reward = resolve_model(cfg.reward.model_path, "reward.model_path") if cfg.reward.model_path else None
     wl = Workload.from_config(cfg, args.prompt_len, args.response_len, reward)
+    if wl.off_policy != "sync" and "split-all" not in placements:
+        raise ConfigError("trainer.off_policy", f"{wl.off_policy!r} needs the rollout placed apart: only the "
+                          f"split-all placement has it, and --placements is {','.join(placements)}")
     planner = Planner(model, wl, get_device(args.device, args.devices_file))
     if args.calibrate:
         planner, lines = _calibrated(args, planner, cfg)
@@ -125,6 +128,9 @@ def main(argv: list[str]) -> int:
     print(f"\n{len(fits) + len(misfits)} candidates on {args.gpus} x {args.device} (estimates of a cost model):")
     print("\n".join(report.table(fits, misfits, wl, args.top)))
     best = fits[0] if fits else None
+    apart = next((c for c in fits if c.modes), None)  # the best candidate with its rollout apart
+    if apart is not None:
+        print("\n" + "\n".join(report.modes(apart)))
     if best is not None:
         print("\n" + "\n".join(report.detail(best, wl)))
         if not args.no_dry_run:

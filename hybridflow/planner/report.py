@@ -31,16 +31,42 @@ def _gib(n: float) -> str:
 
 def table(fits: list[Candidate], misfits: list[Candidate], wl: Workload, top: int) -> list[str]:
     """The ranked table (fitting candidates, fastest first) and the first candidates that do not fit."""
+    names = next((list(c.modes) for c in fits if c.modes), [])
+    modes = "/".join(n.replace("one_step", "1-step").replace("async ", "") for n in names)
     lines = [f"{'#':>3} {'placement and layouts':58s} {'iter s':>7s} {'prompts/day':>12s} "
-             f"{'GiB/rank':>14s}  bottleneck"]
+             f"{'GiB/rank':>14s}  " + (f"{'s: ' + modes:>22s}  " if names else "") + "bottleneck"]
     for i, c in enumerate(fits[:top], 1):
         stage, resource, share = c.bottleneck()
         peaks = "/".join(_gib(v) for v in c.device_peak.values())
+        per_mode = "/".join(_seconds(c.modes[n]) for n in names) if c.modes else "-"
         lines.append(f"{i:3d} {c.label():58s} {c.iteration_s:7.1f} {c.prompts_per_day(wl.prompts):12,.0f} "
-                     f"{peaks:>14s}  {stage} {resource.split('.')[-1]} ({share:.0%})")
+                     f"{peaks:>14s}  " + (f"{per_mode:>22s}  " if names else "")
+                     + f"{stage} {resource.split('.')[-1]} ({share:.0%})")
+    if names:
+        lines.append(f"    s: seconds per iteration of each trainer.off_policy mode where the rollout is apart "
+                     f"({', '.join(names)}); 'iter s' is the run's own ({fits[0].mode if fits[0].modes else 'sync'})")
     lines.append(f"    {len(fits)} candidates fit, {len(misfits)} do not; the first that do not:")
     for c in sorted(misfits, key=_overshoot)[:top]:
         lines.append(f"    - {c.label()}: {c.reason}")
+    return lines
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3g}" if s < 10 else f"{s:.0f}"
+
+
+def modes(c: Candidate) -> list[str]:
+    """A candidate with its rollout apart: each off-policy mode's iteration against lock step's, and the
+    stages they are made of (overlap.py)."""
+    if not c.modes:
+        return []
+    sync = c.modes["sync"]
+    s = c.split_stages
+    lines = [f"  off-policy modes with the rollout apart ({c.label()}; trainer.off_policy, a cost model's estimate):"]
+    lines += [f"    {name:12s} {seconds:9.3f} s/iteration  {sync / seconds:5.2f}x lock step"
+              + ("  <- the run's" if name == c.mode else "") for name, seconds in c.modes.items()]
+    lines.append(f"    from: rollout {s.rollout:.3f}, sync {s.sync:.3f}, preparation {s.prep:.3f}, update "
+                 f"{s.update:.3f}; off-policy adds old log-probs {s.old_log_probs:.3f}, staged copy {s.stage:.4f} s")
     return lines
 
 

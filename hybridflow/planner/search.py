@@ -9,6 +9,8 @@ Placements (HybridFlow's auto-mapping, §6 of the paper, restricted to what hybr
   model) on the rest; preparation and update of the two groups overlap;
 - `split-all`: rollout on devices of its own at tg = 1 (what the trainer builds for a rollout group
   apart: every rollout process holds the whole model, refreshed by a broadcast), actor and critic apart.
+  Such a candidate is costed in every `trainer.off_policy` mode (`overlap.py`: lock step, one_step,
+  async k), and ranked by the run's own; an off-policy run is planned on split-all alone.
 
 Parallel sizes: training `p-t-d` per role (TP within a node, dividing heads, KV heads and MLP features;
 PP dividing the layers), and context parallelism `c` where the engine builds it (padded rows: no packing or
@@ -26,7 +28,7 @@ from typing import Iterator, Optional
 
 from hybridflow.models.config import DecoderConfig
 from hybridflow.parallel.layout import ParallelDims
-from hybridflow.planner import cost, roles
+from hybridflow.planner import cost, overlap, roles
 from hybridflow.planner.devices import GIB, DeviceSpec
 from hybridflow.planner.roles import Workload
 
@@ -51,6 +53,11 @@ class Candidate:
     decode_batch: int = 0
     waves: int = 0
     reason: Optional[str] = None  # why it does not fit
+    # A rollout apart (split-all): seconds per iteration of each trainer.off_policy mode ("sync", "one_step",
+    # "async k=2"; `overlap.py`), the stages they are composed of, and the mode `iteration_s` is (the run's).
+    modes: dict[str, float] = field(default_factory=dict)
+    split_stages: Optional["overlap.SplitStages"] = None
+    mode: str = "sync"
 
     @property
     def fits(self) -> bool:
@@ -260,12 +267,43 @@ class Planner:
                         {"actor_update": a_times["actor_update"]},
                         {"critic_update": k_times["critic_update"]} if "critic_update" in k_times else {})}
         c.iteration_s = sum(_total_s(t) for t in c.stages.values())
+        if apart:
+            c.split_stages = self.split_stages(c, a_times, prep_k)
+            k, e = self.async_settings()
+            c.modes = {overlap.mode_label(mode, k): overlap.iteration_seconds(mode, c.split_stages, k, e)
+                       for mode in overlap.MODES}
+            c.mode = overlap.mode_label(self.wl.off_policy, k)
+            c.iteration_s = c.modes[c.mode]
         return c
+
+    def async_settings(self) -> tuple[int, int]:
+        """(max_staleness, sync_every) the async column is costed at: the config's when it runs async, else
+        k = 2 pushed every update (what `bench async` measures)."""
+        return (self.wl.max_staleness, self.wl.sync_every) if self.wl.off_policy == "async" else (2, 1)
+
+    def split_stages(self, c: Candidate, a_times: dict[str, dict[str, float]],
+                     prep_k: dict[str, dict[str, float]]) -> overlap.SplitStages:
+        """A candidate with its rollout apart as `overlap.SplitStages`: its rollout, sync and update, the
+        preparation lock step runs (the old log-prob pass only where sync needs it) and what the off-policy
+        modes add (that pass, where sync skips it, and the staged copy of the actor's shard)."""
+        wl, a = self.wl, c.actor
+        olp = {"old_log_probs": a_times.get("old_log_probs") or roles.forward_time(self.model, wl, a, self.device,
+                                                                                 wl.forward_micro)}
+        base = {k: v for k, v in a_times.items() if k not in ("actor_update", "old_log_probs")}
+        sync_old = wl.needs_old_log_probs if wl.sync_old_log_probs is None else wl.sync_old_log_probs
+        prep = _total_s(_slower({**base, **(olp if sync_old else {})}, prep_k))
+        shard = cost.rank_params(self.model, a.tp, a.pp, wl.divisible_by) * wl.dtype_bytes
+        return overlap.SplitStages(
+            rollout=_total_s(c.stages["rollout"]), sync=_total_s(c.stages["transition"]), prep=prep,
+            update=_total_s(c.stages["update"]), old_log_probs=_total_s(_slower({**base, **olp}, prep_k)) - prep,
+            stage=2 * shard / (self.device.memory_bw * self.device.efficiency["decode"]))  # read and write a clone
 
     # -- the search --------------------------------------------------------------------------------
     def candidates(self, n: int, placements: tuple[str, ...] = PLACEMENTS) -> list[Candidate]:
         wl, m, dev = self.wl, self.model, self.device
         out = []
+        if wl.off_policy != "sync":  # only a rollout apart runs off-policy (config/validate.py refuses the rest)
+            placements = tuple(p for p in placements if p == "split-all")
         if "colocated" in placements:
             for a in layouts(n, m, dev, wl):
                 for k in (layouts(n, m, dev, wl) if wl.uses_critic else [None]):

@@ -1,0 +1,35 @@
+"""`hybridflow bench async` at a quick size: an off-policy run with the rollout apart, printed with the
+planner's predicted seconds per step beside the measured ones. Columns and finiteness are checked, not times."""
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_async  # noqa: E402
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("ray_cluster")
+def test_bench_async_quick_prints_the_planners_prediction_beside_each_measured_mode(tmp_path, capsys):
+    path = tmp_path / "async.json"
+    # 2 timed steps: the second submits the third batch, whose weight sync (version 1) falls in the timed steps
+    assert bench_async.main(["--steps", "2", "--warmup", "1", "--prompts", "8", "--val", "8",
+                             "--only", "split one_step", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("run "))
+    assert header.split()[-7:] == ["s/step", "model", "s", "error", "stages", "s", "error"], header
+    row = next(line for line in out.splitlines() if line.startswith("split one_step"))
+    cells = row.split()
+    assert len(cells) == 2 + 8 + 5, row  # the name, 8 measured columns, then s/step and 4 predicted
+    r = json.loads(path.read_text())["results"]["split one_step"]
+    for key in ("mean_step_s", "predicted_model_s", "predicted_stages_s", "error_model", "error_stages"):
+        assert math.isfinite(r[key]), (key, r[key])
+    assert r["predicted_model_s"] > 0 and r["predicted_stages_s"] > 0 and r["mean_step_s"] > 0
+    # the errors are the printed predictions over the measured step, not numbers of their own
+    assert r["error_model"] == r["predicted_model_s"] / r["mean_step_s"] - 1
+    assert r["error_stages"] == r["predicted_stages_s"] / r["mean_step_s"] - 1
+    # an off-policy run's weight syncs are measured (the stages model takes them out of the rollout's time)
+    assert r["sync_s"] > 0 and r["stages_s"]["log_probs_s"] > 0
