@@ -22,14 +22,19 @@ built to the end of its work:
 
 The figure is the resident high-water mark (Linux VmHWM, reset through
 /proc/self/clear_refs after freed memory has been handed back to the OS:
-`benchmarks/figures.py`, as `bench update_memory` measures) minus the
-resident size just before the span: every byte the span allocated, tensors
-and all else (gloo buffers, transformers' bookkeeping), at page granularity.
+`benchmarks/figures.py`, as `bench update_memory` measures) above the
+resident size before the span's model was built, in two parts: `load`
+(building and loading, which also counts the checkpoint's mapped pages read),
+then, from a mark reset after loading, the model in use (two short forward
+passes; two PPO updates for the actor). The launch fixes glibc's mmap threshold
+(MALLOC_MMAP_THRESHOLD_), so every large buffer is mapped and unmapped when
+freed and the mark follows the live buffers rather than the heap's leftovers.
 Shown is the largest over the ranks. `whole` is the model's parameter bytes;
 `target` is 1.1/N of it plus the largest unit FSDP gathers at once (for the
-reward model a decoder layer or the embedding; for `FSDPEngine` its root
-unit: the embedding and the output layer); activations come on top (the
-batch is small so that they stay a few MiB).
+reward model a decoder layer or the embedding; for `FSDPEngine` a block's MLP,
+its attention or the embedding); activations come on top (the batch is one
+short row per rank so that they stay small). FSDP2 holds a unit twice while it
+gathers it (the all-gather's output, then the parameters copied out of it).
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (hybridflow bench runs this by path)
-from figures import peak_since, peak_tensor_mib, reset_peak, write_json  # noqa: E402
+from figures import peak_since, reset_peak, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "hybridflow" / "assets" / "tiny_reward_model"
@@ -85,7 +90,9 @@ def write_checkpoints(args: argparse.Namespace, out: Path) -> dict:
     return {"lm_bytes": sum(p.numel() * 4 for p in decoder.parameters()),
             "rm_bytes": sum(p.numel() * 4 for p in classifier.parameters()),
             "layer_bytes": layer, "embedding_bytes": embedding,
-            "engine_root_bytes": sum(p.numel() * 4 for n, p in decoder.named_parameters() if not n.startswith("layers."))}
+            # FSDPEngine's largest unit: a block's MLP (each block's attention and MLP are units of their own)
+          "engine_unit_bytes": max(sum(p.numel() * 4 for p in decoder.layers[0].mlp.parameters()),
+                                   sum(p.numel() * 4 for p in decoder.layers[0].attn.parameters()), embedding)}
 
 
 def rl_batch(args: argparse.Namespace, rows: int):
@@ -109,10 +116,12 @@ def warm_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def rank_part(args: argparse.Namespace) -> None:
-    """One rank of a launch: the four spans on the tiny warm-up model, then measured on the bench's model, one
+    """One rank of a launch: the spans on the tiny warm-up model, then measured on the bench's model, one
     after the other; rank 0 prints every rank's peaks. The warm-up takes the process's one-time costs
     (lazy imports, thread pools, autograd's and FSDP's first-use allocations: 40-100 MiB, measured) out
-    of the first span measured."""
+    of the first span measured. Each span is measured twice from the resident size before its model was
+    built: `load` (build and load), then, from a mark reset after loading (the checkpoint's file is closed
+    by then, so its mapped pages are no longer resident), `peak` (the work: what the model costs in use)."""
     import gc
 
     import torch.distributed as dist
@@ -127,8 +136,12 @@ def rank_part(args: argparse.Namespace) -> None:
         for name in SPANS:
             dist.barrier()
             base = reset_peak()
-            _, tensors = peak_tensor_mib(measured[name])
-            peaks[name] = {"tensors": tensors, "rss": peak_since(base)}
+            work = measured[name]()  # build and load
+            load = peak_since(base)
+            reset_peak()
+            work()
+            peaks[name] = {"peak": peak_since(base), "load": load}
+            del work
             gc.collect()
     every = [None] * world
     dist.all_gather_object(every, peaks)
@@ -158,18 +171,24 @@ def spans(args: argparse.Namespace, directory: Path, rank: int, world: int) -> d
 
     def reference(engine):
         engine.load_hf_checkpoint(lm)
-        Reference(ReferenceConfig(log_prob_micro_batch_size=1), engine).compute_ref_log_probs(frozen_batch)
+        ref = Reference(ReferenceConfig(log_prob_micro_batch_size=1), engine)
+        return lambda: [ref.compute_ref_log_probs(frozen_batch) for _ in range(2)]
 
     def reward(load):
-        load(rm).score(pair, 1)
+        model = load(rm)
+        return lambda: [model.score(pair, 1) for _ in range(2)]
 
     def update(engine):
         engine.load_hf_checkpoint(lm)
         actor = Actor(actor_cfg, engine)
-        for step in range(2):  # the first allocates gradients and Adam's moments, the second runs on them
-            mine, steps = rows_for_plan(batch, actor.plan(rows, step=step, replicas=world)[rank])
-            actor.update_share(mine, steps)
 
+        def work():
+            for step in range(2):  # the first allocates gradients and Adam's moments, the second runs on them
+                mine, steps = rows_for_plan(batch, actor.plan(rows, step=step, replicas=world)[rank])
+                actor.update_share(mine, steps)
+        return work
+
+    # Each builds and loads its model and returns the work to measure on it.
     return {"reference": lambda: reference(FSDPEngine(cfg)),
             "reference megatron": lambda: reference(MegatronEngine(cfg, ParallelConfig())),
             "reward": lambda: reward(load_sharded_classifier), "reward hf": lambda: reward(load_hf_model),
@@ -184,7 +203,10 @@ def launch(args: argparse.Namespace, world: int, directory: Path) -> dict:
         i = child.index("--json")
         del child[i:i + 2]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    # A fixed mmap threshold: glibc then serves every large buffer by mmap and unmaps it when freed, so the
+    # resident mark follows the live buffers (its default threshold rises after the first large frees, and
+    # freed heap memory stays resident, so each block's gathered weights would pile up in the mark).
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="131072")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(world), __file__, *child, "--part", "--dir", str(directory)],
                           env=env, cwd=ROOT, capture_output=True, text=True)
@@ -202,36 +224,34 @@ def _peak(run: dict, span: str, metric: str) -> float:
 def table(sizes: dict, runs: list[dict]) -> tuple[str, list[dict]]:
     """The two tables (frozen models; the actor's update) as text, and their rows."""
     mib = 2**20
-    frozen = {"reference": ("reference megatron", sizes["lm_bytes"], sizes["engine_root_bytes"]),
+    frozen = {"reference": ("reference megatron", sizes["lm_bytes"], sizes["engine_unit_bytes"]),
               "reward": ("reward hf", sizes["rm_bytes"], max(sizes["layer_bytes"], sizes["embedding_bytes"]))}
     rows = []
-    lines = ["frozen models, build + load + one short forward: peak MiB per rank (max over ranks); whole-model = "
-             "megatron-core at dp = N (reference) or reward.engine hf (reward), the whole model on each rank",
+    lines = ["frozen models, two short forward passes after loading: peak MiB per rank (max over ranks) above the "
+             "resident size before the model was built; whole-model = megatron-core at dp = N (reference) or "
+             "reward.engine hf (reward), the whole model on each rank",
              f"{'model':10s} {'N':>2s} {'whole':>7s} {'fsdp':>7s} {'whole-model':>12s} {'fsdp/whole-model':>17s} "
-             f"{'target':>7s} {'within':>7s} {'rss fsdp':>9s} {'rss whole-model':>16s}"]
+             f"{'target':>7s} {'within':>7s} {'fsdp/(whole/N)':>15s} {'load fsdp':>10s} {'load whole-model':>17s}"]
     for name, (baseline, whole, unit) in frozen.items():
         for run in runs:
             n = run["world"]
-            peak, base = _peak(run, name, "tensors"), _peak(run, baseline, "tensors")
+            peak, base = _peak(run, name, "peak"), _peak(run, baseline, "peak")
             target = (1.1 * whole / n + unit) / mib
             row = {"model": name, "world": n, "whole_mib": whole / mib, "peak_mib": peak, "whole_model_peak_mib": base,
                    "fsdp_over_whole_model": peak / base, "target_mib": target, "within": peak <= target,
-                   "rss_mib": _peak(run, name, "rss"), "rss_whole_model_mib": _peak(run, baseline, "rss")}
+                   "load_mib": _peak(run, name, "load"), "load_whole_model_mib": _peak(run, baseline, "load")}
             rows.append(row)
             lines.append(f"{name:10s} {n:2d} {whole / mib:7.1f} {peak:7.1f} {base:12.1f} "
                          f"{row['fsdp_over_whole_model']:17.2f} {target:7.1f} {'yes' if row['within'] else 'no':>7s} "
-                         f"{row['rss_mib']:9.1f} {row['rss_whole_model_mib']:16.1f}")
-    lines += ["", "actor update, build + load + 2 PPO updates (Adam): peak MiB per rank (max over ranks)",
-              f"{'N':>2s} {'fsdp':>7s} {'megatron dist-opt':>18s} {'fsdp/megatron':>14s} {'rss fsdp':>9s} "
-              f"{'rss megatron':>13s}"]
+                         f"{peak / (whole / mib / n):15.2f} {row['load_mib']:10.1f} {row['load_whole_model_mib']:17.1f}")
+    lines += ["", "actor update, 2 PPO updates (Adam) after loading: peak MiB per rank (max over ranks)",
+              f"{'N':>2s} {'fsdp':>7s} {'megatron dist-opt':>18s} {'fsdp/megatron':>14s}"]
     for run in runs:
-        fsdp, mega = _peak(run, "actor fsdp", "tensors"), _peak(run, "actor megatron", "tensors")
+        fsdp, mega = _peak(run, "actor fsdp", "peak"), _peak(run, "actor megatron", "peak")
         row = {"model": "actor", "world": run["world"], "fsdp_mib": fsdp, "megatron_mib": mega,
-               "fsdp_over_megatron": fsdp / mega, "rss_fsdp_mib": _peak(run, "actor fsdp", "rss"),
-               "rss_megatron_mib": _peak(run, "actor megatron", "rss")}
+               "fsdp_over_megatron": fsdp / mega}
         rows.append(row)
-        lines.append(f"{run['world']:2d} {fsdp:7.1f} {mega:18.1f} {fsdp / mega:14.2f} {row['rss_fsdp_mib']:9.1f} "
-                     f"{row['rss_megatron_mib']:13.1f}")
+        lines.append(f"{run['world']:2d} {fsdp:7.1f} {mega:18.1f} {fsdp / mega:14.2f}")
     return "\n".join(lines), rows
 
 
@@ -262,11 +282,11 @@ def main(argv=None) -> None:
     text, rows = table(sizes, runs)
     cfg = model_config(args)
     print(f"Llama-shaped model: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, float32, CPU, gloo; "
-          f"updates on {args.rows} rows x {args.tokens} positions. Figures: the peak of live tensor bytes torch "
-          f"allocated in the span (profiler allocation events), MiB; `rss`: the resident high-water mark above the "
-          f"resident size before the span (VmHWM), which also counts the mmapped checkpoint's pages and gloo's "
-          f"buffers. target = 1.1/N x whole + the largest unit gathered (reference: FSDPEngine's root, embedding + "
-          f"output layer, {sizes['engine_root_bytes'] / 2**20:.1f} MiB; reward: max(layer "
+          f"updates on {args.rows} rows x {args.tokens} positions. Figures: the resident high-water mark (VmHWM, "
+          f"large buffers mmapped so freed ones leave it) above the resident size before the model was built, MiB; "
+          f"`load`: while building and loading (it also counts the checkpoint's mapped pages read). target = 1.1/N "
+          f"x whole + the largest unit gathered (reference: FSDPEngine's, "
+          f"{sizes['engine_unit_bytes'] / 2**20:.1f} MiB; reward: max(layer "
           f"{sizes['layer_bytes'] / 2**20:.1f}, embedding {sizes['embedding_bytes'] / 2**20:.1f}) MiB)")
     print(text)
     if args.json:

@@ -20,8 +20,10 @@ def test_quick_run_tables_every_span_at_one_and_two_ranks(tmp_path, capsys):
     assert set(frozen) == {(m, n) for m in ("reference", "reward") for n in (1, 2)} and set(actor) == {1, 2}
     for row in rows:
         assert all(v > 0 for k, v in row.items() if k.endswith("_mib")), row
-    # Tensor bytes are counted, not sampled: the same code gives the same figures. At two ranks the sharded
-    # reference peaks below the whole model on each rank (megatron-core at dp = 2).
-    assert frozen["reference", 2]["peak_mib"] < frozen["reference", 2]["whole_model_peak_mib"]
-    # At one rank FSDP shards nothing: its weights are the whole model's.
-    assert frozen["reference", 1]["peak_mib"] >= frozen["reference", 1]["whole_mib"]
+    # At two ranks the sharded reference peaks below the whole model on each rank (megatron-core at dp = 2):
+    # measured 0.81x at this size (0.72x at the bench's default size, 0.48x at four ranks; docs/results.md,
+    # "FSDP2 memory"). Resident marks are page-granular (KiB) and the machine's load does not move them;
+    # the bound 0.9x leaves room for the allocator's slack. (The reward model's units are a whole layer, so
+    # at this small size its peak at two ranks equals the whole model's: not asserted.)
+    row = frozen["reference", 2]
+    assert row["peak_mib"] < 0.9 * row["whole_model_peak_mib"], row
