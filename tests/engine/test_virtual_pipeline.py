@@ -1,0 +1,70 @@
+"""The engine at pp 2 x virtual_pp 2 (megatron-core's interleaved schedule, two model chunks per rank)
+equals one process: tests/engine/vpp_check.py in the suite's 2-process launch, against `compute` run here
+on one rank from the same 4-layer HF model."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridflow.config.schema import ParallelConfig
+from hybridflow.parallel.stages import chunk_layers, layer_place, local_name, param_place, stage_layers
+from tests.engine.vpp_check import compute
+
+
+def test_layers_go_round_robin_over_stages_then_chunks():
+    # 8 layers, pp 2, vpp 2: blocks of 2, block j on stage j % 2 as chunk j // 2.
+    assert [layer_place(i, 8, 2, 2) for i in range(8)] == [(0, 0), (0, 0), (1, 0), (1, 0),
+                                                          (0, 1), (0, 1), (1, 1), (1, 1)]
+    assert stage_layers(1, 8, 2, 2) == [2, 3, 6, 7]
+    assert list(chunk_layers(0, 1, 8, 2, 2)) == [4, 5]
+    assert [layer_place(i, 4, 2) for i in range(4)] == [(0, 0), (0, 0), (1, 0), (1, 0)]  # vpp 1: contiguous
+    assert param_place("embedding.word_embeddings.weight", 8, 2, 2) == (0, 0)
+    assert param_place("decoder.final_layernorm.weight", 8, 2, 2) == (1, 1)
+    assert local_name("decoder.layers.6.mlp.linear_fc1.weight", 8, 2, 2) == "chunk1.decoder.layers.0.mlp.linear_fc1.weight"
+    assert local_name("decoder.layers.3.mlp.linear_fc1.weight", 8, 2) == "decoder.layers.1.mlp.linear_fc1.weight"
+    with pytest.raises(ValueError, match="pp\\*vpp = 2\\*3 must divide the 8 layers"):
+        layer_place(0, 8, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def launched(two_process_launch):
+    got = torch.load(two_process_launch["vpp"], weights_only=False)
+    return got, compute(ParallelConfig(), str(Path(two_process_launch["vpp_dir"]) / "hf"))
+
+
+@pytest.mark.timeout(600)
+def test_chunks_hold_the_layers_parallel_stages_places_there(launched):
+    assert launched[0]["chunk_layers"] == [[[0], [2]], [[1], [3]]]  # rank 0: chunks 0, 1; rank 1 likewise
+
+
+@pytest.mark.timeout(600)
+def test_forward_passes_equal_one_rank(launched):
+    got, want = launched
+    # The same layers in the same order on the same rows: only where a stage ends differs.
+    for key in ("old_log_probs", "entropy", "values", "log_probs_one_micro_batch"):
+        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0, msg=key)
+
+
+@pytest.mark.timeout(600)
+def test_one_update_equals_one_rank(launched):
+    got, want = launched
+    assert got["metrics"].keys() == want["metrics"].keys()
+    for key, value in want["metrics"].items():  # the gradient norm sums squares in another order: a tolerance
+        assert got["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    for name, value in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], value, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.timeout(600)
+def test_generation_weights_export_and_checkpoint_resume_exactly(launched):
+    from hybridflow.models.checkpoint import load_hf_state_dict
+
+    got = launched[0]
+    assert got["fresh_after_refresh"]
+    exported = load_hf_state_dict(got["export_dir"])
+    assert exported.keys() == got["weights"].keys()
+    assert all(torch.equal(exported[n], v) for n, v in got["weights"].items())
+    assert got["resumed_metrics"] == got["second_metrics"] and got["resume_weights_equal"]
+    shard = torch.load(Path(got["shards"]) / "engine_tp0_pp1_dp0.pt", weights_only=True)["model"]
+    assert "chunk1.decoder.layers.0.mlp.linear_fc1.weight" in shard  # global layer 3
+    assert "chunk1.output_layer.weight" in shard  # the tied embedding's copy, on the last chunk
