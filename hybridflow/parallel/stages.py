@@ -95,3 +95,9 @@ def chunks_in(names) -> int:
     """vpp of a stage's parameter names (`local_name`'s spelling): the chunks they name, 1 without any."""
     found = [int(m[1]) for n in names if (m := CHUNK.match(n))]
     return max(found) + 1 if found else 1
+
+
+def layout_label(dims, virtual_pp: int = 1) -> str:
+    """The layout a role's shards are written at, as trainer.json records it: "p2-t1-d1", "-v2" appended
+    for 2 model chunks per stage (the shards then hold other names: a resume compares the labels)."""
+    return str(dims) + (f"-v{virtual_pp}" if virtual_pp > 1 else "")

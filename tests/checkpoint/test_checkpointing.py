@@ -323,7 +323,7 @@ def test_a_resume_at_another_layout_is_named_as_one(tmp_path):
         for tp in (1, 2)}
     cfg = load_config(os.path.join(root, "configs/tiny-ppo.yaml"))
     assert model_tensors(cfg, plans[1], demo) == model_tensors(cfg, plans[2], demo)
-    saved, here = checkpoint_layouts(plans[1]), checkpoint_layouts(plans[2])
+    saved, here = checkpoint_layouts(plans[1], cfg), checkpoint_layouts(plans[2], cfg)
     assert saved == {"actor": "p1-t1-d2", "critic": "p1-t1-d2"}
     check_layouts(saved, saved, tmp_path, 3)
     check_layouts(None, here, tmp_path, 3)  # saved before layouts were recorded: nothing to check
