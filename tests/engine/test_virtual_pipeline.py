@@ -21,7 +21,7 @@ def test_layers_go_round_robin_over_stages_then_chunks():
     assert param_place("embedding.word_embeddings.weight", 8, 2, 2) == (0, 0)
     assert param_place("decoder.final_layernorm.weight", 8, 2, 2) == (1, 1)
     assert local_name("decoder.layers.6.mlp.linear_fc1.weight", 8, 2, 2) == "chunk1.decoder.layers.0.mlp.linear_fc1.weight"
-    assert local_name("decoder.layers.3.mlp.linear_fc1.weight", 8, 2) == "decoder.layers.1.mlp.linear_fc1.weight"
+    assert local_name("decoder.layers.5.mlp.linear_fc1.weight", 8, 2) == "decoder.layers.1.mlp.linear_fc1.weight"
     with pytest.raises(ValueError, match="pp\\*vpp = 2\\*3 must divide the 8 layers"):
         layer_place(0, 8, 2, 3)
 
@@ -68,3 +68,34 @@ def test_generation_weights_export_and_checkpoint_resume_exactly(launched):
     shard = torch.load(Path(got["shards"]) / "engine_tp0_pp1_dp0.pt", weights_only=True)["model"]
     assert "chunk1.decoder.layers.0.mlp.linear_fc1.weight" in shard  # global layer 3
     assert "chunk1.output_layer.weight" in shard  # the tied embedding's copy, on the last chunk
+
+
+@pytest.mark.timeout(600)
+def test_reshard_reads_and_writes_the_engines_chunked_shards(launched, tmp_path, capsys):
+    """`hybridflow reshard` at virtual_pp 2: the engine's shards convert to its HF export bit for bit, and
+    written from the HF model with --pp 2 --virtual-pp 2 they name and shape every tensor as the engine does."""
+    from hybridflow.cli import main
+    from hybridflow.models.checkpoint import load_hf_state_dict
+
+    got = launched[0]
+    hf = Path(got["export_dir"]).parent / "hf"
+    assert main(["reshard", got["shards"], str(tmp_path / "hf"), "--to", "hf", "--config", str(hf),
+                 "--no-progress"]) == 0
+    converted, exported = load_hf_state_dict(tmp_path / "hf"), load_hf_state_dict(got["export_dir"])
+    assert converted.keys() == exported.keys() and all(torch.equal(converted[k], exported[k]) for k in exported)
+
+    assert main(["reshard", str(hf), str(tmp_path / "ckpt"), "--to", "hybridflow", "--pp", "2", "--virtual-pp", "2",
+                 "--no-progress"]) == 0
+    for stage in (0, 1):
+        name = f"engine_tp0_pp{stage}_dp0.pt"
+        written = torch.load(tmp_path / "ckpt" / "step_000000" / "actor" / name, weights_only=True)["model"]
+        engine = torch.load(Path(got["shards"]) / name, weights_only=True)["model"]
+        assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in engine.items()}, stage
+    assert main(["reshard", str(tmp_path / "ckpt"), str(tmp_path / "back"), "--to", "hf", "--no-progress"]) == 0
+    back, original = load_hf_state_dict(tmp_path / "back"), load_hf_state_dict(hf)
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
+    assert main(["reshard", str(hf), str(tmp_path / "x"), "--to", "hf", "--virtual-pp", "2", "--no-progress"]) == 2
+    assert "--virtual-pp: model chunks per pipeline stage" in capsys.readouterr().err
+    assert main(["reshard", str(hf), str(tmp_path / "y"), "--to", "hybridflow", "--pp", "2", "--virtual-pp", "4",
+                 "--no-progress"]) == 2
+    assert "--pp: pp*virtual_pp = 2*4 does not divide the model's 4 layers" in capsys.readouterr().err
