@@ -468,7 +468,10 @@ class MegatronEngine:
         CP rank (`_context_parallel_forward`). Under sequence
         parallelism each row is padded on the right to a multiple of tp columns
         (`pad_columns`: megatron-core splits the sequence evenly over the TP
-        ranks); step_fn never sees the padding either.
+        ranks); step_fn never sees the padding either. At virtual_pp > 1 megatron-core's interleaved schedule
+        runs the micro-batches through every chunk (one data iterator each), in groups of pp: a call with
+        a count not a multiple of pp gets empty micro-batches after its own (no report; its real losses
+        scaled by padded / real count, so the gradient is the same).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
