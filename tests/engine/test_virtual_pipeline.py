@@ -20,7 +20,8 @@ def test_layers_go_round_robin_over_stages_then_chunks():
     assert [layer_place(i, 4, 2) for i in range(4)] == [(0, 0), (0, 0), (1, 0), (1, 0)]  # vpp 1: contiguous
     assert param_place("embedding.word_embeddings.weight", 8, 2, 2) == (0, 0)
     assert param_place("decoder.final_layernorm.weight", 8, 2, 2) == (1, 1)
-    assert local_name("decoder.layers.6.mlp.linear_fc1.weight", 8, 2, 2) == "chunk1.decoder.layers.0.mlp.linear_fc1.weight"
+    assert (local_name("decoder.layers.6.mlp.linear_fc1.weight", 8, 2, 2)
+            == "chunk1.decoder.layers.0.mlp.linear_fc1.weight")
     assert local_name("decoder.layers.5.mlp.linear_fc1.weight", 8, 2) == "decoder.layers.1.mlp.linear_fc1.weight"
     with pytest.raises(ValueError, match="pp\\*vpp = 2\\*3 must divide the 8 layers"):
         layer_place(0, 8, 2, 3)

@@ -208,7 +208,8 @@ CONFIG = {
                    "actor.parallel.pp=2", "actor.parallel.virtual_pp=2"],
         2, "actor.parallel.virtual_pp: 2: a rollout group placed apart from training is fed from virtual_pp = 1"),
     "reference virtual pp unlike the actor's": (
-        lambda t: ["trainer.n_devices=2", "actor.parallel.pp=2", "actor.parallel.virtual_pp=2", "reference.parallel.pp=2"],
+        lambda t: ["trainer.n_devices=2", "actor.parallel.pp=2", "actor.parallel.virtual_pp=2",
+                   "reference.parallel.pp=2"],
         2, "reference.parallel.virtual_pp: must equal actor.parallel.virtual_pp=2, got 1"),
     "virtual pp not dividing the layers": (
         lambda t: ["trainer.n_devices=2", "actor.parallel.pp=2", "actor.parallel.virtual_pp=4"], 2,
