@@ -57,6 +57,19 @@ def test_one_update_equals_one_rank(launched):
 
 
 @pytest.mark.timeout(600)
+def test_an_update_of_micro_batches_not_a_multiple_of_pp_equals_one_rank(launched):
+    """3 micro-batches at pp 2: the interleaved schedule runs groups of pp, so the engine adds an empty one
+    and scales the real losses by 4/3 (megatron-core divides by 4): one rounding more than one rank."""
+    got, want = launched
+    assert got["critic_update_micro_batches"] == [3]  # what the engine was handed
+    assert got["critic_metrics"].keys() == want["critic_metrics"].keys()
+    for key, value in want["critic_metrics"].items():
+        assert got["critic_metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    torch.testing.assert_close(got["values_after_update"], want["values_after_update"], atol=1e-6, rtol=0)
+    assert not torch.equal(want["values_after_update"], want["values"])  # the update moved the values
+
+
+@pytest.mark.timeout(600)
 def test_generation_weights_export_and_checkpoint_resume_exactly(launched):
     from hybridflow.models.checkpoint import load_hf_state_dict
 

@@ -6,7 +6,8 @@ From the same HF checkpoint as the one-rank reference (`reference`): the actor's
 micro-batches of 3 (2 micro-batches) and of 4 (1, which the engine pads to a group of pp), a critic's
 values, one actor update of 4 micro-batches and its weights gathered back to HF layout, the generation
 model at tg = 1 refreshed from them, the HF export streamed stage by stage, and a checkpoint that
-resumes exactly (a second update from the restored engine equals the original's second update).
+resumes exactly (a second update from the restored engine equals the original's second update); and a
+critic update of 3 micro-batches, which the engine pads to a group of pp (2) with an empty one.
 Rank 0 writes everything to argv[1]; argv[2] is the directory for the HF model and the checkpoint.
 """
 import os
@@ -49,6 +50,15 @@ def compute(parallel, hf_path, ckpt_dir=None) -> dict:
         critic_engine.named_params()[head].data.copy_(case.value_head)
     out.update(Critic(CriticConfig(ppo_micro_batch_size=3), critic_engine, mini_batch_size=4)
                .compute_values(case.batch))
+    # A critic update of 3 micro-batches: the engine pads them to 4 (a group of pp), scaling the real losses.
+    three = {k: v[:3] for k, v in {**case.batch, F.VALUES: out[F.VALUES], F.RETURNS: case.returns}.items()}
+    critic = Critic(CriticConfig(ppo_micro_batch_size=1), critic_engine, mini_batch_size=3)
+    calls, run = [], critic_engine.run
+    critic_engine.run = lambda micro_batches, *a, **k: calls.append(len(micro_batches)) or run(micro_batches, *a, **k)
+    out["critic_metrics"] = critic.update(three, 0)
+    out["critic_update_micro_batches"] = calls
+    del critic_engine.run
+    out["values_after_update"] = critic.compute_values(case.batch)[F.VALUES]
     generation = GroupedWeights(engine, 1)
     out["metrics"] = actor.update(case.batch, step=0)
     out["weights"] = engine.hf_state_dict()
