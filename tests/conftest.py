@@ -74,14 +74,16 @@ def two_process_launch(tmp_path_factory, layouts_hf):
     (tests/hybrid_engine/tp_generate_check.py), an update at DP = 2 (tests/engine/dp_step.py), the FSDP2
     engine's roles at 2 ranks (tests/engine/fsdp_check.py), a reward model sharded by FSDP2
     (tests/engine/fsdp_frozen_check.py), the engine at TP2 with and without sequence parallelism
-    (tests/engine/layouts_check.py) and FSDP checkpoints for the reshard tool, one of them its own output
-    loaded back (tests/reshard/fsdp_save_check.py)."""
+    (tests/engine/layouts_check.py), FSDP checkpoints for the reshard tool, one of them its own output
+    loaded back (tests/reshard/fsdp_save_check.py), and the engine at pp 2 with virtual_pp 2
+    (tests/engine/vpp_check.py)."""
     from tests.reshard.fsdp_save_check import write_from_hf
     from tests.torchrun import torchrun_scripts
 
     tmp = tmp_path_factory.mktemp("two_processes")
     paths = {"tp_generate": tmp / "tp_generate.pt", "dp_step": tmp / "dp2.pt", "sp_layouts": tmp / "sp.pt",
-             "fsdp": tmp / "fsdp.pt", "fsdp_reshard": tmp / "fsdp_reshard", "fsdp_frozen": tmp / "fsdp_frozen.pt"}
+             "fsdp": tmp / "fsdp.pt", "fsdp_reshard": tmp / "fsdp_reshard", "fsdp_frozen": tmp / "fsdp_frozen.pt",
+             "vpp": tmp / "vpp.pt", "vpp_dir": tmp / "vpp"}
     write_from_hf(paths["fsdp_reshard"])  # the tool's HF -> fsdp output, which the launch loads at 2 ranks
     torchrun_scripts(2, [{"script": "tests/hybrid_engine/tp_generate_check.py", "args": [paths["tp_generate"]]},
                          {"script": "tests/engine/dp_step.py", "args": [paths["dp_step"]]},
@@ -89,5 +91,7 @@ def two_process_launch(tmp_path_factory, layouts_hf):
                          {"script": "tests/engine/fsdp_frozen_check.py", "args": [paths["fsdp_frozen"]]},
                          {"script": "tests/reshard/fsdp_save_check.py", "args": [paths["fsdp_reshard"]]},
                          {"script": "tests/engine/layouts_check.py",
-                          "args": [paths["sp_layouts"], layouts_hf, "tp2_pp1_sp,tp2_pp1"]}], timeout=600)
+                          "args": [paths["sp_layouts"], layouts_hf, "tp2_pp1_sp,tp2_pp1"]},
+                         {"script": "tests/engine/vpp_check.py", "args": [paths["vpp"], paths["vpp_dir"]]}],
+                     timeout=600)
     return paths

@@ -29,7 +29,7 @@ ROLES = tuple(f.name for f in dataclasses.fields(PlacementConfig))  # rollout, r
 ENGINE_ROLES = ("training", "critic", "reference")  # the placement roles that run a megatron-core engine
 # What one process's megatron-core layout fixes: roles sharing a process (the critic with the actor,
 # under torchrun always, under Ray when their devices and these degrees agree) must agree on these.
-PROCESS_LAYOUT_KEYS = ("tp", "pp", "cp")
+PROCESS_LAYOUT_KEYS = ("tp", "pp", "cp", "virtual_pp")  # what megatron-core holds once per process
 
 
 # --------------------------------------------------------------------------- from the config alone
@@ -146,7 +146,7 @@ class RunPlan:
         needs_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
         on_actor_devices = {role: sorted(devices[role]) == sorted(devices["training"]) for role in ROLES}
         a, c = cfg.actor.parallel, cfg.critic.parallel
-        same_process_layout = all(getattr(a, k) == getattr(c, k) for k in PROCESS_LAYOUT_KEYS)
+        same_process_layout = all((getattr(a, k) or 1) == (getattr(c, k) or 1) for k in PROCESS_LAYOUT_KEYS)
         # Generation replicas: the rollout group's processes, or the actor's when it is not apart, over the
         # generation layout's tg * pg.
         replicas = worlds["rollout" if apart else "training"] // (cfg.rollout.tg * cfg.rollout.pg)

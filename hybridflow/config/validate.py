@@ -81,7 +81,8 @@ def _check_reference_layout(cfg: Config) -> None:
     a, r = cfg.actor.parallel, cfg.reference.parallel
     if r is None:
         return
-    for key, mine, actor in (("tp", r.tp, a.tp), ("pp", r.pp, a.pp), ("cp", r.cp, a.cp)):
+    for key, mine, actor in (("tp", r.tp, a.tp), ("pp", r.pp, a.pp), ("cp", r.cp, a.cp),
+                             ("virtual_pp", r.virtual_pp or 1, a.virtual_pp or 1)):
         if mine != actor:
             raise ConfigError(f"reference.parallel.{key}", f"must equal actor.parallel.{key}={actor}, got {mine}: "
                               "the reference shares the actor's processes and their megatron-core layout")
@@ -113,8 +114,7 @@ def _check_not_built(cfg: Config, plan: RunPlan) -> None:
                           f"replica and is built for one (the actor has {train.dp}); use "
                           "'hybridflow' or 'vanilla'")
     for path, par in engine_parallel(cfg).values():
-        if par.virtual_pp is not None:
-            raise ConfigError(f"{path}.virtual_pp", "the interleaved pipeline schedule is not built yet")
+        _check_interleaved(par, path, plan)
     a = cfg.actor.parallel
     if a.cp > 1 and plan.rollout_apart:
         raise ConfigError("actor.parallel.cp", f"{a.cp}: a rollout group placed apart from training is fed "
@@ -125,6 +125,20 @@ def _check_not_built(cfg: Config, plan: RunPlan) -> None:
                           "than placement.training's)")
     _check_engine(cfg)
     _check_train_engines(cfg, plan)
+
+
+def _check_interleaved(par: ParallelConfig, path: str, plan: RunPlan) -> None:
+    """What the interleaved pipeline (virtual_pp > 1) runs with: cp = 1 and the rollout colocated. (Its
+    schedule runs micro-batches in groups of pp; the engine pads a call's micro-batches to a multiple of pp
+    with empty ones, so no batch size is refused.)"""
+    if (par.virtual_pp or 1) == 1:
+        return
+    if par.cp > 1:
+        raise ConfigError(f"{path}.virtual_pp", f"{par.virtual_pp} with cp = {par.cp}: the interleaved pipeline "
+                          "runs at cp = 1 only (use virtual_pp 1, or cp 1)")
+    if plan.rollout_apart and path == "actor.parallel":
+        raise ConfigError(f"{path}.virtual_pp", f"{par.virtual_pp}: a rollout group placed apart from training "
+                          "is fed from virtual_pp = 1 layouts only (colocate the rollout, or use virtual_pp 1)")
 
 
 def _check_train_engines(cfg: Config, plan: RunPlan) -> None:
@@ -323,7 +337,7 @@ def _check_one_process_layout(cfg: Config, plan: RunPlan) -> None:
     a, c = cfg.actor.parallel, cfg.critic.parallel
     for key in PROCESS_LAYOUT_KEYS:
         mine, actor = getattr(c, key), getattr(a, key)
-        if mine != actor:
+        if (mine or 1) != (actor or 1):  # virtual_pp: None is 1
             raise ConfigError(f"critic.parallel.{key}", f"must equal actor.parallel.{key}={actor} without Ray "
                               f"(trainer.launcher=local or torchrun): the critic then shares the actor's processes "
                               f"and their megatron-core layout; got {mine}")

@@ -38,14 +38,15 @@ def init_model_parallel(parallel: ParallelConfig, device: str = "cpu",
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                 ps.get_context_parallel_world_size())
-        if have != (parallel.tp, parallel.pp, parallel.cp):
-            raise ValueError(f"this process already runs layout tp,pp,cp={have}; "
-                             f"a second engine asked for {(parallel.tp, parallel.pp, parallel.cp)}")
+        have += (ps.get_virtual_pipeline_model_parallel_world_size() or 1,)
+        if have != (parallel.tp, parallel.pp, parallel.cp, parallel.virtual_pp or 1):
+            raise ValueError(f"this process already runs layout tp,pp,cp,virtual_pp={have}; a second engine "
+                             f"asked for {(parallel.tp, parallel.pp, parallel.cp, parallel.virtual_pp or 1)}")
     else:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
             context_parallel_size=parallel.cp,
-            virtual_pipeline_model_parallel_size=parallel.virtual_pp)
+            virtual_pipeline_model_parallel_size=parallel.virtual_pp if (parallel.virtual_pp or 1) > 1 else None)
     here = dims.coord(dist.get_rank())
     megatron = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                 ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import pickle
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
@@ -45,8 +44,7 @@ from hybridflow.models.config import DecoderConfig
 from hybridflow.models.sharding import unshard_tensor
 from hybridflow.parallel.cp_split import cp_split
 from hybridflow.parallel.layout import Coord, ParallelDims
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+from hybridflow.parallel.stages import chunk_layers, chunk_name, local_name, param_stage
 
 # A role's step function: (model output [B, S, ...] in the caller's column order,
 # micro-batch) -> (scalar loss, metrics or outputs to collect).
@@ -98,6 +96,10 @@ class MegatronEngine:
     the layout is the world's at `parallel`'s degrees. `self.layout` is it, and `self.coord` this rank's
     place in it; `parallel` supplies the settings a layout does not hold (virtual_pp, sequence_parallel,
     distributed_optimizer).
+    virtual_pp = v > 1 (pp > 1): the rank holds v model chunks (`self.chunks`, each a GPTModel, and
+    `self.models`, their DDP wrappers; one optimizer over all), run by megatron-core's interleaved schedule;
+    chunk c of stage s holds the layers `parallel.stages.chunk_layers(s, c, ...)`. `self.module` and
+    `self.model` are the first chunk and its wrapper (the only ones at v = 1).
     """
 
     kind = "megatron"
@@ -123,15 +125,22 @@ class MegatronEngine:
         self.bridge = get_bridge(model_cfg, make_vocab_size_divisible_by, self.layout.tp)
         self.tconfig = transformer_config(model_cfg, parallel, self.dtype, device, layer_kernels)
         self.rope = RopePositions()  # per-row positions for shared-prompt rows (`_forward_step`)
-        self.module = build_model(model_cfg, self.tconfig, self.bridge.padded_vocab, self.dtype, self.torch_device,
-                                  self.rope, value_head=value_head, fused_output=self.fused_output)
+        self.virtual_pp = parallel.virtual_pp or 1
+        self.chunks: list[nn.Module] = [
+            build_model(model_cfg, self.tconfig, self.bridge.padded_vocab, self.dtype, self.torch_device,
+                        self.rope, value_head=value_head, fused_output=self.fused_output,
+                        vp_stage=c if self.virtual_pp > 1 else None) for c in range(self.virtual_pp)]
+        self._check_chunk_layers()
+        self.module = self.chunks[0]
         self.optimizer = self.scheduler = None
-        self.model: nn.Module = self.module
+        self.models: list[nn.Module] = list(self.chunks)
         if optim is not None:
             self._build_ddp_and_optimizer(optim, total_steps)
         else:
-            self.module.requires_grad_(False)
-            self.module.eval()
+            for chunk in self.chunks:
+                chunk.requires_grad_(False)
+                chunk.eval()
+        self.model: nn.Module = self.models[0]
 
     # -- construction ---------------------------------------------------------
     @property
@@ -148,15 +157,18 @@ class MegatronEngine:
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=self.distributed_optimizer)
-        self.model = DistributedDataParallel(self.tconfig, ddp_cfg, self.module)
-        self.tconfig.no_sync_func = self.model.no_sync
+        # As megatron-core's own `get_model`: one DDP per chunk, the later chunks' buffers in one bucket.
+        self.models = [DistributedDataParallel(self.tconfig, ddp_cfg, chunk, disable_bucketing=c > 0)
+                       for c, chunk in enumerate(self.chunks)]
+        no_sync = [m.no_sync for m in self.models]
+        self.tconfig.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         ocfg = OptimizerConfig(
             optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
             adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
             clip_grad=optim.grad_clip, bf16=self.dtype == torch.bfloat16, fp16=False,
             params_dtype=self.dtype, use_distributed_optimizer=self.distributed_optimizer)
-        self.optimizer = get_megatron_optimizer(ocfg, [self.model])
+        self.optimizer = get_megatron_optimizer(ocfg, self.models)
         if self.device == "cpu":
             use_fused_adam(self.optimizer)
         decay = max(1, total_steps)
@@ -194,14 +206,25 @@ class MegatronEngine:
         return ps.get_tensor_model_parallel_group()
 
     # -- weights --------------------------------------------------------------
-    def _inner(self) -> nn.Module:
-        return self.module.module if hasattr(self.module, "module") else self.module
+    def _inner(self, chunk: int = 0) -> nn.Module:
+        module = self.chunks[chunk]
+        return module.module if hasattr(module, "module") else module
+
+    def _check_chunk_layers(self) -> None:
+        """Each chunk's layers are where `parallel.stages` (the plans, the reshard tool) says they are."""
+        for c in range(self.virtual_pp):
+            layers = self._inner(c).decoder.layers
+            built = [layer.layer_number - 1 for layer in layers]
+            want = list(chunk_layers(self.coord.pp, c, self.cfg.num_layers, self.layout.pp, self.virtual_pp))
+            if built != want:
+                raise RuntimeError(f"megatron-core built layers {built} as chunk {c} of stage {self.coord.pp}; "
+                                   f"parallel.stages places {want} there")
 
     @property
     def output_weight(self) -> Optional[Tensor]:
         """With fused_output, the weight the output layer was to apply in the last forward pass (its own,
         or the tied embedding); None before the first one and on stages without the output layer."""
-        layer = getattr(self._inner(), "output_layer", None)
+        layer = getattr(self._inner(self.virtual_pp - 1), "output_layer", None)
         weight = layer.used_weight if isinstance(layer, HiddenOutput) else None
         if weight is not None and self.layout.cp > 1:
             # At cp > 1 every CP rank applies it to the whole gathered output, so each holds the weight's
@@ -211,40 +234,37 @@ class MegatronEngine:
         return weight
 
     def named_params(self) -> dict[str, Tensor]:
-        """This rank's parameters under megatron-core's *local* names (layers numbered per stage)."""
-        return dict(self._inner().named_parameters())
+        """This rank's parameters under megatron-core's *local* names (layers numbered per chunk), each
+        chunk's prefixed by it at virtual_pp > 1 (`parallel.stages.local_name`)."""
+        return {chunk_name(c, name, self.virtual_pp): p for c in range(self.virtual_pp)
+                for name, p in self._inner(c).named_parameters()}
 
-    @property
-    def stage_layers(self) -> range:
-        """Global indices of the decoder layers on this pipeline stage."""
-        layers = self._inner().decoder.layers
-        first = layers[0].layer_number - 1 if len(layers) else 0
-        return range(first, first + len(layers))
+    def local_name(self, megatron_name: str) -> str:
+        """A global megatron name's spelling in `named_params` (on the stage that holds it)."""
+        return local_name(megatron_name, self.cfg.num_layers, self.layout.pp, self.virtual_pp)
 
     def stage_entries(self) -> list[tuple[Any, str]]:
         """(bridge entry, local name) of every bridge tensor on this stage.
 
-        megatron-core numbers `decoder.layers.N` from 0 on every stage; the
-        bridge and HF checkpoints number layers globally.
+        megatron-core numbers `decoder.layers.N` from 0 on every chunk; the
+        bridge and HF checkpoints number layers globally. Which stage and chunk
+        holds a tensor is `parallel.stages`' answer, the one the plans use.
         """
-        names, layers, out = self.named_params().keys(), self.stage_layers, []
+        names, out = self.named_params().keys(), []
         for entry in self.bridge.entries():
             if self.value_head and entry.megatron == "output_layer.weight":
                 continue
-            match = _LAYER.match(entry.megatron)
-            if match is None:
-                local = entry.megatron if entry.megatron in names else None
-            else:
-                index = int(match[1])
-                local = f"decoder.layers.{index - layers.start}.{match[2]}" if index in layers else None
-            if local is not None:
+            if param_stage(entry.megatron, self.cfg.num_layers, self.layout.pp, self.virtual_pp) != self.coord.pp:
+                continue
+            local = self.local_name(entry.megatron)
+            if local in names:  # not a tied output layer at pp = 1 (the embedding's)
                 out.append((entry, local))
         return out
 
     def _tied_output_copy(self) -> bool:
         """The last stage's copy of a tied embedding (pp > 1): loaded from the embedding, never exported."""
         return (self.cfg.tie_word_embeddings and not self.value_head and self.layout.pp > 1
-                and "output_layer.weight" in self.named_params())
+                and self.local_name("output_layer.weight") in self.named_params())
 
     def load_hf_state_dict(self, hf: dict[str, Tensor]) -> None:
         """Copy full HF tensors (in memory) into this rank's shards, in place."""
@@ -272,7 +292,7 @@ class MegatronEngine:
             params[local].copy_(self.bridge.read_shard(entry, read, tp_rank, tp))
         if self._tied_output_copy():
             embedding = next(e for e in self.bridge.entries() if e.megatron == "embedding.word_embeddings.weight")
-            params["output_layer.weight"].copy_(self.bridge.read_shard(embedding, read, tp_rank, tp))
+            params[self.local_name("output_layer.weight")].copy_(self.bridge.read_shard(embedding, read, tp_rank, tp))
         if self.optimizer is not None:
             self.optimizer.reload_model_params()
 
@@ -349,7 +369,8 @@ class MegatronEngine:
         return self.bridge.megatron_to_generation(self.named_params())
 
     # -- compute --------------------------------------------------------------
-    def _forward_step(self, step_fn: StepFn, packed: bool, share_prompts: bool, data_iterator, model):
+    def _forward_step(self, step_fn: StepFn, packed: bool, share_prompts: bool, scale: float, data_iterator,
+                      model):
         batch, rows = next(data_iterator)
         idx = left_align_index(batch[F.ATTENTION_MASK])
         ids = batch[F.INPUT_IDS].gather(1, idx).to(self.torch_device)
@@ -377,7 +398,7 @@ class MegatronEngine:
             causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
             # At pp > 1 the output is this stage's activations, so the padding is cut in `_loss`.
             output = model(*pad_columns(ids, positions, causal, split))
-        return output, functools.partial(self._loss, step_fn, batch, idx, rows)
+        return output, functools.partial(self._loss, step_fn, batch, idx, rows, scale)
 
     def _context_parallel_forward(self, model, ids: Tensor) -> Tensor:
         """The output [b, s, ...] of left-aligned rows `ids` [b, s] at cp > 1, on every CP rank.
@@ -412,7 +433,9 @@ class MegatronEngine:
         return self.layout.tp if self.tconfig.sequence_parallel else 1
 
     @staticmethod
-    def _loss(step_fn: StepFn, batch: dict[str, Any], idx: Tensor, rows: int, output: Tensor):
+    def _loss(step_fn: StepFn, batch: dict[str, Any], idx: Tensor, rows: int, scale: float, output: Tensor):
+        if rows == 0:  # a micro-batch only the interleaved schedule's grouping added
+            return output.sum() * 0.0, None
         output = unalign(output[:, :idx.shape[1]], idx.to(output.device))  # less any columns `pad_columns` added
         # The micro-batch arrives as the controller sent it (CPU); the loss is computed where the model ran.
         batch = {k: v.to(output.device) if isinstance(v, Tensor) else v for k, v in batch.items()}
@@ -420,7 +443,8 @@ class MegatronEngine:
             output = output.squeeze(-1)
         if rows < len(output):  # rows added only to give every pipeline micro-batch one shape
             output, batch = output[:rows], slice_rows(batch, 0, rows)
-        return step_fn(output, batch)
+        loss, report = step_fn(output, batch)
+        return (loss if scale == 1 else loss * scale), report
 
     def run(self, micro_batches: list[dict[str, Any]], step_fn: StepFn,
             forward_only: bool = False, packed: bool = False,
@@ -444,7 +468,10 @@ class MegatronEngine:
         CP rank (`_context_parallel_forward`). Under sequence
         parallelism each row is padded on the right to a multiple of tp columns
         (`pad_columns`: megatron-core splits the sequence evenly over the TP
-        ranks); step_fn never sees the padding either.
+        ranks); step_fn never sees the padding either. At virtual_pp > 1 megatron-core's interleaved schedule
+        runs the micro-batches through every chunk (one data iterator each), in groups of pp: a call with
+        a count not a multiple of pp gets empty micro-batches after its own (no report; its real losses
+        scaled by padded / real count, so the gradient is the same).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -459,14 +486,23 @@ class MegatronEngine:
         rows = [len(mb[F.INPUT_IDS]) for mb in micro_batches]
         size = max(rows)
         data = [(pad_with_empty_rows(mb, size) if self.layout.pp > 1 else mb, n) for mb, n in zip(micro_batches, rows)]
-        self.model.train(not forward_only)
+        real = len(data)
+        if self.virtual_pp > 1:
+            # The interleaved schedule runs micro-batches in groups of pp: pad with empty ones (no row is
+            # real, so step_fn never sees them) and scale the real losses so the gradient stays the sum
+            # of step_fn's losses / len(micro_batches).
+            data += [(pad_with_empty_rows(slice_rows(micro_batches[0], 0, 0), size), 0)] * (-real % self.layout.pp)
+        scale = len(data) / real
+        for model in self.models:
+            model.train(not forward_only)
         with torch.set_grad_enabled(not forward_only):
             reports = get_forward_backward_func()(
-                forward_step_func=functools.partial(self._forward_step, step_fn, packed, share_prompts),
-                data_iterator=iter(data), model=[self.model],
-                num_microbatches=len(data),
+                forward_step_func=functools.partial(self._forward_step, step_fn, packed, share_prompts, scale),
+                data_iterator=[iter(data) for _ in self.models] if self.virtual_pp > 1 else iter(data),
+                model=self.models, num_microbatches=len(data),
                 seq_length=self._pipeline_width(data[0][0][F.INPUT_IDS].shape[1]),
                 micro_batch_size=data[0][0][F.INPUT_IDS].shape[0], forward_only=forward_only)
+        reports = reports[:real]  # the padding micro-batches come last and report nothing
         return self._from_last_stage(to_cpu(reports))  # reports leave the engine as CPU tensors, like batches
 
     def _from_last_stage(self, reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -481,7 +517,8 @@ class MegatronEngine:
         return reports if last else box[0]
 
     def zero_grad(self) -> None:
-        self.model.zero_grad_buffer()
+        for model in self.models:
+            model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
     def step(self) -> StepStats:

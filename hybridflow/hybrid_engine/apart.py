@@ -136,17 +136,17 @@ def _slices_of(p: ParamInfo, t: int, tg: int, j: int) -> list[tuple[int, Slice]]
 
 
 def plan_apart(params: Iterable[ParamInfo], train: ParallelDims, tg: int, rollout_world: int,
-               bucket_bytes: int = 64 * 2**20) -> ApartPlan:
+               bucket_bytes: int = 64 * 2**20, virtual_pp: int = 1) -> ApartPlan:
     """Every broadcast of a sync from the training layout `train` into `rollout_world // tg` replicas of a
-    `tg`-way generation model (see the module docstring)."""
+    `tg`-way generation model (see the module docstring); virtual_pp: the training stages' model chunks."""
     params = list(params)
     if tg < 1 or rollout_world % tg:
         raise ValueError(f"tg={tg} must divide the rollout group's {rollout_world} ranks")
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     layers = 1 + max((_layer(p.name) for p in params if _layer(p.name) is not None), default=0)
-    if layers % train.pp:
-        raise ValueError(f"p={train.pp} must divide the {layers} layers")
+    if layers % (train.pp * virtual_pp):
+        raise ValueError(f"p*virtual_pp = {train.pp}*{virtual_pp} must divide the {layers} layers")
     n, replicas = train.world_size, rollout_world // tg
     plan = ApartPlan(train, tg, rollout_world, bucket_bytes)
     # (sender, receivers) -> that group's slices, in parameter order
@@ -155,7 +155,7 @@ def plan_apart(params: Iterable[ParamInfo], train: ParallelDims, tg: int, rollou
     for j in range(tg):
         dsts = tuple(n + q * tg + j for q in range(replicas))
         for p in params:
-            stage = _stage(p.name, layers, train.pp)
+            stage = _stage(p.name, layers, train.pp, virtual_pp)
             for r, s in _slices_of(p, train.tp, tg, j):
                 holders = [train.rank(Coord(tp=r, cp=0, dp=d, pp=stage)) for d in range(train.dp)]
                 src = min(holders, key=lambda h: (load[h], h))

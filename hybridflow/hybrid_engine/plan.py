@@ -45,6 +45,7 @@ from typing import Iterable, Optional
 
 from hybridflow.models.sharding import ShardSpec, spec_for
 from hybridflow.parallel.layout import Coord, ParallelDims  # noqa: F401 (Coord: see gen_coord)
+from hybridflow.parallel.stages import param_stage
 
 GROUPINGS = ("hybridflow", "vanilla", "full")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -135,11 +136,9 @@ def _layer(name: str) -> Optional[int]:
     return int(match[1]) if match else None
 
 
-def _stage(name: str, layers: int, stages: int) -> int:
-    index = _layer(name)
-    if index is not None:
-        return index // (layers // stages)
-    return 0 if name.startswith("embedding.") else stages - 1
+def _stage(name: str, layers: int, stages: int, virtual_pp: int = 1) -> int:
+    """The training (or generation) stage holding a parameter: `parallel.stages`' answer, the engine's."""
+    return param_stage(name, layers, stages, virtual_pp)
 
 
 def _pieces(p: ParamInfo, t: int) -> list[tuple[int, int]]:
@@ -179,17 +178,20 @@ def _check(train: ParallelDims, gen: GenLayout, grouping: str, layers: int) -> N
 
 
 def plan_reshard(params: Iterable[ParamInfo], train: ParallelDims, gen: GenLayout,
-                 grouping: str = "hybridflow") -> ReshardPlan:
-    """Who holds, needs and receives which piece of every parameter (see the module docstring)."""
+                 grouping: str = "hybridflow", virtual_pp: int = 1) -> ReshardPlan:
+    """Who holds, needs and receives which piece of every parameter (see the module docstring).
+    virtual_pp: the training pipeline's model chunks per stage (its layers interleave over the stages)."""
     params = list(params)
     layers = 1 + max((_layer(p.name) for p in params if _layer(p.name) is not None), default=0)
     _check(train, gen, grouping, layers)
+    if layers % (train.pp * virtual_pp):
+        raise ValueError(f"p*virtual_pp = {train.pp}*{virtual_pp} must divide the {layers} layers")
     world, t, k = train.world_size, train.tp, train.tp // gen.tg
     coords = [gen_coord(train, gen, grouping, r) for r in range(world)]
     held: dict[int, set] = {r: set() for r in range(world)}
     needed: dict[int, set] = {r: set() for r in range(world)}
     for p in params:
-        stage, gstage = _stage(p.name, layers, train.pp), _stage(p.name, layers, gen.pg)
+        stage, gstage = _stage(p.name, layers, train.pp, virtual_pp), _stage(p.name, layers, gen.pg)
         for rank in range(world):
             c, g = train.coord(rank), coords[rank]
             for r, b in _pieces(p, t):

@@ -76,7 +76,8 @@ class GroupedWeights:
             raise ValueError("the 'full' baseline gathers within one training replica; it is built for d = 1, "
                              f"got d = {train.dp}")
         element = torch.empty((), dtype=engine.dtype).element_size()
-        self.plan = plan_reshard(bridge_params(engine.bridge, element), train, GenLayout(tg=tg), grouping)
+        self.plan = plan_reshard(bridge_params(engine.bridge, element), train, GenLayout(tg=tg), grouping,
+                                 engine.virtual_pp)
         me = self.plan.gen_coords[rank]
         self.tg_rank = me.tg_rank
         index, count = self.plan.generation_replica(rank)

@@ -18,7 +18,6 @@ assembled, so the three HF tensors of one fused QKV (or the two of
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -30,10 +29,11 @@ from hybridflow.errors import ConfigError
 from hybridflow.models.bridge import ParamEntry, get_bridge
 from hybridflow.models.config import DecoderConfig, ModelConfigError
 from hybridflow.parallel.layout import ParallelDims
+from hybridflow.parallel.stages import local_name as stages_local_name
+from hybridflow.parallel.stages import param_stage
 
 EMBEDDING = "embedding.word_embeddings.weight"
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
 @dataclass(frozen=True)
@@ -93,21 +93,15 @@ class Source:
         return self.format.reader(self)
 
 
-def stage_of(megatron_name: str, layers: int, stages: int) -> int:
-    """The pipeline stage holding a parameter: whole layers, evenly; embedding first, the rest last."""
-    match = _LAYER.match(megatron_name)
-    if match:
-        return int(match[1]) // (layers // stages)
-    return 0 if megatron_name.startswith("embedding.") else stages - 1
+def stage_of(megatron_name: str, layers: int, stages: int, virtual_pp: int = 1) -> int:
+    """The pipeline stage holding a parameter (`parallel.stages`, the engine's and the plans' answer)."""
+    return param_stage(megatron_name, layers, stages, virtual_pp)
 
 
-def local_name(megatron_name: str, layers: int, stages: int) -> str:
-    """The name on its stage: megatron-core numbers each stage's layers from 0."""
-    match = _LAYER.match(megatron_name)
-    if match is None:
-        return megatron_name
-    first = stage_of(megatron_name, layers, stages) * (layers // stages)
-    return f"decoder.layers.{int(match[1]) - first}.{match[2]}"
+def local_name(megatron_name: str, layers: int, stages: int, virtual_pp: int = 1) -> str:
+    """The name on its stage: megatron-core numbers each chunk's layers from 0; at virtual_pp > 1 the
+    chunk prefixes it (`parallel.stages.local_name`)."""
+    return stages_local_name(megatron_name, layers, stages, virtual_pp)
 
 
 def hf_names(cfg: DecoderConfig, value_head: bool) -> list[str]:
@@ -209,6 +203,7 @@ class Plan:
     dp: int = 1  # above 1 only for hybridflow, whose DP copies of a rank's file are links
     divisible_by: int = 128
     items: list[Item] = field(default_factory=list)
+    virtual_pp: int = 1  # hybridflow: model chunks per pipeline stage (their tensors named per chunk)
 
     def nbytes(self, item: Item) -> int:
         return math.prod(item.shape) * self.dtype.itemsize

@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, choices=tuple(FORMATS), help="the format of DST")
     p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size of DST (hybridflow, dist)")
     p.add_argument("--pp", type=_positive, default=1, help="pipeline stages of DST (hybridflow)")
+    p.add_argument("--virtual-pp", type=_positive, default=1, dest="virtual_pp",
+                   help="model chunks per pipeline stage of DST (hybridflow; a run's actor.parallel.virtual_pp)")
     p.add_argument("--dp", type=_positive, default=1,
                    help="data-parallel replicas of DST (hybridflow: each rank reads its own file)")
     p.add_argument("--role", choices=ROLES, default="actor",

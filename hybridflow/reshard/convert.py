@@ -37,6 +37,7 @@ class Request:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    virtual_pp: int = 1
     role: str = "actor"
     config: Optional[Path] = None
     divisible_by: int = 128
@@ -83,7 +84,7 @@ def check_layout(source: Source, req: Request) -> None:
     try:
         check_model_split(ParallelDims(tp=req.tp, pp=req.pp, dp=req.dp), "reshard", num_heads=cfg.num_heads,
                           num_kv_heads=cfg.num_kv_heads, num_layers=cfg.num_layers,
-                          ffn_size=cfg.intermediate_size)
+                          ffn_size=cfg.intermediate_size, virtual_pp=req.virtual_pp if req.virtual_pp > 1 else None)
     except ConfigError as exc:
         option = "--" + exc.path.rsplit(".", 1)[-1]
         raise ConfigError(option, str(exc).removeprefix(f"{exc.path}: ")) from None
@@ -97,6 +98,9 @@ def check_request(source: Source, req: Request) -> None:
     if not target.pp and (req.pp != 1 or req.dp != 1):
         raise ConfigError("--pp" if req.pp != 1 else "--dp", f"{req.to} checkpoints hold whole tensors; "
                           f"--pp and --dp apply to --to {_formats(' and ', lambda f: f.pp)} only")
+    if req.virtual_pp != 1 and (req.to != "hybridflow" or req.pp < 2):
+        raise ConfigError("--virtual-pp", "model chunks per pipeline stage (a run's actor.parallel.virtual_pp) "
+                          f"apply to --to hybridflow with --pp >= 2; got --to {req.to} --pp {req.pp}")
     if not target.tp and req.tp != 1:
         raise ConfigError("--tp", f"{target.label} checkpoints hold whole tensors; --tp applies to --to "
                                   f"{_formats(' and ', lambda f: f.tp)}")

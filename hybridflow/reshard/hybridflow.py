@@ -28,6 +28,7 @@ from hybridflow.models.bridge import get_bridge
 from hybridflow.models.config import DecoderConfig
 from hybridflow.models.sharding import spec_for, unshard_tensor
 from hybridflow.parallel.layout import ParallelDims
+from hybridflow.parallel.stages import chunks_in, layout_label
 from hybridflow.reshard import fsdp
 from hybridflow.reshard.base import (EMBEDDING, Format, Item, MegatronReader, Plan, Sink, Source, checked,
                                      local_name, model_entries, read_config, stage_of, tensor_for)
@@ -102,7 +103,15 @@ class ShardsReader(MegatronReader):
         for s in range(source.layout.pp):
             for r in range(source.layout.tp):
                 self._model(r, s)  # every file readable, before anything is written
+        # Model chunks per stage (the interleaved schedule's virtual_pp): the shards name them.
+        self.virtual_pp = chunks_in(self._model(0, 0).keys())
         super().__init__(source.cfg, source.value_head, self._gather)
+
+    def _place(self, megatron_name: str) -> tuple[int, str]:
+        """(stage, name in its shard) of a Megatron tensor: `parallel.stages`, as the engine wrote it."""
+        cfg, pp = self.cfg, self.source.layout.pp
+        return (stage_of(megatron_name, cfg.num_layers, pp, self.virtual_pp),
+                local_name(megatron_name, cfg.num_layers, pp, self.virtual_pp))
 
     def _model(self, tp_rank: int, stage: int) -> dict[str, torch.Tensor]:
         """A rank's tensors, memory-mapped (read from disk as they are used; unmapped once dropped)."""
@@ -113,13 +122,12 @@ class ShardsReader(MegatronReader):
         return state["model"]
 
     def _dtype_of(self, megatron_name: str) -> torch.dtype:
-        stage = stage_of(megatron_name, self.cfg.num_layers, self.source.layout.pp)
-        return self._model(0, stage)[local_name(megatron_name, self.cfg.num_layers, self.source.layout.pp)].dtype
+        stage, name = self._place(megatron_name)
+        return self._model(0, stage)[name].dtype
 
     def _gather(self, megatron_name: str) -> torch.Tensor:
         cfg, layout = self.cfg, self.source.layout
-        stage = stage_of(megatron_name, cfg.num_layers, layout.pp)
-        name = local_name(megatron_name, cfg.num_layers, layout.pp)
+        stage, name = self._place(megatron_name)
         pieces = []
         for r in range(layout.tp):
             model = self._model(r, stage)
@@ -136,23 +144,27 @@ class ShardsReader(MegatronReader):
 # --- writing -----------------------------------------------------------------
 
 def plan_hybridflow(cfg: DecoderConfig, dtype: torch.dtype, role: str, tp: int, pp: int, dp: int,
-                    divisible_by: int) -> Plan:
+                    divisible_by: int, virtual_pp: int = 1) -> Plan:
     """A hybridflow role directory at TP x PP: per rank, the Megatron tensors of its stage, cut to its TP rank
-    by the sharding table; the last stage's copy of a tied embedding; a critic's replicated value head."""
-    plan = Plan("hybridflow", cfg, dtype, role, tp, pp, dp, divisible_by)
+    by the sharding table; the last stage's copy of a tied embedding; a critic's replicated value head.
+    virtual_pp > 1: each stage's tensors named per model chunk, as a run at that actor.parallel.virtual_pp
+    loads them (`parallel.stages.local_name`)."""
+    plan = Plan("hybridflow", cfg, dtype, role, tp, pp, dp, divisible_by, virtual_pp=virtual_pp)
+    last = lambda name: local_name(name, cfg.num_layers, pp, virtual_pp)  # noqa: E731 (the last chunk's name)
     full = get_bridge(cfg, divisible_by, tp).megatron_shapes()
     critic = role == "critic"
     names = [e.megatron for e in model_entries(cfg, critic)]
     for s in range(pp):
-        on_stage = [n for n in names if stage_of(n, cfg.num_layers, pp) == s]
+        on_stage = [n for n in names if stage_of(n, cfg.num_layers, pp, virtual_pp) == s]
         for r in range(tp):
             file = f"{role}/{shard_file(r, s)}"
-            plan.items += [Item(file, local_name(n, cfg.num_layers, pp), shard_shape(full[n], n, tp), n, r)
+            plan.items += [Item(file, local_name(n, cfg.num_layers, pp, virtual_pp), shard_shape(full[n], n, tp), n, r)
                            for n in on_stage]
             if s == pp - 1 and critic:
-                plan.items.append(Item(file, OUTPUT_LAYER, (1, cfg.hidden_size), VALUE_HEAD, r))
+                plan.items.append(Item(file, last(OUTPUT_LAYER), (1, cfg.hidden_size), VALUE_HEAD, r))
             elif s == pp - 1 and pp > 1 and cfg.tie_word_embeddings:
-                plan.items.append(Item(file, OUTPUT_LAYER, shard_shape(full[EMBEDDING], EMBEDDING, tp), EMBEDDING, r))
+                plan.items.append(Item(file, last(OUTPUT_LAYER), shard_shape(full[EMBEDDING], EMBEDDING, tp),
+                                       EMBEDDING, r))
     return plan
 
 
@@ -187,7 +199,7 @@ def _state(source: Source, plan: Plan) -> dict:
     if source.step_dir is not None and (source.step_dir / TRAINER_STATE).is_file():
         kept = json.loads((source.step_dir / TRAINER_STATE).read_text())
     models = {plan.role: model_table(source.cfg, plan.divisible_by, plan.role == "critic")}
-    layouts = {plan.role: str(ParallelDims(tp=plan.tp, pp=plan.pp, dp=plan.dp))}
+    layouts = {plan.role: layout_label(ParallelDims(tp=plan.tp, pp=plan.pp, dp=plan.dp), plan.virtual_pp)}
     return {**kept, **trainer_state(kept.get("step", 0), models, layouts)}
 
 
@@ -205,5 +217,6 @@ def write_checkpoint(plan: Plan, source: Source, reader, root: Path, sink: Sink)
 
 FORMAT = Format("hybridflow", "hybridflow", holds, open_source, ShardsReader,
                 lambda source, req, dtype: plan_hybridflow(source.cfg, dtype, source.role, req.tp, req.pp, req.dp,
-                                                           req.divisible_by),
-                write_checkpoint, lambda req: str(ParallelDims(tp=req.tp, pp=req.pp, dp=req.dp)), tp=True, pp=True)
+                                                           req.divisible_by, req.virtual_pp),
+                write_checkpoint, lambda req: layout_label(ParallelDims(tp=req.tp, pp=req.pp, dp=req.dp),
+                                                           req.virtual_pp), tp=True, pp=True)

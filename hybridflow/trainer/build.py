@@ -22,6 +22,7 @@ from hybridflow.config.schema import Config
 from hybridflow.controller.local_group import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ResourcePool, pools_from_placement
 from hybridflow.models.config import DecoderConfig
+from hybridflow.parallel.stages import layout_label
 from hybridflow.workers.rl_workers import (ActorGroup, ActorRolloutRefWorker, CriticGroup, CriticWorker,
                                            ReferenceGroup, ReferenceWorker, RewardModelGroup, RewardModelWorker,
                                            RolloutGroup, RolloutWorker)
@@ -73,16 +74,16 @@ def model_tensors(cfg: Config, plan: RunPlan, model: DecoderConfig,
     return tables
 
 
-def checkpoint_layouts(plan: RunPlan) -> dict[str, str]:
-    """Checkpoint name -> the layout its shards are written at, e.g. "p1-t2-d1" (one file per rank), or
-    "fsdp-d2" (a torch DCP checkpoint FSDP2 wrote from 2 ranks)."""
-    def layout(role: str) -> str:
+def checkpoint_layouts(plan: RunPlan, cfg: Config) -> dict[str, str]:
+    """Checkpoint name -> the layout its shards are written at, e.g. "p1-t2-d1" (one file per rank),
+    "p2-t1-d1-v2" (two model chunks per stage), or "fsdp-d2" (a torch DCP checkpoint FSDP2 wrote from 2 ranks)."""
+    def layout(role: str, virtual_pp: Optional[int]) -> str:
         dims = plan.layouts[role]
-        return f"fsdp-d{dims.dp}" if plan.engines[role] == "fsdp" else str(dims)
+        return f"fsdp-d{dims.dp}" if plan.engines[role] == "fsdp" else layout_label(dims, virtual_pp or 1)
 
-    out = {"actor": layout("training")}
+    out = {"actor": layout("training", cfg.actor.parallel.virtual_pp)}
     if plan.uses_critic:
-        out["critic"] = layout("critic")
+        out["critic"] = layout("critic", cfg.critic.parallel.virtual_pp)
     return out
 
 

@@ -466,7 +466,7 @@ class RLTrainer:
 
     def save_checkpoint(self, step: int) -> Path:
         """Save step `step`: every rank's shard and trainer.json (`trainer/checkpointing.py`)."""
-        state = trainer_state(step, self.model_tensors, checkpoint_layouts(self.plan), self.kl_ctrl.value,
+        state = trainer_state(step, self.model_tensors, checkpoint_layouts(self.plan, self.cfg), self.kl_ctrl.value,
                               self.sampler.state_dict() if self.sampler.adaptive else None)
         floor = weights_bytes(self.cfg, self.model_tensors)  # the free space a save needs at least
         if self.stream is not None and self.stream.pushed[0] != self.version:
@@ -483,7 +483,7 @@ class RLTrainer:
             return 0
         paths = {"actor": self.cfg.model.path, "critic": self.cfg.critic.model_path or self.cfg.model.path}
         found = load_latest(self.ckpt, self.spmd_driver, self._saved(), self.sampler, self.model_tensors,
-                            checkpoint_layouts(self.plan), paths)
+                            checkpoint_layouts(self.plan, self.cfg), paths)
         if found is None:
             return 0
         step, directory, state = found

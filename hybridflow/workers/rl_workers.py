@@ -238,6 +238,8 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
     def join_weight_sync(self, address: str, port: int, tg: int, rollout_world: int, bucket_bytes: int) -> None:
         """Join the process group spanning this group and a rollout group apart (sync ranks 0 .. N-1), and
         keep the plan both sides build alike (`hybrid_engine/apart.py`). The rollout group joins at once."""
+        if self.engine.virtual_pp > 1:  # the rollout side builds the plan from `train` alone (config refuses it)
+            raise NotImplementedError("a rollout group apart is fed from virtual_pp = 1 layouts only")
         element = torch.empty((), dtype=self.engine.dtype).element_size()
         plan = plan_apart(bridge_params(self.engine.bridge, element), self.engine.layout, tg, rollout_world,
                           bucket_bytes)

@@ -323,7 +323,7 @@ def test_a_resume_at_another_layout_is_named_as_one(tmp_path):
         for tp in (1, 2)}
     cfg = load_config(os.path.join(root, "configs/tiny-ppo.yaml"))
     assert model_tensors(cfg, plans[1], demo) == model_tensors(cfg, plans[2], demo)
-    saved, here = checkpoint_layouts(plans[1]), checkpoint_layouts(plans[2])
+    saved, here = checkpoint_layouts(plans[1], cfg), checkpoint_layouts(plans[2], cfg)
     assert saved == {"actor": "p1-t1-d2", "critic": "p1-t1-d2"}
     check_layouts(saved, saved, tmp_path, 3)
     check_layouts(None, here, tmp_path, 3)  # saved before layouts were recorded: nothing to check
@@ -331,3 +331,22 @@ def test_a_resume_at_another_layout_is_named_as_one(tmp_path):
         check_layouts(saved, here, tmp_path / "step_000003", 3)
     assert str(err.value).startswith(f"trainer.resume=auto: {tmp_path}/step_000003: its actor was saved at layout "
                                      "p1-t1-d2 (one shard per rank) and this run trains it at p1-t2-d1")
+
+
+def test_a_resume_at_another_virtual_pp_is_refused(tmp_path):
+    """Shards at virtual_pp 2 name each model chunk's tensors, so the layout records it ("-v2") and a run at
+    the same pp without it (or the other way round) is refused before a shard is read."""
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.plan import RunPlan
+    from hybridflow.trainer.build import checkpoint_layouts
+    from hybridflow.checkpoint.format import check_layouts
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    layouts = {}
+    for extra in ([], ["actor.parallel.virtual_pp=2"]):
+        cfg = load_config(os.path.join(root, "configs/tiny-grpo.yaml"),
+                          ["trainer.n_devices=2", "trainer.launcher=ray", "actor.parallel.pp=2", *extra])
+        layouts[len(extra)] = checkpoint_layouts(RunPlan.from_config(cfg), cfg)
+    assert layouts == {0: {"actor": "p2-t1-d1"}, 1: {"actor": "p2-t1-d1-v2"}}
+    with pytest.raises(CheckpointError, match="saved at layout p2-t1-d1-v2 .* this run trains it at p2-t1-d1;"):
+        check_layouts(layouts[1], layouts[0], tmp_path, 3)

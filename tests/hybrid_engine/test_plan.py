@@ -163,3 +163,22 @@ def test_context_parallel_ranks_are_generation_replicas_of_their_own(t, p, d, tg
 def test_the_full_baseline_is_refused_at_cp_above_1():
     with pytest.raises(ValueError, match="cp = 2"):
         plan_reshard(uniform_params(), ParallelDims(tp=2, cp=2), GenLayout(1), "full")
+
+
+def test_interleaved_training_stages_hold_their_chunks_layers():
+    """At virtual_pp 2 stage s holds chunks (c * pp + s): layers {0, 1, 4, 5} and {2, 3, 6, 7} of 8 at pp 2
+    (`parallel.stages`, the engine's placement); every needed piece still arrives once, as many bytes."""
+    from hybridflow.parallel.stages import stage_layers
+
+    train = ParallelDims(tp=2, pp=2, dp=2)
+    plan = plan_reshard(uniform_params(8), train, GenLayout(tg=1), "hybridflow", virtual_pp=2)
+    plain = plan_reshard(uniform_params(8), train, GenLayout(tg=1), "hybridflow")
+    for rank in range(train.world_size):
+        held = {int(name.split(".")[2]) for name, _, _ in plan.held[rank]}
+        assert held == set(stage_layers(train.coord(rank).pp, 8, 2, 2)), rank
+        received = {(t.param, t.piece[0], t.piece[1]) for t in plan.transfers if t.dst == rank}
+        assert received == plan.needed[rank] - plan.held[rank]
+    assert plan.needed_bytes == plain.needed_bytes
+    assert sorted(t.nbytes for t in plan.transfers) == sorted(t.nbytes for t in plain.transfers)
+    with pytest.raises(ValueError, match=r"p\*virtual_pp = 2\*4 must divide the 4 layers"):
+        plan_reshard(uniform_params(4), ParallelDims(pp=2), GenLayout(tg=1), "hybridflow", virtual_pp=4)

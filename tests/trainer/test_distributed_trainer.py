@@ -171,17 +171,18 @@ def test_cp2_on_two_ray_workers_matches_the_single_process_run(tmp_path, name):
     compare_with_one_process(f"{name} at cp2", records, single)
 
 
-def compare_with_one_process(label: str, records: list[dict], single: list[dict]) -> None:
-    """Steps 1 and 2 of a multi-rank run against the one-process run: the same steps, the learned metrics
+def compare_with_one_process(label: str, records: list[dict], single: list[dict], steps=(1, 2),
+                             rel: float = 1e-4, abs_: float = 1e-5) -> None:
+    """`steps` of a multi-rank run against the one-process run: the same steps, the learned metrics
     equal (`_assert_same_metrics`); prints the worst relative difference for the layout table."""
     from tests.trainer.test_trainer import learned
 
     assert [r["step"] for r in records] == [r["step"] for r in single]
     many, one = learned(records), learned(single)
     worst = max(abs(many[step][key] - value) / abs(value)
-                for step in (1, 2) for key, value in one[step].items() if abs(value) > 1e-5 and key in many[step])
+                for step in steps for key, value in one[step].items() if abs(value) > 1e-5 and key in many[step])
     print(f"{label} against one process: worst relative difference {worst:.3g}")
-    _assert_same_metrics({"one": single, label: records}, (1, 2))
+    _assert_same_metrics({"one": single, label: records}, steps, rel, abs_)
 
 
 def test_reference_apart_from_training_is_rejected_when_the_config_loads(tmp_path):
