@@ -209,6 +209,8 @@ class FSDPEngine:
         with SafetensorsReader(path) as read, torch.no_grad():
             self.bridge.check_hf_names(read.keys())
             for e in self.bridge.entries():
+                if e.generation not in params:  # the value model's decoder has no output layer
+                    continue
                 local = params[e.generation].to_local()
                 start, _ = _chunk_bounds(params[e.generation])
                 if local.shape[0]:

@@ -112,6 +112,22 @@ def main(out: str) -> None:
     values = critic.compute_values(mine)[F.VALUES]
     dist.all_gather_object(parts, values)
     result["values_after"] = torch.cat(parts)
+    # Loading from an HF checkpoint reads this rank's rows only: the same shards as from the whole tensors.
+    from hybridflow.models.checkpoint import save_hf_checkpoint
+
+    hf_dir = Path(out).parent / "fsdp_hf"
+    if rank == 0:
+        save_hf_checkpoint(hf, cfg.to_hf_dict(), hf_dir)
+    dist.barrier()
+    same, fractions = True, []
+    for value_head in (False, True):
+        from_file, from_dict = FSDPEngine(cfg, value_head=value_head), FSDPEngine(cfg, value_head=value_head)
+        fractions.append(from_file.load_hf_checkpoint(hf_dir) / sum(t.numel() * t.element_size() for t in hf.values()))
+        from_dict.load_hf_state_dict(hf)
+        mine, theirs = from_file.named_params(), from_dict.named_params()
+        same &= all(torch.equal(mine[n].to_local(), theirs[n].to_local()) for n in mine if n != "head.weight")
+    result["checkpoint_shards_equal"], result["checkpoint_read_fraction"] = same, fractions
+
     # Mixed precision: bfloat16 compute over float32 parameters and Adam state.
     bf16 = FSDPEngine(cfg, optim, dtype="bfloat16", total_steps=10)
     bf16.load_hf_state_dict(hf)

@@ -96,3 +96,12 @@ def test_fsdp_mixed_precision_computes_in_bfloat16_over_float32_parameters(fsdp)
     for key, value in fsdp["metrics"].items():
         assert fsdp["bf16_metrics"][key] == pytest.approx(value, rel=0.1, abs=1e-3), key
     assert fsdp["bf16_metrics"] != fsdp["metrics"]  # it did compute in bfloat16
+
+
+def test_loading_an_hf_checkpoint_reads_only_this_ranks_rows(fsdp):
+    """`load_hf_checkpoint` (actor and critic: the value model has no output layer to load) gives the same
+    shards as slicing the whole tensors, and each rank reads about half the checkpoint (qkv, [gate; up] and
+    the rest by the rows its chunk comes from; the critic skips the output layer)."""
+    assert fsdp["checkpoint_shards_equal"]
+    actor, critic = fsdp["checkpoint_read_fraction"]
+    assert 0.45 < actor < 0.56 and critic < actor, fsdp["checkpoint_read_fraction"]

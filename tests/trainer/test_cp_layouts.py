@@ -91,3 +91,42 @@ def test_grpo_at_pp2_virtual_pp2_on_two_ray_workers_matches_one_process_converts
     assert [r["step"] for r in again] == [r["step"] for r in records]
     for key, value in learned(records)[3].items():
         assert learned(again)[3][key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+
+
+def _qwen2_shaped_model(path):
+    """A Qwen2-shaped variant of the demo model at `path`: QKV bias, grouped-query attention (4 heads over 2
+    KV heads) and a sliding window of 8 positions in layers 2 and 3 (rows are up to 22 tokens, so the window
+    cuts), random weights, the demo model's tokenizer."""
+    import shutil
+
+    from hybridflow.models.bridge import get_bridge
+    from hybridflow.models.checkpoint import save_hf_checkpoint
+    from hybridflow.models.config import DecoderConfig
+    from hybridflow.models.decoder import Decoder
+
+    demo = ROOT / "hybridflow/assets/demo_model"
+    hf = {**json.loads((demo / "config.json").read_text()), "model_type": "qwen2",
+          "architectures": ["Qwen2ForCausalLM"], "num_key_value_heads": 2, "attention_bias": True,
+          "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}
+    cfg = DecoderConfig.from_hf_dict(hf)
+    assert cfg.layer_windows == [None, None, 8, 8] and cfg.qkv_bias
+    decoder = Decoder(cfg).init_weights(std=0.2, seed=3)
+    save_hf_checkpoint(get_bridge(cfg).generation_to_hf(dict(decoder.state_dict())), cfg.to_hf_dict(), path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / name, path / name)
+    return path
+
+
+def test_grpo_on_a_qwen2_shaped_model_with_a_sliding_window_at_cp2_matches_one_process(tmp_path):
+    """Item 5's Qwen2-shaped, sliding-window case through the trainer: the actor at CP2 on two Ray
+    processes, each CP rank's load-balanced chunks attending by global position within the window (and to
+    the whole prefix in the full-attention layers), GQA and QKV bias. Three steps' learned metrics equal one
+    process's within 1e-5 (relative)."""
+    model = f"model.path={_qwen2_shaped_model(tmp_path / 'qwen2')}"
+    common = [model, "trainer.total_steps=3", "trainer.val_every=0", "trainer.save_every=0",
+              "actor.ppo_mini_batch_size=8"]
+    _, records = run("tiny-grpo.yaml", tmp_path / "cp2", "trainer.n_devices=2", "trainer.launcher=ray",
+                     "actor.parallel.cp=2", *common)
+    _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
+    compare_with_one_process("qwen2-shaped sliding window at cp2", records, single, steps=(1, 2, 3), rel=1e-5,
+                             abs_=1e-6)
