@@ -503,6 +503,11 @@ def check_plan(cfg: Config, plan: RunPlan, model: "DecoderConfig",
         if role == "critic" and not plan.uses_critic:
             continue  # no critic in this run
         shape = critic_model if role == "critic" and critic_model is not None else model
+        if plan.engines[role] == "megatron" and len(set(shape.layer_windows)) > 1:
+            key = "critic.model_path" if role == "critic" and critic_model is not None else "model.path"
+            raise ConfigError(key, f"its layers mix attention windows {sorted(map(str, set(shape.layer_windows)))} "
+                              f"(e.g. Qwen2's max_window_layers): megatron-core's layer spec takes one window for "
+                              f"every layer; {path.split('.')[0]}.engine=fsdp runs it")
         check_model_split(plan.layouts[role], path, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                           num_layers=shape.num_layers, ffn_size=shape.intermediate_size, virtual_pp=par.virtual_pp)
     if plan.rollout_apart:  # its tg-way generator splits heads, KV groups and MLP features like TP does

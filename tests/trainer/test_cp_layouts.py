@@ -95,8 +95,9 @@ def test_grpo_at_pp2_virtual_pp2_on_two_ray_workers_matches_one_process_converts
 
 def _qwen2_shaped_model(path):
     """A Qwen2-shaped variant of the demo model at `path`: QKV bias, grouped-query attention (4 heads over 2
-    KV heads) and a sliding window of 8 positions in layers 2 and 3 (rows are up to 22 tokens, so the window
-    cuts), random weights, the demo model's tokenizer."""
+    KV heads) and a sliding window of 8 positions in every layer (`max_window_layers` 0; rows are up to 22
+    tokens, so the window cuts; megatron-core's layer spec takes one window for all layers), random
+    weights, the demo model's tokenizer."""
     import shutil
 
     from hybridflow.models.bridge import get_bridge
@@ -107,9 +108,9 @@ def _qwen2_shaped_model(path):
     demo = ROOT / "hybridflow/assets/demo_model"
     hf = {**json.loads((demo / "config.json").read_text()), "model_type": "qwen2",
           "architectures": ["Qwen2ForCausalLM"], "num_key_value_heads": 2, "attention_bias": True,
-          "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}
+          "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}
     cfg = DecoderConfig.from_hf_dict(hf)
-    assert cfg.layer_windows == [None, None, 8, 8] and cfg.qkv_bias
+    assert cfg.layer_windows == [8, 8, 8, 8] and cfg.qkv_bias
     decoder = Decoder(cfg).init_weights(std=0.2, seed=3)
     save_hf_checkpoint(get_bridge(cfg).generation_to_hf(dict(decoder.state_dict())), cfg.to_hf_dict(), path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -119,8 +120,8 @@ def _qwen2_shaped_model(path):
 
 def test_grpo_on_a_qwen2_shaped_model_with_a_sliding_window_at_cp2_matches_one_process(tmp_path):
     """Item 5's Qwen2-shaped, sliding-window case through the trainer: the actor at CP2 on two Ray
-    processes, each CP rank's load-balanced chunks attending by global position within the window (and to
-    the whole prefix in the full-attention layers), GQA and QKV bias. Three steps' learned metrics equal one
+    processes, each CP rank's load-balanced chunks attending by global position within the window, GQA and
+    QKV bias. Three steps' learned metrics equal one
     process's within 1e-5 (relative)."""
     model = f"model.path={_qwen2_shaped_model(tmp_path / 'qwen2')}"
     common = [model, "trainer.total_steps=3", "trainer.val_every=0", "trainer.save_every=0",
@@ -130,3 +131,23 @@ def test_grpo_on_a_qwen2_shaped_model_with_a_sliding_window_at_cp2_matches_one_p
     _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
     compare_with_one_process("qwen2-shaped sliding window at cp2", records, single, steps=(1, 2, 3), rel=1e-5,
                              abs_=1e-6)
+
+
+def test_a_model_mixing_attention_windows_is_refused_for_megatron_before_any_worker_starts(tmp_path):
+    """Qwen2's max_window_layers gives full attention below it and a window above; megatron-core's layer spec
+    takes one window for all layers: a ConfigError naming model.path (it was a NotImplementedError in a
+    worker's __init__)."""
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.plan import RunPlan
+    from hybridflow.config.validate import check_plan
+    from hybridflow.errors import ConfigError
+    from hybridflow.models.config import DecoderConfig
+    from tests.trainer.test_trainer import in_repo
+
+    path = _qwen2_shaped_model(tmp_path / "qwen2")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_window_layers": 2}))
+    cfg = in_repo(load_config(ROOT / "configs/tiny-grpo.yaml", [f"trainer.output_dir={tmp_path}",
+                                                                f"model.path={path}"]))
+    with pytest.raises(ConfigError, match="model.path: its layers mix attention windows"):
+        check_plan(cfg, RunPlan.from_config(cfg), DecoderConfig.from_pretrained(path))
