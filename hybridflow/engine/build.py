@@ -219,6 +219,20 @@ def mark_tensor_parallel(model: nn.Module, value_head: bool = False) -> None:
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)
 
 
+def lr_scheduler(optimizer, optim, total_steps: int):
+    """megatron-core's LR (and weight-decay) schedule over `total_steps` optimizer steps, as `optim` (an
+    `OptimConfig`) sets it: both engines' optimizers follow it, so their steps take the same learning rates."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    steps = max(1, total_steps)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr,
+        min_lr=optim.min_lr, lr_warmup_steps=optim.warmup_steps,
+        lr_decay_steps=max(steps, optim.warmup_steps + 1), lr_decay_style=optim.lr_schedule,
+        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=steps,
+        wd_incr_style="constant")
+
+
 def use_fused_adam(optimizer) -> int:
     """Switch the torch Adam(W) steps inside a megatron-core optimizer to torch's fused CPU kernel.
 

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from hybridflow.checkpoint.format import FSDP_STATE
 from hybridflow.data import fields as F
+from hybridflow.engine.build import lr_scheduler
 from hybridflow.engine.megatron import StepFn, StepStats
 from hybridflow.engine.packing import (left_align_index, pack_rows, share_prompt_rows, to_cpu, unalign,
                                        unpack_sequences, unshare_rows)
@@ -173,8 +174,6 @@ class FSDPEngine:
         return None  # the output layer runs inside the model (`fused_output` is False)
 
     def _build_optimizer(self, optim, total_steps: int) -> None:
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
         decay, plain = [], []
         for name, param in self.module.named_parameters():
             (plain if _no_weight_decay(name, param) else decay).append(param)
@@ -182,13 +181,7 @@ class FSDPEngine:
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr,
                                            betas=tuple(optim.betas), eps=optim.eps,
                                            weight_decay=optim.weight_decay)
-        steps = max(1, total_steps)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr,
-            min_lr=optim.min_lr, lr_warmup_steps=optim.warmup_steps,
-            lr_decay_steps=max(steps, optim.warmup_steps + 1), lr_decay_style=optim.lr_schedule,
-            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=steps,
-            wd_incr_style="constant")
+        self.scheduler = lr_scheduler(self.optimizer, optim, total_steps)
 
     # -- weights --------------------------------------------------------------
     def named_params(self) -> dict[str, Tensor]:

@@ -33,7 +33,8 @@ from hybridflow.checkpoint.format import shard_file
 from hybridflow.config.schema import OptimConfig, ParallelConfig
 from hybridflow.data import fields as F
 from hybridflow.data.batch import pad_with_empty_rows, slice_rows
-from hybridflow.engine.build import HiddenOutput, RopePositions, build_model, transformer_config, use_fused_adam
+from hybridflow.engine.build import (HiddenOutput, RopePositions, build_model, lr_scheduler, transformer_config,
+                                     use_fused_adam)
 from hybridflow.engine.cp_attention import gather_output
 from hybridflow.engine.distributed import init_model_parallel
 from hybridflow.engine.packing import (left_align_index, pack_rows, pad_columns, padded_width, share_prompt_rows,
@@ -152,7 +153,6 @@ class MegatronEngine:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -171,13 +171,7 @@ class MegatronEngine:
         self.optimizer = get_megatron_optimizer(ocfg, self.models)
         if self.device == "cpu":
             use_fused_adam(self.optimizer)
-        decay = max(1, total_steps)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr,
-            min_lr=optim.min_lr, lr_warmup_steps=optim.warmup_steps,
-            lr_decay_steps=max(decay, optim.warmup_steps + 1), lr_decay_style=optim.lr_schedule,
-            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay,
-            wd_incr_style="constant")
+        self.scheduler = lr_scheduler(self.optimizer, optim, total_steps)
 
     @property
     def distributed_optimizer(self) -> bool:

@@ -105,3 +105,20 @@ def test_loading_an_hf_checkpoint_reads_only_this_ranks_rows(fsdp):
     assert fsdp["checkpoint_shards_equal"]
     actor, critic = fsdp["checkpoint_read_fraction"]
     assert 0.45 < actor < 0.56 and critic < actor, fsdp["checkpoint_read_fraction"]
+
+
+def test_both_engines_follow_one_lr_schedule_with_warmup_and_cosine_decay():
+    """The schedule is one function (`engine.build.lr_scheduler`) over either engine's optimizer: six steps
+    of warmup 2 then cosine decay report the same learning rates (one computation: `==`)."""
+    from hybridflow.config.schema import OptimConfig
+    from hybridflow.engine.fsdp import FSDPEngine
+
+    cfg, hf, batch, _, actor_cfg = dp_case()
+    optim = OptimConfig(lr=1e-3, min_lr=1e-5, warmup_steps=2, lr_schedule="cosine")
+    rates = {}
+    for name, engine in (("fsdp", FSDPEngine(cfg, optim, total_steps=6)),
+                         ("megatron", MegatronEngine(cfg, ParallelConfig(), optim, total_steps=6))):
+        engine.load_hf_state_dict(hf)
+        rates[name] = [engine.step().lr for _ in range(6)]
+    assert rates["fsdp"] == rates["megatron"]
+    assert rates["fsdp"][0] == 0.0 and max(rates["fsdp"]) == pytest.approx(1e-3) and rates["fsdp"][-1] < 1e-3
