@@ -258,7 +258,7 @@ def table(sizes: dict, runs: list[dict]) -> tuple[str, list[dict]]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a small model (6 layers, hidden 256, vocab 512) at N = 1, 2 (for the test)")
-    p.add_argument("--ranks", default="1,2,4")
+    p.add_argument("--ranks", default=None, help="comma-separated N to launch (default 1,2,4; --quick: 1,2)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--vocab", type=int, default=4096)
@@ -271,7 +271,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     args.argv = argv
     if args.quick:
-        args.ranks, args.layers, args.hidden, args.vocab = "1,2", 6, 256, 512
+        args.ranks, args.layers, args.hidden, args.vocab = args.ranks or "1,2", 6, 256, 512
+    args.ranks = args.ranks or "1,2,4"
     if args.part:
         rank_part(args)
         return

@@ -10,14 +10,15 @@ import bench_fsdp  # noqa: E402
 
 
 @pytest.mark.timeout(400)
-def test_quick_run_tables_every_span_at_one_and_two_ranks(tmp_path, capsys):
-    bench_fsdp.main(["--quick", "--json", str(tmp_path / "f.json")])
+def test_quick_run_tables_every_span_at_two_ranks(tmp_path, capsys):
+    """One launch (the N = 1 one is left to the bench itself: the suite's time)."""
+    bench_fsdp.main(["--quick", "--ranks", "2", "--json", str(tmp_path / "f.json")])
     out = capsys.readouterr().out
     assert "frozen models" in out and "actor update" in out and "target" in out
     rows = json.loads((tmp_path / "f.json").read_text())["rows"]
     frozen = {(r["model"], r["world"]): r for r in rows if r["model"] != "actor"}
     actor = {r["world"]: r for r in rows if r["model"] == "actor"}
-    assert set(frozen) == {(m, n) for m in ("reference", "reward") for n in (1, 2)} and set(actor) == {1, 2}
+    assert set(frozen) == {(m, 2) for m in ("reference", "reward")} and set(actor) == {2}
     for row in rows:
         assert all(v > 0 for k, v in row.items() if k.endswith("_mib")), row
     # At two ranks the sharded reference peaks below the whole model on each rank (megatron-core at dp = 2):
