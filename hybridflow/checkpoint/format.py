@@ -134,10 +134,12 @@ def check_layouts(saved: Any, here: dict[str, str], directory: Path, step: int) 
         return
     for name, layout in here.items():
         if name in saved and saved[name] != layout:
+            role = "actor" if name == "actor" else "critic"
+            how = (f"{role}.engine, trainer.n_devices, placement" if "fsdp" in (saved[name] + layout)
+                   else f"{role}.parallel, trainer.n_devices, placement")
             raise CheckpointError(step, f"trainer.resume=auto: {directory}: its {name} was saved at layout "
-                                        f"{saved[name]} (one shard per rank) and this run trains it at {layout}; "
-                                        f"resume at the saved layout ({'actor' if name == 'actor' else 'critic'}"
-                                        ".parallel, trainer.n_devices, placement)")
+                                        f"{saved[name]} (its shards per rank) and this run trains it at {layout}; "
+                                        f"resume at the saved layout ({how})")
 
 
 def check_models(saved: Any, here: dict[str, dict[str, list[int]]], directory: Path, step: int,

@@ -26,7 +26,7 @@ from hybridflow.config.schema import Config, ParallelConfig, PlacementConfig
 from hybridflow.parallel.layout import ParallelDims
 
 ROLES = tuple(f.name for f in dataclasses.fields(PlacementConfig))  # rollout, reward, training, ...
-ENGINE_ROLES = ("training", "critic", "reference")  # the placement roles that run a megatron-core engine
+ENGINE_ROLES = ("training", "critic", "reference")  # the placement roles that run a training engine
 # What one process's megatron-core layout fixes: roles sharing a process (the critic with the actor,
 # under torchrun always, under Ray when their devices and these degrees agree) must agree on these.
 PROCESS_LAYOUT_KEYS = ("tp", "pp", "cp", "virtual_pp")  # what megatron-core holds once per process
@@ -93,7 +93,8 @@ def reference_parallel(cfg: Config) -> ParallelConfig:
 
 
 def engine_parallel(cfg: Config) -> dict[str, tuple[str, ParallelConfig]]:
-    """Engine role -> (key path, parallel section) of each placement role that runs a megatron-core engine."""
+    """Engine role -> (key path, parallel section) of each placement role that runs a training engine (an FSDP
+    role's section is tp = pp = cp = 1: `config/validate.py`)."""
     return {"training": ("actor.parallel", cfg.actor.parallel), "critic": ("critic.parallel", cfg.critic.parallel),
             "reference": ("reference.parallel", reference_parallel(cfg))}
 

@@ -207,8 +207,9 @@ class ReferenceConfig:
     # None: the actor's layout. The reference lives in the actor's processes,
     # which hold one megatron-core layout, so a value given must equal it.
     parallel: Optional[ParallelConfig] = None
-    # "fsdp": the frozen model sharded over the actor's processes (each holds 1/N of it) whatever the actor's
-    # layout, instead of a megatron-core copy at the actor's layout; parallel is then not set.
+    # "fsdp": the frozen model sharded over its processes (each holds 1/N of it): the actor's, whatever their
+    # layout, or its own when placement.reference is apart; instead of a megatron-core copy at the actor's
+    # layout. parallel is then not set.
     engine: TrainEngineName = "megatron"
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 

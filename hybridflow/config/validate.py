@@ -152,6 +152,12 @@ def _check_train_engines(cfg: Config, plan: RunPlan) -> None:
                               "trainer.device=cpu they are there already")
         if role.fsdp.offload and role.engine != "fsdp":
             raise ConfigError(f"{name}.fsdp.offload", f"applies to {name}.engine=fsdp; {name}.engine is {role.engine!r}")
+        world = plan.worlds["reference" if name == "reference" else "critic" if name == "critic" else "training"]
+        if role.fsdp.offload and world > 1:
+            raise ConfigError(f"{name}.fsdp.offload", f"on {world} processes is not built yet: with the shards in CPU "
+                              "memory, the gather into the generator, the gradient norm and the export would run "
+                              "collectives on CPU tensors over NCCL (no multi-GPU run has checked it); it runs on "
+                              "one GPU")
     for name, role in roles:
         if role.engine != "fsdp":
             continue
@@ -334,6 +340,8 @@ def _check_one_process_layout(cfg: Config, plan: RunPlan) -> None:
     """Without Ray the actor's and critic's groups live in the same processes, which hold one megatron-core layout."""
     if plan.uses_ray or not plan.uses_critic:
         return
+    if cfg.critic.engine == "fsdp":  # an FSDP critic takes no part in the processes' megatron-core layout
+        return
     a, c = cfg.actor.parallel, cfg.critic.parallel
     for key in PROCESS_LAYOUT_KEYS:
         mine, actor = getattr(c, key), getattr(a, key)
@@ -503,6 +511,8 @@ def check_plan(cfg: Config, plan: RunPlan, model: "DecoderConfig",
         if role == "critic" and not plan.uses_critic:
             continue  # no critic in this run
         shape = critic_model if role == "critic" and critic_model is not None else model
+        if role == "reference" and not plan.needs_reference:
+            continue  # no reference in this run
         if plan.engines[role] == "megatron" and len(set(shape.layer_windows)) > 1:
             key = "critic.model_path" if role == "critic" and critic_model is not None else "model.path"
             raise ConfigError(key, f"its layers mix attention windows {sorted(map(str, set(shape.layer_windows)))} "

@@ -201,13 +201,17 @@ class FSDPEngine:
         params = self._generation_params()
         with SafetensorsReader(path) as read, torch.no_grad():
             self.bridge.check_hf_names(read.keys())
+            loaded = set()
             for e in self.bridge.entries():
-                if e.generation not in params:  # the value model's decoder has no output layer
+                if self.value_head and e.generation == "lm_head.weight":  # the value model has no output layer
                     continue
                 local = params[e.generation].to_local()
+                loaded.add(e.generation)
                 start, _ = _chunk_bounds(params[e.generation])
                 if local.shape[0]:
                     local.copy_(self.bridge.read_rows(e, read, start, start + local.shape[0]))
+        if loaded != set(params):
+            raise KeyError(f"{path}: no weights for {sorted(set(params) - loaded)} in the bridge's entries")
         return read.bytes_read
 
     def load_hf_state_dict(self, hf: dict[str, Tensor]) -> None:
@@ -233,7 +237,9 @@ class FSDPEngine:
     def hf_state_dict(self) -> dict[str, Tensor]:
         if self.value_head:
             raise NotImplementedError("a critic is not an HF causal LM; save it with save()")
-        return self.bridge.generation_to_hf(self.full_generation_state())
+        # Under mixed precision the parameters are float32 masters; the export is at the model's dtype,
+        # as its config.json says (megatron's export likewise).
+        return self.bridge.generation_to_hf({k: v.to(self.dtype) for k, v in self.full_generation_state().items()})
 
     def hf_stage_parts(self):
         """As `MegatronEngine.hf_stage_parts`: one part, the whole model (every rank gathers)."""
@@ -265,7 +271,8 @@ class FSDPEngine:
     def _agreed_count(self, n: int) -> int:
         if self.layout.dp == 1:
             return n
-        count = torch.tensor([n], dtype=torch.int64)
+        # On the engine's device: under NCCL (a CUDA run) the mesh's group has no CPU backend.
+        count = torch.tensor([n], dtype=torch.int64, device=self.torch_device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
         return int(count.item())
 
@@ -346,7 +353,7 @@ class FSDPEngine:
             (directory / STATE_FILE).write_text(json.dumps(meta, indent=1))
 
     def load(self, directory: Path) -> None:
-        """Restore what `save` wrote (any world size: DCP reshards)."""
+        """Restore what `save` wrote (DCP reshards to any world size; the trainer resumes at the saved one)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
                                                              set_optimizer_state_dict)

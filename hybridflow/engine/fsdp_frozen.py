@@ -74,11 +74,12 @@ def shard_frozen(model: nn.Module, mesh) -> nn.Module:
     return model.eval()
 
 
-def agreed_count(n: int, group) -> int:
-    """The largest `n` over the ranks of `group` (every rank must call it)."""
+def agreed_count(n: int, group, device=None) -> int:
+    """The largest `n` over the ranks of `group` (every rank must call it); `device`: where the group's
+    backend takes tensors (a CUDA device under NCCL, which has no CPU backend)."""
     if dist.get_world_size(group) == 1:
         return n
-    count = torch.tensor([n], dtype=torch.int64)
+    count = torch.tensor([n], dtype=torch.int64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     return int(count.item())
 
@@ -149,7 +150,7 @@ class FSDPRewardModel(RewardModel):
         """As `RewardModel.score`, then idle passes up to the largest micro-batch count over the group."""
         pairs = list(pairs)
         passes = math.ceil(len(pairs) / batch_size) if batch_size >= 1 else 0
-        total = agreed_count(passes, self.group)
+        total = agreed_count(passes, self.group, self.device)
         out = super().score(pairs, batch_size)
         for _ in range(total - passes):
             self.idle_pass()

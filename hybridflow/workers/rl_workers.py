@@ -123,8 +123,8 @@ def prepare_process(worker: Worker, processes: int = 1) -> None:
 
 
 class EngineWorker(Worker):
-    """A worker owning a `MegatronEngine` (`self.engine`): each rank saves and loads its own shard
-    under CHECKPOINT_NAME in a checkpoint directory."""
+    """A worker owning a training engine (`self.engine`: a `MegatronEngine` or an `FSDPEngine`): each rank
+    saves and loads its own shard under CHECKPOINT_NAME in a checkpoint directory."""
 
     CHECKPOINT_NAME: str
 

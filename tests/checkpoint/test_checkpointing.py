@@ -330,7 +330,7 @@ def test_a_resume_at_another_layout_is_named_as_one(tmp_path):
     with pytest.raises(CheckpointError) as err:
         check_layouts(saved, here, tmp_path / "step_000003", 3)
     assert str(err.value).startswith(f"trainer.resume=auto: {tmp_path}/step_000003: its actor was saved at layout "
-                                     "p1-t1-d2 (one shard per rank) and this run trains it at p1-t2-d1")
+                                     "p1-t1-d2 (its shards per rank) and this run trains it at p1-t2-d1")
 
 
 def test_a_resume_at_another_virtual_pp_is_refused(tmp_path):

@@ -135,3 +135,30 @@ def test_a_megatron_reference_apart_from_training_is_refused_naming_both_keys(tm
                                           "reference.engine='megatron'"):
         load_config(ROOT / "configs/tiny-ppo.yaml", [f"trainer.output_dir={tmp_path}", *RAY2,
                                                      "placement.reference=[1]", "placement.training=[0]"])
+
+
+def test_review_mends_an_fsdp_critic_beside_a_tp2_actor_without_ray_and_a_windowed_model_without_reference(
+        tmp_path, monkeypatch):
+    """Two configs the checks used to refuse wrongly: without Ray an FSDP critic shares the actor's processes
+    but not their megatron-core layout (no critic.parallel to match); a model mixing attention windows runs
+    under an FSDP actor when no reference is built. And offload on several processes is refused by name."""
+    from hybridflow.config.plan import RunPlan
+    from hybridflow.config.validate import check_plan
+    from hybridflow.models.config import DecoderConfig
+    from tests.trainer.test_cp_layouts import _qwen2_shaped_model
+
+    def check(name, *overrides, path=None):
+        cfg = in_repo(load_config(ROOT / "configs" / name, [f"trainer.output_dir={tmp_path}", *overrides]))
+        check_plan(cfg, RunPlan.from_config(cfg), DecoderConfig.from_pretrained(path or cfg.model.path))
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun starts each of two ranks
+    check("tiny-ppo.yaml", "trainer.launcher=local", "actor.parallel.tp=2", "critic.engine=fsdp")
+    monkeypatch.delenv("WORLD_SIZE")
+    import json
+
+    model = _qwen2_shaped_model(tmp_path / "qwen2")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_window_layers": 2}))
+    check("tiny-grpo.yaml", f"model.path={model}", "actor.engine=fsdp", path=model)
+    with pytest.raises(ConfigError, match="actor.fsdp.offload: on 2 processes is not built yet"):
+        check("tiny-grpo.yaml", *RAY2, "trainer.device=cuda", "actor.engine=fsdp", "actor.fsdp.offload=true")
