@@ -73,6 +73,15 @@ def forward_only(engine, batch: dict[str, Any], micro_batch_size: int, collect,
     return {k: torch.cat([r[k] for r in reports]) for k in reports[0]} if reports else {}
 
 
+def _all_reduce(tensor: Tensor, group, op=None) -> Tensor:
+    """`tensor` all-reduced over `group` (summed, or by `op`), returned on the CPU. NCCL takes only CUDA
+    tensors, so on a CUDA run's group the tensor travels on the current device and comes back."""
+    cuda = dist.get_backend(group) == "nccl"
+    moved = tensor.to(torch.device("cuda", torch.cuda.current_device())) if cuda else tensor
+    dist.all_reduce(moved, op=op if op is not None else dist.ReduceOp.SUM, group=group)
+    return moved.cpu() if cuda else moved
+
+
 def check_reports_finite(reports: list[dict[str, Any]], keys: tuple[str, ...], group=None) -> None:
     """NonFiniteError on every rank when any rank's reports hold a NaN/inf under `keys`.
 
@@ -84,7 +93,7 @@ def check_reports_finite(reports: list[dict[str, Any]], keys: tuple[str, ...], g
     bad = [(k, float(r[k])) for r in reports for k in keys if k in r and not math.isfinite(float(r[k]))]
     flag = torch.tensor([1.0 if bad else 0.0], dtype=torch.float64)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        flag = _all_reduce(flag, group, dist.ReduceOp.MAX)
     if flag.item():
         key, value = bad[0] if bad else (keys[0], float("nan"))  # a peer's value: reported as NaN here
         raise NonFiniteError(key, value)
@@ -138,7 +147,7 @@ def global_count(mask: Tensor, mode: str, group=None) -> Tensor:
     count = m.sum() if mode == "token-mean" else m.any(-1).sum()
     count = count.to(torch.float64)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(count, group=group)
+        count = _all_reduce(count, group)
     return count
 
 
@@ -159,7 +168,7 @@ def global_metrics(reports: list[dict[str, Any]], summed: tuple[str, ...], group
             for k in keys]
     total = torch.tensor(sums, dtype=torch.float64).view(-1, 2)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, group=group)
+        total = _all_reduce(total, group)
     return {k: (total[i, 0].item() if k in summed else (total[i, 0] / total[i, 1]).item() if total[i, 1] > 0 else 0.0)
             for i, k in enumerate(keys)}
 
