@@ -152,7 +152,7 @@ def _check_train_engines(cfg: Config, plan: RunPlan) -> None:
                               "trainer.device=cpu they are there already")
         if role.fsdp.offload and role.engine != "fsdp":
             raise ConfigError(f"{name}.fsdp.offload", f"applies to {name}.engine=fsdp; {name}.engine is {role.engine!r}")
-        world = plan.worlds["reference" if name == "reference" else "critic" if name == "critic" else "training"]
+        world = plan.worlds["training" if name == "actor" else name]  # the actor's placement role is "training"
         if role.fsdp.offload and world > 1:
             raise ConfigError(f"{name}.fsdp.offload", f"on {world} processes is not built yet: with the shards in CPU "
                               "memory, the gather into the generator, the gradient norm and the export would run "

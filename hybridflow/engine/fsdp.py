@@ -198,41 +198,36 @@ class FSDPEngine:
         read (about 1/N of the checkpoint)."""
         from hybridflow.models.checkpoint import SafetensorsReader
 
-        params = self._generation_params()
-        with SafetensorsReader(path) as read, torch.no_grad():
-            self.bridge.check_hf_names(read.keys())
-            loaded = set()
-            for e in self.bridge.entries():
-                if self.value_head and e.generation == "lm_head.weight":  # the value model has no output layer
-                    continue
-                local = params[e.generation].to_local()
-                loaded.add(e.generation)
-                start, _ = _chunk_bounds(params[e.generation])
-                if local.shape[0]:
-                    local.copy_(self.bridge.read_rows(e, read, start, start + local.shape[0]))
-        if loaded != set(params):
-            raise KeyError(f"{path}: no weights for {sorted(set(params) - loaded)} in the bridge's entries")
+        with SafetensorsReader(path) as read:
+            self._load(read, path)
         return read.bytes_read
 
     def load_hf_state_dict(self, hf: dict[str, Tensor]) -> None:
-        self.bridge.check_hf_names(hf.keys())
-        self._load({e.generation: (lambda e=e: self.bridge.fuse_parts(e, [hf[n] for n in e.hf]))
-                    for e in self.bridge.entries()})
+        """The same from whole HF tensors in memory."""
+        from hybridflow.models.checkpoint import TensorsReader
+
+        self._load(TensorsReader(hf), "the HF state dict")
 
     @torch.no_grad()
-    def _load(self, tensors: dict[str, Any]) -> None:
+    def _load(self, read, source) -> None:
+        """Copy this rank's rows of every parameter, as `read` (a `bridge.SliceReader`) gives them."""
         params = self._generation_params()
-        for name, param in params.items():
-            if name not in tensors:
-                raise KeyError(f"no weights for {name!r} in the checkpoint")
-            param.to_local().copy_(_my_chunk(tensors[name](), param))
+        self.bridge.check_hf_names(read.keys())
+        loaded = set()
+        for e in self.bridge.entries():
+            if self.value_head and e.generation == "lm_head.weight":  # the value model has no output layer
+                continue
+            param = params[e.generation]
+            start, stop = chunk_bounds(param)
+            if stop > start:
+                param.to_local().copy_(self.bridge.read_rows(e, read, start, stop))
+            loaded.add(e.generation)
+        if loaded != set(params):
+            raise KeyError(f"{source}: no weights for {sorted(set(params) - loaded)} in the bridge's entries")
 
-    def full_generation_state(self, traffic=None) -> dict[str, Tensor]:
+    def full_generation_state(self) -> dict[str, Tensor]:
         """The whole model under generation names, on every rank (one all-gather per tensor)."""
-        out = {}
-        for name, param in self._generation_params().items():
-            out[name] = gather_full(param, traffic)
-        return out
+        return {name: param.full_tensor() for name, param in self._generation_params().items()}
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         if self.value_head:
@@ -268,14 +263,6 @@ class FSDPEngine:
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.torch_device)
         return self.module(ids, torch.ones_like(ids), None, None)
 
-    def _agreed_count(self, n: int) -> int:
-        if self.layout.dp == 1:
-            return n
-        # On the engine's device: under NCCL (a CUDA run) the mesh's group has no CPU backend.
-        count = torch.tensor([n], dtype=torch.int64, device=self.torch_device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-        return int(count.item())
-
     def run(self, micro_batches: list[dict[str, Any]], step_fn: StepFn, forward_only: bool = False,
             packed: bool = False, share_prompts: bool = False) -> list[dict[str, Any]]:
         """Forward (and backward) over micro-batches; what each step_fn reported (as `MegatronEngine.run`).
@@ -289,7 +276,7 @@ class FSDPEngine:
         if (packed or share_prompts) and any(w is not None for w in self.cfg.layer_windows):
             raise ValueError("packed or shared-prompt micro-batches need full attention in every layer")
         n = len(micro_batches)
-        total = self._agreed_count(n)
+        total = agreed_count(n, self.group, self.torch_device)
         reports = []
         self.module.train(not forward_only)
         with torch.set_grad_enabled(not forward_only):
@@ -376,29 +363,25 @@ class FSDPEngine:
             self.scheduler.load_state_dict(meta["scheduler"])
 
 
-def _chunk_bounds(param) -> tuple[int, int]:
-    """The whole tensor's dim-0 rows [start, stop) this rank holds of a DTensor FSDP2 sharded: chunk `rank`
-    of torch.chunk sizes (the last ranks' may be short or empty)."""
+def chunk_rows(rows: int, ranks: int) -> int:
+    """FSDP2's dim-0 chunk size of a tensor of `rows` rows over `ranks` (torch.chunk's: every chunk but the
+    last ones this many rows; those may be short or empty)."""
+    return -(-rows // ranks)
+
+
+def chunk_bounds(param) -> tuple[int, int]:
+    """The whole tensor's dim-0 rows [start, stop) this rank holds of a DTensor FSDP2 sharded."""
     mesh = param.device_mesh
-    rank, size = mesh.get_local_rank(), mesh.size()
-    rows = -(-param.shape[0] // size)  # ceil
-    start = min(rank * rows, param.shape[0])
+    start = min(mesh.get_local_rank() * chunk_rows(param.shape[0], mesh.size()), param.shape[0])
     return start, start + param.to_local().shape[0]
 
 
-def _my_chunk(full: Tensor, param) -> Tensor:
-    """This rank's piece of the whole tensor `full`, as `param.to_local()` holds it."""
-    start, stop = _chunk_bounds(param)
-    return full[start:stop].to(param.to_local().dtype)
-
-
-def gather_full(param, traffic=None) -> Tensor:
-    """The whole tensor of a dim-0-sharded DTensor, on every rank (one all-gather); `traffic` counts the
-    other ranks' chunks this rank received and its own sent to each."""
-    local = param.to_local()
-    full = param.full_tensor()
-    if traffic is not None:
-        mine = local.numel() * local.element_size()
-        whole = full.numel() * full.element_size()
-        traffic.add(whole - mine, mine * (param.device_mesh.size() - 1))
-    return full
+def agreed_count(n: int, group, device=None) -> int:
+    """The largest `n` over the ranks of `group` (every rank must call it): how many passes each rank runs,
+    every pass all-gathering. `device`: where the group's backend takes tensors (a CUDA device under NCCL,
+    which has no CPU backend)."""
+    if dist.get_world_size(group) == 1:
+        return n
+    count = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    return int(count.item())

@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridflow.engine.fsdp import agreed_count, chunk_bounds
 from hybridflow.models.hf import RewardModel
 
-__all__ = ["FSDPRewardModel", "agreed_count", "frozen_units", "load_sharded_classifier", "shard_frozen",
+__all__ = ["FSDPRewardModel", "frozen_units", "load_sharded_classifier", "shard_frozen",
            "world_mesh"]
 
 
@@ -74,16 +75,6 @@ def shard_frozen(model: nn.Module, mesh) -> nn.Module:
     return model.eval()
 
 
-def agreed_count(n: int, group, device=None) -> int:
-    """The largest `n` over the ranks of `group` (every rank must call it); `device`: where the group's
-    backend takes tensors (a CUDA device under NCCL, which has no CPU backend)."""
-    if dist.get_world_size(group) == 1:
-        return n
-    count = torch.tensor([n], dtype=torch.int64, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    return int(count.item())
-
-
 def _init_buffers(model: nn.Module) -> None:
     """Non-persistent buffers are not in the checkpoint and `to_empty` left them uninitialised: the rotary
     embeddings' are recomputed by transformers' own initialiser; any other is refused."""
@@ -119,12 +110,9 @@ def load_shards(model: nn.Module, path: str | Path) -> int:
             raise KeyError(f"the checkpoint at {path} holds tensor(s) {unknown[:5]} that "
                            f"{type(model).__name__} does not have")
         for name, param in wanted.items():
-            local = param.to_local()
-            if local.numel():
-                rows = -(-read.shape(name)[0] // param.device_mesh.size())  # torch.chunk's sizes
-                start = param.device_mesh.get_local_rank() * rows
-                piece = read(name, rows=slice(start, start + local.shape[0]))
-                local.copy_(piece)
+            start, stop = chunk_bounds(param)
+            if stop > start:
+                param.to_local().copy_(read(name, rows=slice(start, stop)))
         for name, buffer in buffers.items():
             if name in stored:
                 buffer.copy_(read(name))

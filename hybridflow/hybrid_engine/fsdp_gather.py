@@ -19,15 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hybridflow.hybrid_engine.generation import nbytes, transition_metrics
+from hybridflow.engine.fsdp import chunk_rows
+from hybridflow.hybrid_engine.generation import transition_metrics
 from hybridflow.hybrid_engine.reshard import DEFAULT_BUCKET_BYTES, _refuse_released
 from hybridflow.hybrid_engine.traffic import Traffic
 from hybridflow.models.decoder import Decoder, rope_inv_freq
-
-
-def _chunk_rows(rows: int, ranks: int) -> int:
-    """FSDP2's dim-0 chunk size (torch.chunk's): every rank's chunk padded to it."""
-    return -(-rows // ranks)
 
 
 def _row_size(shape) -> int:
@@ -38,7 +34,7 @@ def _row_size(shape) -> int:
 def plan_bytes(shapes: dict[str, tuple[int, ...]], ranks: int, element: int) -> int:
     """Bytes one rank receives gathering tensors of `shapes` from `ranks` even dim-0 chunks: N - 1 chunks,
     each padded to the chunk size, per tensor."""
-    return element * sum(_chunk_rows(s[0], ranks) * _row_size(s) * (ranks - 1) for s in shapes.values())
+    return element * sum(chunk_rows(s[0], ranks) * _row_size(s) * (ranks - 1) for s in shapes.values())
 
 
 class FSDPGatheredWeights:
@@ -73,7 +69,7 @@ class FSDPGatheredWeights:
     def _buckets(self) -> list[list[str]]:
         buckets, size = [[]], 0
         for name, shape in self.shapes.items():
-            nbytes = _chunk_rows(shape[0], self.ranks) * _row_size(shape) * self.element
+            nbytes = chunk_rows(shape[0], self.ranks) * _row_size(shape) * self.element
             if buckets[-1] and size + nbytes > self.bucket_bytes:
                 buckets.append([])
                 size = 0
@@ -85,7 +81,7 @@ class FSDPGatheredWeights:
         """This rank's chunk of tensor `name`, flat, at the generation dtype, padded to the even chunk size."""
         flat = self.params[name].to_local().detach().to(self.engine.dtype).reshape(-1)
         shape = self.shapes[name]
-        want = _chunk_rows(shape[0], self.ranks) * _row_size(shape)
+        want = chunk_rows(shape[0], self.ranks) * _row_size(shape)
         return torch.cat([flat, flat.new_zeros(want - flat.numel())]) if flat.numel() < want else flat
 
     @torch.no_grad()
@@ -112,7 +108,7 @@ class FSDPGatheredWeights:
             offset = 0
             for name, chunk in zip(bucket, chunks):
                 shape, count = self.shapes[name], chunk.numel()
-                rows = _chunk_rows(shape[0], self.ranks)
+                rows = chunk_rows(shape[0], self.ranks)
                 whole = torch.cat([p[offset:offset + count].view(rows, *shape[1:]) for p in pieces])[:shape[0]]
                 params[name].copy_(whole)
                 offset += count
