@@ -202,14 +202,15 @@ def needs_old_log_probs(cfg: Config) -> bool:
     skips the pass the same way; verl does not). KL in the reward reads them
     before the update, so it keeps the pass.
 
-    Off-policy training (trainer.off_policy) and the sampler-trainer correction keep the pass too: the
-    batch was sampled by other weights, and the recomputed log-probs are the proximal policy the
-    correction and the sampler-trainer metrics compare against.
+    Off-policy training (trainer.off_policy) and the sampler-trainer correction skip it on the same
+    terms: the batch was sampled by other weights, but the proximal policy the correction weighs them
+    against is the trainer's weights at the start of the update, which for one optimizer step are the
+    weights the loss runs. The update then reports the sampler-trainer gap from its own pass
+    (`roles/actor.py`) instead of the driver from the recomputed log-probs.
     """
     a = cfg.actor
     one_step = a.ppo_epochs == 1 and cfg.data.train_batch_size <= a.ppo_mini_batch_size
-    off_policy = cfg.trainer.off_policy != "sync" or a.off_policy_correction != "none"
-    return not (a.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward and not off_policy)
+    return not (a.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward)
 
 
 def optimizer_steps(cfg: Config, epochs: int) -> int:

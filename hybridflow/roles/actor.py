@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hybridflow.algos import aggregate_loss, behaviour_weights, get_policy_loss, kl_loss, masked_mean
+from hybridflow.algos import aggregate_loss, behaviour_metrics, behaviour_weights, get_policy_loss, kl_loss, masked_mean
 from hybridflow.config.schema import ActorConfig
 from hybridflow.data import fields as F
 from hybridflow.roles.batching import (forward_only, mean_metrics, planned_mini_batches, response_log_probs,
@@ -65,7 +65,7 @@ class Actor:
         global mini-batch, so the replicas together take the one-process step."""
         cfg = self.cfg
         unused = {F.REF_LOG_PROBS} if not cfg.use_kl_loss else set()
-        if cfg.off_policy_correction == "none":
+        if cfg.off_policy_correction == "none" and F.OLD_LOG_PROBS in batch:  # the driver measured the gap
             unused.add(F.ROLLOUT_LOG_PROBS)
         # Without OLD_LOG_PROBS (skipped: one optimizer step) the loss takes its own log-probs, detached.
         data = {k: batch[k] for k in UPDATE_FIELDS if k not in unused and (k != F.OLD_LOG_PROBS or k in batch)}
@@ -81,16 +81,20 @@ class Actor:
         cfg, mask = self.cfg, mb[F.RESPONSE_MASK]
         logp, ent = self.log_probs(out, mb)
         old = mb[F.OLD_LOG_PROBS] if F.OLD_LOG_PROBS in mb else logp.detach()
-        extra = {}  # a user's registered loss without token_weights still runs uncorrected
+        extra, metrics = {}, {}  # a user's registered loss without token_weights still runs uncorrected
+        correction = (cfg.off_policy_correction, cfg.off_policy_correction_level, cfg.off_policy_correction_threshold)
         if cfg.off_policy_correction != "none":  # the clip around the proximal policy (old), weighted to behaviour
-            extra["token_weights"] = behaviour_weights(
-                old, mb[F.ROLLOUT_LOG_PROBS], mask, cfg.off_policy_correction, cfg.off_policy_correction_level,
-                cfg.off_policy_correction_threshold).weights
+            extra["token_weights"] = behaviour_weights(old, mb[F.ROLLOUT_LOG_PROBS], mask, *correction).weights
+        if F.OLD_LOG_PROBS not in mb and F.ROLLOUT_LOG_PROBS in mb:
+            # No proximal pass ran (one optimizer step: `config.plan.needs_old_log_probs`): the sampler-trainer
+            # gap against this pass's log-probs, which are the proximal policy's.
+            metrics.update(behaviour_metrics(old, mb[F.ROLLOUT_LOG_PROBS], mask, *correction))
         pg = self.policy_loss(logp, old, mb[F.ADVANTAGES], mask,
                               clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                               clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, denominator=denom,
                               **extra)
-        loss, metrics = pg.loss, dict(pg.metrics)
+        loss = pg.loss
+        metrics.update(pg.metrics)
         metrics["actor/entropy"] = masked_mean(ent, mask).item()
         if cfg.entropy_coeff:
             loss = loss - cfg.entropy_coeff * aggregate_loss(ent, mask, cfg.loss_agg_mode, denom)

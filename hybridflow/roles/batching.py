@@ -157,20 +157,34 @@ _ROWS = "_rows"  # a micro-batch report's weight: its real rows
 def global_metrics(reports: list[dict[str, Any]], summed: tuple[str, ...], group=None) -> dict[str, float]:
     """The micro-batch reports of every DP rank as the global mini-batch's metrics, in one all-reduce.
 
-    `summed` keys (loss shares of the global mini-batch loss) are summed; the
-    others are averaged weighted by each micro-batch's real rows, so a
-    micro-batch of padding rows counts nowhere and every layout reports what
-    one process does. Every rank gets the same figures.
+    `summed` keys (loss shares of the global mini-batch loss) are summed; keys
+    ending in `_max` take the largest value of any micro-batch (a second,
+    MAX all-reduce); the others are averaged weighted by each micro-batch's
+    real rows, so a micro-batch of padding rows counts nowhere and every
+    layout reports what one process does. Every rank gets the same figures.
     """
     keys = sorted({k for r in reports for k, v in r.items() if k != _ROWS and isinstance(v, (int, float))})
+    largest = [k for k in keys if k.endswith("_max") and k not in summed]
+    out = _largest(reports, largest, group) if largest else {}
+    keys = [k for k in keys if k not in out]
     sums = [[sum(float(r[k]) for r in reports if k in r), 1.0] if k in summed else
             [sum(r[_ROWS] * float(r[k]) for r in reports if k in r), sum(r[_ROWS] for r in reports if k in r)]
             for k in keys]
     total = torch.tensor(sums, dtype=torch.float64).view(-1, 2)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         total = _all_reduce(total, group)
-    return {k: (total[i, 0].item() if k in summed else (total[i, 0] / total[i, 1]).item() if total[i, 1] > 0 else 0.0)
-            for i, k in enumerate(keys)}
+    out.update({k: (total[i, 0].item() if k in summed else (total[i, 0] / total[i, 1]).item() if total[i, 1] > 0
+                    else 0.0) for i, k in enumerate(keys)})
+    return out
+
+
+def _largest(reports: list[dict[str, Any]], keys: list[str], group=None) -> dict[str, float]:
+    """The largest value of each key over the micro-batches of every rank that reported it."""
+    most = torch.tensor([max((float(r[k]) for r in reports if k in r and r[_ROWS] > 0), default=-math.inf)
+                         for k in keys], dtype=torch.float64)
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        most = _all_reduce(most, group, dist.ReduceOp.MAX)
+    return {k: most[i].item() for i, k in enumerate(keys)}
 
 
 def mean_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:

@@ -277,7 +277,9 @@ class RLTrainer:
                                        layouts["critic"].dp)
             stats.update(mean_of_ranks(self.critic.update_critic(*shares(batch, minis, CriticWorker.update_critic))))
         minis = actor_update_plan(cfg.actor, cfg.rollout.n, seed, step, rows, layouts["training"].dp)
-        if cfg.actor.off_policy_correction == "none":  # the sampler's log-probs stay here: the loss has no use
+        if cfg.actor.off_policy_correction == "none" and self.needs_old:
+            # the loss has no use for the sampler's log-probs and the gap was measured here (_rollout_metrics);
+            # without the old pass the update measures it against its own log-probs
             batch = {k: v for k, v in batch.items() if k != F.ROLLOUT_LOG_PROBS}
         stats.update(mean_of_ranks(self.actor.update_actor(*shares(batch, minis, ActorRolloutRefWorker.update_actor))))
         stats.update(self.transition())

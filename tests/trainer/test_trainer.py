@@ -383,12 +383,18 @@ def test_validation_can_be_capped_skipped_and_reports_progress(tmp_path, caplog)
         config("tiny-grpo.yaml", tmp_path, "data.val_max_samples=-1")
 
 
+GAP = ("offpolicy/is_weight_mean", "offpolicy/is_weight_max", "offpolicy/is_clipped_frac", "offpolicy/k3_kl")
+
+
 @pytest.mark.slow
-def test_skipping_old_log_probs_gives_the_same_update(tmp_path):
+@pytest.mark.parametrize("correction", ["none", "decoupled"])
+def test_skipping_old_log_probs_gives_the_same_update(tmp_path, correction):
     """One epoch over one mini-batch: the old log-probs are the current policy's, so the update takes
-    its own (detached) instead of a forward pass of their own. Same steps either way."""
+    its own (detached) instead of a forward pass of their own. Same steps either way, with a sampler-
+    trainer correction too (the proximal policy is the same weights), and the sampler-trainer gap the
+    update reports from its own pass is the one the driver measured from the recomputed log-probs."""
     one_step = ["actor.ppo_mini_batch_size=8", "trainer.total_steps=3", "trainer.val_every=3", "trainer.save_every=0",
-                "trainer.experiment=skip"]
+                "trainer.experiment=skip", f"actor.off_policy_correction={correction}"]
     runs = {}
     for skip in (True, False):
         cfg = in_repo(config("tiny-grpo.yaml", tmp_path / str(skip), *one_step, f"actor.skip_old_log_probs={skip}"))
@@ -400,9 +406,14 @@ def test_skipping_old_log_probs_gives_the_same_update(tmp_path):
     assert runs[True][1]["actor/clip_frac"] == 0.0
     want, got = learned(runs[False]), learned(runs[True])
     assert got.keys() == want.keys() == {0, 1, 2, 3}
+    gap = {skip: {r["step"]: r for r in runs[skip]} for skip in runs}
     for step in (1, 2, 3):
         for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response/length_mean"):
             assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-6), (step, key)
+    # The gap of equal weights (only the engines' computation orders differ): both ~0, from either pass.
+    for step in (1, 2, 3):
+        for key in GAP:
+            assert gap[True][step][key] == pytest.approx(gap[False][step][key], rel=1e-4, abs=1e-6), (step, key)
     # The two runs' weights agree to rounding, not bit for bit (the old log-probs come from different passes),
     # so a greedy answer on a near-tie may flip: at most 2 of the 1000 held-out prompts.
     assert got[3]["val/accuracy"] == pytest.approx(want[3]["val/accuracy"], abs=0.002)
