@@ -65,6 +65,7 @@ from hybridflow.data.batch import Gathered, concat, pad_rows, row_count, select_
 _ATTR = "__hybridflow_dispatch__"
 _MESH_ATTR = "__hybridflow_mesh__"
 _READS_ATTR = "__hybridflow_reads__"
+_ASIDE_ATTR = "__hybridflow_aside__"
 
 PerRank = list[tuple[tuple, dict]]  # (args, kwargs) for each rank, rank order
 
@@ -102,13 +103,19 @@ def check_mesh(name: str, coords: Sequence[MeshCoord]) -> None:
                          f"got {list(coords)}")
 
 
-def register(mode: Dispatch | str, mesh: Optional[str] = None, reads: Optional[Sequence[str]] = None) -> Callable:
+def register(mode: Dispatch | str, mesh: Optional[str] = None, reads: Optional[Sequence[str]] = None,
+             aside: bool = False) -> Callable:
     """Tag a worker method with its dispatch mode; the group runs tagged methods only.
 
     mesh: for DP_SPLIT, the name of the data-parallel mesh the batch is split
         over (see the module docstring); None splits over every rank.
     reads: for DP_SPLIT, the batch fields the method may read; only those
         the batch holds are shipped (None: every field it is given).
+    aside: a Ray group runs the method on a second thread of the worker's
+        process, beside its other calls instead of after the one in progress
+        (one aside call at a time, in order). Only for a method that reads
+        and writes nothing the ordinary calls touch without a lock (a staged
+        weight copy's broadcast while the actor trains: `rl_workers.py`).
     """
     mode = _as_mode(mode)
     for what, value in (("a mesh", mesh), ("reads", reads)):
@@ -119,6 +126,7 @@ def register(mode: Dispatch | str, mesh: Optional[str] = None, reads: Optional[S
         setattr(fn, _ATTR, mode)
         setattr(fn, _MESH_ATTR, mesh)
         setattr(fn, _READS_ATTR, None if reads is None else tuple(reads))
+        setattr(fn, _ASIDE_ATTR, aside)
         return fn
 
     return tag
@@ -127,6 +135,11 @@ def register(mode: Dispatch | str, mesh: Optional[str] = None, reads: Optional[S
 def method_mesh(fn: Callable) -> Optional[str]:
     """The mesh a registered method's DP_SPLIT runs over (None: every rank)."""
     return getattr(fn, _MESH_ATTR, None)
+
+
+def method_aside(fn: Callable) -> bool:
+    """Whether a registered method runs beside the worker's other calls (`register(aside=True)`)."""
+    return getattr(fn, _ASIDE_ATTR, False)
 
 
 def method_reads(fn: Callable) -> Optional[tuple[str, ...]]:

@@ -31,7 +31,8 @@ import time
 import traceback
 from typing import Any, Optional
 
-from hybridflow.controller.dispatch import Dispatch, PerRank, answering, collect, dispatch, flat_mesh, shipped_bytes
+from hybridflow.controller.dispatch import (Dispatch, PerRank, answering, collect, dispatch, flat_mesh, method_aside,
+                                           shipped_bytes)
 from hybridflow.controller.group import WorkerGroup
 from hybridflow.controller.ray_nodes import NodeOf, describe_lost, log_placement, lost_nodes
 from hybridflow.controller.resource_pool import ResourcePool
@@ -39,6 +40,7 @@ from hybridflow.controller.transfer import fetch_remote_rows, pack, unpack, unpa
 from hybridflow.controller.worker import DIED, Worker, WorkerContext, WorkerError, construct_worker, first_os_error
 
 STARTUP_TIMEOUT_S = 600.0  # actor start plus the worker's __init__ (model build, checkpoint load)
+ASIDE = "aside"  # the Ray concurrency group of methods registered aside
 DEATH_GRACE_S = 5.0  # after a rank fails, how long to wait for news that a peer's process died
 _DIED = DIED  # WorkerError.reason of a rank whose process is gone
 
@@ -112,6 +114,11 @@ class _Host:
         except Exception as exc:
             return _Failure(exc)
         return pack(out) if reply else None
+
+    def call_aside(self, slot: str, name: str, reply: bool, kw_names: tuple, *values):
+        """`call` on the actor's "aside" lane: a second thread, beside a call in progress on the default one
+        (`dispatch.register(aside=True)`; `_start_hosts` puts the method in that concurrency group)."""
+        return self.call(slot, name, reply, kw_names, *values)
 
     def drop(self, slot: str) -> None:
         """Let go of one worker (its group shut down) while other slots' groups go on."""
@@ -238,7 +245,10 @@ class RayWorkerGroup(WorkerGroup):
 
         init_ray()
         _check_fits(pool)
-        host = ray.remote(_Host)
+        # The aside lane: one more thread per actor, for methods registered aside (a weight broadcast from a
+        # staged copy while the actor trains); every other call runs on the default lane, one at a time.
+        ray.method(concurrency_group=ASIDE)(_Host.call_aside)
+        host = ray.remote(concurrency_groups={ASIDE: 1})(_Host)
         self._set = _HostSet([], [])  # set first: a failure below kills what started (`_start` shuts down)
         for rank in range(self.world_size):
             self._set.hosts.append(host.options(max_restarts=0, **pool.actor_options(rank)).remote(pool.device))
@@ -272,13 +282,14 @@ class RayWorkerGroup(WorkerGroup):
         per_rank = dispatch(mode, self.world_size, args, kwargs, mesh)
         self.shipped_bytes += shipped_bytes(per_rank)
         per_rank = self._put_once(self._pack_args(per_rank))
-        futures = []
+        futures, aside = [], method_aside(getattr(self.worker_cls, name))
         # A call goes out to every rank before another thread's call (to this group or one colocated
         # with it) does, so all ranks run them in one order (see _HostSet).
         with self._set.lock:
             for host, coord, (rank_args, rank_kwargs) in zip(hosts, mesh, per_rank):
                 kw_names, values = _flatten(rank_args, rank_kwargs)
-                futures.append(host.call.remote(self._slot, name, coord.answers, kw_names, *values))
+                call = host.call_aside if aside else host.call
+                futures.append(call.remote(self._slot, name, coord.answers, kw_names, *values))
         results = self._gather(futures, name, self.call_timeout)
         if mode is Dispatch.DP_SPLIT:
             return collect(mode, unpack_results(answering(results, mesh)), flat_mesh(mesh[0].dp_size))

@@ -38,7 +38,8 @@ class ApartWeightSync:
         bytes per receiving rank (the most any received, and the plan's and the formula's for it), bytes every
         training rank sent together, the most collectives one rank joined, and the wall time of the push."""
         start = time.perf_counter()
-        sent, received = run_together(lambda: self.actor.send_weights(version), self.rollout.receive_weights)
+        send = self.actor.send_weights if version is None else lambda: self.actor.send_staged(version)
+        sent, received = run_together(send, self.rollout.receive_weights)
         seconds = time.perf_counter() - start
         self.last = {"sent": sent, "received": received}
         out = {"sync/bytes_received": max(r["sync/bytes_received"] for r in received),

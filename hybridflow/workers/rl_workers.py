@@ -24,6 +24,7 @@ trainer calls them through: each lists the methods the controller uses.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -172,6 +173,7 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
                                    spec.layout, spec.optimizer_steps, kind=spec.actor.engine, fsdp=spec.actor.fsdp)
         self.register_mesh("actor", spec.layout)
         self.staged: dict[int, dict[str, torch.Tensor]] = {}  # weight version -> shard copy (`stage_weights`)
+        self._staged_lock = threading.Lock()  # `send_staged` runs aside, on another thread of this process
         self.actor = Actor(spec.actor, self.engine, samples_per_prompt=spec.rollout.n,
                            temperature=spec.rollout.temperature, seed=spec.run.seed)
         self.reference = None
@@ -252,20 +254,34 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
 
     @register(Dispatch.ONE_TO_ALL)
     def stage_weights(self, version: int) -> None:
-        """Keep a copy of this rank's training shard as weight `version`, for a later `send_weights(version)`:
+        """Keep a copy of this rank's training shard as weight `version`, for a later `send_staged(version)`:
         a rollout generating ahead (trainer.off_policy) takes a version after the actor has trained past it.
         Copies, not views: the optimizer steps the parameters in place."""
-        self.staged[version] = {name: t.clone() for name, t in self._training_shard().items()}
+        copy = {name: t.clone() for name, t in self._training_shard().items()}
+        with self._staged_lock:
+            self.staged[version] = copy
 
     @register(Dispatch.ONE_TO_ALL)
-    def send_weights(self, version: Optional[int] = None) -> dict[str, float]:
-        """Broadcast this rank's slices of its training shard (now, or the copy staged as `version`, after
-        which it and older copies are dropped) to the rollout ranks that need them; what this rank moved
-        (`sync/*`), beside the plan's figures."""
-        start, traffic = time.perf_counter(), Traffic()
-        send(self.weight_sync, self._training_shard() if version is None else self.staged[version], traffic)
-        if version is not None:
+    def send_weights(self) -> dict[str, float]:
+        """Broadcast this rank's slices of its training shard now to the rollout ranks that need them; what
+        this rank moved (`sync/*`), beside the plan's figures."""
+        return self._send(self._training_shard())
+
+    @register(Dispatch.ONE_TO_ALL, aside=True)
+    def send_staged(self, version: int) -> dict[str, float]:
+        """`send_weights` of the copy staged as `version` (after which it and older copies are dropped), run
+        aside: it reads only that copy, so the broadcast goes on while the actor trains (a rollout generating
+        ahead does not wait for the update in progress to end)."""
+        with self._staged_lock:
+            shard = self.staged[version]
+        out = self._send(shard)
+        with self._staged_lock:
             self.staged = {v: w for v, w in self.staged.items() if v > version}
+        return out
+
+    def _send(self, shard: dict[str, torch.Tensor]) -> dict[str, float]:
+        start, traffic = time.perf_counter(), Traffic()
+        send(self.weight_sync, shard, traffic)
         return sync_metrics(traffic, self.weight_sync.plan, self.rank, time.perf_counter() - start)
 
     @register(Dispatch.DP_SPLIT, mesh="actor", reads=LOG_PROB_FIELDS)
@@ -475,6 +491,7 @@ class ActorGroup(RoleGroup):
     join_weight_sync = remote(ActorRolloutRefWorker.join_weight_sync)
     stage_weights = remote(ActorRolloutRefWorker.stage_weights)
     send_weights = remote(ActorRolloutRefWorker.send_weights)
+    send_staged = remote(ActorRolloutRefWorker.send_staged)
     compute_log_probs = remote(ActorRolloutRefWorker.compute_log_probs)
     update_actor = remote(ActorRolloutRefWorker.update_actor)
     export_hf = remote(ActorRolloutRefWorker.export_hf)

@@ -127,6 +127,20 @@ def test_per_replica_arguments_reach_their_replica_as_they_are(echo_group):
         echo_group.call(Echo.share, PerReplica([{"names": ["a"]}]), [0])
 
 
+def test_an_aside_method_runs_while_the_worker_is_busy_with_another_call(echo_group, tmp_path):
+    """`register(aside=True)`: the call runs on the actor's second lane, beside the call in progress (the
+    weight broadcast of a staged copy while the actor trains). Without that lane `release` would queue
+    behind `hold`, which waits for it: `hold` would run out its 60 s and report it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    flag = str(tmp_path / "released")
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(echo_group.call, Echo.hold, flag)
+        time.sleep(0.5)  # `hold` is in progress on every rank
+        assert echo_group.call(Echo.release, flag) == [0, 1]
+        assert max(held.result(timeout=30)) < 30.0
+
+
 def test_one_to_all_rank_zero_all_to_all(echo_group):
     assert echo_group.call(Echo.tag) == "rank0"
     assert echo_group.call(Echo.add, [1, 2], b=[10, 20]) == [11, 122]

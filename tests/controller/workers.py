@@ -46,6 +46,20 @@ class Echo(Worker):
         return {"rank": self.rank, "init_rank": self.init_rank, "world": self.world_size, "offset": self.offset,
                 "env": {k: os.environ.get(k) for k in keys}}
 
+    @register(Dispatch.ONE_TO_ALL)
+    def hold(self, path: str, seconds: float = 60.0) -> float:
+        """Busy on the ordinary lane until the file `path` exists (at most `seconds`); how long it waited."""
+        start = time.monotonic()
+        while not os.path.exists(path) and time.monotonic() - start < seconds:
+            time.sleep(0.01)
+        return time.monotonic() - start
+
+    @register(Dispatch.ONE_TO_ALL, aside=True)
+    def release(self, path: str) -> int:
+        """Aside: create `path` (ending a `hold` in progress, if this runs beside it)."""
+        open(path, "w").close()
+        return self.rank
+
     @register(Dispatch.RANK_ZERO)
     def tag(self) -> str:
         return f"rank{self.rank}"
