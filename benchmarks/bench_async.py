@@ -117,6 +117,9 @@ def measure(name: str, overrides: list[str], args, out: Path) -> dict:
             "mean_step_s": wall / len(records),
             "sync_s": statistics.median([r["sync/time_s"] for r in records if "sync/time_s" in r] or [0.0]),
             "accuracy": summary["end"].get("val/accuracy", float("nan")), "samples": rows,
+            # the sampler-trainer gap, and the tensor bytes the driver received from the groups per step
+            "k3_kl": statistics.mean(r.get("offpolicy/k3_kl", float("nan")) for r in records),
+            "driver_received_bytes": statistics.mean(r.get("controller/received_bytes", 0.0) for r in records),
             "stages_s": {k.removeprefix("timing/"): statistics.median(r.get(k, 0.0) for r in records)
                          for k in sorted({k for r in records for k in r if k.startswith("timing/")})}}
 

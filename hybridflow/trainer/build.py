@@ -48,7 +48,8 @@ def actor_spec(cfg: Config, plan: RunPlan) -> ActorWorkerSpec:
 def rollout_spec(cfg: Config, plan: RunPlan) -> RolloutWorkerSpec:
     return RolloutWorkerSpec(run=_run(cfg), model=cfg.model, rollout=cfg.rollout,
                              max_response_length=cfg.data.max_response_length,
-                             train_layout=plan.layouts["training"], env=cfg.env)
+                             train_layout=plan.layouts["training"],
+                             sampler_log_probs_in_store=not plan.needs_old_log_probs, env=cfg.env)
 
 
 def reference_spec(cfg: Config, plan: RunPlan) -> ReferenceWorkerSpec:

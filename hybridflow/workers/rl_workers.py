@@ -393,7 +393,8 @@ class RolloutWorker(_Generates):
                                "(receive_weights) before its first rollout")
         out = self.rollout.generate(prompts, seed, mode, pad)
         if self.spec.rows_in_object_store and self.rank % self.spec.rollout.tg == 0:  # it answers for its replica
-            out.update({name: remote_rows(out[name]) for name in LEFT_IN_STORE if name in out})
+            names = LEFT_IN_STORE + ((F.ROLLOUT_LOG_PROBS,) if self.spec.sampler_log_probs_in_store else ())
+            out.update({name: remote_rows(out[name]) for name in names if name in out})
         return out
 
     @register(Dispatch.RANK_ZERO)

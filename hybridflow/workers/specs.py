@@ -55,6 +55,9 @@ class RolloutWorkerSpec:
     # The token fields the driver never reads stay in the object store (workers.rl_workers.LEFT_IN_STORE);
     # False sends them through the driver, as before (benchmarks/bench_data_plane.py compares the two).
     rows_in_object_store: bool = True
+    # The sampler's log-probs too, when the driver does not read them (no old log-prob pass: the update
+    # measures the sampler-trainer gap itself, `config.plan.needs_old_log_probs`).
+    sampler_log_probs_in_store: bool = False
     env: EnvConfig = field(default_factory=EnvConfig)
 
 

@@ -81,6 +81,20 @@ def test_schedule_limits():
     assert [m[f"offpolicy/staleness_{b}"] for b in ("0", "1", "2", "3plus")] == [1, 2, 0, 2]
 
 
+def test_the_sampler_log_probs_stay_in_the_object_store_when_the_driver_does_not_read_them(tmp_path):
+    """Without the old log-prob pass (one optimizer step a batch) the driver never reads the sampler's
+    log-probs (the update measures the gap), so the rollout group apart leaves them in the object store
+    with the token rows; with the pass the driver measures the gap from them and they come through it."""
+    from hybridflow.config.plan import RunPlan
+    from hybridflow.trainer.build import rollout_spec
+
+    for mini_batch, in_store in ((8, True), (4, False)):  # tiny-grpo's batch is 8 prompts
+        cfg = _config("tiny-grpo.yaml", tmp_path, "trainer.off_policy=one_step", f"actor.ppo_mini_batch_size={mini_batch}")
+        plan = RunPlan.from_config(cfg)
+        assert plan.needs_old_log_probs is not in_store
+        assert rollout_spec(cfg, plan).sampler_log_probs_in_store is in_store
+
+
 # --------------------------------------------------------------------------- on Ray
 
 
