@@ -23,6 +23,7 @@ names that node and the ranks and roles it held (`ray_nodes.py`).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
@@ -76,6 +77,11 @@ class _Host:
         if device == "cpu":  # before the worker's modules (torch, megatron) are imported
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
         self.workers: dict[str, Worker] = {}
+        # On a GPU the two lanes take turns: NCCL kernels of two communicators enqueued from two threads may
+        # be ordered differently on different ranks, and a rank then waits in one collective for a peer
+        # waiting in the other. Gloo's collectives run on their own threads, in no such order: on the CPU
+        # an aside call runs beside the call in progress.
+        self._turns = contextlib.nullcontext() if device == "cpu" else threading.Lock()
 
     def node_address(self) -> tuple[str, int, str]:
         """This node's IP, a port free on it now (rank 0's becomes the master port) and its Ray node id."""
@@ -108,17 +114,23 @@ class _Host:
         """Run the method; a rank whose result the caller drops (a TP or earlier-stage peer) sends None.
         Rows another group left in the object store (`transfer.remote_rows`) are fetched here, not on the
         driver."""
+        with self._turns:
+            return self._run(slot, name, reply, kw_names, values)
+
+    def call_aside(self, slot: str, name: str, reply: bool, kw_names: tuple, *values):
+        """`call` on the actor's "aside" lane: a second thread, beside a call in progress on the default one
+        (`dispatch.register(aside=True)`; `_start_hosts` puts the method in that concurrency group); on a GPU
+        after it (`__init__`)."""
+        with self._turns:
+            return self._run(slot, name, reply, kw_names, values)
+
+    def _run(self, slot: str, name: str, reply: bool, kw_names: tuple, values: tuple):
         try:
             args, kwargs = _split_kw(kw_names, fetch_remote_rows(unpack(values)))
             out = getattr(self.workers[slot], name)(*args, **kwargs)
         except Exception as exc:
             return _Failure(exc)
         return pack(out) if reply else None
-
-    def call_aside(self, slot: str, name: str, reply: bool, kw_names: tuple, *values):
-        """`call` on the actor's "aside" lane: a second thread, beside a call in progress on the default one
-        (`dispatch.register(aside=True)`; `_start_hosts` puts the method in that concurrency group)."""
-        return self.call(slot, name, reply, kw_names, *values)
 
     def drop(self, slot: str) -> None:
         """Let go of one worker (its group shut down) while other slots' groups go on."""

@@ -137,8 +137,34 @@ def test_an_aside_method_runs_while_the_worker_is_busy_with_another_call(echo_gr
     with ThreadPoolExecutor(1) as pool:
         held = pool.submit(echo_group.call, Echo.hold, flag)
         time.sleep(0.5)  # `hold` is in progress on every rank
-        assert echo_group.call(Echo.release, flag) == [0, 1]
+        assert len(set(echo_group.call(Echo.release, flag))) == 2  # both ranks' processes
         assert max(held.result(timeout=30)) < 30.0
+
+
+@pytest.mark.parametrize("device, overlaps", [("cpu", True), ("cuda", False)])
+def test_a_gpu_host_runs_its_aside_lane_after_the_call_in_progress(tmp_path, device, overlaps):
+    """The host's two lanes (called here as Ray's two threads would call them): on the CPU an aside call
+    runs beside a call in progress; on a GPU it waits for it (NCCL kernels from two threads could be ordered
+    differently on different ranks and hang)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hybridflow.controller.ray_group import _Host
+
+    cuda_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    host = _Host(device)
+    if cuda_visible is None:  # a CPU host hides the GPUs of its process: not this test process's
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible
+    host.workers["w"] = Echo.__new__(Echo)  # hold and release read no context
+    flag = str(tmp_path / "released")
+    with ThreadPoolExecutor(2) as pool:
+        held = pool.submit(host.call, "w", "hold", True, (), flag, 3.0)
+        time.sleep(0.3)
+        released = pool.submit(host.call_aside, "w", "release", False, (), flag)
+        released.result(timeout=30)
+        waited = held.result(timeout=30)
+    assert (waited < 2.5) is overlaps, waited
 
 
 def test_one_to_all_rank_zero_all_to_all(echo_group):
