@@ -169,8 +169,7 @@ def predict_model(cfg, r: dict, fitted) -> float:
     c = Planner(model, train, fitted.device).split("split-all", devices, one, None, 1)
     rollout = sum(Planner(model, roll, fitted.device).split("split-all", devices, one, None, 1)
                   .stages["rollout"].values())
-    st = dataclasses.replace(c.split_stages, rollout=rollout * rollout_f, prep=c.split_stages.prep * forward_f,
-                             old_log_probs=c.split_stages.old_log_probs * forward_f)
+    st = dataclasses.replace(c.split_stages, rollout=rollout * rollout_f, prep=c.split_stages.prep * forward_f)
     mode, k, e = mode_of(cfg)
     return overlap.iteration_seconds(mode, st, k, e)
 

@@ -8,24 +8,23 @@ serialises in hybridflow's implementation (`dataflow/off_policy.py`, `trainer/tr
 
 - The weight sync is a set of collectives spanning both groups (`hybrid_engine/weight_sync.py`): the
   training ranks send while the rollout ranks receive, so a sync occupies both sides at once, whatever
-  the mode. A worker process runs its calls one at a time, so the training side's part of the sync also
-  waits for the call it is in (its update, say) to end: the steady state below has none of that wait,
-  because a sync starts when one side has been idle waiting for the other (the trainer for a batch, or
-  the rollout for a version the staleness bound lets it use).
+  the mode. The training side broadcasts a staged copy on a lane of its own (`send_staged`, aside the
+  update in progress, on the CPU), and a sync starts when one side has been idle waiting for the other
+  (the trainer for a batch, or the rollout for a version the staleness bound lets it use).
 - `sync` (lock step): the push, then the rollout, then the training side's preparation and update, one
   after the other: `sync + rollout + prep + update`.
 - `one_step`: while update t runs, the rollout generates batch t + 1 from the weights of before it (the
   stream loads version t - 1, broadcasting the copy staged after update t - 1, then generates). Per step
-  each side does its own work between two syncs: `sync + max(rollout, prep + old_log_probs + update +
-  stage)`. Two terms are the mode's own: the old log-prob pass (off-policy training needs the proximal
-  policy's log-probs even where sync reuses the update's own) and the staged copy of each training
-  rank's shard (a clone, for the stream to broadcast later).
+  each side does its own work between two syncs: `sync + max(rollout, prep + update + stage)`. One term
+  is the mode's own: the staged copy of each training rank's shard (a clone, for the stream to broadcast
+  later). The old log-prob pass (the proximal policy) runs where lock step runs it, so it is in `prep`:
+  for one optimizer step a batch the update's own log-probs are the proximal policy's.
 - `async`, `max_staleness` k >= 1, weights pushed every `sync_every` = e updates (stale_samples=wait):
   the rollout may run up to k versions ahead. With e = 1 every batch still loads a newer version, so the
   steady state is one_step's: the larger bound buys slack against steps of unequal length (a long-tailed
   batch), not a shorter mean step; this model of means does not see that slack. With e > 1 a sync (and a
-  staged copy) happens every e steps: `sync / e + max(rollout, prep + old_log_probs + update + stage / e)`.
-  k = 0 is sync's lock step (the schedule is the same), with the off-policy passes added.
+  staged copy) happens every e steps: `sync / e + max(rollout, prep + update + stage / e)`.
+  k = 0 is sync's lock step (the schedule is the same), with the staged copy added.
 
 Not modelled: the driver's share between calls (rewards, advantages, Ray's per-call overhead: a few
 milliseconds a call on these machines), chunked generation overlapping preparation within a step
@@ -44,10 +43,9 @@ class SplitStages:
 
     rollout: generating the step's batch on the rollout group (the sync excluded);
     sync: one weight sync, training group -> rollout group (both take part);
-    prep: the training side's preparation as sync runs it (reward, reference, values, old log-probs where
-        sync needs them);
+    prep: the training side's preparation (reward, reference, values, old log-probs where the update takes
+        more than one optimizer step);
     update: the critic's and actor's updates;
-    old_log_probs: the old log-prob pass off-policy modes add (0 where sync runs it too: it is in `prep`);
     stage: the staged copy of a training rank's shard an off-policy push makes.
     """
 
@@ -55,7 +53,6 @@ class SplitStages:
     sync: float
     prep: float
     update: float
-    old_log_probs: float = 0.0
     stage: float = 0.0
 
     def __post_init__(self):
@@ -77,8 +74,8 @@ def iteration_seconds(mode: str, s: SplitStages, max_staleness: int = 1, sync_ev
         raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
     if not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-    train = s.prep + s.old_log_probs + s.update
-    if max_staleness == 0:  # lock step, as sync, with the off-policy passes
+    train = s.prep + s.update
+    if max_staleness == 0:  # lock step, as sync, with the staged copy
         return s.sync + s.rollout + train + s.stage
     return s.sync / sync_every + max(s.rollout, train + s.stage / sync_every)
 

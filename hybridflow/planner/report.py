@@ -66,7 +66,7 @@ def modes(c: Candidate) -> list[str]:
     lines += [f"    {name:12s} {seconds:9.3f} s/iteration  {sync / seconds:5.2f}x lock step"
               + ("  <- the run's" if name == c.mode else "") for name, seconds in c.modes.items()]
     lines.append(f"    from: rollout {s.rollout:.3f}, sync {s.sync:.3f}, preparation {s.prep:.3f}, update "
-                 f"{s.update:.3f}; off-policy adds old log-probs {s.old_log_probs:.3f}, staged copy {s.stage:.4f} s")
+                 f"{s.update:.3f}; off-policy adds the staged copy {s.stage:.4f} s")
     return lines
 
 

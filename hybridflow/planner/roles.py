@@ -53,11 +53,10 @@ class Workload:
     # Packed micro-batches or shared-prompt rows in a training role: layouts the engine runs at cp = 1 only.
     packed_rows: bool = False
     # trainer.off_policy and its settings: what the run asks for (a rollout apart costs every mode, the
-    # iteration ranked is this one's), and whether lock step would need the old log-prob pass
+    # iteration ranked is this one's)
     off_policy: str = "sync"
     max_staleness: int = 1
     sync_every: int = 1
-    sync_old_log_probs: Optional[bool] = None  # None: as needs_old_log_probs
 
     @property
     def rows(self) -> int:
@@ -75,7 +74,6 @@ class Workload:
         from hybridflow.config.validate import row_layouts
 
         d, t = cfg.data, cfg.trainer
-        lock_step = dataclasses.replace(cfg, trainer=dataclasses.replace(t, off_policy="sync"))
         return cls(prompts=d.train_batch_size, n=cfg.rollout.n,
                    prompt_len=float(prompt_len if prompt_len is not None else d.max_prompt_length),
                    response_len=float(response_len if response_len is not None else d.max_response_length),
@@ -89,8 +87,7 @@ class Workload:
                    distributed_optimizer=cfg.actor.parallel.distributed_optimizer, reward_model=reward_model,
                    packed_rows=any(getattr(getattr(cfg, section), dynamic) or getattr(getattr(cfg, section), share)
                                    for section, dynamic, _, share, _ in row_layouts(cfg)),
-                   off_policy=t.off_policy, max_staleness=t.max_staleness, sync_every=t.sync_every,
-                   sync_old_log_probs=needs_old_log_probs(lock_step))
+                   off_policy=t.off_policy, max_staleness=t.max_staleness, sync_every=t.sync_every)
 
 
 def train_memory(model: DecoderConfig, wl: Workload, layout: ParallelDims, micro: int, value_head: bool = False,

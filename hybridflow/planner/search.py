@@ -268,7 +268,7 @@ class Planner:
                         {"critic_update": k_times["critic_update"]} if "critic_update" in k_times else {})}
         c.iteration_s = sum(_total_s(t) for t in c.stages.values())
         if apart:
-            c.split_stages = self.split_stages(c, a_times, prep_k)
+            c.split_stages = self.split_stages(c)
             k, e = self.async_settings()
             c.modes = {overlap.mode_label(mode, k): overlap.iteration_seconds(mode, c.split_stages, k, e)
                        for mode in overlap.MODES}
@@ -281,21 +281,16 @@ class Planner:
         k = 2 pushed every update (what `bench async` measures)."""
         return (self.wl.max_staleness, self.wl.sync_every) if self.wl.off_policy == "async" else (2, 1)
 
-    def split_stages(self, c: Candidate, a_times: dict[str, dict[str, float]],
-                     prep_k: dict[str, dict[str, float]]) -> overlap.SplitStages:
-        """A candidate with its rollout apart as `overlap.SplitStages`: its rollout, sync and update, the
-        preparation lock step runs (the old log-prob pass only where sync needs it) and what the off-policy
-        modes add (that pass, where sync skips it, and the staged copy of the actor's shard)."""
+    def split_stages(self, c: Candidate) -> overlap.SplitStages:
+        """A candidate with its rollout apart as `overlap.SplitStages`: its rollout, sync, preparation and
+        update, and what the off-policy modes add: the staged copy of the actor's shard. (They run the old
+        log-prob pass exactly where lock step does, `config.plan.needs_old_log_probs`: it is in the
+        preparation.)"""
         wl, a = self.wl, c.actor
-        olp = {"old_log_probs": a_times.get("old_log_probs") or roles.forward_time(self.model, wl, a, self.device,
-                                                                                 wl.forward_micro)}
-        base = {k: v for k, v in a_times.items() if k not in ("actor_update", "old_log_probs")}
-        sync_old = wl.needs_old_log_probs if wl.sync_old_log_probs is None else wl.sync_old_log_probs
-        prep = _total_s(_slower({**base, **(olp if sync_old else {})}, prep_k))
         shard = cost.rank_params(self.model, a.tp, a.pp, wl.divisible_by) * wl.dtype_bytes
         return overlap.SplitStages(
-            rollout=_total_s(c.stages["rollout"]), sync=_total_s(c.stages["transition"]), prep=prep,
-            update=_total_s(c.stages["update"]), old_log_probs=_total_s(_slower({**base, **olp}, prep_k)) - prep,
+            rollout=_total_s(c.stages["rollout"]), sync=_total_s(c.stages["transition"]),
+            prep=_total_s(c.stages["preparation"]), update=_total_s(c.stages["update"]),
             stage=2 * shard / (self.device.memory_bw * self.device.efficiency["decode"]))  # read and write a clone
 
     # -- the search --------------------------------------------------------------------------------

@@ -9,21 +9,21 @@ from hybridflow.planner.overlap import SplitStages, iteration_seconds
 
 # Binary fractions: every sum and max below is exact in floating point, so == compares like with like.
 SPLIT = ["placement.training=[0]", "placement.reference=[0]", "placement.critic=[0]", "placement.rollout=[1]"]
-UPDATE_BOUND = SplitStages(rollout=0.25, sync=0.125, prep=0.5, update=1.0, old_log_probs=0.25, stage=0.0625)
-ROLLOUT_BOUND = SplitStages(rollout=4.0, sync=0.5, prep=0.25, update=1.0, old_log_probs=0.5, stage=0.25)
+UPDATE_BOUND = SplitStages(rollout=0.25, sync=0.125, prep=0.75, update=1.0, stage=0.0625)
+ROLLOUT_BOUND = SplitStages(rollout=4.0, sync=0.5, prep=0.75, update=1.0, stage=0.25)
 
 
 def test_lock_step_is_the_serial_sum_and_skips_what_only_off_policy_adds():
-    # sync + rollout + prep + update = 0.125 + 0.25 + 0.5 + 1.0
-    assert iteration_seconds("sync", UPDATE_BOUND) == 1.875
-    assert iteration_seconds("sync", ROLLOUT_BOUND) == 0.5 + 4.0 + 0.25 + 1.0
+    # sync + rollout + prep + update = 0.125 + 0.25 + 0.75 + 1.0 (no staged copy)
+    assert iteration_seconds("sync", UPDATE_BOUND) == 2.125
+    assert iteration_seconds("sync", ROLLOUT_BOUND) == 0.5 + 4.0 + 0.75 + 1.0
 
 
 def test_one_step_is_the_sync_plus_the_slower_side():
-    # update-bound: 0.125 + max(0.25, 0.5 + 0.25 + 1.0 + 0.0625) = 0.125 + 1.8125: slower than lock step here,
-    # the old log-prob pass costing more than the rollout it hides
+    # update-bound: 0.125 + max(0.25, 0.75 + 1.0 + 0.0625) = 0.125 + 1.8125, against 2.125 lock step: the
+    # rollout hidden, less the staged copy
     assert iteration_seconds("one_step", UPDATE_BOUND) == 1.9375
-    # rollout-bound: 0.5 + max(4.0, 0.25 + 0.5 + 1.0 + 0.25) = 4.5, against 5.75 lock step
+    # rollout-bound: 0.5 + max(4.0, 0.75 + 1.0 + 0.25) = 4.5, against 6.25 lock step
     assert iteration_seconds("one_step", ROLLOUT_BOUND) == 4.5
     # one_step ignores async's settings (it is k = 1, pushed every update)
     assert iteration_seconds("one_step", ROLLOUT_BOUND, max_staleness=5, sync_every=3) == 4.5
@@ -33,11 +33,11 @@ def test_async_is_one_step_at_sync_every_1_amortises_the_sync_beyond_and_is_lock
     for s in (UPDATE_BOUND, ROLLOUT_BOUND):
         for k in (1, 2, 4):
             assert iteration_seconds("async", s, k) == iteration_seconds("one_step", s)
-    # k = 2, every 2 updates: 0.5 / 2 + max(4.0, 0.25 + 0.5 + 1.0 + 0.25 / 2) = 0.25 + 4.0
+    # k = 2, every 2 updates: 0.5 / 2 + max(4.0, 0.75 + 1.0 + 0.25 / 2) = 0.25 + 4.0
     assert iteration_seconds("async", ROLLOUT_BOUND, 2, 2) == 4.25
     # update-bound, every 2: 0.125 / 2 + max(0.25, 1.75 + 0.0625 / 2) = 0.0625 + 1.78125
     assert iteration_seconds("async", UPDATE_BOUND, 2, 2) == 1.84375
-    # k = 0: the lock step's schedule, with the off-policy passes: 0.5 + 4.0 + 0.25 + 0.5 + 1.0 + 0.25
+    # k = 0: the lock step's schedule, with the staged copy: 0.5 + 4.0 + 0.75 + 1.0 + 0.25
     assert iteration_seconds("async", ROLLOUT_BOUND, 0) == 6.5
 
 
@@ -73,12 +73,11 @@ def test_the_planner_costs_a_rollout_apart_in_every_mode_and_ranks_the_runs_own(
     sync, off = plans["sync"], plans["one_step"]
     assert list(sync.modes) == ["sync", "one_step", "async k=2"] and sync.mode == "sync"
     s = sync.split_stages
-    # the demo's GRPO at lock step skips the old log-prob pass (one epoch, one mini-batch); off-policy adds it
-    assert s.prep == 0 and s.old_log_probs > 0 and s.stage > 0
+    # the demo's GRPO skips the old log-prob pass (one epoch, one mini-batch), off-policy as at lock step
+    assert s.prep == 0 and s.stage > 0
     assert sync.iteration_s == sync.modes["sync"] == s.sync + s.rollout + s.prep + s.update
-    assert sync.modes["one_step"] == s.sync + max(s.rollout, s.prep + s.old_log_probs + s.update + s.stage)
-    # a one_step run is ranked by its own mode, over the same stages: its lock-step column is the config as it
-    # would run at trainer.off_policy=sync (without the pass)
+    assert sync.modes["one_step"] == s.sync + max(s.rollout, s.prep + s.update + s.stage)
+    # a one_step run is ranked by its own mode, over the same stages
     assert off.mode == "one_step" and off.iteration_s == off.modes["one_step"] == sync.modes["one_step"]
     assert off.split_stages == s
 
