@@ -126,13 +126,14 @@ def cp_kv_bytes(cfg: DecoderConfig, micro: int, seq: int, tp: int, cp: int, dtyp
 
 
 def activation_bytes(cfg: DecoderConfig, layout: ParallelDims, micro: int, seq: int, micro_batches: int,
-                     dtype_bytes: int, recompute: bool = False, logits: bool = True) -> int:
+                     dtype_bytes: int, recompute: bool = False, logits: bool = True, vpp: int = 1) -> int:
     """Activations a training rank holds at its peak: the first stage's layers for the micro-batches
-    1F1B keeps in flight, one layer's full set while recomputing, and the last stage's fp32 logits.
-    At cp > 1 a rank holds its S/cp tokens of each layer, the gathered K and V, and the whole logits."""
+    1F1B (or the interleaved schedule, `vpp` > 1) keeps in flight (`chunks_in_flight`), one layer's full
+    set while recomputing, and the last stage's fp32 logits. At cp > 1 a rank holds its S/cp tokens of
+    each layer, the gathered K and V, and the whole logits."""
     tokens = micro * seq / layout.cp
     layers = cfg.num_layers // layout.pp
-    in_flight = min(layout.pp, max(1, micro_batches))
+    in_flight = chunks_in_flight(layout.pp, micro_batches, vpp)
     kept = layers * in_flight * tokens * activation_bytes_per_token(cfg, seq, layout.tp, dtype_bytes, recompute)
     gathered = cp_kv_bytes(cfg, micro, seq, layout.tp, layout.cp, dtype_bytes)
     if recompute:
@@ -215,10 +216,25 @@ def transition_bytes(model_bytes: float, tp: int, pp: int, tg: int, pg: int = 1)
     return (tp * pp - tg * pg) / (tg * pg * tp * pp) * model_bytes
 
 
-def pipeline_factor(pp: int, micro_batches: int) -> float:
-    """1F1B's time over the bubble-free time: (m + p - 1) / m."""
+def pipeline_factor(pp: int, micro_batches: int, vpp: int = 1) -> float:
+    """1F1B's time over the bubble-free time: (m + p - 1) / m; the interleaved schedule with v model chunks
+    per rank shrinks the bubble v times, (m + (p - 1) / v) / m, over the m micro-batches padded to a
+    multiple of p (megatron-core's interleaved schedule runs them in groups of p; the engine pads)."""
     m = max(1, micro_batches)
-    return (m + pp - 1) / m
+    if vpp > 1:
+        m = -(-m // pp) * pp
+    return (m + (pp - 1) / vpp) / m
+
+
+def chunks_in_flight(pp: int, micro_batches: int, vpp: int = 1) -> float:
+    """Stage-sized sets of activations the first pipeline rank holds at its peak: 1F1B keeps min(p, m)
+    micro-batches of its layers; the interleaved schedule warms up 2(p - 1) + (v - 1)p chunk-micro-batches
+    before its first backward (megatron-core's count for rank 0), each 1/v of the stage's layers."""
+    m = max(1, micro_batches)
+    if vpp <= 1:
+        return float(min(pp, m))
+    m = -(-m // pp) * pp
+    return min(m * vpp, 2 * (pp - 1) + (vpp - 1) * pp + 1) / vpp
 
 
 def micro_batch_count(rows: int, dp: int, micro: int) -> int:

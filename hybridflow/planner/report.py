@@ -119,7 +119,8 @@ def overlay_data(c: Candidate, base: dict, uses_critic: bool, device: str) -> di
     trainer["n_devices"] = n
     trainer["device"] = "cpu" if device == "cpu" else "cuda"
     actor = section("actor")
-    actor["parallel"] = {**(actor.get("parallel") or {}), "tp": c.actor.tp, "pp": c.actor.pp, "cp": c.actor.cp}
+    actor["parallel"] = {**(actor.get("parallel") or {}), "tp": c.actor.tp, "pp": c.actor.pp, "cp": c.actor.cp,
+                         "virtual_pp": c.virtual_pp if c.virtual_pp > 1 else None}
     actor["ppo_micro_batch_size"] = c.micro.get("actor", actor.get("ppo_micro_batch_size", 8))
     if uses_critic and c.critic is not None:
         critic = section("critic")

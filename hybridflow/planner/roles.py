@@ -91,7 +91,7 @@ class Workload:
 
 
 def train_memory(model: DecoderConfig, wl: Workload, layout: ParallelDims, micro: int, value_head: bool = False,
-                 recompute: bool = False) -> dict[str, int]:
+                 recompute: bool = False, vpp: int = 1) -> dict[str, int]:
     """A training rank's bytes: weights, gradients, optimizer state, activations at the update's peak."""
     params = cost.rank_params(model, layout.tp, layout.pp, wl.divisible_by, value_head)
     m = cost.micro_batch_count(wl.mini_batch_rows, layout.dp, micro)
@@ -99,19 +99,20 @@ def train_memory(model: DecoderConfig, wl: Workload, layout: ParallelDims, micro
             "optimizer": cost.optimizer_bytes(params, wl.dtype_bytes, layout.dp * layout.cp,
                                               wl.distributed_optimizer),
             "activations": cost.activation_bytes(model, layout, micro, wl.max_len, m, wl.dtype_bytes, recompute,
-                                                 logits=not value_head)}
+                                                 logits=not value_head, vpp=vpp)}
 
 
 def _passes(model: DecoderConfig, wl: Workload, layout: ParallelDims, device: DeviceSpec, micro: int, rows: int,
-            passes: float, value_head: bool) -> dict[str, float]:
+            passes: float, value_head: bool, vpp: int = 1) -> dict[str, float]:
     """Seconds of `passes` forward-equivalents over `rows` rows (3 = forward and backward, 4 with the
     recompute's forward), split by resource; activations cross TP twice per layer and pass, and pipeline
-    stages once per pass; at cp > 1 each layer exchanges K and V (`cost.cp_time`) and the output is
-    gathered to the whole sequence once per micro-batch."""
+    stages once per pass (v times with `vpp` model chunks per rank, whose bubble is v times smaller); at
+    cp > 1 each layer exchanges K and V (`cost.cp_time`) and the output is gathered to the whole sequence
+    once per micro-batch."""
     tokens = rows * wl.seq
     gemm, attention = cost.forward_flops(model, tokens, wl.seq, value_head)
     m = cost.micro_batch_count(rows, layout.dp, micro)
-    bubble = cost.pipeline_factor(layout.pp, m)
+    bubble = cost.pipeline_factor(layout.pp, m, vpp)
     activation = micro * wl.seq * model.hidden_size * wl.dtype_bytes
     layers = model.num_layers // layout.pp
     calls = m * layers * math.ceil(passes)
@@ -122,18 +123,19 @@ def _passes(model: DecoderConfig, wl: Workload, layout: ParallelDims, device: De
         cp += m * cost.gather_time(activation * (layout.cp - 1) / layout.cp, layout.cp, layout.span("cp"), device)
     return {"cp": cp, "compute": passes * cost.compute_time(gemm, attention, layout.world_size, device) * bubble,
             "tp": 2 * passes * m * layers * cost.allreduce_time(activation, layout.tp, layout.span("tp"), device),
-            "pp": (passes * m * activation / cost.link_bandwidth(device, layout.span("pp"))
+            "pp": (passes * m * vpp * activation / cost.link_bandwidth(device, layout.span("pp"))
                    if layout.pp > 1 else 0.0),
             "overhead": calls * device.layer_overhead}
 
 
 def train_time(model: DecoderConfig, wl: Workload, layout: ParallelDims, device: DeviceSpec, micro: int, epochs: int,
-               value_head: bool = False, recompute: bool = False) -> dict[str, float]:
+               value_head: bool = False, recompute: bool = False, vpp: int = 1) -> dict[str, float]:
     """The update of one role: `epochs` passes over every row (forward and backward, one more forward with
-    recompute) and the gradient reduction over DP once per mini-batch."""
+    recompute) and the gradient reduction over DP once per mini-batch; `vpp`: model chunks per pipeline
+    rank (the interleaved schedule)."""
     minis = max(1, math.ceil(wl.rows / wl.mini_batch_rows))
     out = {k: v * epochs for k, v in _passes(model, wl, layout, device, micro, wl.rows,
-                                              4.0 if recompute else 3.0, value_head).items()}
+                                              4.0 if recompute else 3.0, value_head, vpp).items()}
     params = cost.rank_params(model, layout.tp, layout.pp, wl.divisible_by, value_head)
     g = layout.dp * layout.cp  # gradients reduce over the data-and-context group (megatron-core's DDP)
     if wl.distributed_optimizer:  # reduce-scatter fp32 gradients, all-gather the weights
@@ -156,8 +158,8 @@ def forward_memory(model: DecoderConfig, wl: Workload, layout: ParallelDims, mic
 
 
 def forward_time(model: DecoderConfig, wl: Workload, layout: ParallelDims, device: DeviceSpec, micro: int,
-                 value_head: bool = False) -> dict[str, float]:
-    return _passes(model, wl, layout, device, micro, wl.rows, 1.0, value_head)
+                 value_head: bool = False, vpp: int = 1) -> dict[str, float]:
+    return _passes(model, wl, layout, device, micro, wl.rows, 1.0, value_head, vpp)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from typing import Iterator, Optional
 
 from hybridflow.models.config import DecoderConfig
 from hybridflow.parallel.layout import ParallelDims
+from hybridflow.parallel.stages import layout_label
 from hybridflow.planner import cost, overlap, roles
 from hybridflow.planner.devices import GIB, DeviceSpec
 from hybridflow.planner.roles import Workload
@@ -58,6 +59,7 @@ class Candidate:
     modes: dict[str, float] = field(default_factory=dict)
     split_stages: Optional["overlap.SplitStages"] = None
     mode: str = "sync"
+    virtual_pp: int = 1  # the actor's model chunks per pipeline rank (the interleaved schedule), with its reference
 
     @property
     def fits(self) -> bool:
@@ -75,7 +77,7 @@ class Candidate:
     def label(self) -> str:
         split = "/".join(f"{k}{v}" for k, v in self.devices.items())
         critic = f" critic {self.critic}" if self.critic else ""
-        return f"{self.placement} [{split}] actor {self.actor} tg{self.tg}{critic}"
+        return f"{self.placement} [{split}] actor {layout_label(self.actor, self.virtual_pp)} tg{self.tg}{critic}"
 
 
 def layouts(world: int, model: DecoderConfig, device: DeviceSpec, wl: Workload,
@@ -140,13 +142,13 @@ class Planner:
                 * self.wl.dtype_bytes
         return out
 
-    def _micro(self, layout: ParallelDims, budget: float, start: int, value_head: bool) -> int:
+    def _micro(self, layout: ParallelDims, budget: float, start: int, value_head: bool, vpp: int = 1) -> int:
         """The largest micro-batch (halving from the config's) whose update activations fit `budget`."""
         micro = start
         while micro > 1:
             m = cost.micro_batch_count(self.wl.mini_batch_rows, layout.dp, micro)
             if cost.activation_bytes(self.model, layout, micro, self.wl.max_len, m, self.wl.dtype_bytes,
-                                     logits=not value_head) <= budget:
+                                     logits=not value_head, vpp=vpp) <= budget:
                 break
             micro //= 2
         return micro
@@ -154,18 +156,18 @@ class Planner:
     def _actor_side(self, c: Candidate, budget: float) -> tuple[int, dict[str, int], dict[str, float]]:
         """Static bytes of the actor's ranks, their transient peaks by phase, and their stage times;
         `budget`: bytes the actor's ranks may fill (the micro-batch is halved until its activations fit)."""
-        m, wl, a, dev = self.model, self.wl, c.actor, self.device
+        m, wl, a, dev, v = self.model, self.wl, c.actor, self.device, c.virtual_pp
         static = self.static_actor(a)
-        c.micro["actor"] = micro = self._micro(a, budget - static, wl.actor_micro, False)
-        c.memory["actor"] = roles.train_memory(m, wl, a, micro)
+        c.micro["actor"] = micro = self._micro(a, budget - static, wl.actor_micro, False, v)
+        c.memory["actor"] = roles.train_memory(m, wl, a, micro, vpp=v)
         phases = {"actor update": c.memory["actor"]["activations"]}
-        times = {"actor_update": roles.train_time(m, wl, a, dev, micro, wl.actor_epochs)}
+        times = {"actor_update": roles.train_time(m, wl, a, dev, micro, wl.actor_epochs, vpp=v)}
         forward = roles.forward_memory(m, wl, a, wl.forward_micro)
         if wl.needs_reference:
             c.memory["reference"] = forward
-            times["reference"] = roles.forward_time(m, wl, a, dev, wl.forward_micro)
+            times["reference"] = roles.forward_time(m, wl, a, dev, wl.forward_micro, vpp=v)
         if wl.needs_old_log_probs:
-            times["old_log_probs"] = roles.forward_time(m, wl, a, dev, wl.forward_micro)
+            times["old_log_probs"] = roles.forward_time(m, wl, a, dev, wl.forward_micro, vpp=v)
         if wl.needs_reference or wl.needs_old_log_probs:
             phases["log-prob passes"] = forward["activations"]
         return static, phases, times
@@ -213,8 +215,9 @@ class Planner:
         return c.reason is None
 
     # -- placements --------------------------------------------------------------------------------
-    def colocated(self, n: int, actor: ParallelDims, critic: Optional[ParallelDims], tg: int) -> Candidate:
-        c = Candidate("colocated", {"all": n}, actor, critic, tg, n // tg)
+    def colocated(self, n: int, actor: ParallelDims, critic: Optional[ParallelDims], tg: int,
+                  virtual_pp: int = 1) -> Candidate:
+        c = Candidate("colocated", {"all": n}, actor, critic, tg, n // tg, virtual_pp=virtual_pp)
         both = self.static_actor(actor) + self.static_critic(critic, critic or actor)
         a_static, a_phases, a_times = self._actor_side(c, self.usable - both + self.static_actor(actor))
         k_static, k_phases, k_times = self._critic_side(c, self.usable - both + self.static_critic(critic,
@@ -237,11 +240,11 @@ class Planner:
         return c
 
     def split(self, placement: str, devices: dict[str, int], actor: ParallelDims, critic: Optional[ParallelDims],
-              tg: int) -> Candidate:
+              tg: int, virtual_pp: int = 1) -> Candidate:
         """split-critic (rollout with the actor) or split-all (rollout on `devices['rollout']` at tg = 1)."""
         apart = placement == "split-all"
         replicas = devices["rollout"] if apart else devices["actor"] // tg
-        c = Candidate(placement, devices, actor, critic, tg, replicas)
+        c = Candidate(placement, devices, actor, critic, tg, replicas, virtual_pp=virtual_pp)
         a_static, a_phases, a_times = self._actor_side(c, self.usable)
         k_static, k_phases, k_times = self._critic_side(c, self.usable)
         if not self._check(c, "actor", a_static, a_phases, ("actor", "reference")):
@@ -302,13 +305,13 @@ class Planner:
         if "colocated" in placements:
             for a in layouts(n, m, dev, wl):
                 for k in (layouts(n, m, dev, wl) if wl.uses_critic else [None]):
-                    out += [self.colocated(n, a, k, tg) for tg in _tgs(a, wl, n)]
+                    out += [self.colocated(n, a, k, tg, v) for tg in _tgs(a, wl, n) for v in _vpps(a, m, wl)]
         if "split-critic" in placements and (wl.uses_critic or wl.reward_model is not None) and n > 1:
             for na, nc in _splits(n, 2):
                 for a in layouts(na, m, dev, wl):
                     for k in layouts(nc, m, dev, wl):
-                        out += [self.split("split-critic", {"actor": na, "critic": nc}, a, k, tg)
-                                for tg in _tgs(a, wl, na)]
+                        out += [self.split("split-critic", {"actor": na, "critic": nc}, a, k, tg, v)
+                                for tg in _tgs(a, wl, na) for v in _vpps(a, m, wl)]
         if "split-all" in placements and n > 1:
             cuts = _splits(n, 3) if wl.uses_critic else ((r, n - r, 0) for r, _ in _splits(n, 2))
             for nr, na, nc in cuts:
@@ -319,6 +322,16 @@ class Planner:
                         devices = {"rollout": nr, "actor": na, **({"critic": nc} if nc else {})}
                         out.append(self.split("split-all", devices, a, k, 1))
         return out
+
+
+def _vpps(actor: ParallelDims, model: DecoderConfig, wl: Workload) -> list[int]:
+    """The actor's model chunks per pipeline rank: 1, and 2 or 4 (the interleaved schedule) where pp > 1,
+    cp = 1 and the layers split into pp x v chunks. Not with a critic: without Ray it must share the actor's
+    megatron-core layout, which the search does not pair; nor with the rollout apart (split-all: the config
+    refuses it)."""
+    if actor.pp < 2 or actor.cp > 1 or wl.uses_critic:
+        return [1]
+    return [1] + [v for v in (2, 4) if model.num_layers % (actor.pp * v) == 0]
 
 
 def _tgs(actor: ParallelDims, wl: Workload, n: int) -> list[int]:

@@ -118,3 +118,19 @@ def test_context_parallelism_divides_a_ranks_tokens_and_adds_the_gathered_keys_a
     assert cost.cp_time(QWEN7B, layout, micro, seq, 2, h100) == pytest.approx(2 * gather)
     assert cost.cp_time(QWEN7B, layout, micro, seq, 2, h100, backward=False) == pytest.approx(gather)
     assert cost.cp_time(QWEN7B, ParallelDims(tp=1, pp=1, dp=8), micro, seq, 2, h100) == 0
+
+
+def test_the_interleaved_pipeline_shrinks_the_bubble_and_holds_more_chunks_in_flight():
+    """virtual_pp = v: the bubble (p - 1) / v over micro-batches padded to a multiple of p (megatron-core's
+    interleaved schedule; the engine pads), and rank 0's warm-up of 2(p - 1) + (v - 1)p chunk-micro-batches,
+    each 1/v of its layers, against 1F1B's min(p, m) micro-batches."""
+    assert cost.pipeline_factor(4, 8) == (8 + 3) / 8
+    assert cost.pipeline_factor(4, 8, 2) == (8 + 1.5) / 8
+    assert cost.pipeline_factor(2, 3, 2) == (4 + 0.5) / 4  # 3 micro-batches run as 4
+    assert cost.chunks_in_flight(2, 8) == 2 and cost.chunks_in_flight(2, 1) == 1
+    assert cost.chunks_in_flight(2, 8, 2) == (2 + 2 + 1) / 2
+    assert cost.chunks_in_flight(4, 8, 2) == (6 + 4 + 1) / 2
+    assert cost.chunks_in_flight(2, 1, 4) == min(2 * 4, 2 + 6 + 1) / 4  # every chunk of both micro-batches
+    layout = ParallelDims(tp=1, pp=2, dp=1)
+    one, two = (cost.activation_bytes(QWEN7B, layout, 1, 1024, 8, 2, vpp=v) for v in (1, 2))
+    assert two > one

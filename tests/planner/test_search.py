@@ -9,7 +9,7 @@ from hybridflow.config.plan import RunPlan
 from hybridflow.config.validate import check_model_split
 from hybridflow.errors import ConfigError
 from hybridflow.parallel.layout import ParallelDims
-from hybridflow.planner import cli
+from hybridflow.planner import cli, roles
 from hybridflow.planner.devices import get_device
 from hybridflow.planner.roles import Workload
 from hybridflow.planner.search import Planner, gpus_needed, rank
@@ -148,3 +148,35 @@ def test_a_long_context_job_is_planned_with_context_parallelism(tmp_path, capsys
     text = capsys.readouterr().out
     assert "-c2" not in text and "-c4" not in text and "-c8" not in text, text
     assert packed == 1 or "0 candidates fit" in text
+
+
+def test_the_interleaved_pipeline_is_offered_costed_and_written(tmp_path):
+    """GRPO on Qwen2.5-0.5B (24 layers, no critic): each pp > 1 layout is also costed at virtual_pp 2 and 4
+    (the layers split into pp x v chunks); at the same layout the interleaved update is faster (a v times
+    smaller bubble) and holds more activations; a v2 candidate is written as a config that loads with
+    actor.parallel.virtual_pp 2. Not offered with a critic (its layout is not paired with the actor's)."""
+    from hybridflow.config.loader import _read_yaml
+    from hybridflow.planner import report
+
+    config = "configs/qwen2.5-0.5b-grpo-gsm8k.yaml"
+    cfg = load_config(config, ["trainer.n_devices=8"])
+    model = cli.resolve_model(cfg.model.path, "model.path")
+    planner = Planner(model, Workload.from_config(cfg), get_device("h100"))
+    found = planner.candidates(8, ("colocated",))
+    labels = {c.label() for c in found}
+    assert any("-v2 " in label for label in labels) and any("-v4 " in label for label in labels), labels
+    assert all(c.actor.pp > 1 for c in found if c.virtual_pp > 1)
+    layout = ParallelDims(tp=1, pp=2, dp=4)
+    one, two = (planner.colocated(8, layout, None, 1, v) for v in (1, 2))
+    assert one.fits and two.fits
+    assert two.stages["actor_update"]["compute"] < one.stages["actor_update"]["compute"]
+    micro = min(one.micro["actor"], two.micro["actor"])  # the search halves a micro-batch until it fits
+    assert roles.train_memory(model, planner.wl, layout, micro, vpp=2)["activations"] > \
+        roles.train_memory(model, planner.wl, layout, micro)["activations"]
+    out = tmp_path / "vpp.yaml"
+    report.write_overlay(out, report.overlay_data(two, _read_yaml(Path(config)), False, "h100"), ["test"])
+    written = load_config(out)
+    assert written.actor.parallel.virtual_pp == 2 and written.actor.parallel.pp == 2
+    ppo = load_config(CONFIG_7B, ["trainer.n_devices=16"])
+    assert all(c.virtual_pp == 1 for c in Planner(QWEN7B, Workload.from_config(ppo), get_device("a100"))
+               .candidates(16, ("colocated",)))
