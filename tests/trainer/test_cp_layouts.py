@@ -1,5 +1,5 @@
-"""The layouts of issue 41 through the trainer on Ray (item 5): CP with TP and with PP, TP with sequence
-parallelism, each against one process."""
+"""The layouts of issue 41 through the trainer on Ray (item 5): CP with TP and with PP (GRPO and PPO), TP with
+sequence parallelism, the interleaved pipeline, each against one process (run once per config and module)."""
 import json
 
 import pytest
@@ -10,20 +10,25 @@ from hybridflow.models.checkpoint import load_hf_state_dict
 from tests.trainer.test_distributed_trainer import ROOT, compare_with_one_process, run
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(400)]
+GRPO_STEPS = ["trainer.total_steps=2", "trainer.val_every=0", "actor.ppo_mini_batch_size=8"]
 
 
-def test_grpo_at_tp2_cp2_on_four_ray_workers_matches_the_single_process_run(tmp_path):
+@pytest.fixture(scope="module")
+def one_process_grpo(tmp_path_factory):
+    """tiny-grpo.yaml's two steps on one process, one mini-batch a step: what the GRPO layouts compare with."""
+    return run("tiny-grpo.yaml", tmp_path_factory.mktemp("one"), "trainer.save_every=0", *GRPO_STEPS)[1]
+
+
+def test_grpo_at_tp2_cp2_on_four_ray_workers_matches_the_single_process_run(tmp_path, one_process_grpo):
     """The actor at TP2 x CP2 on four Ray processes (one DP replica): each TP pair of a CP index gathers its
     generation weights itself (the 3D-HybridEngine's plan counts every CP rank as one more generation
     replica, so 4 replicas at tg = 1), each CP rank runs its load-balanced chunks through TP2 layers. Two
     steps' learned metrics equal one process's up to summation order. Its checkpoint (written by the CP
     rank 0 of each TP rank: CP ranks hold the same weights) converts with `hybridflow reshard` to the HF
     model the run exported, bit for bit."""
-    common = ["trainer.total_steps=2", "trainer.val_every=0", "actor.ppo_mini_batch_size=8"]
     summary, records = run("tiny-grpo.yaml", tmp_path / "tp2cp2", "trainer.n_devices=4", "trainer.launcher=ray",
-                           "actor.parallel.tp=2", "actor.parallel.cp=2", "trainer.save_every=2", *common)
-    _, single = run("tiny-grpo.yaml", tmp_path / "one", "trainer.save_every=0", *common)
-    compare_with_one_process("grpo at tp2 cp2", records, single)
+                           "actor.parallel.tp=2", "actor.parallel.cp=2", "trainer.save_every=2", *GRPO_STEPS)
+    compare_with_one_process("grpo at tp2 cp2", records, one_process_grpo)
 
     run_dir = summary["run_dir"]
     assert main(["reshard", str(run_dir / "checkpoints" / "step_000002"), str(tmp_path / "hf"), "--to", "hf",
@@ -33,26 +38,45 @@ def test_grpo_at_tp2_cp2_on_four_ray_workers_matches_the_single_process_run(tmp_
     assert all(torch.equal(converted[k], exported[k]) for k in exported)
 
 
-def test_grpo_at_pp2_cp2_on_four_ray_workers_matches_the_single_process_run(tmp_path):
+def test_grpo_at_pp2_cp2_on_four_ray_workers_matches_the_single_process_run(tmp_path, one_process_grpo):
     """The actor at PP2 x CP2: megatron-core's 1F1B schedule sends each CP rank's chunks' activations from
     the first stage to the second (the schedule sizes them width / cp), the last stage gathers the output
     over the CP group; the reshard plan gathers the stages per CP index. Two steps equal one process."""
-    common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0", "actor.ppo_mini_batch_size=8"]
     _, records = run("tiny-grpo.yaml", tmp_path / "pp2cp2", "trainer.n_devices=4", "trainer.launcher=ray",
-                     "actor.parallel.pp=2", "actor.parallel.cp=2", *common)
-    _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
-    compare_with_one_process("grpo at pp2 cp2", records, single)
+                     "actor.parallel.pp=2", "actor.parallel.cp=2", "trainer.save_every=0", *GRPO_STEPS)
+    compare_with_one_process("grpo at pp2 cp2", records, one_process_grpo)
 
 
-def test_grpo_at_tp2_with_sequence_parallelism_matches_the_single_process_run(tmp_path):
+@pytest.fixture(scope="module")
+def one_process_ppo(tmp_path_factory):
+    """tiny-ppo.yaml's three steps on one process, one mini-batch a step: what the PPO layouts compare with."""
+    return run("tiny-ppo.yaml", tmp_path_factory.mktemp("one"), *PPO_STEPS)[1]
+
+
+PPO_STEPS = ["trainer.total_steps=3", "trainer.val_every=0", "trainer.save_every=0", "actor.ppo_mini_batch_size=8"]
+
+
+@pytest.mark.parametrize("layout", [["actor.parallel.tp=2", "actor.parallel.cp=2"],
+                                    ["actor.parallel.pp=2", "actor.parallel.cp=2"]], ids=["tp2cp2", "pp2cp2"])
+def test_ppo_at_tp2_cp2_and_pp2_cp2_on_four_ray_workers_matches_the_single_process_run(tmp_path, one_process_ppo,
+                                                                                        layout):
+    """PPO (critic with GAE, reference with KL in the reward and as a loss) with the actor at TP2 x CP2 and
+    at PP2 x CP2 on four Ray processes, the critic and the reference following its layout: three steps'
+    learned metrics (the actor's, the critic's, the KL) equal one process's within 1e-5 relative."""
+    _, records = run("tiny-ppo.yaml", tmp_path / "layout", "trainer.n_devices=4", "trainer.launcher=ray", *layout,
+                     *PPO_STEPS)
+    compare_with_one_process("ppo at " + " ".join(layout), records, one_process_ppo, steps=(1, 2, 3), rel=1e-5,
+                             abs_=1e-6)
+
+
+def test_grpo_at_tp2_with_sequence_parallelism_matches_the_single_process_run(tmp_path, one_process_grpo):
     """Sequence parallelism at TP2 on two Ray processes (issue 41, item 3, through the trainer): the
     activations between the TP regions are split over the sequence (reduce-scatter / all-gather pairs under
     gloo); the 3D-HybridEngine gathers the generation weights as at TP2. Two steps equal one process."""
-    common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0", "actor.ppo_mini_batch_size=8"]
     _, records = run("tiny-grpo.yaml", tmp_path / "sp", "trainer.n_devices=2", "trainer.launcher=ray",
-                     "actor.parallel.tp=2", "actor.parallel.sequence_parallel=true", *common)
-    _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
-    compare_with_one_process("grpo at tp2 with sequence parallelism", records, single)
+                     "actor.parallel.tp=2", "actor.parallel.sequence_parallel=true", "trainer.save_every=0",
+                     *GRPO_STEPS)
+    compare_with_one_process("grpo at tp2 with sequence parallelism", records, one_process_grpo)
 
 
 def test_grpo_at_pp2_virtual_pp2_on_two_ray_workers_matches_one_process_converts_and_resumes(tmp_path):

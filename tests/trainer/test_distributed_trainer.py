@@ -179,9 +179,10 @@ def compare_with_one_process(label: str, records: list[dict], single: list[dict]
 
     assert [r["step"] for r in records] == [r["step"] for r in single]
     many, one = learned(records), learned(single)
-    worst = max(abs(many[step][key] - value) / abs(value)
-                for step in steps for key, value in one[step].items() if abs(value) > 1e-5 and key in many[step])
-    print(f"{label} against one process: worst relative difference {worst:.3g}")
+    worst, step, key = max((abs(many[step][key] - value) / abs(value), step, key)
+                           for step in steps for key, value in one[step].items()
+                           if abs(value) > 1e-5 and key in many[step])
+    print(f"{label} against one process: worst relative difference {worst:.3g} ({key} at step {step})")
     _assert_same_metrics({"one": single, label: records}, steps, rel, abs_)
 
 
