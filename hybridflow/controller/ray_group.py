@@ -23,7 +23,6 @@ names that node and the ranks and roles it held (`ray_nodes.py`).
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import socket
@@ -57,6 +56,14 @@ def _flatten(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
     return tuple(kwargs), (*args, *kwargs.values())
 
 
+def uses_aside_lane(device: str) -> bool:
+    """Whether hosts on `device` get the aside lane: on the CPU only. On a GPU, NCCL kernels of two
+    communicators enqueued from two threads can be ordered differently on different ranks (each rank's threads
+    take turns in their own order), and a rank then waits in one collective for a peer waiting in the other;
+    gloo's collectives have no such order."""
+    return device == "cpu"
+
+
 class _Failure:
     """A worker-side exception, returned (not raised) so the controller sees rank, method and traceback."""
 
@@ -77,11 +84,6 @@ class _Host:
         if device == "cpu":  # before the worker's modules (torch, megatron) are imported
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
         self.workers: dict[str, Worker] = {}
-        # On a GPU the two lanes take turns: NCCL kernels of two communicators enqueued from two threads may
-        # be ordered differently on different ranks, and a rank then waits in one collective for a peer
-        # waiting in the other. Gloo's collectives run on their own threads, in no such order: on the CPU
-        # an aside call runs beside the call in progress.
-        self._turns = contextlib.nullcontext() if device == "cpu" else threading.Lock()
 
     def node_address(self) -> tuple[str, int, str]:
         """This node's IP, a port free on it now (rank 0's becomes the master port) and its Ray node id."""
@@ -114,17 +116,6 @@ class _Host:
         """Run the method; a rank whose result the caller drops (a TP or earlier-stage peer) sends None.
         Rows another group left in the object store (`transfer.remote_rows`) are fetched here, not on the
         driver."""
-        with self._turns:
-            return self._run(slot, name, reply, kw_names, values)
-
-    def call_aside(self, slot: str, name: str, reply: bool, kw_names: tuple, *values):
-        """`call` on the actor's "aside" lane: a second thread, beside a call in progress on the default one
-        (`dispatch.register(aside=True)`; `_start_hosts` puts the method in that concurrency group); on a GPU
-        after it (`__init__`)."""
-        with self._turns:
-            return self._run(slot, name, reply, kw_names, values)
-
-    def _run(self, slot: str, name: str, reply: bool, kw_names: tuple, values: tuple):
         try:
             args, kwargs = _split_kw(kw_names, fetch_remote_rows(unpack(values)))
             out = getattr(self.workers[slot], name)(*args, **kwargs)
@@ -136,6 +127,21 @@ class _Host:
         """Let go of one worker (its group shut down) while other slots' groups go on."""
         self.workers.pop(slot, None)
         gc.collect()
+
+
+def _aside_host() -> type:
+    """`_Host` with `call_aside`, its calls on the "aside" concurrency group's thread (a class of its own:
+    Ray refuses to start an actor whose methods name a group it was not given; `ray` is imported where it
+    is used in this module, so the class is made here)."""
+    import ray
+
+    class _HostAside(_Host):
+        @ray.method(concurrency_group=ASIDE)
+        def call_aside(self, slot: str, name: str, reply: bool, kw_names: tuple, *values):
+            """`call` beside a call in progress on the default lane (`dispatch.register(aside=True)`)."""
+            return self.call(slot, name, reply, kw_names, *values)
+
+    return _HostAside
 
 
 class _HostSet:
@@ -153,6 +159,7 @@ class _HostSet:
         self.slots: set[str] = set()
         self.dead: Optional[WorkerError] = None
         self.nodes: list[NodeOf] = []  # rank -> the Ray node its process runs on
+        self.aside = False  # the hosts run methods registered aside on a second thread (`with_aside_lane`)
 
     @property
     def roles(self) -> str:
@@ -210,6 +217,16 @@ class RayWorkerGroup(WorkerGroup):
         self._start(worker_cls, pool, None, args, kwargs)
 
     @classmethod
+    def with_aside_lane(cls, worker_cls: type, pool: ResourcePool, *args, **kwargs) -> "RayWorkerGroup":
+        """As the constructor, with processes that run the methods registered aside (`dispatch.register`) on
+        a second thread, beside the call in progress (a staged weight copy broadcast while the actor
+        trains), where `uses_aside_lane(pool.device)`; elsewhere those methods run in line like any other.
+        Ray then runs every call of these processes on pool threads, none on the main thread."""
+        group = cls.__new__(cls)
+        group._start(worker_cls, pool, None, args, kwargs, aside=uses_aside_lane(pool.device))
+        return group
+
+    @classmethod
     def colocated(cls, group: "RayWorkerGroup", worker_cls: type, *args, **kwargs) -> "RayWorkerGroup":
         """`worker_cls(*args, **kwargs)` in the processes of `group`, rank for rank: same ranks, same
         torch.distributed world, no process started. The processes end when every group on them has
@@ -221,7 +238,7 @@ class RayWorkerGroup(WorkerGroup):
         return self
 
     def _start(self, worker_cls: type, pool: ResourcePool, host_set: Optional[_HostSet], args: tuple,
-               kwargs: dict) -> None:
+               kwargs: dict, aside: bool = False) -> None:
         from ray import cloudpickle
 
         self.call_timeout: Optional[float] = None
@@ -231,7 +248,7 @@ class RayWorkerGroup(WorkerGroup):
         super().__init__(worker_cls, pool)
         try:
             if host_set is None:
-                host_set = self._start_hosts(pool)
+                host_set = self._start_hosts(pool, aside)
             self._set = host_set
             slot = worker_cls.__name__
             while slot in host_set.slots:
@@ -249,7 +266,7 @@ class RayWorkerGroup(WorkerGroup):
             self.shutdown()
             raise
 
-    def _start_hosts(self, pool: ResourcePool) -> _HostSet:
+    def _start_hosts(self, pool: ResourcePool, aside: bool = False) -> _HostSet:
         """One Ray actor per rank of `pool`, each told its rank and the master's address."""
         import ray
 
@@ -257,11 +274,11 @@ class RayWorkerGroup(WorkerGroup):
 
         init_ray()
         _check_fits(pool)
-        # The aside lane: one more thread per actor, for methods registered aside (a weight broadcast from a
-        # staged copy while the actor trains); every other call runs on the default lane, one at a time.
-        ray.method(concurrency_group=ASIDE)(_Host.call_aside)
-        host = ray.remote(concurrency_groups={ASIDE: 1})(_Host)
+        # With the aside lane, one more thread per actor for the methods registered aside; the rest run one
+        # at a time, in the order they were sent.
+        host = ray.remote(concurrency_groups={ASIDE: 1})(_aside_host()) if aside else ray.remote(_Host)
         self._set = _HostSet([], [])  # set first: a failure below kills what started (`_start` shuts down)
+        self._set.aside = aside
         for rank in range(self.world_size):
             self._set.hosts.append(host.options(max_restarts=0, **pool.actor_options(rank)).remote(pool.device))
         addresses = self._gather([h.node_address.remote() for h in self._set.hosts], "start", STARTUP_TIMEOUT_S)
@@ -294,7 +311,7 @@ class RayWorkerGroup(WorkerGroup):
         per_rank = dispatch(mode, self.world_size, args, kwargs, mesh)
         self.shipped_bytes += shipped_bytes(per_rank)
         per_rank = self._put_once(self._pack_args(per_rank))
-        futures, aside = [], method_aside(getattr(self.worker_cls, name))
+        futures, aside = [], self._set.aside and method_aside(getattr(self.worker_cls, name))
         # A call goes out to every rank before another thread's call (to this group or one colocated
         # with it) does, so all ranks run them in one order (see _HostSet).
         with self._set.lock:

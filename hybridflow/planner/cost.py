@@ -218,12 +218,13 @@ def transition_bytes(model_bytes: float, tp: int, pp: int, tg: int, pg: int = 1)
 
 def pipeline_factor(pp: int, micro_batches: int, vpp: int = 1) -> float:
     """1F1B's time over the bubble-free time: (m + p - 1) / m; the interleaved schedule with v model chunks
-    per rank shrinks the bubble v times, (m + (p - 1) / v) / m, over the m micro-batches padded to a
-    multiple of p (megatron-core's interleaved schedule runs them in groups of p; the engine pads)."""
+    per rank shrinks the bubble v times but runs the m micro-batches padded to a multiple of p (megatron-
+    core's interleaved schedule takes them in groups of p; the engine pads with full-size empty ones, which
+    cost as much as real ones): (m' + (p - 1) / v) / m with m' = m rounded up to a multiple of p."""
     m = max(1, micro_batches)
-    if vpp > 1:
-        m = -(-m // pp) * pp
-    return (m + (pp - 1) / vpp) / m
+    if vpp <= 1:
+        return (m + pp - 1) / m
+    return (-(-m // pp) * pp + (pp - 1) / vpp) / m
 
 
 def chunks_in_flight(pp: int, micro_batches: int, vpp: int = 1) -> float:

@@ -142,7 +142,10 @@ def build_groups(cfg: Config, plan: RunPlan) -> Groups:
 
     init_ray(address=cfg.trainer.ray_address)
     pools = role_pools(plan)
-    actor = RayWorkerGroup(ActorRolloutRefWorker, pools["training"], actor_spec(cfg, plan))
+    # With the rollout apart the actor broadcasts staged weight copies to it on an aside lane, while it trains
+    # (`send_staged`); colocated, its processes (and a vLLM engine in them) keep one thread for calls.
+    start = RayWorkerGroup.with_aside_lane if plan.rollout_apart else RayWorkerGroup
+    actor = start(ActorRolloutRefWorker, pools["training"], actor_spec(cfg, plan))
 
     def beside_actor(worker_cls: type, role: str, spec, colocate: bool) -> RayWorkerGroup:
         """`role`'s group: in the actor's processes, or in processes of its own on its pool."""

@@ -127,44 +127,29 @@ def test_per_replica_arguments_reach_their_replica_as_they_are(echo_group):
         echo_group.call(Echo.share, PerReplica([{"names": ["a"]}]), [0])
 
 
-def test_an_aside_method_runs_while_the_worker_is_busy_with_another_call(echo_group, tmp_path):
-    """`register(aside=True)`: the call runs on the actor's second lane, beside the call in progress (the
-    weight broadcast of a staged copy while the actor trains). Without that lane `release` would queue
-    behind `hold`, which waits for it: `hold` would run out its 60 s and report it."""
+@pytest.mark.parametrize("lane", [True, False], ids=["aside-lane", "one-lane"])
+def test_an_aside_method_runs_while_the_worker_is_busy_with_another_call(ray_cluster, tmp_path, lane):
+    """`register(aside=True)` in a group started `with_aside_lane`: the call runs on the actor's second
+    thread, beside the call in progress (the weight broadcast of a staged copy while the actor trains).
+    In a group without the lane it runs in line: `release` queues behind `hold`, which waits for it until
+    its 3 s run out (as it would on a GPU pool, `uses_aside_lane`)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from hybridflow.controller.ray_group import uses_aside_lane
+
+    assert uses_aside_lane("cpu") and not uses_aside_lane("cuda")
+    start = RayWorkerGroup.with_aside_lane if lane else RayWorkerGroup
+    group = start(Echo, ResourcePool([0, 1], "cpu"))
     flag = str(tmp_path / "released")
-    with ThreadPoolExecutor(1) as pool:
-        held = pool.submit(echo_group.call, Echo.hold, flag)
-        time.sleep(0.5)  # `hold` is in progress on every rank
-        assert len(set(echo_group.call(Echo.release, flag))) == 2  # both ranks' processes
-        assert max(held.result(timeout=30)) < 30.0
-
-
-@pytest.mark.parametrize("device, overlaps", [("cpu", True), ("cuda", False)])
-def test_a_gpu_host_runs_its_aside_lane_after_the_call_in_progress(tmp_path, device, overlaps):
-    """The host's two lanes (called here as Ray's two threads would call them): on the CPU an aside call
-    runs beside a call in progress; on a GPU it waits for it (NCCL kernels from two threads could be ordered
-    differently on different ranks and hang)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from hybridflow.controller.ray_group import _Host
-
-    cuda_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    host = _Host(device)
-    if cuda_visible is None:  # a CPU host hides the GPUs of its process: not this test process's
-        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-    else:
-        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible
-    host.workers["w"] = Echo.__new__(Echo)  # hold and release read no context
-    flag = str(tmp_path / "released")
-    with ThreadPoolExecutor(2) as pool:
-        held = pool.submit(host.call, "w", "hold", True, (), flag, 3.0)
-        time.sleep(0.3)
-        released = pool.submit(host.call_aside, "w", "release", False, (), flag)
-        released.result(timeout=30)
-        waited = held.result(timeout=30)
-    assert (waited < 2.5) is overlaps, waited
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(group.call, Echo.hold, flag, 3.0)
+            time.sleep(0.5)  # `hold` is in progress on every rank
+            assert len(set(group.call(Echo.release, flag))) == 2  # both ranks' processes
+            waited = max(held.result(timeout=30))
+        assert (waited < 2.5) is lane, waited
+    finally:
+        group.shutdown()
 
 
 def test_one_to_all_rank_zero_all_to_all(echo_group):

@@ -121,12 +121,13 @@ def test_context_parallelism_divides_a_ranks_tokens_and_adds_the_gathered_keys_a
 
 
 def test_the_interleaved_pipeline_shrinks_the_bubble_and_holds_more_chunks_in_flight():
-    """virtual_pp = v: the bubble (p - 1) / v over micro-batches padded to a multiple of p (megatron-core's
-    interleaved schedule; the engine pads), and rank 0's warm-up of 2(p - 1) + (v - 1)p chunk-micro-batches,
+    """virtual_pp = v: the bubble (p - 1) / v, the micro-batches padded to a multiple of p with full-size
+    empty ones (megatron-core's interleaved schedule; the engine pads), and rank 0's warm-up of 2(p - 1) + (v - 1)p chunk-micro-batches,
     each 1/v of its layers, against 1F1B's min(p, m) micro-batches."""
     assert cost.pipeline_factor(4, 8) == (8 + 3) / 8
     assert cost.pipeline_factor(4, 8, 2) == (8 + 1.5) / 8
-    assert cost.pipeline_factor(2, 3, 2) == (4 + 0.5) / 4  # 3 micro-batches run as 4
+    assert cost.pipeline_factor(2, 3, 2) == (4 + 0.5) / 3  # 3 micro-batches run as 4 (one full-size empty)
+    assert cost.pipeline_factor(2, 1, 2) == 2.5 > cost.pipeline_factor(2, 1)  # one micro-batch: 1F1B is faster
     assert cost.chunks_in_flight(2, 8) == 2 and cost.chunks_in_flight(2, 1) == 1
     assert cost.chunks_in_flight(2, 8, 2) == (2 + 2 + 1) / 2
     assert cost.chunks_in_flight(4, 8, 2) == (6 + 4 + 1) / 2
