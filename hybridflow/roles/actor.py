@@ -14,7 +14,8 @@ from hybridflow.roles.batching import (forward_only, mean_metrics, planned_mini_
 from hybridflow.common import mix_seed
 
 # What an update reads (OLD_LOG_PROBS when the batch has them, REF_LOG_PROBS with the KL loss,
-# ROLLOUT_LOG_PROBS with an off-policy correction: the trainer ships them only then).
+# ROLLOUT_LOG_PROBS with an off-policy correction, or to measure the sampler-trainer gap when no old
+# log-prob pass ran: the trainer ships them only then).
 UPDATE_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.OLD_LOG_PROBS, F.ADVANTAGES,
                  F.REF_LOG_PROBS, F.ROLLOUT_LOG_PROBS)
 # What a log-prob pass reads.
