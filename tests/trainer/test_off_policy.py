@@ -193,15 +193,23 @@ def test_ppo_one_step_is_the_delayed_push_schedule(tmp_path):
 @pytest.mark.timeout(300)
 def test_killed_rollout_rank_under_one_step_stops_the_run_naming_it(tmp_path):
     """SIGKILL the rollout process while it generates ahead: the next step raises a WorkerError naming
-    the rollout's rank and method, and the run does not hang."""
+    the rollout's rank and method, and the run does not hang. One mini-batch a step (no old log-prob pass):
+    before that, a rollout answers with its sampler log-probs left in the object store, as references the
+    training workers fetch, and the first update measures the sampler-trainer gap from them."""
     import os
     import signal
 
     from hybridflow.controller import WorkerError
+    from hybridflow.controller.transfer import RowRef
+    from hybridflow.data import fields as F
+    from hybridflow.roles.rollout import TRAIN
 
-    trainer = RLTrainer(_config("tiny-grpo.yaml", tmp_path, "trainer.off_policy=one_step", "trainer.total_steps=5"))
+    trainer = RLTrainer(_config("tiny-grpo.yaml", tmp_path, "trainer.off_policy=one_step", "trainer.total_steps=5",
+                                "actor.ppo_mini_batch_size=8"))
     try:
-        trainer.train_step(1)  # batch 2 is being generated now
+        out = trainer.rollout_group.generate(trainer.prompts(1), 0, TRAIN)  # the stream has submitted nothing yet
+        assert all(type(r) is RowRef for r in out[F.ROLLOUT_LOG_PROBS]) and torch.is_tensor(out[F.RESPONSE_MASK])
+        assert "offpolicy/k3_kl" in trainer.train_step(1)  # batch 2 is being generated now
         os.kill(trainer.rollout_group.group.pids()[0], signal.SIGKILL)
         with pytest.raises(WorkerError, match=r"rank 0 failed in (generate|receive_weights): its worker process died"):
             for step in range(2, 6):
