@@ -30,11 +30,13 @@ passes; two PPO updates for the actor). The launch fixes glibc's mmap threshold
 (MALLOC_MMAP_THRESHOLD_), so every large buffer is mapped and unmapped when
 freed and the mark follows the live buffers rather than the heap's leftovers.
 Shown is the largest over the ranks. `whole` is the model's parameter bytes;
-`target` is 1.1/N of it plus the largest unit FSDP gathers at once (for the
-reward model a decoder layer or the embedding; for `FSDPEngine` a block's MLP,
-its attention or the embedding); activations come on top (the batch is one
-short row per rank so that they stay small). FSDP2 holds a unit twice while it
-gathers it (the all-gather's output, then the parameters copied out of it).
+`target` (issue 42) is 1.1/N of it plus one layer's weights gathered: for the
+reward model a decoder layer (or the embedding, if larger), for `FSDPEngine`
+the largest of a block's MLP, its attention and the embedding (its units when
+the target was set); activations count against it too (the batch is one short
+row per rank so that they stay small). The units are finer now (each linear
+layer; the largest is the embedding or the output layer) and each is gathered
+into its parameters, held once (`engine/fsdp_comm.py`).
 """
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ def write_checkpoints(args: argparse.Namespace, out: Path) -> dict:
     return {"lm_bytes": sum(p.numel() * 4 for p in decoder.parameters()),
             "rm_bytes": sum(p.numel() * 4 for p in classifier.parameters()),
             "layer_bytes": layer, "embedding_bytes": embedding,
-            # FSDPEngine's largest unit: a block's MLP (each block's attention and MLP are units of their own)
+            # the target's unit for FSDPEngine (issue 42): the largest of a block's MLP, attention, the embedding
           "engine_unit_bytes": max(sum(p.numel() * 4 for p in decoder.layers[0].mlp.parameters()),
                                    sum(p.numel() * 4 for p in decoder.layers[0].attn.parameters()), embedding)}
 
@@ -286,7 +288,7 @@ def main(argv=None) -> None:
           f"updates on {args.rows} rows x {args.tokens} positions. Figures: the resident high-water mark (VmHWM, "
           f"large buffers mmapped so freed ones leave it) above the resident size before the model was built, MiB; "
           f"`load`: while building and loading (it also counts the checkpoint's mapped pages read). target = 1.1/N "
-          f"x whole + the largest unit gathered (reference: FSDPEngine's, "
+          f"x whole + one layer gathered (reference: max(a block's MLP, its attention, the embedding), "
           f"{sizes['engine_unit_bytes'] / 2**20:.1f} MiB; reward: max(layer "
           f"{sizes['layer_bytes'] / 2**20:.1f}, embedding {sizes['embedding_bytes'] / 2**20:.1f}) MiB)")
     print(text)

@@ -8,12 +8,15 @@ rank 1/N of their size instead of all of it.
 
 The model is `models.decoder.Decoder` (the Llama / Qwen2 / Mistral family, in
 megatron's fused qkv / [gate; up] layout, so the bridge's names and the
-3D-HybridEngine's generation model are the same tensors). Every decoder block
-and then the root are `fully_shard`ed over a one-dimensional device mesh of the
-group's world: each rank holds dim-0 chunk `rank` of every parameter; a block's
-parameters are all-gathered just before its forward (and backward) and freed
-after it, so a rank's peak is its shard plus about one block gathered. Gradients
-are reduce-scattered (averaged over the mesh, as Megatron DDP averages over dp).
+3D-HybridEngine's generation model are the same tensors). Every linear layer,
+every block, the embedding and output layer, then the root are `fully_shard`ed
+(`engine_units`) over a one-dimensional device mesh of the group's world: each
+rank holds dim-0 chunk `rank` of every parameter; a unit's parameters are
+all-gathered just before its forward (and backward) and freed after it, into
+the parameters themselves (`fsdp_comm.InPlaceAllGather`), so a frozen rank's
+peak is its shard plus the largest unit (the output layer) gathered once.
+Gradients are reduce-scattered (averaged over the mesh, as Megatron DDP
+averages over dp).
 
 Every rank of the mesh must run the same number of forward (and backward)
 passes, since each one all-gathers: `run` agrees the largest micro-batch count
@@ -42,6 +45,7 @@ from torch import Tensor, nn
 from hybridflow.checkpoint.format import FSDP_STATE
 from hybridflow.data import fields as F
 from hybridflow.engine.build import lr_scheduler
+from hybridflow.engine.fsdp_comm import gather_in_place
 from hybridflow.engine.megatron import StepFn, StepStats
 from hybridflow.engine.packing import (left_align_index, pack_rows, share_prompt_rows, to_cpu, unalign,
                                        unpack_sequences, unshare_rows)
@@ -83,6 +87,22 @@ class ValueModel(nn.Module):
     def forward(self, ids: Tensor, attention_mask: Optional[Tensor], positions: Optional[Tensor],
                 allowed: Optional[Tensor]) -> Tensor:
         return self.head(self.decoder.hidden_states(ids, attention_mask, positions, allowed))
+
+
+def engine_units(decoder: Decoder, value_head: bool) -> list[nn.Module]:
+    """The submodules `FSDPEngine` shards as units of their own, children first: every linear layer of each
+    block, then the block (its norms); the embedding and the output layer when they are not one tied tensor
+    (tied, the one tensor is used first and last, so it stays in the root, with the final norm and the value
+    head). A unit is gathered whole only while it runs, so the largest (the output layer or the embedding)
+    bounds what a frozen model holds above its shard: 1/N of the model plus one unit (`hybridflow bench
+    fsdp`). Single-tensor units are also what `fsdp_comm.InPlaceAllGather` gathers in place."""
+    units = [m for block in decoder.layers
+             for m in (*(x for x in block.modules() if isinstance(x, nn.Linear)), block)]
+    if decoder.lm_head is not None:  # untied: the embedding and the output layer, each its own unit
+        units += [decoder.embed, decoder.lm_head]
+    elif value_head:  # the value model's decoder has no output layer: the embedding alone
+        units.append(decoder.embed)
+    return units
 
 
 def _no_weight_decay(name: str, param: Tensor) -> bool:
@@ -127,23 +147,14 @@ class FSDPEngine:
         mixed = (MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
                  if self.dtype != torch.float32 else MixedPrecisionPolicy())
         policy = CPUOffloadPolicy() if offload else OffloadPolicy()
-        # Units, each gathered only while it runs: every block's attention and MLP (and the block, holding its
-        # norms), the embedding and the output layer when they are not one tied tensor; the root keeps the
-        # rest (final norm, value head). A frozen model at N ranks then holds 1/N of it plus about half a
-        # block gathered (`hybridflow bench fsdp`).
-        decoder = self.module.decoder
-        units = [m for block in decoder.layers for m in (block.attn, block.mlp, block)]
-        if decoder.lm_head is not None:  # untied: the embedding and the output layer, each its own unit
-            units += [decoder.embed, decoder.lm_head]
-        elif value_head:  # the value model's decoder has no output layer: the embedding alone
-            units.append(decoder.embed)
-        # (tied: the one tensor is used first and last, so it stays in the root)
+        units = engine_units(self.module.decoder, value_head)
         for unit in units:
             fully_shard(unit, mesh=self.mesh, mp_policy=mixed, offload_policy=policy)
         # Left to itself FSDP keeps the root's weights whole after a forward, for the backward; a frozen
         # engine has none, so it frees them.
         fully_shard(self.module, mesh=self.mesh, mp_policy=mixed, offload_policy=policy,
                     reshard_after_forward=True if optim is None else None)
+        gather_in_place([*units, self.module])  # each unit gathered once (engine/fsdp_comm.py)
         self.module.to_empty(device="cpu" if offload else self.torch_device)
         self.module.decoder.inv_freq = rope_inv_freq(model_cfg).to(self.torch_device)
         if value_head:

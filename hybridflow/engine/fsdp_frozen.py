@@ -2,13 +2,13 @@
 
 `load_sharded_classifier(path, group_device)` builds the `transformers`
 sequence classifier at `path` on the meta device (no memory), `fully_shard`s
-it (`shard_frozen`: each decoder layer, the input embedding, then the root)
+it (`shard_frozen`: the input embedding, each decoder layer's linear layers and the layer, then the root)
 over a one-dimensional device mesh of the world, allocates only this rank's
 dim-0 chunk of every parameter, and reads exactly those rows from the
 safetensors files (`models.checkpoint.SafetensorsReader`): no rank ever holds
 the whole model, nor one whole tensor of it. A rank's peak while scoring is
-its shard plus the largest unit gathered (a layer or the embedding), plus
-activations (`hybridflow bench fsdp` measures it).
+its shard plus the largest unit gathered (the embedding or a linear layer),
+once (`engine/fsdp_comm.py`), plus activations (`hybridflow bench fsdp` measures it).
 
 Every forward all-gathers each unit's weights over the mesh, so every rank
 must run the same number of forward passes: `FSDPRewardModel.score` agrees
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow.engine.fsdp import agreed_count, chunk_bounds
+from hybridflow.engine.fsdp_comm import gather_in_place
 from hybridflow.models.hf import RewardModel
 
 __all__ = ["FSDPRewardModel", "frozen_units", "load_sharded_classifier", "shard_frozen",
@@ -48,30 +49,37 @@ def world_mesh(device: str = "cpu"):
 
 
 def frozen_units(model: nn.Module) -> list[nn.Module]:
-    """The submodules sharded as units of their own, in forward order: the input embedding and each decoder
-    layer of an HF model (`model.<base>.embed_tokens`, `model.<base>.layers`). The rest (final norm, score
-    head) stays with the root unit."""
+    """The submodules sharded as units of their own, in forward order, children first: the input embedding,
+    then each decoder layer's linear layers and the layer itself (its norms), of an HF model
+    (`model.<base>.embed_tokens`, `model.<base>.layers`). The rest (final norm, score head) stays with the
+    root unit. Linear layers rather than whole layers: a unit is gathered whole while it runs, so the largest
+    one (here the embedding) bounds what the model holds above its shard."""
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
     layers = getattr(base, "layers", None)
     if base is None or layers is None:
         raise ValueError(f"{type(model).__name__}: no decoder layers at model.<base_model_prefix>.layers to shard")
     embedding = getattr(base, "embed_tokens", None)
-    return ([embedding] if embedding is not None else []) + list(layers)
+    units = [embedding] if embedding is not None else []
+    for layer in layers:
+        units += [m for m in layer.modules() if isinstance(m, nn.Linear)] + [layer]
+    return units
 
 
 def shard_frozen(model: nn.Module, mesh) -> nn.Module:
     """`fully_shard` each of `frozen_units(model)`, then the root, over `mesh`; frozen (no gradients, eval).
 
     A unit's weights are gathered just before its forward and freed after it (reshard_after_forward), so at
-    most one unit is whole at a time."""
+    most one unit is whole at a time, and only once (`fsdp_comm.InPlaceAllGather`)."""
     from torch.distributed.fsdp import fully_shard
 
     model.requires_grad_(False)
-    for unit in frozen_units(model):
+    units = frozen_units(model)
+    for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
     # The root too: left to itself FSDP keeps the root's weights whole after a forward, for the backward a
     # frozen model never runs.
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    gather_in_place([*units, model])
     return model.eval()
 
 

@@ -21,10 +21,12 @@ def test_quick_run_tables_every_span_at_two_ranks(tmp_path, capsys):
     assert set(frozen) == {(m, 2) for m in ("reference", "reward")} and set(actor) == {2}
     for row in rows:
         assert all(v > 0 for k, v in row.items() if k.endswith("_mib")), row
-    # At two ranks the sharded reference peaks below the whole model on each rank (megatron-core at dp = 2):
-    # measured 0.81x at this size (0.72x at the bench's default size, 0.48x at four ranks; docs/results.md,
-    # "FSDP2 memory"). Resident marks are page-granular (KiB) and the machine's load does not move them;
-    # the bound 0.9x leaves room for the allocator's slack. (The reward model's units are a whole layer, so
-    # at this small size its peak at two ranks equals the whole model's: not asserted.)
-    row = frozen["reference", 2]
-    assert row["peak_mib"] < 0.9 * row["whole_model_peak_mib"], row
+    # At two ranks the sharded models peak well below the whole model on each rank (megatron-core at dp = 2;
+    # the HF classifier): measured 0.62x (reference) and 0.60x (reward) at this size, each unit gathered once
+    # into its parameters (engine/fsdp_comm.py); before, 0.81x and about 1.0x (units a whole MLP or layer,
+    # held two or three times while gathered). Resident marks are page-granular (KiB) and the machine's load does not
+    # move them; the bounds leave room for the allocator's slack. The reward model is within its target
+    # (1.1/N + one layer) by 1.9 MiB here; the reference by 0.2 MiB only, so that is not asserted.
+    reference, reward = frozen["reference", 2], frozen["reward", 2]
+    assert reference["peak_mib"] < 0.7 * reference["whole_model_peak_mib"], reference
+    assert reward["peak_mib"] < 0.7 * reward["whole_model_peak_mib"] and reward["within"], reward
