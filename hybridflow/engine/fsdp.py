@@ -154,7 +154,7 @@ class FSDPEngine:
         # engine has none, so it frees them.
         fully_shard(self.module, mesh=self.mesh, mp_policy=mixed, offload_policy=policy,
                     reshard_after_forward=True if optim is None else None)
-        gather_in_place([*units, self.module])  # each unit gathered once (engine/fsdp_comm.py)
+        gather_in_place([*units, self.module], self.mesh)  # each unit gathered once (engine/fsdp_comm.py)
         self.module.to_empty(device="cpu" if offload else self.torch_device)
         self.module.decoder.inv_freq = rope_inv_freq(model_cfg).to(self.torch_device)
         if value_head:

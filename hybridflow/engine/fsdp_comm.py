@@ -10,7 +10,8 @@ peaked 19 MiB above its shard; with this all-gather, 8.4. `InPlaceAllGather`, se
 `FSDPModule.set_custom_all_gather` (torch's hook for custom collectives), removes both:
 
 - on gloo it fills the output in place, one `broadcast` per rank of that rank's slice (gloo broadcasts in
-  the tensor itself: no staging); other backends keep `all_gather_into_tensor`, which is in place there;
+  the tensor itself: no staging); other backends keep `all_gather_into_tensor` (the engines set this
+  all-gather on gloo meshes only, `gather_in_place`);
 - for a unit of one parameter sharded on dim 0 (a linear layer without bias, an embedding) the flat output
   has exactly the layout of the parameter's unsharded tensor (rank r's padded chunk at slice r), so
   `allocate` hands FSDP that tensor's own storage: the copy-out copies each element onto itself and the
@@ -72,7 +73,11 @@ def fits_in_place(param, size: Sequence[int], dtype: torch.dtype, device: torch.
             and (param.param_dtype or param.orig_dtype) == dtype and torch.device(device) == param.device)
 
 
-def gather_in_place(units: Sequence[nn.Module]) -> None:
-    """Give each FSDP unit of `units` its `InPlaceAllGather`."""
+def gather_in_place(units: Sequence[nn.Module], mesh) -> None:
+    """Give each FSDP unit of `units` (sharded over `mesh`) its `InPlaceAllGather`, on gloo only: that is
+    where it was measured and tested (CPU). On NCCL FSDP2's own all-gather has no staging copy, and the
+    in-place buffer, which reads FSDP2's private state, has not run on a GPU: those units keep the default."""
+    if dist.get_backend(mesh.get_group()) != "gloo":
+        return
     for unit in units:
         unit.set_custom_all_gather(InPlaceAllGather(unit))

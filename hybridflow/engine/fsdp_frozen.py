@@ -79,7 +79,7 @@ def shard_frozen(model: nn.Module, mesh) -> nn.Module:
     # The root too: left to itself FSDP keeps the root's weights whole after a forward, for the backward a
     # frozen model never runs.
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
-    gather_in_place([*units, model])
+    gather_in_place([*units, model], mesh)
     return model.eval()
 
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import nn
 
-from tests.torchrun import torchrun
 
 
 def model() -> nn.Module:
@@ -75,6 +74,8 @@ def main(out: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_the_in_place_all_gather_gathers_exactly_and_without_a_copy(tmp_path):
+    from tests.torchrun import torchrun  # here: torchrun runs this file as a script, where `tests` is not a package
+
     torchrun("tests/engine/test_fsdp_comm.py", 2, tmp_path / "comm.pt", timeout=120)
     got = torch.load(tmp_path / "comm.pt")
     default, in_place = got[False], got[True]
