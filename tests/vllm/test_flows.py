@@ -57,6 +57,7 @@ def runs(tmp_path_factory):
             "vllm-t2": _train(tmp, "vllm-t2", "rollout.engine=vllm", "trainer.n_devices=2", "actor.parallel.tp=2",
                               "rollout.tg=1"),
             "vllm-tg2": _train(tmp, "vllm-tg2", "rollout.engine=vllm", *TG2),
+            "vllm-fsdp": _train(tmp, "vllm-fsdp", "rollout.engine=vllm", "trainer.n_devices=2", "actor.engine=fsdp"),
             "builtin-tg2": _train(tmp, "builtin-tg2", *TG2)}
 
 
@@ -84,6 +85,17 @@ def test_vllm_at_t2_on_two_processes_takes_the_one_process_steps(runs):
     two = runs["vllm-t2"]
     _assert_same_steps(runs["vllm"], two)
     assert two[1]["reshard/collectives"] > 0  # the 3D-HybridEngine gathered before the push
+
+
+def test_an_fsdp_actor_feeds_vllm_and_takes_the_one_process_steps(runs):
+    """The actor under FSDP2 on two processes (issue 42, item 3): each rank gathers the whole model from
+    the shards into its generator (bucketed all-gathers, `hybrid_engine/fsdp_gather.py`) and pushes it
+    into its own vLLM engine, every step; the steps equal the one-process vLLM run's to 1e-4 (the FSDP
+    engine equals megatron-core's to float rounding, and a prompt's samples are seeded by its row key)."""
+    fsdp = runs["vllm-fsdp"]
+    assert [r["step"] for r in fsdp] == [0, 1, 2, 3]
+    assert all(r["reshard/push_bytes"] == MODEL_BYTES for r in fsdp[1:])  # the whole model into each engine
+    _assert_same_steps(runs["vllm"], fsdp)
 
 
 def test_vllm_at_tg2_pushes_from_the_shards_without_holding_the_whole_model(runs):
