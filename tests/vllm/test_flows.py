@@ -32,6 +32,8 @@ pytestmark = pytest.mark.timeout(1200)  # the module's runs start in the first t
 REPO = Path(__file__).resolve().parents[2]
 MODEL_BYTES = 3428864  # the demo model, float32
 TG2 = ("trainer.n_devices=2", "actor.parallel.tp=2", "rollout.tg=2", "rollout.weight_bucket_mb=1")
+APART = ("trainer.n_devices=2", "trainer.launcher=ray", "placement.training=[0]", "placement.reference=[0]",
+         "placement.critic=[0]", "placement.rollout=[1]")
 LEARNED = ("reward/", "actor/", "response/")
 RUN = ["trainer.total_steps=3", "trainer.val_every=0", "data.val_max_samples=200", "trainer.save_every=0",
        "trainer.overwrite=true"]
@@ -58,6 +60,7 @@ def runs(tmp_path_factory):
                               "rollout.tg=1"),
             "vllm-tg2": _train(tmp, "vllm-tg2", "rollout.engine=vllm", *TG2),
             "vllm-fsdp": _train(tmp, "vllm-fsdp", "rollout.engine=vllm", "trainer.n_devices=2", "actor.engine=fsdp"),
+            "vllm-apart": _train(tmp, "vllm-apart", "rollout.engine=vllm", *APART),
             "builtin-tg2": _train(tmp, "builtin-tg2", *TG2)}
 
 
@@ -96,6 +99,18 @@ def test_an_fsdp_actor_feeds_vllm_and_takes_the_one_process_steps(runs):
     assert [r["step"] for r in fsdp] == [0, 1, 2, 3]
     assert all(r["reshard/push_bytes"] == MODEL_BYTES for r in fsdp[1:])  # the whole model into each engine
     _assert_same_steps(runs["vllm"], fsdp)
+
+
+def test_a_vllm_rollout_group_apart_receives_the_broadcast_weights_and_takes_the_one_process_steps(runs):
+    """The rollout on a process of its own (issue 40, item 1): the actor's weights reach it by the sync
+    world's broadcasts (bytes = the plan's = the formula's), its worker pushes them into its vLLM engine,
+    every step; the steps equal the one-process vLLM run's to 1e-4."""
+    apart = runs["vllm-apart"]
+    assert [r["step"] for r in apart] == [0, 1, 2, 3]
+    for r in apart[1:]:
+        assert r["sync/bytes_received"] == r["sync/plan_bytes_received"] == r["sync/formula_bytes_received"] > 0
+        assert r["sync/push_bytes"] == MODEL_BYTES  # the received shard, pushed whole into the engine
+    _assert_same_steps(runs["vllm"], apart)
 
 
 def test_vllm_at_tg2_pushes_from_the_shards_without_holding_the_whole_model(runs):
