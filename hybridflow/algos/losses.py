@@ -198,11 +198,14 @@ def behaviour_weights(prox_log_probs: Tensor, behaviour_log_probs: Tensor, mask:
 
 @torch.no_grad()
 def behaviour_metrics(prox_log_probs: Tensor, behaviour_log_probs: Tensor, mask: Tensor, correction: str,
-                      level: str = "token", threshold: float = 2.0) -> dict[str, float]:
+                      level: str = "token", threshold: float = 2.0,
+                      weights: Optional[BehaviourWeights] = None) -> dict[str, float]:
     """The sampler-trainer gap of a batch, over its response tokens: the importance weight pi_prox /
     pi_behaviour at `level` (mean, max, and the fraction the threshold truncated or masked under
-    `correction`) and the k3 estimate of KL(pi_behaviour || pi_prox) from the sampled tokens."""
-    w = behaviour_weights(prox_log_probs, behaviour_log_probs, mask, correction, level, threshold)
+    `correction`) and the k3 estimate of KL(pi_behaviour || pi_prox) from the sampled tokens. `weights`:
+    what `behaviour_weights` gave for these same arguments, where the caller has it (not computed again)."""
+    w = weights if weights is not None else behaviour_weights(prox_log_probs, behaviour_log_probs, mask,
+                                                               correction, level, threshold)
     valid = as_bool(mask)
     k3 = kl_k3(behaviour_log_probs.float(), prox_log_probs.float())
     raw = w.raw[valid]

@@ -89,6 +89,11 @@ class ValueModel(nn.Module):
         return self.head(self.decoder.hidden_states(ids, attention_mask, positions, allowed))
 
 
+def block_units(block: nn.Module) -> list[nn.Module]:
+    """A decoder block's FSDP units, children first: each of its linear layers, then the block (its norms)."""
+    return [m for m in block.modules() if isinstance(m, nn.Linear)] + [block]
+
+
 def engine_units(decoder: Decoder, value_head: bool) -> list[nn.Module]:
     """The submodules `FSDPEngine` shards as units of their own, children first: every linear layer of each
     block, then the block (its norms); the embedding and the output layer when they are not one tied tensor
@@ -96,8 +101,7 @@ def engine_units(decoder: Decoder, value_head: bool) -> list[nn.Module]:
     head). A unit is gathered whole only while it runs, so the largest (the output layer or the embedding)
     bounds what a frozen model holds above its shard: 1/N of the model plus one unit (`hybridflow bench
     fsdp`). Single-tensor units are also what `fsdp_comm.InPlaceAllGather` gathers in place."""
-    units = [m for block in decoder.layers
-             for m in (*(x for x in block.modules() if isinstance(x, nn.Linear)), block)]
+    units = [unit for block in decoder.layers for unit in block_units(block)]
     if decoder.lm_head is not None:  # untied: the embedding and the output layer, each its own unit
         units += [decoder.embed, decoder.lm_head]
     elif value_head:  # the value model's decoder has no output layer: the embedding alone

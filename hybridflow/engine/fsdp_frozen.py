@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridflow.engine.fsdp import agreed_count, chunk_bounds
+from hybridflow.engine.fsdp import agreed_count, block_units, chunk_bounds
 from hybridflow.engine.fsdp_comm import gather_in_place
 from hybridflow.models.hf import RewardModel
 
@@ -61,7 +61,7 @@ def frozen_units(model: nn.Module) -> list[nn.Module]:
     embedding = getattr(base, "embed_tokens", None)
     units = [embedding] if embedding is not None else []
     for layer in layers:
-        units += [m for m in layer.modules() if isinstance(m, nn.Linear)] + [layer]
+        units += block_units(layer)
     return units
 
 

@@ -224,18 +224,21 @@ def pipeline_factor(pp: int, micro_batches: int, vpp: int = 1) -> float:
     m = max(1, micro_batches)
     if vpp <= 1:
         return (m + pp - 1) / m
-    return (-(-m // pp) * pp + (pp - 1) / vpp) / m
+    return (interleaved_micro_batches(m, pp) + (pp - 1) / vpp) / m
+
+
+def interleaved_micro_batches(micro_batches: int, pp: int) -> int:
+    """The micro-batches the interleaved schedule runs: `micro_batches` rounded up to a multiple of p."""
+    return -(-max(1, micro_batches) // pp) * pp
 
 
 def chunks_in_flight(pp: int, micro_batches: int, vpp: int = 1) -> float:
     """Stage-sized sets of activations the first pipeline rank holds at its peak: 1F1B keeps min(p, m)
     micro-batches of its layers; the interleaved schedule warms up 2(p - 1) + (v - 1)p chunk-micro-batches
     before its first backward (megatron-core's count for rank 0), each 1/v of the stage's layers."""
-    m = max(1, micro_batches)
     if vpp <= 1:
-        return float(min(pp, m))
-    m = -(-m // pp) * pp
-    return min(m * vpp, 2 * (pp - 1) + (vpp - 1) * pp + 1) / vpp
+        return float(min(pp, max(1, micro_batches)))
+    return min(interleaved_micro_batches(micro_batches, pp) * vpp, 2 * (pp - 1) + (vpp - 1) * pp + 1) / vpp
 
 
 def micro_batch_count(rows: int, dp: int, micro: int) -> int:

@@ -84,12 +84,15 @@ class Actor:
         old = mb[F.OLD_LOG_PROBS] if F.OLD_LOG_PROBS in mb else logp.detach()
         extra, metrics = {}, {}  # a user's registered loss without token_weights still runs uncorrected
         correction = (cfg.off_policy_correction, cfg.off_policy_correction_level, cfg.off_policy_correction_threshold)
-        if cfg.off_policy_correction != "none":  # the clip around the proximal policy (old), weighted to behaviour
-            extra["token_weights"] = behaviour_weights(old, mb[F.ROLLOUT_LOG_PROBS], mask, *correction).weights
-        if F.OLD_LOG_PROBS not in mb and F.ROLLOUT_LOG_PROBS in mb:
-            # No proximal pass ran (one optimizer step: `config.plan.needs_old_log_probs`): the sampler-trainer
-            # gap against this pass's log-probs, which are the proximal policy's.
-            metrics.update(behaviour_metrics(old, mb[F.ROLLOUT_LOG_PROBS], mask, *correction))
+        # No proximal pass ran (one optimizer step: `config.plan.needs_old_log_probs`): the sampler-trainer gap
+        # is measured here, against this pass's log-probs, which are the proximal policy's.
+        gap = F.OLD_LOG_PROBS not in mb and F.ROLLOUT_LOG_PROBS in mb
+        if cfg.off_policy_correction != "none" or gap:
+            w = behaviour_weights(old, mb[F.ROLLOUT_LOG_PROBS], mask, *correction)
+            if cfg.off_policy_correction != "none":  # the clip around the proximal policy (old), weighted to behaviour
+                extra["token_weights"] = w.weights
+            if gap:
+                metrics.update(behaviour_metrics(old, mb[F.ROLLOUT_LOG_PROBS], mask, *correction, weights=w))
         pg = self.policy_loss(logp, old, mb[F.ADVANTAGES], mask,
                               clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                               clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, denominator=denom,
