@@ -25,13 +25,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One Ray cluster for the whole test session: `ray.init` costs 5-10 s on these machines."""
+    """One Ray cluster for the whole test session: `ray.init` costs 5-10 s on these machines. Its worker
+    processes are kept warm between groups (`keep_processes_warm`): each Ray process costs ~6 s of imports
+    before its worker does anything, and the suite starts groups one after another."""
     import ray
 
-    from hybridflow.controller import init_ray
+    from hybridflow.controller import init_ray, keep_processes_warm
 
     init_ray(num_cpus=8)
+    keep_processes_warm(True)
     yield ray
+    keep_processes_warm(False)
     ray.shutdown()
 
 

@@ -10,6 +10,8 @@
 - ray_group.py: `RayWorkerGroup`, one Ray actor per device;
 - ray_nodes.py: which Ray node each rank runs on; naming a node that left the cluster mid-run;
 - local_group.py: `LocalWorkerGroup`, in-process or this rank's share under torchrun;
+- warm_hosts.py: `keep_processes_warm`, worker processes of a group that shut down cleanly kept for the
+  next group of the same kind (a driver running jobs in turn: sweeps, notebooks, tests);
 - transfer.py: `ObjectHandle`, a value passed from one group to another through
   the object store by reference (e.g. actor weights to a separate rollout group).
 """
@@ -20,7 +22,8 @@ from hybridflow.controller.ray_group import RayWorkerGroup
 from hybridflow.controller.ray_setup import init_ray
 from hybridflow.controller.resource_pool import ResourcePool, pools_from_placement
 from hybridflow.controller.transfer import ObjectHandle
+from hybridflow.controller.warm_hosts import keep_processes_warm
 from hybridflow.controller.worker import Worker, WorkerContext, WorkerError
 
 __all__ = ["Dispatch", "LocalWorkerGroup", "ObjectHandle", "RayWorkerGroup", "ResourcePool", "RoleGroup", "Worker",
-           "WorkerContext", "WorkerError", "init_ray", "pools_from_placement", "register", "remote"]
+           "WorkerContext", "WorkerError", "init_ray", "keep_processes_warm", "pools_from_placement", "register", "remote"]

@@ -31,6 +31,7 @@ import time
 import traceback
 from typing import Any, Optional
 
+from hybridflow.controller import warm_hosts
 from hybridflow.controller.dispatch import (Dispatch, PerRank, answering, collect, dispatch, flat_mesh, method_aside,
                                            shipped_bytes)
 from hybridflow.controller.group import WorkerGroup
@@ -41,6 +42,7 @@ from hybridflow.controller.worker import DIED, Worker, WorkerContext, WorkerErro
 
 STARTUP_TIMEOUT_S = 600.0  # actor start plus the worker's __init__ (model build, checkpoint load)
 ASIDE = "aside"  # the Ray concurrency group of methods registered aside
+RESET_TIMEOUT_S = 60.0  # a process kept warm must have let go of its job's workers and world within this
 DEATH_GRACE_S = 5.0  # after a rank fails, how long to wait for news that a peer's process died
 _DIED = DIED  # WorkerError.reason of a rank whose process is gone
 
@@ -128,6 +130,20 @@ class _Host:
         self.workers.pop(slot, None)
         gc.collect()
 
+    def reset(self):
+        """Let go of every worker and leave the process group (megatron-core's groups first), so this process
+        can join the next job's world (`warm_hosts`)."""
+        try:
+            from hybridflow.parallel.process_group import leave_process_group
+
+            self.workers.clear()
+            gc.collect()  # the workers' gloo groups close before the world they were made in
+            leave_process_group()
+            gc.collect()
+        except Exception as exc:
+            return _Failure(exc)
+        return None
+
 
 def _aside_host() -> type:
     """`_Host` with `call_aside`, its calls on the "aside" concurrency group's thread (a class of its own:
@@ -160,6 +176,7 @@ class _HostSet:
         self.dead: Optional[WorkerError] = None
         self.nodes: list[NodeOf] = []  # rank -> the Ray node its process runs on
         self.aside = False  # the hosts run methods registered aside on a second thread (`with_aside_lane`)
+        self.keys: Optional[list] = None  # rank -> its process's kind, where it may be kept warm (`warm_hosts`)
 
     @property
     def roles(self) -> str:
@@ -178,6 +195,29 @@ class _HostSet:
             except Exception:  # already dead; nothing left to free
                 pass
         self.hosts = None
+
+    def release(self) -> None:
+        """The last group on these processes shut down: keep them for the next group (`warm_hosts`) where
+        that is on and they reset cleanly, else kill them."""
+        if self.hosts is None:
+            return
+        if not (warm_hosts.warm_enabled() and self.keys is not None and self.dead is None):
+            self.kill()
+            return
+        import ray
+
+        resets = [host.reset.remote() for host in self.hosts]
+        ready, _ = ray.wait(resets, num_returns=len(resets), timeout=RESET_TIMEOUT_S)
+        try:
+            clean = len(ready) == len(resets) and all(out is None for out in ray.get(resets))
+        except ray.exceptions.RayError:
+            clean = False
+        if not clean:
+            self.kill()
+            return
+        hosts, self.hosts = self.hosts, None
+        for key, host in zip(self.keys, hosts):
+            warm_hosts.put(key, [host])
 
 
 def _local_ranks(ips: list[str]) -> list[int]:
@@ -279,7 +319,14 @@ class RayWorkerGroup(WorkerGroup):
         host = ray.remote(concurrency_groups={ASIDE: 1})(_aside_host()) if aside else ray.remote(_Host)
         self._set = _HostSet([], [])  # set first: a failure below kills what started (`_start` shuts down)
         self._set.aside = aside
+        if pool.device == "cpu" and warm_hosts.warm_enabled():
+            session = warm_hosts.session_key()
+            self._set.keys = [(session, pool.fraction(rank), aside) for rank in range(self.world_size)]
+            kept = {key: warm_hosts.take(key, self._set.keys.count(key)) for key in dict.fromkeys(self._set.keys)}
         for rank in range(self.world_size):
+            if self._set.keys is not None and kept[self._set.keys[rank]]:
+                self._set.hosts.append(kept[self._set.keys[rank]].pop())
+                continue
             self._set.hosts.append(host.options(max_restarts=0, **pool.actor_options(rank)).remote(pool.device))
         addresses = self._gather([h.node_address.remote() for h in self._set.hosts], "start", STARTUP_TIMEOUT_S)
         master_addr, master_port, _ = addresses[0]
@@ -460,7 +507,7 @@ class RayWorkerGroup(WorkerGroup):
             return
         host_set.slots.discard(self._slot)
         if not host_set.slots:
-            host_set.kill()
+            host_set.release()
             return
         for host in host_set.hosts:
             host.drop.remote(self._slot)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from hybridflow.config.schema import ParallelConfig
 from hybridflow.parallel.layout import ParallelDims
-from hybridflow.parallel.process_group import init_process_group
+from hybridflow.parallel.process_group import init_process_group, leave_process_group, on_leave
 
 __all__ = ["destroy", "init_model_parallel", "init_process_group"]
 
@@ -43,6 +43,7 @@ def init_model_parallel(parallel: ParallelConfig, device: str = "cpu",
             raise ValueError(f"this process already runs layout tp,pp,cp,virtual_pp={have}; a second engine "
                              f"asked for {(parallel.tp, parallel.pp, parallel.cp, parallel.virtual_pp or 1)}")
     else:
+        on_leave(_destroy_megatron_groups)  # a process kept for another job may get another layout
         ps.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
             context_parallel_size=parallel.cp,
@@ -56,11 +57,14 @@ def init_model_parallel(parallel: ParallelConfig, device: str = "cpu",
     return dims
 
 
-def destroy() -> None:
-    """Tear down Megatron's groups and the process group (end of a job or test)."""
+def _destroy_megatron_groups() -> None:
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+
+
+def destroy() -> None:
+    """Tear down Megatron's groups and the process group (end of a job or test)."""
+    _destroy_megatron_groups()
+    leave_process_group()

@@ -17,9 +17,14 @@ import ipaddress
 import os
 import socket
 import sys
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+# What leaves with the process group, newest first (`on_leave`): the engine's megatron-core groups, made inside
+# this world, must go before it does.
+_ON_LEAVE: list[Callable[[], None]] = []
 
 
 def init_process_group(device: str = "cpu") -> None:
@@ -46,6 +51,22 @@ def init_process_group(device: str = "cpu") -> None:
     # rendezvous needs no socket at all.
     _gloo_on_loopback()
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def on_leave(teardown: Callable[[], None]) -> None:
+    """Run `teardown` when this process leaves its process group (`leave_process_group`); once per function."""
+    if teardown not in _ON_LEAVE:
+        _ON_LEAVE.append(teardown)
+
+
+def leave_process_group() -> None:
+    """Tear down what was built on the process group (`on_leave`), then the group itself (idempotent): the
+    end of a job, or a process kept for the next job (`controller.keep_processes_warm`), which joins a new
+    world with a new rendezvous."""
+    while _ON_LEAVE:
+        _ON_LEAVE.pop()()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def is_loopback(address: str) -> bool:

@@ -257,7 +257,19 @@ def test_calls_from_two_threads_reach_every_rank_in_one_order(echo_group, monkey
     assert echo_group.alive and echo_group.call(Echo.tag) == "rank0"  # the module's group goes on
 
 
-def test_a_colocated_group_runs_in_the_same_processes_and_outlives_the_first_shutdown(ray_cluster):
+@pytest.fixture
+def cold(ray_cluster):
+    """Processes end with their last group, as outside the test session (`keep_processes_warm` off)."""
+    from hybridflow.controller import keep_processes_warm
+    from hybridflow.controller.warm_hosts import warm_enabled
+
+    was = warm_enabled()
+    keep_processes_warm(False)
+    yield
+    keep_processes_warm(was)
+
+
+def test_a_colocated_group_runs_in_the_same_processes_and_outlives_the_first_shutdown(cold):
     """`RayWorkerGroup.colocated`: a second role's workers in the first group's processes, rank for rank,
     in the same torch.distributed world. The processes end with the last group on them."""
     import psutil

@@ -1,0 +1,118 @@
+"""Worker processes kept for the next worker group (opt-in): `keep_processes_warm(True)`.
+
+A Ray worker process costs seconds before its worker does anything: Python, torch and megatron-core imports,
+then torch's dynamo and inductor on the first optimizer (~6.5 s on 2 cores). A driver that runs jobs in turn
+(a sweep, a notebook, a test session) pays that for every rank of every job. With warm processes on, a group
+whose workers all shut down cleanly does not kill its processes: each drops its workers, leaves the process
+group (and megatron-core's groups: `parallel.process_group.leave_process_group`) and waits here; the next
+group that asks for processes of the same kind takes them and joins a new world (new master port, new
+rendezvous) as a fresh process would.
+
+Only CPU processes are kept (a GPU process keeps its CUDA context and allocator cache, and its placement
+group belongs to the pool that reserved it). A group that failed, or whose processes did not reset in time,
+never comes back here: its processes are killed as before. What is kept is keyed by the Ray session and job,
+the process's CPU share and its lanes, so a process only serves a group that would have started it the same
+way. Idle processes hold their Ray CPU reservation; a start that finds none of its kind kills the idle ones
+first, so they never stand in the way of a group's placement.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Hashable
+
+MAX_IDLE = 8  # processes kept at most; beyond it a released one is killed
+PING_TIMEOUT_S = 30.0  # an idle process that does not answer in this time is treated as gone
+
+_enabled = False
+_idle: list[tuple[Hashable, Any]] = []  # (key, Ray actor handle), oldest first
+_lock = threading.Lock()
+
+
+def keep_processes_warm(on: bool = True) -> None:
+    """Keep CPU worker processes of groups that shut down cleanly for the next group of the same kind
+    (`on=False`: stop, and kill those kept)."""
+    global _enabled
+    _enabled = on
+    if not on:
+        clear()
+
+
+def warm_enabled() -> bool:
+    return _enabled
+
+
+def session_key() -> tuple:
+    """The Ray session and job this driver runs in: processes of another (a `ray.shutdown` and a new
+    `ray.init` in between) are gone."""
+    import ray
+
+    context = ray.get_runtime_context()
+    return context.get_session_name(), context.get_job_id()
+
+
+def put(key: Hashable, hosts: list) -> None:
+    """Keep `hosts` (reset, alive) for a later `take` under `key`; the oldest beyond `MAX_IDLE` are killed."""
+    with _lock:
+        _idle.extend((key, host) for host in hosts)
+        excess = len(_idle) - MAX_IDLE
+        dropped = [host for _, host in _idle[:max(0, excess)]]
+        del _idle[:max(0, excess)]
+    _kill(dropped)
+
+
+def take(key: Hashable, count: int) -> list:
+    """Up to `count` kept processes of kind `key`, each answering; when fewer than `count` are kept, every
+    kept process of another kind is killed too (their CPU reservations make room for the new ones)."""
+    with _lock:
+        mine = [host for k, host in _idle if k == key][:count]
+        others = [host for k, host in _idle if k != key] if len(mine) < count else []
+        _idle[:] = [(k, host) for k, host in _idle if not any(host is h for h in (*mine, *others))]
+    _kill(others)
+    return _answering(mine)
+
+
+def idle_count() -> int:
+    with _lock:
+        return len(_idle)
+
+
+def clear() -> None:
+    """Kill every kept process."""
+    with _lock:
+        hosts = [host for _, host in _idle]
+        _idle.clear()
+    _kill(hosts)
+
+
+def _answering(hosts: list) -> list:
+    """The hosts that answer a ping within `PING_TIMEOUT_S`; the others are killed."""
+    if not hosts:
+        return []
+    import ray
+
+    pings = [host.pid.remote() for host in hosts]
+    ready, _ = ray.wait(pings, num_returns=len(pings), timeout=PING_TIMEOUT_S)
+    alive, dead = [], []
+    for host, ping in zip(hosts, pings):
+        ok = False
+        if ping in ready:
+            try:
+                ray.get(ping)
+                ok = True
+            except ray.exceptions.RayError:
+                pass
+        (alive if ok else dead).append(host)
+    _kill(dead)
+    return alive
+
+
+def _kill(hosts: list) -> None:
+    if not hosts:
+        return
+    import ray
+
+    for host in hosts:
+        try:
+            ray.kill(host, no_restart=True)
+        except Exception:  # already gone
+            pass
