@@ -132,17 +132,18 @@ class _Host:
 
     def reset(self):
         """Let go of every worker and leave the process group (megatron-core's groups first), so this process
-        can join the next job's world (`warm_hosts`)."""
+        can join the next job's world (`warm_hosts`). Returns None when it can; else why not (state it
+        cannot tear down: `parallel.process_group.keeps_world_state`), or the failure."""
         try:
             from hybridflow.parallel.process_group import leave_process_group
 
             self.workers.clear()
             gc.collect()  # the workers' gloo groups close before the world they were made in
-            leave_process_group()
+            kept = leave_process_group()
             gc.collect()
         except Exception as exc:
             return _Failure(exc)
-        return None
+        return kept  # None: clean; else why this process must end with its job
 
 
 def _aside_host() -> type:

@@ -9,8 +9,9 @@ group that asks for processes of the same kind takes them and joins a new world 
 rendezvous) as a fresh process would.
 
 Only CPU processes are kept (a GPU process keeps its CUDA context and allocator cache, and its placement
-group belongs to the pool that reserved it). A group that failed, or whose processes did not reset in time,
-never comes back here: its processes are killed as before. What is kept is keyed by the Ray session and job,
+group belongs to the pool that reserved it). A group that failed, whose processes did not reset in time, or
+that left state behind it cannot tear down (an FSDP engine's device mesh, held by torch's DTensor caches:
+`parallel.process_group.keeps_world_state`) never comes back here: its processes are killed as before. What is kept is keyed by the Ray session and job,
 the process's CPU share and its lanes, so a process only serves a group that would have started it the same
 way. Idle processes hold their Ray CPU reservation; a start that finds none of its kind kills the idle ones
 first, so they never stand in the way of a group's placement.

@@ -54,7 +54,7 @@ from hybridflow.models.checkpoint import resolve_dtype
 from hybridflow.models.config import DecoderConfig
 from hybridflow.models.decoder import Decoder, rope_inv_freq
 from hybridflow.parallel.layout import Coord, ParallelDims
-from hybridflow.parallel.process_group import init_process_group
+from hybridflow.parallel.process_group import init_process_group, keeps_world_state
 
 # beside the DCP shards: what DCP does not hold (the LR schedule, the world)
 STATE_FILE = FSDP_STATE
@@ -129,7 +129,6 @@ class FSDPEngine:
     def __init__(self, model_cfg: DecoderConfig, optim=None, *, device: str = "cpu", dtype: str = "float32",
                  make_vocab_size_divisible_by: int = 128, value_head: bool = False, total_steps: int = 1,
                  seed: int = 0, offload: bool = False):
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         if offload and device == "cpu":
@@ -140,11 +139,10 @@ class FSDPEngine:
         self.fused_output = False
         self.optim_cfg = optim
         self.bridge = get_bridge(model_cfg, make_vocab_size_divisible_by, 1)
-        init_process_group(device)  # joins the world its launcher set up (idempotent)
+        self.mesh = world_mesh(device)
         world, self.rank = dist.get_world_size(), dist.get_rank()
         self.layout = ParallelDims(dp=world)
         self.coord: Coord = self.layout.coord(self.rank)
-        self.mesh = init_device_mesh("cpu" if device == "cpu" else "cuda", (world,), mesh_dim_names=("fsdp",))
         self.group = self.mesh.get_group()
         with torch.device("meta"):
             self.module: nn.Module = ValueModel(model_cfg) if value_head else LanguageModel(model_cfg)
@@ -376,6 +374,19 @@ class FSDPEngine:
         if with_optimizer:
             set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
             self.scheduler.load_state_dict(meta["scheduler"])
+
+
+MESH_STATE = "torch's DTensor caches hold this world's device mesh (an FSDP engine or frozen model ran here)"
+
+
+def world_mesh(device: str = "cpu"):
+    """A one-dimensional device mesh over every rank of the world (gloo on CPU, NCCL on CUDA)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init_process_group(device)  # joins the world its launcher set up (idempotent)
+    keeps_world_state(MESH_STATE)  # this process then ends with its job (parallel/process_group.py)
+    return init_device_mesh("cpu" if device == "cpu" else "cuda", (dist.get_world_size(),),
+                            mesh_dim_names=("fsdp",))
 
 
 def chunk_rows(rows: int, ranks: int) -> int:

@@ -29,23 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridflow.engine.fsdp import agreed_count, block_units, chunk_bounds
+from hybridflow.engine.fsdp import agreed_count, block_units, chunk_bounds, world_mesh
 from hybridflow.engine.fsdp_comm import gather_in_place
 from hybridflow.models.hf import RewardModel
 
 __all__ = ["FSDPRewardModel", "frozen_units", "load_sharded_classifier", "shard_frozen",
            "world_mesh"]
-
-
-def world_mesh(device: str = "cpu"):
-    """A one-dimensional device mesh over every rank of the world (gloo on CPU, NCCL on CUDA)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from hybridflow.parallel.process_group import init_process_group
-
-    init_process_group(device)  # joins the world its launcher set up (idempotent)
-    return init_device_mesh("cpu" if device == "cpu" else "cuda", (dist.get_world_size(),),
-                            mesh_dim_names=("fsdp",))
 
 
 def frozen_units(model: nn.Module) -> list[nn.Module]:

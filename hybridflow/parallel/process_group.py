@@ -17,7 +17,7 @@ import ipaddress
 import os
 import socket
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,8 @@ import torch.distributed as dist
 # What leaves with the process group, newest first (`on_leave`): the engine's megatron-core groups, made inside
 # this world, must go before it does.
 _ON_LEAVE: list[Callable[[], None]] = []
+# Why this process cannot join another world cleanly (`keeps_world_state`); emptied only by the process's end.
+_KEPT_STATE: list[str] = []
 
 
 def init_process_group(device: str = "cpu") -> None:
@@ -59,14 +61,27 @@ def on_leave(teardown: Callable[[], None]) -> None:
         _ON_LEAVE.append(teardown)
 
 
-def leave_process_group() -> None:
+def keeps_world_state(reason: str) -> None:
+    """Say that state this process cannot tear down holds this world's ranks, so it must not join another
+    world (`leave_process_group` reports it). torch's DTensor caches its sharding decisions with the device
+    mesh they were made on, and a mesh of a later world with the same shape compares equal to it: a process
+    that built a device mesh and then joined a world at another rank took the old mesh's coordinate from
+    the cache and wrote its shards at the other rank's offsets (seen: FSDP checkpoints with the halves
+    swapped)."""
+    if reason not in _KEPT_STATE:
+        _KEPT_STATE.append(reason)
+
+
+def leave_process_group() -> Optional[str]:
     """Tear down what was built on the process group (`on_leave`), then the group itself (idempotent): the
     end of a job, or a process kept for the next job (`controller.keep_processes_warm`), which joins a new
-    world with a new rendezvous."""
+    world with a new rendezvous. Returns why this process must not join another world (`keeps_world_state`),
+    or None when it may."""
     while _ON_LEAVE:
         _ON_LEAVE.pop()()
     if dist.is_initialized():
         dist.destroy_process_group()
+    return "; ".join(_KEPT_STATE) or None
 
 
 def is_loopback(address: str) -> bool:

@@ -67,6 +67,17 @@ def test_a_failed_groups_processes_are_killed_not_kept(fresh):
         after.shutdown()
 
 
+def test_a_process_that_built_a_device_mesh_is_not_kept(fresh):
+    """torch's DTensor caches keep device meshes, and a later world's mesh of the same shape compares equal:
+    a process reused at another rank took the old coordinate and an FSDP checkpoint came out with its shards
+    swapped. Such a process ends with its job (`parallel.process_group.keeps_world_state`)."""
+    group = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu"))
+    pids = group.pids()
+    assert group.call(Echo.mesh_coordinate) == [(0,), (1,)]
+    group.shutdown()
+    assert warm_hosts.idle_count() == 0 and _gone(pids)
+
+
 def test_processes_of_another_kind_make_room_instead_of_being_reused(fresh):
     """A kept process reserved its CPU share at start: a pool asking another share starts its own, and the
     kept ones are killed so their reservations cannot stand in its way."""

@@ -77,6 +77,13 @@ class Echo(Worker):
         return t.item()
 
     @register(Dispatch.ONE_TO_ALL)
+    def mesh_coordinate(self) -> tuple:
+        """This rank's coordinate in a device mesh over the world (as the FSDP engines build it)."""
+        from hybridflow.engine.fsdp import world_mesh
+
+        return world_mesh("cpu").get_coordinate()
+
+    @register(Dispatch.ONE_TO_ALL)
     def gather_ranks(self) -> list:
         group = self.init_process_group()
         out = [None] * self.world_size

@@ -65,7 +65,9 @@ def test_an_update_of_micro_batches_not_a_multiple_of_pp_equals_one_rank(launche
     assert got["critic_metrics"].keys() == want["critic_metrics"].keys()
     for key, value in want["critic_metrics"].items():
         assert got["critic_metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
-    torch.testing.assert_close(got["values_after_update"], want["values_after_update"], atol=1e-6, rtol=0)
+    # The 4/3 scaling is one float32 rounding per loss, which the update carries into the weights and the
+    # values after it: 1.3e-6 on values near 1 seen on an AVX2 machine, hence a relative term.
+    torch.testing.assert_close(got["values_after_update"], want["values_after_update"], atol=1e-6, rtol=2e-6)
     assert not torch.equal(want["values_after_update"], want["values"])  # the update moved the values
 
 

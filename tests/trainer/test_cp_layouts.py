@@ -57,12 +57,16 @@ PPO_STEPS = ["trainer.total_steps=3", "trainer.val_every=0", "trainer.save_every
 
 
 @pytest.mark.parametrize("layout", [["actor.parallel.tp=2", "actor.parallel.cp=2"],
-                                    ["actor.parallel.pp=2", "actor.parallel.cp=2"]], ids=["tp2cp2", "pp2cp2"])
-def test_ppo_at_tp2_cp2_and_pp2_cp2_on_four_ray_workers_matches_the_single_process_run(tmp_path, one_process_ppo,
-                                                                                        layout):
-    """PPO (critic with GAE, reference with KL in the reward and as a loss) with the actor at TP2 x CP2 and
-    at PP2 x CP2 on four Ray processes, the critic and the reference following its layout: three steps'
-    learned metrics (the actor's, the critic's, the KL) equal one process's within 1e-5 relative."""
+                                    ["actor.parallel.pp=2", "actor.parallel.cp=2"],
+                                    ["actor.parallel.tp=2", "actor.parallel.sequence_parallel=true"],
+                                    ["actor.parallel.pp=2", "actor.parallel.virtual_pp=2"]],
+                         ids=["tp2cp2", "pp2cp2", "tp2sp-dp2", "pp2vpp2-dp2"])
+def test_ppo_at_each_new_layout_on_four_ray_workers_matches_the_single_process_run(tmp_path, one_process_ppo,
+                                                                                   layout):
+    """PPO (critic with GAE, reference with KL in the reward and as a loss) with the actor at TP2 x CP2, PP2 x
+    CP2, TP2 with sequence parallelism (x DP2) and PP2 with virtual_pp 2 (x DP2) on four Ray processes, the
+    critic and the reference following its layout: three steps' learned metrics (the actor's, the critic's,
+    the KL) equal one process's within 1e-5 relative."""
     _, records = run("tiny-ppo.yaml", tmp_path / "layout", "trainer.n_devices=4", "trainer.launcher=ray", *layout,
                      *PPO_STEPS)
     compare_with_one_process("ppo at " + " ".join(layout), records, one_process_ppo, steps=(1, 2, 3), rel=1e-5,
@@ -142,19 +146,35 @@ def _qwen2_shaped_model(path):
     return path
 
 
-def test_grpo_on_a_qwen2_shaped_model_with_a_sliding_window_at_cp2_matches_one_process(tmp_path):
-    """Item 5's Qwen2-shaped, sliding-window case through the trainer: the actor at CP2 on two Ray
-    processes, each CP rank's load-balanced chunks attending by global position within the window, GQA and
-    QKV bias. Three steps' learned metrics equal one
+@pytest.fixture(scope="module")
+def qwen2_shaped(tmp_path_factory):
+    """The Qwen2-shaped model's path and its three GRPO steps on one process (what its layouts compare with)."""
+    path = _qwen2_shaped_model(tmp_path_factory.mktemp("qwen2"))
+    return path, run("tiny-grpo.yaml", tmp_path_factory.mktemp("one"), *_qwen2_steps(path))[1]
+
+
+def _qwen2_steps(path) -> list[str]:
+    return [f"model.path={path}", "trainer.total_steps=3", "trainer.val_every=0", "trainer.save_every=0",
+            "actor.ppo_mini_batch_size=8"]
+
+
+@pytest.mark.parametrize("layout", [["trainer.n_devices=2", "actor.parallel.cp=2"],
+                                    ["trainer.n_devices=4", "actor.parallel.tp=2", "actor.parallel.cp=2"],
+                                    ["trainer.n_devices=4", "actor.parallel.pp=2", "actor.parallel.cp=2"],
+                                    ["trainer.n_devices=2", "actor.parallel.tp=2",
+                                     "actor.parallel.sequence_parallel=true"],
+                                    ["trainer.n_devices=2", "actor.parallel.pp=2", "actor.parallel.virtual_pp=2"]],
+                         ids=["cp2", "tp2cp2", "pp2cp2", "tp2sp", "pp2vpp2"])
+def test_grpo_on_a_qwen2_shaped_model_with_a_sliding_window_at_each_new_layout_matches_one_process(
+        tmp_path, qwen2_shaped, layout):
+    """Item 5's Qwen2-shaped, sliding-window case through the trainer at every new layout: CP ranks' load-
+    balanced chunks attending by global position within the window, TP-split GQA heads and QKV bias, the
+    window under sequence parallelism and in each interleaved chunk. Three steps' learned metrics equal one
     process's within 1e-5 (relative)."""
-    model = f"model.path={_qwen2_shaped_model(tmp_path / 'qwen2')}"
-    common = [model, "trainer.total_steps=3", "trainer.val_every=0", "trainer.save_every=0",
-              "actor.ppo_mini_batch_size=8"]
-    _, records = run("tiny-grpo.yaml", tmp_path / "cp2", "trainer.n_devices=2", "trainer.launcher=ray",
-                     "actor.parallel.cp=2", *common)
-    _, single = run("tiny-grpo.yaml", tmp_path / "one", *common)
-    compare_with_one_process("qwen2-shaped sliding window at cp2", records, single, steps=(1, 2, 3), rel=1e-5,
-                             abs_=1e-6)
+    path, single = qwen2_shaped
+    _, records = run("tiny-grpo.yaml", tmp_path / "layout", "trainer.launcher=ray", *layout, *_qwen2_steps(path))
+    compare_with_one_process("qwen2-shaped sliding window at " + " ".join(layout), records, single,
+                             steps=(1, 2, 3), rel=1e-5, abs_=1e-6)
 
 
 def test_a_model_mixing_attention_windows_is_refused_for_megatron_before_any_worker_starts(tmp_path):
