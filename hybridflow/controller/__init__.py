@@ -26,4 +26,5 @@ from hybridflow.controller.warm_hosts import keep_processes_warm
 from hybridflow.controller.worker import Worker, WorkerContext, WorkerError
 
 __all__ = ["Dispatch", "LocalWorkerGroup", "ObjectHandle", "RayWorkerGroup", "ResourcePool", "RoleGroup", "Worker",
-           "WorkerContext", "WorkerError", "init_ray", "keep_processes_warm", "pools_from_placement", "register", "remote"]
+           "WorkerContext", "WorkerError", "init_ray", "keep_processes_warm", "pools_from_placement", "register",
+           "remote"]

@@ -188,13 +188,7 @@ class _HostSet:
         """Kill every actor (idempotent). The pool's reservation stays for other groups."""
         if self.hosts is None:
             return
-        import ray
-
-        for host in self.hosts:
-            try:
-                ray.kill(host, no_restart=True)
-            except Exception:  # already dead; nothing left to free
-                pass
+        warm_hosts.kill(self.hosts)
         self.hosts = None
 
     def release(self) -> None:
@@ -216,9 +210,8 @@ class _HostSet:
         if not clean:
             self.kill()
             return
-        hosts, self.hosts = self.hosts, None
-        for key, host in zip(self.keys, hosts):
-            warm_hosts.put(key, [host])
+        warm_hosts.put(zip(self.keys, self.hosts))
+        self.hosts = None
 
 
 def _local_ranks(ips: list[str]) -> list[int]:

@@ -11,15 +11,15 @@ rendezvous) as a fresh process would.
 Only CPU processes are kept (a GPU process keeps its CUDA context and allocator cache, and its placement
 group belongs to the pool that reserved it). A group that failed, whose processes did not reset in time, or
 that left state behind it cannot tear down (an FSDP engine's device mesh, held by torch's DTensor caches:
-`parallel.process_group.keeps_world_state`) never comes back here: its processes are killed as before. What is kept is keyed by the Ray session and job,
-the process's CPU share and its lanes, so a process only serves a group that would have started it the same
-way. Idle processes hold their Ray CPU reservation; a start that finds none of its kind kills the idle ones
+`parallel.process_group.keeps_world_state`) never comes back here: its processes are killed as before.
+What is kept is keyed by the Ray session and job, the process's CPU share and its lanes, so a process only
+serves a group that would have started it the same way. Idle processes hold their Ray CPU reservation; a start that finds none of its kind kills the idle ones
 first, so they never stand in the way of a group's placement.
 """
 from __future__ import annotations
 
 import threading
-from typing import Any, Hashable
+from typing import Any, Hashable, Iterable
 
 MAX_IDLE = 8  # processes kept at most; beyond it a released one is killed
 PING_TIMEOUT_S = 30.0  # an idle process that does not answer in this time is treated as gone
@@ -51,14 +51,15 @@ def session_key() -> tuple:
     return context.get_session_name(), context.get_job_id()
 
 
-def put(key: Hashable, hosts: list) -> None:
-    """Keep `hosts` (reset, alive) for a later `take` under `key`; the oldest beyond `MAX_IDLE` are killed."""
+def put(kept: Iterable[tuple[Hashable, Any]]) -> None:
+    """Keep each (key, host) pair (the host reset, alive) for a later `take` under its key; the oldest beyond
+    `MAX_IDLE` are killed."""
     with _lock:
-        _idle.extend((key, host) for host in hosts)
+        _idle.extend(kept)
         excess = len(_idle) - MAX_IDLE
         dropped = [host for _, host in _idle[:max(0, excess)]]
         del _idle[:max(0, excess)]
-    _kill(dropped)
+    kill(dropped)
 
 
 def take(key: Hashable, count: int) -> list:
@@ -68,7 +69,7 @@ def take(key: Hashable, count: int) -> list:
         mine = [host for k, host in _idle if k == key][:count]
         others = [host for k, host in _idle if k != key] if len(mine) < count else []
         _idle[:] = [(k, host) for k, host in _idle if not any(host is h for h in (*mine, *others))]
-    _kill(others)
+    kill(others)
     return _answering(mine)
 
 
@@ -82,7 +83,7 @@ def clear() -> None:
     with _lock:
         hosts = [host for _, host in _idle]
         _idle.clear()
-    _kill(hosts)
+    kill(hosts)
 
 
 def _answering(hosts: list) -> list:
@@ -103,11 +104,12 @@ def _answering(hosts: list) -> list:
             except ray.exceptions.RayError:
                 pass
         (alive if ok else dead).append(host)
-    _kill(dead)
+    kill(dead)
     return alive
 
 
-def _kill(hosts: list) -> None:
+def kill(hosts: list) -> None:
+    """`ray.kill` each host; one already gone is skipped."""
     if not hosts:
         return
     import ray
