@@ -315,7 +315,7 @@ class RayWorkerGroup(WorkerGroup):
         self._set.aside = aside
         if pool.device == "cpu" and warm_hosts.warm_enabled():
             session = warm_hosts.session_key()
-            self._set.keys = [(session, pool.fraction(rank), aside) for rank in range(self.world_size)]
+            self._set.keys = [warm_hosts.Kind(session, pool.fraction(rank), aside) for rank in range(self.world_size)]
             kept = {key: warm_hosts.take(key, self._set.keys.count(key)) for key in dict.fromkeys(self._set.keys)}
         for rank in range(self.world_size):
             if self._set.keys is not None and kept[self._set.keys[rank]]:

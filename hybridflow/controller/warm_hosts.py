@@ -13,19 +13,21 @@ group belongs to the pool that reserved it). A group that failed, whose processe
 that left state behind it cannot tear down (an FSDP engine's device mesh, held by torch's DTensor caches:
 `parallel.process_group.keeps_world_state`) never comes back here: its processes are killed as before.
 What is kept is keyed by the Ray session and job, the process's CPU share and its lanes, so a process only
-serves a group that would have started it the same way. Idle processes hold their Ray CPU reservation; a start that finds none of its kind kills the idle ones
-first, so they never stand in the way of a group's placement.
+serves a group that would have started it the same way. Idle processes hold their Ray CPU reservation; a start
+that must start processes kills idle ones of other kinds, oldest first, until the cluster's free CPUs hold the
+new ones, so they never stand in the way of a group's placement (and a driver alternating two kinds of groups
+keeps both where the cluster has room).
 """
 from __future__ import annotations
 
 import threading
-from typing import Any, Hashable, Iterable
+from typing import Any, Iterable, NamedTuple
 
 MAX_IDLE = 8  # processes kept at most; beyond it a released one is killed
 PING_TIMEOUT_S = 30.0  # an idle process that does not answer in this time is treated as gone
 
 _enabled = False
-_idle: list[tuple[Hashable, Any]] = []  # (key, Ray actor handle), oldest first
+_idle: list[tuple["Kind", Any]] = []  # (key, Ray actor handle), oldest first
 _lock = threading.Lock()
 
 
@@ -51,7 +53,7 @@ def session_key() -> tuple:
     return context.get_session_name(), context.get_job_id()
 
 
-def put(kept: Iterable[tuple[Hashable, Any]]) -> None:
+def put(kept: Iterable[tuple["Kind", Any]]) -> None:
     """Keep each (key, host) pair (the host reset, alive) for a later `take` under its key; the oldest beyond
     `MAX_IDLE` are killed."""
     with _lock:
@@ -62,15 +64,42 @@ def put(kept: Iterable[tuple[Hashable, Any]]) -> None:
     kill(dropped)
 
 
-def take(key: Hashable, count: int) -> list:
-    """Up to `count` kept processes of kind `key`, each answering; when fewer than `count` are kept, every
-    kept process of another kind is killed too (their CPU reservations make room for the new ones)."""
+class Kind(NamedTuple):
+    """What a kept process can serve: a group of the same Ray session and job (`session_key`), whose rank
+    reserves the same `cpus` and runs methods on an aside lane or not (`aside`)."""
+    session: tuple
+    cpus: float
+    aside: bool
+
+
+def take(key: Kind, count: int) -> list:
+    """Up to `count` kept processes of kind `key`, each answering. When fewer than `count` are kept, the
+    group starts the rest, each reserving `key.cpus`: kept processes of other kinds are killed, oldest
+    first, only until the cluster's free CPUs can hold those (their reservations make room); the others
+    stay for a later group of their kind, so a driver alternating two layouts reuses both."""
     with _lock:
         mine = [host for k, host in _idle if k == key][:count]
-        others = [host for k, host in _idle if k != key] if len(mine) < count else []
-        _idle[:] = [(k, host) for k, host in _idle if not any(host is h for h in (*mine, *others))]
-    kill(others)
+        others = [(k, host) for k, host in _idle if k != key] if len(mine) < count else []
+        others = others[:_to_free((count - len(mine)) * key.cpus, [k.cpus for k, _ in others])]
+        doomed = [host for _, host in others]
+        _idle[:] = [(k, host) for k, host in _idle if not any(host is h for h in (*mine, *doomed))]
+    kill(doomed)
     return _answering(mine)
+
+
+def _to_free(needed: float, held: list[float]) -> int:
+    """How many kept processes holding `held` CPUs each (oldest first) to kill so that `needed` CPUs are
+    free in the cluster."""
+    if needed <= 0 or not held:
+        return 0
+    import ray
+
+    free = ray.available_resources().get("CPU", 0.0)
+    count = 0
+    while free < needed - 1e-9 and count < len(held):
+        free += held[count]
+        count += 1
+    return count
 
 
 def idle_count() -> int:

@@ -78,18 +78,41 @@ def test_a_process_that_built_a_device_mesh_is_not_kept(fresh):
     assert warm_hosts.idle_count() == 0 and _gone(pids)
 
 
-def test_processes_of_another_kind_make_room_instead_of_being_reused(fresh):
-    """A kept process reserved its CPU share at start: a pool asking another share starts its own, and the
-    kept ones are killed so their reservations cannot stand in its way."""
+def test_processes_of_another_kind_start_beside_the_kept_ones_where_the_cluster_has_room(fresh):
+    """A kept process reserved its CPU share at start: a pool asking another share starts its own. The
+    session's cluster (8 CPUs) holds both, so the kept ones stay and serve the next group of their kind."""
     whole = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu"))
     pids = whole.pids()
     whole.shutdown()
     halves = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu", share={0: 2, 1: 2}))  # devices shared by 2 pools
     try:
-        assert not set(halves.pids()) & set(pids) and _gone(pids)
+        assert not set(halves.pids()) & set(pids) and warm_hosts.idle_count() == 2
         assert halves.call(Echo.all_reduce, 1.0) == [3.0, 3.0]
     finally:
         halves.shutdown()
+    again = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu"))
+    try:
+        assert sorted(again.pids()) == sorted(pids) and warm_hosts.idle_count() == 2  # the halves wait now
+    finally:
+        again.shutdown()
+
+
+def test_kept_processes_of_another_kind_are_killed_oldest_first_only_until_the_new_ones_fit(fresh):
+    """`take` frees CPUs for the processes a group must start by killing kept processes of other kinds,
+    oldest first, and only as many as the cluster's free CPUs fall short by."""
+    import ray
+
+    whole = RayWorkerGroup(Echo, ResourcePool([0, 1], "cpu"))
+    whole.shutdown()
+    deadline = time.monotonic() + 30  # processes `fresh` killed release their reservations a moment later
+    while ray.available_resources()["CPU"] != 6.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    free = ray.available_resources()["CPU"]  # the session's 8, less the two kept processes' reservations
+    assert free == 6.0
+    assert warm_hosts._to_free(free, [1.0, 1.0]) == 0
+    assert warm_hosts._to_free(free + 0.5, [1.0, 1.0]) == 1
+    assert warm_hosts._to_free(free + 1.5, [1.0, 1.0]) == 2
+    assert warm_hosts._to_free(free + 5.0, [1.0, 1.0]) == 2  # all there are: the start waits for the rest
 
 
 def _fit(tmp_path: Path, *overrides: str) -> tuple[list[int], dict]:
