@@ -67,7 +67,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    virtual_pp: Optional[int] = None  # model chunks per pipeline stage (interleaved schedule); needs pp >= 2, cp = 1
+    virtual_pp: Optional[int] = None  # model chunks per pipeline stage (interleaved schedule); needs pp >= 2
     sequence_parallel: bool = False
     distributed_optimizer: bool = True  # shard Adam state over DP ranks; applies only where dp > 1
 

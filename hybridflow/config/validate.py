@@ -113,32 +113,12 @@ def _check_not_built(cfg: Config, plan: RunPlan) -> None:
         raise ConfigError("rollout.grouping", f"'full' (the DeepSpeed-Chat baseline) gathers within one training "
                           f"replica and is built for one (the actor has {train.dp}); use "
                           "'hybridflow' or 'vanilla'")
-    for path, par in engine_parallel(cfg).values():
-        _check_interleaved(par, path, plan)
-    a = cfg.actor.parallel
-    if a.cp > 1 and plan.rollout_apart:
-        raise ConfigError("actor.parallel.cp", f"{a.cp}: a rollout group placed apart from training is fed "
-                          "from cp = 1 layouts only (colocate the rollout at cp > 1)")
     if cfg.trainer.off_policy != "sync" and not plan.rollout_apart:
         raise ConfigError("trainer.off_policy", f"{cfg.trainer.off_policy!r} overlaps a rollout group placed apart "
                           "from training; this run has none (under Ray, give placement.rollout devices other "
                           "than placement.training's)")
     _check_engine(cfg)
     _check_train_engines(cfg, plan)
-
-
-def _check_interleaved(par: ParallelConfig, path: str, plan: RunPlan) -> None:
-    """What the interleaved pipeline (virtual_pp > 1) runs with: cp = 1 and the rollout colocated. (Its
-    schedule runs micro-batches in groups of pp; the engine pads a call's micro-batches to a multiple of pp
-    with empty ones, so no batch size is refused.)"""
-    if (par.virtual_pp or 1) == 1:
-        return
-    if par.cp > 1:
-        raise ConfigError(f"{path}.virtual_pp", f"{par.virtual_pp} with cp = {par.cp}: the interleaved pipeline "
-                          "runs at cp = 1 only (use virtual_pp 1, or cp 1)")
-    if plan.rollout_apart and path == "actor.parallel":
-        raise ConfigError(f"{path}.virtual_pp", f"{par.virtual_pp}: a rollout group placed apart from training "
-                          "is fed from virtual_pp = 1 layouts only (colocate the rollout, or use virtual_pp 1)")
 
 
 def _check_train_engines(cfg: Config, plan: RunPlan) -> None:

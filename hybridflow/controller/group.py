@@ -16,7 +16,7 @@ the trainer to the worker.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Concatenate, Optional, ParamSpec, TypeVar
+from typing import Any, Callable, Concatenate, Optional, ParamSpec, Sequence, TypeVar
 
 from hybridflow.controller.dispatch import (Dispatch, MeshCoord, call_batch, check_mesh, flat_mesh, method_mesh,
                                             registered_methods, strip_padding, tensor_bytes)
@@ -138,19 +138,33 @@ class RoleGroup:
         return f"{type(self).__name__}({self.group!r})"
 
 
-def run_together(*calls: Callable[[], Any]) -> list[Any]:
+def run_together(*calls: Callable[[], Any], abort: Sequence[Any] = (), grace_s: float = 5.0) -> list[Any]:
     """Run group calls at the same time, one driver thread each; their results in order.
 
     For calls on *different* groups whose workers meet in one collective (a
     process group spanning both): run one after the other, the first would
-    wait for the second forever. The first failure is raised once all have
-    ended (a group's failure tears its processes down, which breaks the
-    other group's side of the collective too).
+    wait for the second forever. A group's failure tears its processes down,
+    which breaks the other group's side of a collective in progress; but a
+    side still waiting to meet the other (a rendezvous the failed side never
+    served) would wait out its timeout. So when a call fails, the others get
+    `grace_s` to end (or to show a process that died, the likelier cause),
+    then the groups in `abort` still running are torn down (`abort(reason)`)
+    and the first failure is raised: a process that died, else the first.
     """
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
     with ThreadPoolExecutor(max_workers=len(calls)) as pool:
         futures = [pool.submit(call) for call in calls]
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        if pending and abort:
+            wait(pending, timeout=grace_s)
+            errors = [f.exception() for f in futures if f.done() and f.exception() is not None]
+            if errors and any(not f.done() for f in futures):
+                first = min(errors, key=lambda e: 0 if getattr(e, "reason", None) == DIED else 1)
+                for group in abort:
+                    group.abort(f"a group it met in one collective failed first: {first}".splitlines()[0])
+                wait(futures)
+                raise first
         errors = [e for e in (f.exception() for f in futures) if e is not None]
     if errors:  # a rank whose process died is the cause; its peers' broken collectives follow from it
         raise min(errors, key=lambda e: 0 if getattr(e, "reason", None) == DIED else 1)

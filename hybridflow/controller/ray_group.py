@@ -470,7 +470,7 @@ class RayWorkerGroup(WorkerGroup):
     def _fail(self, error: WorkerError) -> None:
         """Tear down the processes (and so every group on them) and raise `error`, naming any lost node."""
         error = self._with_lost_nodes(error)
-        self._dead = error
+        self._dead = self._dead or error  # an `abort` that killed the processes keeps its reason
         if self._set is not None:
             self._set.dead = self._set.dead or error
             self._set.kill()
@@ -492,6 +492,16 @@ class RayWorkerGroup(WorkerGroup):
             return error
         reason = f"{error.reason}; {describe_lost(host_set.roles, host_set.nodes, lost)}"
         return WorkerError(error.rank, error.method, reason, error.traceback, error.os_error)
+
+    def abort(self, reason: str) -> None:
+        """Kill this group's processes now, from any thread (a call blocked on them ends in a WorkerError;
+        later calls raise one with `reason`). For a peer group's failure that leaves this one waiting."""
+        host_set = self._set
+        if host_set is None:
+            return
+        self._dead = self._dead or WorkerError(0, "abort", reason)
+        host_set.dead = host_set.dead or self._dead
+        host_set.kill()
 
     def shutdown(self) -> None:
         """Let go of this group's workers (idempotent); the processes end with the last group on them.

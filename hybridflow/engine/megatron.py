@@ -410,7 +410,9 @@ class MegatronEngine:
         causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=ids.device), 1)[None, None]
         local, positions = cp_split(ids, cp, self.coord.cp)
         output = model(local, positions[None].expand_as(local), causal)
-        if not ps.is_pipeline_last_stage():  # this stage's activations of its chunks go to the next stage
+        # A chunk that is not the model's last (at virtual_pp > 1 every chunk but the last pipeline rank's
+        # last one, though that rank is "the last stage") sends its activations of its chunks onwards.
+        if not getattr(model.module if hasattr(model, "module") else model, "post_process", True):
             return output
         return gather_output(output, ps.get_context_parallel_group())[:, :s]
 

@@ -162,5 +162,5 @@ def build_groups(cfg: Config, plan: RunPlan) -> Groups:
         if plan.reference_apart else None)
     if groups.rollout is not None:
         groups.weight_sync = ApartWeightSync(groups.actor, groups.rollout, plan.layouts["training"], cfg.rollout.tg,
-                                             cfg.rollout.weight_bucket_mb * 2**20)
+                                             cfg.rollout.weight_bucket_mb * 2**20, cfg.actor.parallel.virtual_pp or 1)
     return groups

@@ -240,11 +240,9 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
     def join_weight_sync(self, address: str, port: int, tg: int, rollout_world: int, bucket_bytes: int) -> None:
         """Join the process group spanning this group and a rollout group apart (sync ranks 0 .. N-1), and
         keep the plan both sides build alike (`hybrid_engine/apart.py`). The rollout group joins at once."""
-        if self.engine.virtual_pp > 1:  # the rollout side builds the plan from `train` alone (config refuses it)
-            raise NotImplementedError("a rollout group apart is fed from virtual_pp = 1 layouts only")
         element = torch.empty((), dtype=self.engine.dtype).element_size()
         plan = plan_apart(bridge_params(self.engine.bridge, element), self.engine.layout, tg, rollout_world,
-                          bucket_bytes)
+                          bucket_bytes, self.engine.virtual_pp)
         self.weight_sync = SyncWorld(plan, self.rank, address, port, self.context.device)
 
     def _training_shard(self) -> dict[str, torch.Tensor]:
@@ -360,12 +358,13 @@ class RolloutWorker(_Generates):
         self.syncs = 0
 
     @register(Dispatch.ONE_TO_ALL)
-    def join_weight_sync(self, address: str, port: int, train: ParallelDims, bucket_bytes: int) -> None:
-        """Join the process group spanning the actor's group (`train`, sync ranks 0 .. N-1) and this one
-        (N + rank), with the plan the actor's ranks build alike."""
+    def join_weight_sync(self, address: str, port: int, train: ParallelDims, bucket_bytes: int,
+                         virtual_pp: int = 1) -> None:
+        """Join the process group spanning the actor's group (`train` with `virtual_pp` model chunks a stage,
+        sync ranks 0 .. N-1) and this one (N + rank), with the plan the actor's ranks build alike."""
         element = torch.empty((), dtype=_dtype(self.spec.model.dtype)).element_size()
         plan = plan_apart(bridge_params(self.bridge, element), train, self.spec.rollout.tg, self.world_size,
-                          bucket_bytes)
+                          bucket_bytes, virtual_pp)
         self.weight_sync = SyncWorld(plan, train.world_size + self.rank, address, port, self.context.device)
 
     @register(Dispatch.ONE_TO_ALL)

@@ -307,3 +307,29 @@ def test_a_failure_in_a_colocated_group_stops_both(ray_cluster):
     finally:
         first.shutdown()
         second.shutdown()
+
+
+def test_a_group_failing_before_a_rendezvous_it_serves_ends_the_other_sides_wait(ray_cluster):
+    """Two groups meeting in one rendezvous (as the actor's and a rollout group apart do for the weight sync):
+    the serving side fails before it serves, and the other, waiting to connect (for up to 30 minutes), is
+    torn down after `run_together`'s grace instead. The raised error is the failure, not the teardown."""
+    from hybridflow.controller.group import run_together
+    from tests.controller.workers import Meeting
+
+    serving = RayWorkerGroup(Meeting, ResourcePool([0], "cpu"))
+    waiting = RayWorkerGroup(Meeting, ResourcePool([1], "cpu"))
+    try:
+        (address, port), = serving.call(Meeting.serve_address)
+        assert run_together(lambda: serving.call(Meeting.meet, address, port, 0, 2),
+                            lambda: waiting.call(Meeting.meet, address, port, 1, 2)) == [[0], [1]]  # they meet
+        (address, port), = serving.call(Meeting.serve_address)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="failed in fail: ValueError: failed before serving"):
+            run_together(lambda: serving.call(Meeting.fail), lambda: waiting.call(Meeting.meet, address, port, 1, 2),
+                         abort=(serving, waiting), grace_s=1.0)
+        assert time.monotonic() - start < 60
+        with pytest.raises(WorkerError, match="a group it met in one collective failed first"):
+            waiting.call(Meeting.meet, address, port, 1, 2)
+    finally:
+        serving.shutdown()
+        waiting.shutdown()

@@ -173,3 +173,27 @@ class Receiver(Worker):
     def checksum(self, handle) -> tuple[int, float]:
         value = handle.get()
         return os.getpid(), float(value.sum())
+
+
+class Meeting(Worker):
+    """One side of a rendezvous spanning two groups (as the weight sync's): `serve_address` on the serving
+    side, `meet` on both; `fail` stands for a side that fails before it serves."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def serve_address(self) -> tuple[str, int]:
+        from hybridflow.parallel.process_group import free_port
+
+        return self.context.master_addr, free_port(self.context.master_addr)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def meet(self, address: str, port: int, rank: int, world: int) -> int:
+        from hybridflow.parallel.process_group import rendezvous_store
+
+        store = rendezvous_store(address, port, rank, world)
+        store.set(f"here/{rank}", "1")
+        store.wait([f"here/{r}" for r in range(world)])
+        return rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def fail(self) -> None:
+        raise ValueError("failed before serving the rendezvous")

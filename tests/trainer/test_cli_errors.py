@@ -200,13 +200,6 @@ CONFIG = {
     "generation tp not dividing tp": (lambda t: ["rollout.tg=2"], 2, "rollout.tg: must divide actor.parallel.tp=1"),
     "virtual pp without pp": (lambda t: ["actor.parallel.virtual_pp=2"], 2,
                               "actor.parallel.virtual_pp: needs pp >= 2"),
-    "virtual pp with context parallelism": (
-        lambda t: ["trainer.n_devices=4", "actor.parallel.pp=2", "actor.parallel.cp=2", "actor.parallel.virtual_pp=2"],
-        2, "actor.parallel.virtual_pp: 2 with cp = 2: the interleaved pipeline runs at cp = 1 only"),
-    "virtual pp with a rollout apart": (
-        lambda t: ["trainer.n_devices=3", "trainer.launcher=ray", "placement.training=[0,1]", "placement.rollout=[2]",
-                   "actor.parallel.pp=2", "actor.parallel.virtual_pp=2"],
-        2, "actor.parallel.virtual_pp: 2: a rollout group placed apart from training is fed from virtual_pp = 1"),
     "reference virtual pp unlike the actor's": (
         lambda t: ["trainer.n_devices=2", "actor.parallel.pp=2", "actor.parallel.virtual_pp=2",
                    "reference.parallel.pp=2"],

@@ -59,14 +59,16 @@ PPO_STEPS = ["trainer.total_steps=3", "trainer.val_every=0", "trainer.save_every
 @pytest.mark.parametrize("layout", [["actor.parallel.tp=2", "actor.parallel.cp=2"],
                                     ["actor.parallel.pp=2", "actor.parallel.cp=2"],
                                     ["actor.parallel.tp=2", "actor.parallel.sequence_parallel=true"],
-                                    ["actor.parallel.pp=2", "actor.parallel.virtual_pp=2"]],
-                         ids=["tp2cp2", "pp2cp2", "tp2sp-dp2", "pp2vpp2-dp2"])
+                                    ["actor.parallel.pp=2", "actor.parallel.virtual_pp=2"],
+                                    ["actor.parallel.pp=2", "actor.parallel.virtual_pp=2", "actor.parallel.cp=2"]],
+                         ids=["tp2cp2", "pp2cp2", "tp2sp-dp2", "pp2vpp2-dp2", "pp2vpp2cp2"])
 def test_ppo_at_each_new_layout_on_four_ray_workers_matches_the_single_process_run(tmp_path, one_process_ppo,
                                                                                    layout):
     """PPO (critic with GAE, reference with KL in the reward and as a loss) with the actor at TP2 x CP2, PP2 x
-    CP2, TP2 with sequence parallelism (x DP2) and PP2 with virtual_pp 2 (x DP2) on four Ray processes, the
-    critic and the reference following its layout: three steps' learned metrics (the actor's, the critic's,
-    the KL) equal one process's within 1e-5 relative."""
+    CP2, TP2 with sequence parallelism (x DP2), PP2 with virtual_pp 2 (x DP2) and PP2 x virtual_pp 2 x CP2
+    (each model chunk's CP chunks sent on to the next chunk, the last one gathering them) on four Ray
+    processes, the critic and the reference following its layout: three steps' learned metrics (the actor's,
+    the critic's, the KL) equal one process's within 1e-5 relative."""
     _, records = run("tiny-ppo.yaml", tmp_path / "layout", "trainer.n_devices=4", "trainer.launcher=ray", *layout,
                      *PPO_STEPS)
     compare_with_one_process("ppo at " + " ".join(layout), records, one_process_ppo, steps=(1, 2, 3), rel=1e-5,
@@ -163,8 +165,10 @@ def _qwen2_steps(path) -> list[str]:
                                     ["trainer.n_devices=4", "actor.parallel.pp=2", "actor.parallel.cp=2"],
                                     ["trainer.n_devices=2", "actor.parallel.tp=2",
                                      "actor.parallel.sequence_parallel=true"],
-                                    ["trainer.n_devices=2", "actor.parallel.pp=2", "actor.parallel.virtual_pp=2"]],
-                         ids=["cp2", "tp2cp2", "pp2cp2", "tp2sp", "pp2vpp2"])
+                                    ["trainer.n_devices=2", "actor.parallel.pp=2", "actor.parallel.virtual_pp=2"],
+                                    ["trainer.n_devices=4", "actor.parallel.pp=2", "actor.parallel.virtual_pp=2",
+                                     "actor.parallel.cp=2"]],
+                         ids=["cp2", "tp2cp2", "pp2cp2", "tp2sp", "pp2vpp2", "pp2vpp2cp2"])
 def test_grpo_on_a_qwen2_shaped_model_with_a_sliding_window_at_each_new_layout_matches_one_process(
         tmp_path, qwen2_shaped, layout):
     """Item 5's Qwen2-shaped, sliding-window case through the trainer at every new layout: CP ranks' load-
