@@ -150,9 +150,16 @@ def _qwen2_shaped_model(path):
 
 @pytest.fixture(scope="module")
 def qwen2_shaped(tmp_path_factory):
-    """The Qwen2-shaped model's path and its three GRPO steps on one process (what its layouts compare with)."""
-    path = _qwen2_shaped_model(tmp_path_factory.mktemp("qwen2"))
-    return path, run("tiny-grpo.yaml", tmp_path_factory.mktemp("one"), *_qwen2_steps(path))[1]
+    """The Qwen2-shaped model's path, and its three steps of a config on one process (what its layouts compare
+    with), run once per config."""
+    path, runs = _qwen2_shaped_model(tmp_path_factory.mktemp("qwen2")), {}
+
+    def one_process(name: str) -> list[dict]:
+        if name not in runs:
+            runs[name] = run(name, tmp_path_factory.mktemp("one"), *_qwen2_steps(path))[1]
+        return runs[name]
+
+    return path, one_process
 
 
 def _qwen2_steps(path) -> list[str]:
@@ -169,16 +176,22 @@ def _qwen2_steps(path) -> list[str]:
                                     ["trainer.n_devices=4", "actor.parallel.pp=2", "actor.parallel.virtual_pp=2",
                                      "actor.parallel.cp=2"]],
                          ids=["cp2", "tp2cp2", "pp2cp2", "tp2sp", "pp2vpp2", "pp2vpp2cp2"])
-def test_grpo_on_a_qwen2_shaped_model_with_a_sliding_window_at_each_new_layout_matches_one_process(
-        tmp_path, qwen2_shaped, layout):
-    """Item 5's Qwen2-shaped, sliding-window case through the trainer at every new layout: CP ranks' load-
-    balanced chunks attending by global position within the window, TP-split GQA heads and QKV bias, the
-    window under sequence parallelism and in each interleaved chunk. Three steps' learned metrics equal one
-    process's within 1e-5 (relative)."""
-    path, single = qwen2_shaped
-    _, records = run("tiny-grpo.yaml", tmp_path / "layout", "trainer.launcher=ray", *layout, *_qwen2_steps(path))
-    compare_with_one_process("qwen2-shaped sliding window at " + " ".join(layout), records, single,
-                             steps=(1, 2, 3), rel=1e-5, abs_=1e-6)
+@pytest.mark.parametrize("name", ["tiny-grpo.yaml", "tiny-ppo.yaml"])
+def test_grpo_and_ppo_on_a_qwen2_shaped_model_with_a_sliding_window_at_each_new_layout_match_one_process(
+        tmp_path, qwen2_shaped, layout, name):
+    """Item 5's Qwen2-shaped, sliding-window case through the trainer at every new layout, GRPO and PPO (the
+    critic, the same decoder with a value head, and the reference following the actor's layout): CP ranks'
+    load-balanced chunks attending by global position within the window, TP-split GQA heads and QKV bias,
+    the window under sequence parallelism and in each interleaved chunk. Three steps' learned metrics equal
+    one process's within 1e-5 (relative; 1e-6 absolute for PPO's small pg_loss). At cp2 both ranks of the
+    one DP replica run their chunks of each padded row and generate the replica's (keyed) responses. The
+    model's output layer is untied and applied in the loss (fused output) to the gathered hidden states on
+    every CP rank, so actor/grad_norm checks that its gradient is not counted cp times (Adam alone would
+    hide it: its update does not change when one weight's gradient doubles every step)."""
+    path, one_process = qwen2_shaped
+    _, records = run(name, tmp_path / "layout", "trainer.launcher=ray", *layout, *_qwen2_steps(path))
+    compare_with_one_process(f"{name} on the qwen2-shaped sliding window at " + " ".join(layout), records,
+                             one_process(name), steps=(1, 2, 3), rel=1e-5, abs_=1e-6)
 
 
 def test_a_model_mixing_attention_windows_is_refused_for_megatron_before_any_worker_starts(tmp_path):

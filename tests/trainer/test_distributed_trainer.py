@@ -157,25 +157,6 @@ def test_grpo_rollout_apart_from_training_matches_the_single_process_run(tmp_pat
         assert learned(again)[3][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
-@pytest.mark.parametrize("name", ["tiny-grpo.yaml", "tiny-ppo.yaml"])
-def test_cp2_on_two_ray_workers_matches_the_single_process_run(tmp_path, name):
-    """The actor at CP2 on two Ray processes (the reference and, for PPO, the critic follow its layout):
-    both ranks of the one DP replica get the replica's rows and run their load-balanced chunks of each
-    padded row, one answers; both hold whole weights and generate the replica's (keyed) responses. Two
-    steps' learned metrics equal one process's up to summation order (issue 41, item 2). The demo model's
-    output layer is untied and applied in the loss (fused output) to the gathered hidden states on every
-    CP rank, so actor/grad_norm checks that its gradient is not counted cp times (Adam alone would hide
-    it: its update does not change when one weight's gradient doubles every step)."""
-    from tests.trainer.test_trainer import learned
-
-    common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0",
-              "actor.ppo_mini_batch_size=8"]
-    _, records = run(name, tmp_path / "cp2", "trainer.n_devices=2", "trainer.launcher=ray",
-                     "actor.parallel.cp=2", *common)
-    _, single = run(name, tmp_path / "one", *common)
-    compare_with_one_process(f"{name} at cp2", records, single)
-
-
 def compare_with_one_process(label: str, records: list[dict], single: list[dict], steps=(1, 2),
                              rel: float = 1e-4, abs_: float = 1e-5) -> None:
     """`steps` of a multi-rank run against the one-process run: the same steps, the learned metrics
