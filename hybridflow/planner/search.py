@@ -14,7 +14,7 @@ Placements (HybridFlow's auto-mapping, §6 of the paper, restricted to what hybr
 
 Parallel sizes: training `p-t-d` per role (TP within a node, dividing heads, KV heads and MLP features;
 PP dividing the layers), and context parallelism `c` where the engine builds it (padded rows: no packing or
-shared prompts, not with a rollout placed apart; tp x c inside a node), generation `tg` dividing the actor's TP,
+shared prompts; tp x c inside a node), generation `tg` dividing the actor's TP,
 replicas = devices / tg. A candidate
 is kept only where the config's batch arithmetic splits evenly (mini-batch rows over each DP degree,
 prompts over generation replicas), as `config/validate.py` demands. Memory is checked against a usable
@@ -80,18 +80,17 @@ class Candidate:
         return f"{self.placement} [{split}] actor {layout_label(self.actor, self.virtual_pp)} tg{self.tg}{critic}"
 
 
-def layouts(world: int, model: DecoderConfig, device: DeviceSpec, wl: Workload,
-            context_parallel: bool = True) -> list[ParallelDims]:
+def layouts(world: int, model: DecoderConfig, device: DeviceSpec, wl: Workload) -> list[ParallelDims]:
     """Every p-t-d(-c) of `world` devices the model splits into and the batch arithmetic allows; cp > 1 only
-    where the config accepts it (no packed or shared-prompt rows) and `context_parallel`, with tp x cp inside a
-    node (the CP exchange runs every layer)."""
+    where the config accepts it (no packed or shared-prompt rows), with tp x cp inside a node (the CP exchange
+    runs every layer)."""
     out = []
     for tp in (1, 2, 4, 8, 16):
         if tp > device.devices_per_node or model.num_heads % tp or model.num_kv_heads % tp \
                 or model.intermediate_size % tp:
             continue
         for pp in (1, 2, 4, 8, 16):
-            cps = (1, 2, 4, 8) if context_parallel and not wl.packed_rows else (1,)
+            cps = (1, 2, 4, 8) if not wl.packed_rows else (1,)
             for cp in cps:
                 dp = ParallelDims.data_parallel_size(world, tp=tp, pp=pp, cp=cp)
                 if model.num_layers % pp or dp is None or tp * cp > device.devices_per_node:
@@ -317,19 +316,18 @@ class Planner:
             for nr, na, nc in cuts:
                 if wl.prompts % nr:
                     continue
-                for a in layouts(na, m, dev, wl, context_parallel=False):  # an apart rollout is fed from cp = 1
+                for a in layouts(na, m, dev, wl):
                     for k in (layouts(nc, m, dev, wl) if nc else [None]):
                         devices = {"rollout": nr, "actor": na, **({"critic": nc} if nc else {})}
-                        out.append(self.split("split-all", devices, a, k, 1))
+                        out += [self.split("split-all", devices, a, k, 1, v) for v in _vpps(a, m, wl)]
         return out
 
 
 def _vpps(actor: ParallelDims, model: DecoderConfig, wl: Workload) -> list[int]:
-    """The actor's model chunks per pipeline rank: 1, and 2 or 4 (the interleaved schedule) where pp > 1,
-    cp = 1 and the layers split into pp x v chunks. Not with a critic: without Ray it must share the actor's
-    megatron-core layout, which the search does not pair; nor with the rollout apart (split-all: the config
-    refuses it)."""
-    if actor.pp < 2 or actor.cp > 1 or wl.uses_critic:
+    """The actor's model chunks per pipeline rank: 1, and 2 or 4 (the interleaved schedule) where pp > 1
+    and the layers split into pp x v chunks (at any cp, and with the rollout apart too). Not with a critic:
+    without Ray it must share the actor's megatron-core layout, which the search does not pair."""
+    if actor.pp < 2 or wl.uses_critic:
         return [1]
     return [1] + [v for v in (2, 4) if model.num_layers % (actor.pp * v) == 0]
 
