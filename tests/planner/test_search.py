@@ -154,7 +154,8 @@ def test_the_interleaved_pipeline_is_offered_costed_and_written(tmp_path):
     """GRPO on Qwen2.5-0.5B (24 layers, no critic): each pp > 1 layout is also costed at virtual_pp 2 and 4
     (the layers split into pp x v chunks); at the same layout the interleaved update is faster (a v times
     smaller bubble) and holds more activations; a v2 candidate is written as a config that loads with
-    actor.parallel.virtual_pp 2. Not offered with a critic (its layout is not paired with the actor's)."""
+    actor.parallel.virtual_pp 2. Offered at cp > 1 and with the rollout apart (split-all) too; not with a
+    critic (its layout is not paired with the actor's)."""
     from hybridflow.config.loader import _read_yaml
     from hybridflow.planner import report
 
@@ -166,6 +167,10 @@ def test_the_interleaved_pipeline_is_offered_costed_and_written(tmp_path):
     labels = {c.label() for c in found}
     assert any("-v2 " in label for label in labels) and any("-v4 " in label for label in labels), labels
     assert all(c.actor.pp > 1 for c in found if c.virtual_pp > 1)
+    # with context parallelism, and fed to a rollout apart (the trainer runs both): offered there too
+    assert any(c.virtual_pp > 1 and c.actor.cp > 1 for c in found), labels
+    apart = planner.candidates(8, ("split-all",))
+    assert any(c.virtual_pp > 1 for c in apart) and any(c.actor.cp > 1 for c in apart)
     layout = ParallelDims(tp=1, pp=2, dp=4)
     one, two = (planner.colocated(8, layout, None, 1, v) for v in (1, 2))
     assert one.fits and two.fits
