@@ -201,8 +201,7 @@ class MegatronEngine:
 
     # -- weights --------------------------------------------------------------
     def _inner(self, chunk: int = 0) -> nn.Module:
-        module = self.chunks[chunk]
-        return module.module if hasattr(module, "module") else module
+        return _unwrapped(self.chunks[chunk])
 
     def _check_chunk_layers(self) -> None:
         """Each chunk's layers are where `parallel.stages` (the plans, the reshard tool) says they are."""
@@ -412,7 +411,7 @@ class MegatronEngine:
         output = model(local, positions[None].expand_as(local), causal)
         # A chunk that is not the model's last (at virtual_pp > 1 every chunk but the last pipeline rank's
         # last one, though that rank is "the last stage") sends its activations of its chunks onwards.
-        if not getattr(model.module if hasattr(model, "module") else model, "post_process", True):
+        if not _unwrapped(model).post_process:
             return output
         return gather_output(output, ps.get_context_parallel_group())[:, :s]
 
@@ -611,3 +610,10 @@ def _param_state(opt) -> Optional[dict]:
                     for elem in bucket:
                         elem.setdefault("padding", False)  # the loader filters on this key
     return state
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The GPTModel inside megatron-core's wrappers (DDP, and Float16Module below float32)."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module

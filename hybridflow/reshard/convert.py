@@ -12,7 +12,9 @@ temporary directory; a kill leaves it, named as what it is.
 from __future__ import annotations
 
 import resource
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,7 +155,13 @@ def run(req: Request, out: Callable[[str], None] = print) -> Optional[Result]:
             return None
         started = time.perf_counter()
         sink = Sink(progress_bar(plan.tensor_bytes) if req.progress else lambda done, name: None)
-        write_dir_atomically(req.dst, lambda tmp: target.write(plan, source, reader, tmp, sink), "reshard")
+
+        def write(tmp: Path) -> None:
+            with CtrlC() as ctrl_c:
+                target.write(plan, source, reader, tmp, sink)
+                ctrl_c.check()  # before the rename: a Ctrl-C a library swallowed still leaves no DST
+
+        write_dir_atomically(req.dst, write, "reshard")
         if req.progress:
             sys.stderr.write("\n")
     result = Result(plan, sink.done * plan.dp, time.perf_counter() - started, peak_rss())  # DP copies: links
@@ -162,6 +170,31 @@ def run(req: Request, out: Callable[[str], None] = print) -> Optional[Result]:
 
         result.verified = verify(source, req, plan)
     return result
+
+
+class CtrlC:
+    """While open (in the main thread): a Ctrl-C raises KeyboardInterrupt as usual and is also remembered,
+    so `check()` raises it again where code it interrupted swallowed it (an `except BaseException` in a
+    library, an exception in a callback that Python only prints): the suite once saw an interrupted
+    conversion finish and exit 0."""
+
+    def __enter__(self) -> "CtrlC":
+        self.hit, self.previous = False, None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.hit = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.hit:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 def progress_bar(total: int, stream=None, width: int = 30) -> Callable[[int, str], None]:
