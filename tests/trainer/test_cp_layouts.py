@@ -78,8 +78,9 @@ def test_ppo_at_each_new_layout_on_four_ray_workers_matches_the_single_process_r
     """PPO (critic with GAE, reference with KL in the reward and as a loss) with the actor at TP2 with sequence
     parallelism x DP2 and PP2 with virtual_pp 2 x DP2 on four Ray processes (PPO at the CP layouts runs on the
     Qwen2-shaped model below, whose attention adds GQA, QKV bias and a window; GRPO runs on this model at
-    TP2 x CP2 and PP2 x CP2 above), the critic at the same layout in the same processes and the reference following it: three
-    steps' learned metrics (the actor's, the critic's, the KL) equal one process's within 1e-5 relative."""
+    TP2 x CP2 and PP2 x CP2 above), the critic at the same layout in the same processes and the reference
+    following it: three steps' learned metrics (the actor's, the critic's, the KL) equal one process's
+    within 1e-5 relative."""
     _, records = run("tiny-ppo.yaml", tmp_path / "layout", "trainer.n_devices=4", "trainer.launcher=ray",
                      *critic_too(layout), *PPO_STEPS, before_fit=critic_at_the_actors_layout)
     compare_with_one_process("ppo at " + " ".join(layout), records, one_process_ppo, steps=(1, 2, 3), rel=1e-5,
