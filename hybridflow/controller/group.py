@@ -155,17 +155,19 @@ def run_together(*calls: Callable[[], Any], abort: Sequence[Any] = (), grace_s: 
 
     with ThreadPoolExecutor(max_workers=len(calls)) as pool:
         futures = [pool.submit(call) for call in calls]
-        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        if pending and abort:
-            wait(pending, timeout=grace_s)
-            errors = [f.exception() for f in futures if f.done() and f.exception() is not None]
-            if errors and any(not f.done() for f in futures):
-                first = min(errors, key=lambda e: 0 if getattr(e, "reason", None) == DIED else 1)
-                for group in abort:
-                    group.abort(f"a group it met in one collective failed first: {first}".splitlines()[0])
-                wait(futures)
-                raise first
+        _, pending = wait(futures, return_when=FIRST_EXCEPTION)  # pending left: one of them failed
+        if pending and abort and wait(pending, timeout=grace_s).not_done:
+            first = _cause([f.exception() for f in futures if f.done() and f.exception() is not None])
+            for group in abort:
+                group.abort(f"a group it met in one collective failed first: {first}".splitlines()[0])
+            wait(futures)
+            raise first
         errors = [e for e in (f.exception() for f in futures) if e is not None]
-    if errors:  # a rank whose process died is the cause; its peers' broken collectives follow from it
-        raise min(errors, key=lambda e: 0 if getattr(e, "reason", None) == DIED else 1)
+    if errors:
+        raise _cause(errors)
     return [f.result() for f in futures]
+
+
+def _cause(errors: list[BaseException]) -> BaseException:
+    """A rank whose process died, if one did (its peers' broken collectives follow from it), else the first."""
+    return min(errors, key=lambda e: 0 if getattr(e, "reason", None) == DIED else 1)

@@ -24,11 +24,13 @@ from hybridflow.parallel.layout import ParallelDims
 class ApartWeightSync:
     def __init__(self, actor, rollout, train: ParallelDims, tg: int, bucket_bytes: int, virtual_pp: int = 1):
         self.actor, self.rollout, self.train = actor, rollout, train
+        # torn down when the other side fails: one that fails before the rendezvous (or a broadcast) would
+        # leave the other waiting for it (30 min)
+        self.groups = (actor.group, rollout.group)
         address, port = actor.sync_address()
-        # `abort`: a side that fails before the rendezvous would leave the other waiting for it (30 min)
         run_together(lambda: actor.join_weight_sync(address, port, tg, rollout.world_size, bucket_bytes),
                      lambda: rollout.join_weight_sync(address, port, train, bucket_bytes, virtual_pp),
-                     abort=(actor.group, rollout.group))
+                     abort=self.groups)
         self.last: dict = {}  # the last push's per-rank figures (sent: training ranks, received: rollout ranks)
 
     def stage(self, version: int) -> None:
@@ -41,7 +43,7 @@ class ApartWeightSync:
         training rank sent together, the most collectives one rank joined, and the wall time of the push."""
         start = time.perf_counter()
         send = self.actor.send_weights if version is None else lambda: self.actor.send_staged(version)
-        sent, received = run_together(send, self.rollout.receive_weights, abort=(self.actor.group, self.rollout.group))
+        sent, received = run_together(send, self.rollout.receive_weights, abort=self.groups)
         seconds = time.perf_counter() - start
         self.last = {"sent": sent, "received": received}
         out = {"sync/bytes_received": max(r["sync/bytes_received"] for r in received),
