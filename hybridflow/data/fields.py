@@ -45,6 +45,10 @@ RESPONSE_MASK      LongTensor[B, R]      1 on generated tokens (EOS included),
                                          output and chat-template glue inside a
                                          multi-turn response (rollout/agent.py).
 RESPONSE_TEXT      list[str]  (B)        decoded responses (special tokens skipped).
+RESPONSE_LENGTH    LongTensor[B]         RESPONSE_MASK's 1s per row: what the driver
+                                         reads of a response's tokens (its lengths
+                                         and figures), the tensors themselves being
+                                         left where they were made (Ray runs).
 UID                list[str]  (B)        group id: the n samples of one prompt share
                                          it (GRPO / RLOO baselines).
 ROLLOUT_LOG_PROBS  FloatTensor[B, R]     per-token log-probs reported by the
@@ -64,9 +68,13 @@ BASELINE_SCORES    FloatTensor[B]        ReMax only: the score of the greedy res
 ENV_REWARDS        FloatTensor[B, R]     multi-turn rollouts only: each environment
                                          step's reward on the last token of the
                                          model turn it answers, zeros elsewhere.
+ENV_SCORES         FloatTensor[B]        multi-turn rollouts only: ENV_REWARDS summed
+                                         over each row.
 ENV_STATS          list[dict]            multi-turn rollouts only: per trajectory
                                          its turns, why it ended, and the
                                          environment's own counts (`stats()`).
+OUTCOME_SCORES     FloatTensor[B]        the rule (and reward-model) part of SCORES,
+                                         which TOKEN_SCORES places on the last token.
 TOKEN_SCORES       FloatTensor[B, R]     SCORES placed on each sequence's last
                                          response token, zeros elsewhere.
 TOKEN_REWARDS      FloatTensor[B, R]     TOKEN_SCORES minus the KL penalty when
@@ -99,6 +107,7 @@ PROMPTS = "prompts"
 RESPONSES = "responses"
 RESPONSE_MASK = "response_mask"
 RESPONSE_TEXT = "response_text"
+RESPONSE_LENGTH = "response_length"
 UID = "uid"
 ROLLOUT_LOG_PROBS = "rollout_log_probs"
 WEIGHT_VERSION = "weight_version"
@@ -109,7 +118,9 @@ VALUES = "values"
 SCORES = "scores"
 BASELINE_SCORES = "baseline_scores"
 ENV_REWARDS = "env_rewards"
+ENV_SCORES = "env_scores"
 ENV_STATS = "env_stats"
+OUTCOME_SCORES = "outcome_scores"
 TOKEN_SCORES = "token_scores"
 TOKEN_REWARDS = "token_rewards"
 ADVANTAGES = "advantages"
@@ -129,6 +140,7 @@ FIELD_SHAPES: Mapping[str, str] = MappingProxyType({
     RESPONSES: "LongTensor[B, R]",
     RESPONSE_MASK: "LongTensor[B, R]",
     RESPONSE_TEXT: "list[str]",
+    RESPONSE_LENGTH: "LongTensor[B]",
     UID: "list[str]",
     ROLLOUT_LOG_PROBS: "FloatTensor[B, R]",
     WEIGHT_VERSION: "LongTensor[B]",
@@ -139,7 +151,9 @@ FIELD_SHAPES: Mapping[str, str] = MappingProxyType({
     SCORES: "FloatTensor[B]",
     BASELINE_SCORES: "FloatTensor[B]",
     ENV_REWARDS: "FloatTensor[B, R]",
+    ENV_SCORES: "FloatTensor[B]",
     ENV_STATS: "list[dict]",
+    OUTCOME_SCORES: "FloatTensor[B]",
     TOKEN_SCORES: "FloatTensor[B, R]",
     TOKEN_REWARDS: "FloatTensor[B, R]",
     ADVANTAGES: "FloatTensor[B, R]",

@@ -124,7 +124,7 @@ class Rollout:
             responses=torch.cat([pad_columns(p.responses, width, pad_id) for p in parts]),
             response_mask=torch.cat([pad_columns(p.response_mask, width, 0) for p in parts]),
             log_probs=torch.cat([pad_columns(p.log_probs, width, 0.0) for p in parts]))
-        return assemble_rollout(prompts, out, params.n, self.tokenizer)
+        return row_figures(assemble_rollout(prompts, out, params.n, self.tokenizer))
 
     def _agent_generate(self, prompts: Batch, keys: torch.Tensor, params: SamplingParams, pad: bool) -> Batch:
         """This rank's prompts as multi-turn trajectories (all of them in one loop: its turns are batched)."""
@@ -132,8 +132,17 @@ class Rollout:
         rows = [{"prompt": raw[-1]["content"], "ground_truth": truth, "extra_info": extra}
                 for raw, truth, extra in zip(prompts[F.RAW_PROMPT], prompts[F.GROUND_TRUTH], prompts[F.EXTRA_INFO])]
         out = self.agent.run([row[m.bool()].tolist() for row, m in zip(ids, mask)], keys, params, rows)
-        return agent_batch(prompts, out, params.n, self.tokenizer,
-                           self.max_new_tokens if pad or self.world_size > 1 else None)
+        return row_figures(agent_batch(prompts, out, params.n, self.tokenizer,
+                                       self.max_new_tokens if pad or self.world_size > 1 else None))
+
+
+def row_figures(batch: Batch) -> Batch:
+    """`batch` with what the driver reads of its token tensors, one number a row: RESPONSE_LENGTH, and
+    ENV_SCORES where an environment rewarded the turns (the tensors may then stay where they were made)."""
+    batch[F.RESPONSE_LENGTH] = batch[F.RESPONSE_MASK].sum(-1)
+    if F.ENV_REWARDS in batch:
+        batch[F.ENV_SCORES] = batch[F.ENV_REWARDS].float().sum(-1)
+    return batch
 
 
 def agent_loop(env: EnvConfig, backend: Any, tokenizer: Tokenizer, max_total_tokens: int

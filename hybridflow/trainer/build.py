@@ -32,8 +32,10 @@ from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, Referenc
 
 def _run(cfg: Config) -> Run:
     # Under Ray every device index is a process of the run (on CPU they share the node's cores).
-    processes = cfg.trainer.n_devices if uses_ray(cfg) else 1
-    return Run(device=cfg.trainer.device, seed=cfg.trainer.seed, processes=processes)
+    # Token tensors stay in the object store where the workers are Ray actors (in-process, there is no trip).
+    ray = uses_ray(cfg)
+    return Run(device=cfg.trainer.device, seed=cfg.trainer.seed, processes=cfg.trainer.n_devices if ray else 1,
+               rows_in_object_store=ray)
 
 
 def actor_spec(cfg: Config, plan: RunPlan) -> ActorWorkerSpec:
@@ -48,8 +50,7 @@ def actor_spec(cfg: Config, plan: RunPlan) -> ActorWorkerSpec:
 def rollout_spec(cfg: Config, plan: RunPlan) -> RolloutWorkerSpec:
     return RolloutWorkerSpec(run=_run(cfg), model=cfg.model, rollout=cfg.rollout,
                              max_response_length=cfg.data.max_response_length,
-                             train_layout=plan.layouts["training"],
-                             sampler_log_probs_in_store=not plan.needs_old_log_probs, env=cfg.env)
+                             train_layout=plan.layouts["training"], env=cfg.env)
 
 
 def reference_spec(cfg: Config, plan: RunPlan) -> ReferenceWorkerSpec:

@@ -1,7 +1,9 @@
 """The stages of one RL iteration as small functions on a batch dict (fields in `data.fields`).
 
-[greedy baseline] -> score -> [reference log-probs] -> old log-probs -> [KL in reward] -> [values]
--> advantages (the rollout batch itself is assembled by `roles.rollout`);
+[greedy baseline] -> score -> [reference log-probs] -> old log-probs -> [values]; what reads the token
+tensors (scores on the last token, [KL in reward], advantages, the token figures) runs where the rows are,
+`roles.preparation`; the rollout batch itself is assembled by `roles.rollout`. What stays here reads one
+number a row (scores, lengths, group ids) or the texts;
 the trainer picks which stages run when it is built (rule 7, docs/conventions.md), so none
 of these branch on the config.
 """
@@ -15,7 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from hybridflow.algos import AdvantageInputs, apply_kl_penalty, compute_advantages, group_stats
+from hybridflow.algos import group_stats
 from hybridflow.algos.advantages import group_index
 from hybridflow.data import fields as F
 from hybridflow.common import shown_value
@@ -58,40 +60,9 @@ def _where(fn: Callable) -> str:
         return repr(fn)
 
 
-def token_scores(scores: Tensor, mask: Tensor) -> Tensor:
-    """SCORES placed on each row's last response token [B, R]: the last 1 of the mask, which is not the
-    count of 1s minus one when a multi-turn response has tool tokens (mask 0) between the model's turns."""
-    out = torch.zeros(mask.shape, dtype=torch.float32)
-    m = mask.bool()
-    last = torch.where(m, torch.arange(m.shape[-1]), -1).amax(-1).clamp(min=0)
-    rows = torch.arange(len(scores))
-    out[rows, last] = scores.float() * m.any(-1)
-    return out
-
-
 def env_scores(batch: Batch) -> Tensor:
     """A multi-turn batch's environment rewards per row [B] (their sum over turns); 0 without an environment."""
-    if F.ENV_REWARDS not in batch:
-        return torch.zeros(len(batch[F.RESPONSE_MASK]))
-    return batch[F.ENV_REWARDS].float().sum(-1)
-
-
-def env_token_rewards(batch: Batch) -> Tensor:
-    """ENV_REWARDS [B, R] where the rollout had an environment, else zeros: per-turn rewards for TOKEN_SCORES."""
-    return batch[F.ENV_REWARDS].float() if F.ENV_REWARDS in batch else torch.zeros(batch[F.RESPONSE_MASK].shape)
-
-
-def kl_in_reward(batch: Batch, kl_coef: float, kind: str) -> tuple[Tensor, float]:
-    return apply_kl_penalty(batch[F.TOKEN_SCORES], batch[F.OLD_LOG_PROBS], batch[F.REF_LOG_PROBS],
-                            batch[F.RESPONSE_MASK], kl_coef, kind)
-
-
-def advantages(batch: Batch, estimator: str, gamma: float, lam: float, norm_by_std: bool) -> tuple[Tensor, Tensor]:
-    inputs = AdvantageInputs(
-        mask=batch[F.RESPONSE_MASK], token_rewards=batch[F.TOKEN_REWARDS], scores=batch[F.SCORES],
-        values=batch.get(F.VALUES), group_ids=batch[F.UID], baseline_scores=batch.get(F.BASELINE_SCORES),
-        gamma=gamma, lam=lam, norm_by_std=norm_by_std)
-    return compute_advantages(estimator, inputs)
+    return batch[F.ENV_SCORES] if F.ENV_SCORES in batch else torch.zeros(len(batch[F.RESPONSE_LENGTH]))
 
 
 def rows_off_baseline(batch: Batch) -> Tensor:
@@ -127,8 +98,7 @@ def uniform_rows(batch: Batch, min_score: Optional[float] = None) -> Tensor:
 
 
 def rollout_metrics(batch: Batch, prefix: str = "") -> dict[str, float]:
-    scores, mask = batch[F.SCORES].float(), batch[F.RESPONSE_MASK]
-    lengths = mask.sum(-1).float()
+    scores, lengths = batch[F.SCORES].float(), batch[F.RESPONSE_LENGTH].float()
     return {
         f"{prefix}reward/mean": scores.mean().item(),
         f"{prefix}reward/accuracy": (scores >= 1.0).float().mean().item(),
@@ -152,8 +122,3 @@ def env_metrics(stats: list[dict], prefix: str = "") -> dict[str, float]:
     for reason in sorted({s.get("ended", "") for s in stats} - {""}):
         out[f"{prefix}env/ended_{reason}"] = sum(s.get("ended") == reason for s in stats) / len(stats)
     return out
-
-
-def real_tokens(batch: Batch) -> int:
-    return int(batch[F.ATTENTION_MASK].sum())
-

@@ -3,8 +3,8 @@
     for step in steps:
         batch, metrics, flow = prepare(step)   # DataFlow per prompt chunk: [greedy baseline] -> rollout
                                                #   -> reward -> [reference] -> old log-probs -> [values];
-                                               # then the whole batch: [KL in reward] -> advantages
-                                               #   -> [drop uniform groups]
+                                               # then the whole batch: [KL in reward] -> advantages (in the
+                                               #   actor's rank 0) -> [drop uniform groups]
         stats = update(batch, step)            # critic, then actor PPO epochs
 
 The models live in worker groups (`hybridflow.workers.rl_workers`, built by
@@ -17,6 +17,12 @@ through the driver); `trainer.off_policy` lets it generate ahead of the update
 (one_step, async within max_staleness; `dataflow/off_policy.py`), each row
 stamped with the weight version that generated it: the actor's ranks keep a
 snapshot of each published version until the rollout has taken it.
+Under Ray the token tensors ([B, R] and wider) never pass through this
+process: each worker leaves those it returns in the object store, the driver
+holds references and one number a row (lengths, scores, weight versions, group
+ids) beside the texts it scores, and the workers that read the rows next fetch
+them (`rl_workers.token_rows`; the token-level preparation runs in the actor's
+rank 0, `roles.preparation`).
 A group is Ray actors on the devices
 `placement` gives the role, or in-process (`trainer.launcher`). Which
 preparation stages run is decided once, when the trainer is built.
@@ -35,7 +41,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from hybridflow.algos import behaviour_metrics, build_kl_controller
+from hybridflow.algos import build_kl_controller
 from hybridflow.config.loader import to_dict
 from hybridflow.config.inputs import check_prompt_count, load_model_config, load_reward_function, load_tokenizer
 from hybridflow.config.plan import RunPlan
@@ -52,6 +58,8 @@ from hybridflow.data.dataset import PromptDataset
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.roles.actor import actor_update_plan
 from hybridflow.roles.critic import critic_update_plan
+from hybridflow.roles.preparation import READS as PREPARATION_READS
+from hybridflow.roles.preparation import TokenStage
 from hybridflow.roles.rollout import BASELINE, TRAIN, VALIDATION
 from hybridflow.trainer import rl_steps as S
 from hybridflow.checkpoint.format import trainer_state
@@ -159,6 +167,7 @@ class RLTrainer:
         # Launched by torchrun: every rank runs this loop over its LocalWorkerGroup share.
         self.spmd_driver = not plan.uses_ray and plan.job_world > 1
         self.is_main = not self.spmd_driver or int(os.environ.get("RANK", "0")) == 0
+        self.token_stage = self._build_token_stage()
         self.flow = self._build_flow()
         self.batch_stages = self._build_batch_stages()
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", t.keep_last)
@@ -187,19 +196,26 @@ class RLTrainer:
         nodes = [Node(name, model=model, forward_fn=_per_item(fn)) for name, model, fn in stages]
         return DataFlow(nodes, list(zip(nodes, nodes[1:])))
 
+    def _build_token_stage(self) -> TokenStage:
+        a, actor = self.cfg.algorithm, self.cfg.actor
+        return TokenStage(a.adv_estimator, a.gamma, a.lam, a.norm_adv_by_std_in_grpo,
+                          kl_penalty=a.kl_penalty if a.use_kl_in_reward else None, old=self.needs_old,
+                          reference=self.needs_ref, correction=actor.off_policy_correction,
+                          correction_level=actor.off_policy_correction_level,
+                          correction_threshold=actor.off_policy_correction_threshold)
+
     def _build_batch_stages(self) -> list[Callable[[dict, Metrics], dict]]:
-        """What needs the whole batch: the KL controller, advantages, group filtering.
+        """What needs the whole batch: the token-level preparation (scores on the last token, [KL in reward],
+        advantages, token figures) in the actor's rank 0, group filtering and the sampler's notes here.
 
         Each stage takes (batch, metrics), returns the batch and adds its figures to metrics.
         """
         stages = []
         if self.sampler.adaptive:
             stages.append(self._note_uniform_prompts)
-        if self.cfg.algorithm.use_kl_in_reward:
-            stages.append(self._kl_in_reward)
         if self.needs_baseline:
             stages.append(self._baseline_metrics)
-        stages.append(self._advantages)
+        stages.append(self._prepare_tokens)
         if self.cfg.algorithm.skip_uniform_groups:
             # ReMax compares each sample with its prompt's greedy response, not with the other samples.
             stages.append(self._drop_groups_at_baseline if self.needs_baseline else self._drop_uniform_groups)
@@ -259,7 +275,6 @@ class RLTrainer:
         batch = concat_batches(result.final) if len(result.final) > 1 else result.final[0]
         metrics = self._rollout_metrics(batch)
         metrics.update(taken)
-        metrics["batch/tokens"] = float(S.real_tokens(batch))
         for stage in self.batch_stages:
             batch = stage(batch, metrics)
         return batch, metrics, result
@@ -324,12 +339,10 @@ class RLTrainer:
 
     def _score(self, batch):
         """SCORES: rule_weight * rule score (+ model_weight * reward-model score) (+ the environment's rewards
-        of a multi-turn rollout). TOKEN_SCORES: the first two on the last response token, each environment
-        reward on the turn it answers."""
-        outcome = self._outcome(batch)
-        batch[F.SCORES] = outcome + S.env_scores(batch)
-        batch[F.TOKEN_SCORES] = S.token_scores(outcome, batch[F.RESPONSE_MASK]) + S.env_token_rewards(batch)
-        batch[F.TOKEN_REWARDS] = batch[F.TOKEN_SCORES]
+        of a multi-turn rollout); OUTCOME_SCORES: the first two, which `_prepare_tokens` places on the last
+        response token (each environment reward on the turn it answers)."""
+        batch[F.OUTCOME_SCORES] = self._outcome(batch)
+        batch[F.SCORES] = batch[F.OUTCOME_SCORES] + S.env_scores(batch)
         return batch
 
     def _rule_scores(self, batch) -> torch.Tensor:
@@ -363,32 +376,23 @@ class RLTrainer:
 
     # -- preparation stages (whole batch) ---------------------------------------
     def _rollout_metrics(self, batch) -> Metrics:
+        """Rewards, lengths and staleness, from what the driver holds of each row (the token figures come
+        from `_prepare_tokens`)."""
         metrics = S.rollout_metrics(batch)
         metrics.update(staleness_metrics(self.version - batch[F.WEIGHT_VERSION]))
-        mask = batch[F.RESPONSE_MASK].bool()
-        if not self.needs_old:  # the update reports the entropy and KL from its own pass
-            return metrics
-        if F.ROLLOUT_LOG_PROBS in batch:  # the sampler-trainer gap, and the correction's weights
-            a = self.cfg.actor
-            metrics.update(behaviour_metrics(batch[F.OLD_LOG_PROBS], batch[F.ROLLOUT_LOG_PROBS], mask,
-                                             a.off_policy_correction, a.off_policy_correction_level,
-                                             a.off_policy_correction_threshold))
-        metrics["actor/entropy"] = batch[F.ENTROPY][mask].mean().item()
-        if self.needs_ref:
-            metrics["actor/kl"] = (batch[F.OLD_LOG_PROBS] - batch[F.REF_LOG_PROBS])[mask].mean().item()
         return metrics
 
-    def _kl_in_reward(self, batch, metrics: Metrics):
-        a = self.cfg.algorithm
-        batch[F.TOKEN_REWARDS], kl = S.kl_in_reward(batch, self.kl_ctrl.value, a.kl_penalty)
-        metrics.update({"actor/kl_in_reward": kl, "actor/kl_coef": self.kl_ctrl.value})
-        self.kl_ctrl.update(kl, n_steps=len(batch[F.SCORES]))
-        return batch
-
-    def _advantages(self, batch, metrics: Metrics):
-        a = self.cfg.algorithm
-        batch[F.ADVANTAGES], batch[F.RETURNS] = S.advantages(batch, a.adv_estimator, a.gamma, a.lam,
-                                                             a.norm_adv_by_std_in_grpo)
+    def _prepare_tokens(self, batch, metrics: Metrics):
+        """TOKEN_SCORES, TOKEN_REWARDS, ADVANTAGES and RETURNS, made in the actor's rank 0 from the rows in the
+        object store (`roles.preparation`); with a KL penalty in the reward, the controller adapts its
+        coefficient to the KL that came back."""
+        coef = self.kl_ctrl.value
+        fields, figures = self.actor.prepare_tokens(select_fields(batch, PREPARATION_READS), self.token_stage, coef)
+        batch.update(fields)
+        metrics.update(figures)
+        if self.token_stage.kl_penalty is not None:
+            metrics["actor/kl_coef"] = coef
+            self.kl_ctrl.update(figures["actor/kl_in_reward"], n_steps=len(batch[F.SCORES]))
         return batch
 
     def _note_uniform_prompts(self, batch, metrics: Metrics):
@@ -450,7 +454,7 @@ class RLTrainer:
                 log.info(f"validation: {done}/{self.val_count} prompts, {elapsed:.0f} s elapsed, "
                          f"ETA {eta:.0f} s")
         scores = torch.cat([b[F.SCORES] for b in rows]).float()
-        lengths = torch.cat([b[F.RESPONSE_MASK].sum(-1) for b in rows]).float()
+        lengths = torch.cat([b[F.RESPONSE_LENGTH] for b in rows]).float()
         env = [s for b in rows for s in b.get(F.ENV_STATS, [])]
         return {"val/accuracy": (scores >= 1.0).float().mean().item(), "val/reward_mean": scores.mean().item(),
                 "val/response_length": lengths.mean().item(), "val/n": float(len(scores)),

@@ -58,15 +58,23 @@ from hybridflow.roles.actor import LOG_PROB_FIELDS
 from hybridflow.roles.actor import UPDATE_FIELDS as ACTOR_UPDATE_FIELDS
 from hybridflow.roles.critic import UPDATE_FIELDS as CRITIC_UPDATE_FIELDS
 from hybridflow.roles.critic import VALUE_FIELDS
+from hybridflow.roles.preparation import TokenStage, prepare_tokens
 from hybridflow.roles.rollout import TRAIN
 from hybridflow.rollout import RolloutBackend, hf_named, sync_weights
 from hybridflow.rollout.factory import build_backend
 from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, ReferenceWorkerSpec, RolloutWorkerSpec, Run
 
-# Rollout fields the driver never reads (it reads masks, texts, scores): a rollout group apart leaves them in
-# the object store, and the training groups fetch them from there.
-LEFT_IN_STORE = (F.PROMPTS, F.RESPONSES, F.INPUT_IDS)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+def token_rows(out: dict[str, Any], run: Run, answers: bool = True) -> dict[str, Any]:
+    """`out` (a worker's per-row answer) with its token tensors ([B, R] and wider) left in the object store
+    as `RowRef`s, when the run keeps them there (`Run.rows_in_object_store`) and this rank's answer is the
+    one the caller gets; the driver reads only what is one number a row (lengths, scores, versions).
+    Without Ray the tensors stay as they are."""
+    if not (run.rows_in_object_store and answers):
+        return out
+    return {k: remote_rows(v) if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for k, v in out.items()}
 
 
 def read_tokenizer(model: ModelConfig) -> Tokenizer:
@@ -153,8 +161,11 @@ class _Generates(Worker):
         generation TP group get the same prompts and its TP rank 0 answers, so
         the controller regroups prompts onto generation replicas and the
         responses back into one batch, which the training meshes then split.
+        Its token tensors stay in the object store (`token_rows`): the training
+        groups' workers fetch the rows from there, not from the driver.
         """
-        return self.rollout.generate(prompts, seed, mode, pad)
+        out = self.rollout.generate(prompts, seed, mode, pad)
+        return token_rows(out, self.spec.run, self.mesh_coords()["generation"].answers)
 
 
 class ActorRolloutRefWorker(EngineWorker, _Generates):
@@ -293,7 +304,18 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
             out.update(self.actor.compute_log_probs(
                 batch, r.log_prob_micro_batch_size,
                 r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else 0, r.log_prob_share_prompts))
-        return out
+        return token_rows(out, self.spec.run, self.mesh_coords()["actor"].answers)
+
+    @register(Dispatch.ALL_TO_ALL)
+    def prepare_tokens(self, batch: Optional[dict[str, Any]], stage: TokenStage,
+                       kl_coef: float = 0.0) -> Optional[tuple[dict[str, Any], dict[str, float]]]:
+        """The token-level preparation of the whole step's batch (`roles.preparation.prepare_tokens`): its
+        rows come from the object store to this rank and its advantages go back there, so no token tensor
+        passes the driver. Rank 0 alone computes it (`batch` None elsewhere: `ActorGroup.prepare_tokens`)."""
+        if batch is None:
+            return None
+        fields, metrics = prepare_tokens(batch, stage, kl_coef)
+        return token_rows(fields, self.spec.run), metrics
 
     @register(Dispatch.DP_SPLIT, mesh="actor", reads=ACTOR_UPDATE_FIELDS)
     def update_actor(self, rows: dict[str, Any], steps: list[torch.Tensor]) -> dict[str, float]:
@@ -384,17 +406,11 @@ class RolloutWorker(_Generates):
     @register(Dispatch.DP_SPLIT, mesh="generation")
     def generate(self, prompts: dict[str, Any], seed: int, mode: str = TRAIN,
                  pad: bool = False) -> dict[str, Any]:
-        """As the actor's `generate` (`mode`: `roles.rollout.MODES`), except that the token fields the driver never reads stay in the object
-        store (`LEFT_IN_STORE`): the driver gets references, and the training groups' workers fetch the rows
-        from here (`controller.transfer.remote_rows`)."""
+        """As the actor's `generate`, from the weights the actor's ranks broadcast into this group."""
         if self.syncs == 0:
             raise RuntimeError("the rollout group apart has no weights yet: the actor's are broadcast into it "
                                "(receive_weights) before its first rollout")
-        out = self.rollout.generate(prompts, seed, mode, pad)
-        if self.spec.rows_in_object_store and self.rank % self.spec.rollout.tg == 0:  # it answers for its replica
-            names = LEFT_IN_STORE + ((F.ROLLOUT_LOG_PROBS,) if self.spec.sampler_log_probs_in_store else ())
-            out.update({name: remote_rows(out[name]) for name in names if name in out})
-        return out
+        return super().generate(prompts, seed, mode, pad)
 
     @register(Dispatch.RANK_ZERO)
     def hf_weights(self) -> dict[str, torch.Tensor]:
@@ -421,11 +437,12 @@ class CriticWorker(EngineWorker):
                                    spec.layout, spec.optimizer_steps, value_head=True, kind=spec.critic.engine,
                                    fsdp=spec.critic.fsdp)
         self.register_mesh("critic", spec.layout)
+        self.run = spec.run
         self.critic = Critic(spec.critic, self.engine, mini_batch_size=spec.mini_batch_size, seed=spec.run.seed)
 
     @register(Dispatch.DP_SPLIT, mesh="critic", reads=VALUE_FIELDS)
     def compute_values(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return self.critic.compute_values(batch)
+        return token_rows(self.critic.compute_values(batch), self.run, self.mesh_coords()["critic"].answers)
 
     @register(Dispatch.DP_SPLIT, mesh="critic", reads=CRITIC_UPDATE_FIELDS)
     def update_critic(self, rows: dict[str, Any], steps: list[torch.Tensor]) -> dict[str, float]:
@@ -445,12 +462,14 @@ class ReferenceWorker(Worker):
         engine = build_engine(spec.run, spec.model, spec.model.path, None, ParallelConfig(), spec.layout,
                               kind="fsdp", fsdp=ref.fsdp)
         self.register_mesh("reference", spec.layout)
+        self.run = spec.run
         self.reference = Reference(ref, engine, temperature=spec.temperature)
 
     @register(Dispatch.DP_SPLIT, mesh="reference", reads=LOG_PROB_FIELDS)
     def compute_ref_log_probs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """REF_LOG_PROBS of this replica's rows."""
-        return self.reference.compute_ref_log_probs(batch)
+        return token_rows(self.reference.compute_ref_log_probs(batch), self.run,
+                          self.mesh_coords()["reference"].answers)
 
 
 class RewardModelWorker(Worker):
@@ -493,6 +512,14 @@ class ActorGroup(RoleGroup):
     send_weights = remote(ActorRolloutRefWorker.send_weights)
     send_staged = remote(ActorRolloutRefWorker.send_staged)
     compute_log_probs = remote(ActorRolloutRefWorker.compute_log_probs)
+
+    def prepare_tokens(self, batch: dict[str, Any], stage: TokenStage,
+                       kl_coef: float = 0.0) -> tuple[dict[str, Any], dict[str, float]]:
+        """`ActorRolloutRefWorker.prepare_tokens` on rank 0 (the others get None and return at once)."""
+        world = self.world_size
+        return self.group.call(ActorRolloutRefWorker.prepare_tokens, [batch] + [None] * (world - 1),
+                               [stage] * world, [kl_coef] * world)[0]
+
     update_actor = remote(ActorRolloutRefWorker.update_actor)
     export_hf = remote(ActorRolloutRefWorker.export_hf)
     save = remote(ActorRolloutRefWorker.save)

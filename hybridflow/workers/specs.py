@@ -25,6 +25,11 @@ class Run:
     # Processes the run starts on the machine's cores (under Ray every device index is one; groups apart
     # each have their own): a CPU worker's torch threads are its share of them (`prepare_process`).
     processes: int = 1
+    # The token plane (Ray runs only): a worker leaves the token tensors ([B, R] and wider) of what it returns
+    # in the object store, and the driver passes references (`controller.transfer.remote_rows`); the workers
+    # that read the rows next fetch them from there. False sends them through the driver, as before
+    # (benchmarks/bench_data_plane.py runs both).
+    rows_in_object_store: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,12 +57,6 @@ class RolloutWorkerSpec:
     rollout: RolloutConfig
     max_response_length: int
     train_layout: ParallelDims  # the actor's layout, whose shards it receives (and whose padded vocabulary)
-    # The token fields the driver never reads stay in the object store (workers.rl_workers.LEFT_IN_STORE);
-    # False sends them through the driver, as before (benchmarks/bench_data_plane.py compares the two).
-    rows_in_object_store: bool = True
-    # The sampler's log-probs too, when the driver does not read them (no old log-prob pass: the update
-    # measures the sampler-trainer gap itself, `config.plan.needs_old_log_probs`).
-    sampler_log_probs_in_store: bool = False
     env: EnvConfig = field(default_factory=EnvConfig)
 
 

@@ -177,7 +177,7 @@ def test_two_ray_processes_take_the_one_process_steps(agent_run, tmp_path):
 def test_outcome_score_lands_on_the_last_model_token():
     """A rule or reward-model score goes on the last token the model wrote, past the tool tokens between
     its turns (not at the count of model tokens minus one, which is inside the trajectory)."""
-    from hybridflow.trainer.rl_steps import token_scores
+    from hybridflow.roles.preparation import token_scores
 
     mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0, 0], [0] * 8])
     out = token_scores(torch.tensor([2.0, 3.0, 5.0]), mask)

@@ -218,6 +218,39 @@ def test_ppo_with_the_actor_at_dp2_and_the_critic_at_tp2_matches_the_single_proc
     _assert_same_metrics({"one": single("tiny-ppo.yaml")[1], "dp2": records}, (1, 2, 3), rel=1e-5)
 
 
+def test_no_token_tensor_of_a_ray_step_passes_the_driver(tmp_path):
+    """The data plane: under Ray every token tensor ([B, R] and wider) of a PPO step stays in the object
+    store: the rollout's, the old and reference log-probs, the values, and the token rewards and advantages
+    the actor's rank 0 makes from them (KL in the reward included). The driver holds references and one
+    number a row: what it received while preparing the step is RESPONSE_LENGTH alone (8 bytes a row).
+    Fetched back, the advantages are what the token stage gives on those rows in this process (the same
+    function on the same rows; another process with its own thread count, hence assert_close)."""
+    from hybridflow.controller.transfer import fetch_remote_rows, is_remote_rows
+    from hybridflow.data import fields as F
+    from hybridflow.roles.preparation import prepare_tokens
+
+    cfg = in_repo(load_config(ROOT / "configs" / "tiny-ppo.yaml", [
+        f"trainer.output_dir={tmp_path}", "trainer.n_devices=2", "trainer.launcher=ray", "data.val_files=[]"]))
+    trainer = RLTrainer(cfg)
+    try:
+        coef, received = trainer.kl_ctrl.value, trainer.received_bytes()
+        batch, metrics, _ = trainer.prepare(1)
+        rows = len(batch[F.UID])
+        assert trainer.received_bytes() - received == 8 * rows
+        left = {name for name, value in batch.items() if is_remote_rows(value)}
+        assert {F.INPUT_IDS, F.RESPONSES, F.RESPONSE_MASK, F.OLD_LOG_PROBS, F.REF_LOG_PROBS, F.VALUES,
+                F.TOKEN_REWARDS, F.ADVANTAGES, F.RETURNS} <= left
+        assert all(value.dim() == 1 for value in batch.values() if torch.is_tensor(value))
+        fetched = fetch_remote_rows(batch)
+        want, figures = prepare_tokens(fetched, trainer.token_stage, coef)
+        for name in (F.TOKEN_REWARDS, F.ADVANTAGES, F.RETURNS):
+            torch.testing.assert_close(fetched[name], want[name])
+        assert metrics["actor/kl_in_reward"] == pytest.approx(figures["actor/kl_in_reward"], rel=1e-5, abs=1e-7)
+        assert metrics["batch/tokens"] == figures["batch/tokens"]
+    finally:
+        trainer.shutdown()
+
+
 def test_torchrun_over_two_nodes_on_loopback_matches_the_single_process_run(tmp_path, single):
     """Two torchrun launchers, one per "node" (`--nnodes 2 --node-rank 0|1`, static rendezvous on
     127.0.0.1), one rank each, as the multi-node command in docs/architecture.md: PPO with actor and

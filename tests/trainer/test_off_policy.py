@@ -81,20 +81,6 @@ def test_schedule_limits():
     assert [m[f"offpolicy/staleness_{b}"] for b in ("0", "1", "2", "3plus")] == [1, 2, 0, 2]
 
 
-def test_the_sampler_log_probs_stay_in_the_object_store_when_the_driver_does_not_read_them(tmp_path):
-    """Without the old log-prob pass (one optimizer step a batch) the driver never reads the sampler's
-    log-probs (the update measures the gap), so the rollout group apart leaves them in the object store
-    with the token rows; with the pass the driver measures the gap from them and they come through it."""
-    from hybridflow.config.plan import RunPlan
-    from hybridflow.trainer.build import rollout_spec
-
-    for mini_batch, in_store in ((8, True), (4, False)):  # tiny-grpo's batch is 8 prompts
-        cfg = _config("tiny-grpo.yaml", tmp_path, "trainer.off_policy=one_step", f"actor.ppo_mini_batch_size={mini_batch}")
-        plan = RunPlan.from_config(cfg)
-        assert plan.needs_old_log_probs is not in_store
-        assert rollout_spec(cfg, plan).sampler_log_probs_in_store is in_store
-
-
 # --------------------------------------------------------------------------- on Ray
 
 
@@ -194,8 +180,8 @@ def test_ppo_one_step_is_the_delayed_push_schedule(tmp_path):
 def test_killed_rollout_rank_under_one_step_stops_the_run_naming_it(tmp_path):
     """SIGKILL the rollout process while it generates ahead: the next step raises a WorkerError naming
     the rollout's rank and method, and the run does not hang. One mini-batch a step (no old log-prob pass):
-    before that, a rollout answers with its sampler log-probs left in the object store, as references the
-    training workers fetch, and the first update measures the sampler-trainer gap from them."""
+    before that, a rollout answers with its token tensors (sampler log-probs, masks) left in the object store,
+    as references the training workers fetch, and the first update measures the sampler-trainer gap from them."""
     import os
     import signal
 
@@ -208,7 +194,8 @@ def test_killed_rollout_rank_under_one_step_stops_the_run_naming_it(tmp_path):
                                 "actor.ppo_mini_batch_size=8"))
     try:
         out = trainer.rollout_group.generate(trainer.prompts(1), 0, TRAIN)  # the stream has submitted nothing yet
-        assert all(type(r) is RowRef for r in out[F.ROLLOUT_LOG_PROBS]) and torch.is_tensor(out[F.RESPONSE_MASK])
+        assert all(type(r) is RowRef for name in (F.ROLLOUT_LOG_PROBS, F.RESPONSE_MASK) for r in out[name])
+        assert torch.is_tensor(out[F.RESPONSE_LENGTH])  # what the driver reads of the tokens: a number a row
         assert "offpolicy/k3_kl" in trainer.train_step(1)  # batch 2 is being generated now
         os.kill(trainer.rollout_group.group.pids()[0], signal.SIGKILL)
         with pytest.raises(WorkerError, match=r"rank 0 failed in (generate|receive_weights): its worker process died"):
