@@ -26,8 +26,9 @@ through the object store, not the driver:
         self.model.load_state_dict(handle.get())
 
 Rows left in the object store (`remote_rows`), for batch fields the driver
-never reads: a worker returns a tensor field as a tuple of `RowRef`s (one
-object-store reference per tensor, shared, and a row index each), which
+never reads: a worker returns a tensor field (or a list field, such as the
+texts) as a tuple of `RowRef`s (one object-store reference per value, shared,
+and a row index each), which
 every batch operation on the driver treats as a per-row field like any
 tuple (select, cut, join, pad), at tens of bytes a row. A worker that
 receives such a tuple in a call gets the tensor back (`unpack`: each
@@ -130,14 +131,15 @@ class RowRef:
         return RowRef, (self.ref, self.row)
 
 
-def remote_rows(tensor) -> Any:
-    """A tensor [B, ...] put into the object store once, as B `RowRef`s; the tensor itself without Ray."""
+def remote_rows(rows) -> Any:
+    """A tensor [B, ...] or a list of B items (texts) put into the object store once, as B `RowRef`s; the
+    value itself without Ray."""
     if not _ray_running():
-        return tensor
+        return rows
     import ray
 
-    ref = ray.put(pack(tensor))
-    return tuple(RowRef(ref, i) for i in range(len(tensor)))
+    ref = ray.put(pack(rows))
+    return tuple(RowRef(ref, i) for i in range(len(rows)))
 
 
 def is_remote_rows(value: Any) -> bool:
@@ -156,13 +158,15 @@ def fetch_remote_rows(value: Any) -> Any:
 
 
 def fetch_rows(rows: tuple) -> Any:
-    """The tensor of `RowRef`s `rows`, in their order: each referenced tensor fetched once."""
+    """The tensor (or list) of `RowRef`s `rows`, in their order: each referenced value fetched once."""
     import ray
     import torch
 
     refs = list({r.ref.hex(): r.ref for r in rows}.items())
     tensors = {key: unpack_results([t])[0] for (key, _), t in zip(refs, ray.get([ref for _, ref in refs]))}
     first = tensors[rows[0].ref.hex()]  # read-only views of the store: copied into `out` below
+    if isinstance(first, list):
+        return [tensors[r.ref.hex()][r.row] for r in rows]
     out = first.new_empty((len(rows), *first.shape[1:]))
     by_ref: dict[str, tuple[list[int], list[int]]] = {}
     for position, r in enumerate(rows):

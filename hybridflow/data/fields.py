@@ -73,6 +73,8 @@ ENV_SCORES         FloatTensor[B]        multi-turn rollouts only: ENV_REWARDS s
 ENV_STATS          list[dict]            multi-turn rollouts only: per trajectory
                                          its turns, why it ended, and the
                                          environment's own counts (`stats()`).
+RULE_SCORES        FloatTensor[B]        the rule-based reward of each response
+                                         (reward.function), scored by the rollout.
 OUTCOME_SCORES     FloatTensor[B]        the rule (and reward-model) part of SCORES,
                                          which TOKEN_SCORES places on the last token.
 TOKEN_SCORES       FloatTensor[B, R]     SCORES placed on each sequence's last
@@ -121,6 +123,7 @@ ENV_REWARDS = "env_rewards"
 ENV_SCORES = "env_scores"
 ENV_STATS = "env_stats"
 OUTCOME_SCORES = "outcome_scores"
+RULE_SCORES = "rule_scores"
 TOKEN_SCORES = "token_scores"
 TOKEN_REWARDS = "token_rewards"
 ADVANTAGES = "advantages"
@@ -154,6 +157,7 @@ FIELD_SHAPES: Mapping[str, str] = MappingProxyType({
     ENV_SCORES: "FloatTensor[B]",
     ENV_STATS: "list[dict]",
     OUTCOME_SCORES: "FloatTensor[B]",
+    RULE_SCORES: "FloatTensor[B]",
     TOKEN_SCORES: "FloatTensor[B, R]",
     TOKEN_REWARDS: "FloatTensor[B, R]",
     ADVANTAGES: "FloatTensor[B, R]",

@@ -6,7 +6,7 @@ Every reward function has one signature, the one verl's custom rewards use::
 
 It returns one finite number (a bool, int, float or a one-element numpy/torch
 value), or, as verl allows, a dict with the number under ``"score"``; anything
-else stops the run naming what came back (``trainer.rl_steps.score``).
+else stops the run naming what came back (``roles.scoring.score``).
 
 A config names one as a registered name (``"gsm8k"``, ``"arithmetic"``,
 ``"default"``) or as ``"path/to/file.py:function"``, which is loaded with

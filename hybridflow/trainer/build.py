@@ -27,7 +27,8 @@ from hybridflow.workers.rl_workers import (ActorGroup, ActorRolloutRefWorker, Cr
                                            ReferenceGroup, ReferenceWorker, RewardModelGroup, RewardModelWorker,
                                            RolloutGroup, RolloutWorker)
 from hybridflow.workers.apart_sync import ApartWeightSync
-from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, ReferenceWorkerSpec, RolloutWorkerSpec, Run
+from hybridflow.workers.specs import (ActorWorkerSpec, CriticWorkerSpec, ReferenceWorkerSpec, RolloutWorkerSpec,
+                                      RuleReward, Run)
 
 
 def _run(cfg: Config) -> Run:
@@ -38,19 +39,30 @@ def _run(cfg: Config) -> Run:
                rows_in_object_store=ray)
 
 
+def _rule_reward(cfg: Config) -> RuleReward:
+    """reward.function for the generating workers: a registered name goes as the function this process has
+    under it (it may have been registered here only); a "file.py:function" the worker loads by its path."""
+    spec = cfg.reward.function
+    if ":" in spec:
+        return RuleReward(spec)
+    from hybridflow.rewards import get_reward_fn
+
+    return RuleReward(spec, get_reward_fn(spec))
+
+
 def actor_spec(cfg: Config, plan: RunPlan) -> ActorWorkerSpec:
     reference = dataclasses.replace(cfg.reference, parallel=reference_parallel(cfg))
     return ActorWorkerSpec(run=_run(cfg), model=cfg.model, actor=cfg.actor, rollout=cfg.rollout,
                            reference=reference if plan.needs_reference and not plan.reference_apart else None,
                            max_response_length=cfg.data.max_response_length,
                            optimizer_steps=plan.optimizer_steps["actor"], layout=plan.layouts["training"],
-                           generates=not plan.rollout_apart, env=cfg.env)
+                           generates=not plan.rollout_apart, env=cfg.env, reward=_rule_reward(cfg))
 
 
 def rollout_spec(cfg: Config, plan: RunPlan) -> RolloutWorkerSpec:
     return RolloutWorkerSpec(run=_run(cfg), model=cfg.model, rollout=cfg.rollout,
                              max_response_length=cfg.data.max_response_length,
-                             train_layout=plan.layouts["training"], env=cfg.env)
+                             train_layout=plan.layouts["training"], env=cfg.env, reward=_rule_reward(cfg))
 
 
 def reference_spec(cfg: Config, plan: RunPlan) -> ReferenceWorkerSpec:

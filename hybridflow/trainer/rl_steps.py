@@ -1,18 +1,15 @@
 """The stages of one RL iteration as small functions on a batch dict (fields in `data.fields`).
 
-[greedy baseline] -> score -> [reference log-probs] -> old log-probs -> [values]; what reads the token
+[greedy baseline] -> [reward model] -> [reference log-probs] -> old log-probs -> [values]; what reads the token
 tensors (scores on the last token, [KL in reward], advantages, the token figures) runs where the rows are,
-`roles.preparation`; the rollout batch itself is assembled by `roles.rollout`. What stays here reads one
-number a row (scores, lengths, group ids) or the texts;
+`roles.preparation`; the rollout batch itself is assembled by `roles.rollout`, which scores it with the
+rule reward (`roles.scoring`). What stays here reads one number a row (scores, lengths, group ids);
 the trainer picks which stages run when it is built (rule 7, docs/conventions.md), so none
 of these branch on the config.
 """
 from __future__ import annotations
 
-import inspect
-import math
-import numbers
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -20,44 +17,8 @@ from torch import Tensor
 from hybridflow.algos import group_stats
 from hybridflow.algos.advantages import group_index
 from hybridflow.data import fields as F
-from hybridflow.common import shown_value
 
 Batch = dict[str, Any]
-
-
-class RewardValueError(TypeError):
-    """A reward function returned something that is not a finite number; the message names the function."""
-
-
-def score(batch: Batch, reward_fn: Callable) -> Tensor:
-    """SCORES [B] from the rule-based reward of each decoded response."""
-    return torch.tensor([_reward_value(reward_fn(src, text, truth, extra), reward_fn)
-                         for src, text, truth, extra in zip(batch[F.DATA_SOURCE], batch[F.RESPONSE_TEXT],
-                                                            batch[F.GROUND_TRUTH], batch[F.EXTRA_INFO])])
-
-
-def _reward_value(value: Any, reward_fn: Callable) -> float:
-    """`value` as a float if it is one finite real number (a bool, int, float, or a 0-d numpy/torch number),
-    or a dict holding one under "score" (as verl's custom rewards may return; the other keys are not used)."""
-    if isinstance(value, dict) and "score" in value:
-        value = value["score"]
-    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
-        value = value.item()
-    elif hasattr(value, "item") and getattr(value, "size", None) == 1:  # a numpy scalar or 1-element array
-        value = value.item()
-    if isinstance(value, numbers.Real) and math.isfinite(value):
-        return float(value)
-    what = "not a finite number" if isinstance(value, numbers.Real) else f"a {type(value).__name__}, not a number"
-    raise RewardValueError(f"returned {shown_value(value)} ({what}): a reward function returns one float per "
-                           f"response, defined at {_where(reward_fn)}")
-
-
-def _where(fn: Callable) -> str:
-    """`file:line` of a function's definition, or its repr when it has no source (a builtin, a partial)."""
-    try:
-        return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
-    except (TypeError, OSError):
-        return repr(fn)
 
 
 def env_scores(batch: Batch) -> Tensor:

@@ -59,6 +59,7 @@ from hybridflow.roles.actor import UPDATE_FIELDS as ACTOR_UPDATE_FIELDS
 from hybridflow.roles.critic import UPDATE_FIELDS as CRITIC_UPDATE_FIELDS
 from hybridflow.roles.critic import VALUE_FIELDS
 from hybridflow.roles.preparation import TokenStage, prepare_tokens
+from hybridflow.roles.scoring import rule_scores
 from hybridflow.roles.rollout import TRAIN
 from hybridflow.rollout import RolloutBackend, hf_named, sync_weights
 from hybridflow.rollout.factory import build_backend
@@ -67,14 +68,20 @@ from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, Referenc
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
+# The per-row lists of a rollout the driver does not read once the rollout has scored them: the texts (a reward
+# model's group fetches them from the store) and what the rule reward read beside them.
+TEXT_FIELDS = (F.PROMPT_TEXT, F.RESPONSE_TEXT, F.DATA_SOURCE, F.GROUND_TRUTH, F.EXTRA_INFO)
+
+
 def token_rows(out: dict[str, Any], run: Run, answers: bool = True) -> dict[str, Any]:
-    """`out` (a worker's per-row answer) with its token tensors ([B, R] and wider) left in the object store
-    as `RowRef`s, when the run keeps them there (`Run.rows_in_object_store`) and this rank's answer is the
-    one the caller gets; the driver reads only what is one number a row (lengths, scores, versions).
-    Without Ray the tensors stay as they are."""
+    """`out` (a worker's per-row answer) with its token tensors ([B, R] and wider) and its texts
+    (`TEXT_FIELDS`) left in the object store as `RowRef`s, when the run keeps them there
+    (`Run.rows_in_object_store`) and this rank's answer is the one the caller gets; the driver reads only
+    what is one number a row (lengths, scores, versions) and the group ids. Without Ray they stay as they are."""
     if not (run.rows_in_object_store and answers):
         return out
-    return {k: remote_rows(v) if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for k, v in out.items()}
+    return {k: remote_rows(v) if (isinstance(v, torch.Tensor) and v.dim() >= 2) or k in TEXT_FIELDS else v
+            for k, v in out.items()}
 
 
 def read_tokenizer(model: ModelConfig) -> Tokenizer:
@@ -147,9 +154,10 @@ class EngineWorker(Worker):
 
 
 class _Generates(Worker):
-    """A worker whose `self.rollout` generates this rank's share of the prompts."""
+    """A worker whose `self.rollout` generates this rank's share of the prompts, scored by `self.reward_fn`."""
 
     rollout: Rollout
+    reward_fn: Any
 
     @register(Dispatch.DP_SPLIT, mesh="generation")
     def generate(self, prompts: dict[str, Any], seed: int, mode: str = TRAIN,
@@ -161,10 +169,12 @@ class _Generates(Worker):
         generation TP group get the same prompts and its TP rank 0 answers, so
         the controller regroups prompts onto generation replicas and the
         responses back into one batch, which the training meshes then split.
-        Its token tensors stay in the object store (`token_rows`): the training
-        groups' workers fetch the rows from there, not from the driver.
+        Each response is scored here with the rule reward (RULE_SCORES, `roles.scoring`),
+        and the token tensors and texts stay in the object store (`token_rows`): the
+        groups that read them next fetch the rows from there, not from the driver.
         """
         out = self.rollout.generate(prompts, seed, mode, pad)
+        out[F.RULE_SCORES] = rule_scores(out, self.reward_fn, self.spec.reward.function)
         return token_rows(out, self.spec.run, self.mesh_coords()["generation"].answers)
 
 
@@ -209,6 +219,7 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
             self.backend = build_backend(spec.rollout, self.generation.model, self.tokenizer, spec.model.path,
                                          seed=spec.run.seed, device=spec.run.device)
             self._push_generation()  # an engine with its own copy starts from placeholder weights
+            self.reward_fn = spec.reward.load()
             self.rollout = Rollout(spec.rollout, spec.max_response_length, self.backend, self.tokenizer, replicas,
                                    env=spec.env)
 
@@ -374,6 +385,7 @@ class RolloutWorker(_Generates):
         self.register_replica("generation", self.rank // tg, world // tg, self.rank % tg == 0)
         self.backend: RolloutBackend = build_backend(spec.rollout, self.model, self.tokenizer, spec.model.path,
                                                      seed=spec.run.seed, device=spec.run.device)
+        self.reward_fn = spec.reward.load()
         self.rollout = Rollout(spec.rollout, spec.max_response_length, self.backend, self.tokenizer, world // tg,
                                env=spec.env)
         self.weight_sync: Optional[SyncWorld] = None

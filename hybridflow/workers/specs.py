@@ -9,7 +9,7 @@ critic's mini-batch in responses) are computed once in the run plan
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from hybridflow.config.schema import (ActorConfig, CriticConfig, EnvConfig, ModelConfig, ReferenceConfig,
                                       RolloutConfig)
@@ -33,6 +33,21 @@ class Run:
 
 
 @dataclass(frozen=True)
+class RuleReward:
+    """reward.function, which a generating worker scores each response with (`roles.scoring`). `fn`: the
+    function the trainer resolved, passed along where the worker could not find it by the name (one
+    registered in the driver's process by `register_reward`); a "file.py:function" the worker loads itself."""
+
+    function: str = "default"
+    fn: Optional[Callable] = None
+
+    def load(self) -> Callable:
+        from hybridflow.rewards import get_reward_fn
+
+        return self.fn if self.fn is not None else get_reward_fn(self.function)
+
+
+@dataclass(frozen=True)
 class ActorWorkerSpec:
     """The actor, its rollout and (when KL is used) the reference, in one process."""
 
@@ -46,6 +61,7 @@ class ActorWorkerSpec:
     layout: ParallelDims  # the actor's (and reference's) p-t-d layout over the group: the engines' own
     generates: bool = True  # False when a rollout group apart generates: no generation weights here
     env: EnvConfig = field(default_factory=EnvConfig)  # a multi-turn rollout's environment (none: single-turn)
+    reward: RuleReward = field(default_factory=RuleReward)  # the rule reward, scored where a rollout is made
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,7 @@ class RolloutWorkerSpec:
     rollout: RolloutConfig
     max_response_length: int
     train_layout: ParallelDims  # the actor's layout, whose shards it receives (and whose padded vocabulary)
+    reward: RuleReward = field(default_factory=RuleReward)
     env: EnvConfig = field(default_factory=EnvConfig)
 
 

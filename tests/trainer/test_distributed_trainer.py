@@ -222,7 +222,8 @@ def test_no_token_tensor_of_a_ray_step_passes_the_driver(tmp_path):
     """The data plane: under Ray every token tensor ([B, R] and wider) of a PPO step stays in the object
     store: the rollout's, the old and reference log-probs, the values, and the token rewards and advantages
     the actor's rank 0 makes from them (KL in the reward included). The driver holds references and one
-    number a row: what it received while preparing the step is RESPONSE_LENGTH alone (8 bytes a row).
+    number a row: what it received while preparing the step is RESPONSE_LENGTH and the rule reward's
+    RULE_SCORES, which the rollout scored (12 bytes a row). The texts stay in the store too.
     Fetched back, the advantages are what the token stage gives on those rows in this process (the same
     function on the same rows; another process with its own thread count, hence assert_close)."""
     from hybridflow.controller.transfer import fetch_remote_rows, is_remote_rows
@@ -236,10 +237,10 @@ def test_no_token_tensor_of_a_ray_step_passes_the_driver(tmp_path):
         coef, received = trainer.kl_ctrl.value, trainer.received_bytes()
         batch, metrics, _ = trainer.prepare(1)
         rows = len(batch[F.UID])
-        assert trainer.received_bytes() - received == 8 * rows
+        assert trainer.received_bytes() - received == (8 + 4) * rows
         left = {name for name, value in batch.items() if is_remote_rows(value)}
         assert {F.INPUT_IDS, F.RESPONSES, F.RESPONSE_MASK, F.OLD_LOG_PROBS, F.REF_LOG_PROBS, F.VALUES,
-                F.TOKEN_REWARDS, F.ADVANTAGES, F.RETURNS} <= left
+                F.TOKEN_REWARDS, F.ADVANTAGES, F.RETURNS, F.RESPONSE_TEXT, F.PROMPT_TEXT, F.GROUND_TRUTH} <= left
         assert all(value.dim() == 1 for value in batch.values() if torch.is_tensor(value))
         fetched = fetch_remote_rows(batch)
         want, figures = prepare_tokens(fetched, trainer.token_stage, coef)
@@ -249,6 +250,34 @@ def test_no_token_tensor_of_a_ray_step_passes_the_driver(tmp_path):
         assert metrics["batch/tokens"] == figures["batch/tokens"]
     finally:
         trainer.shutdown()
+
+
+def test_a_reward_registered_in_the_driver_scores_in_the_ray_workers_and_its_failure_is_one_line(tmp_path):
+    """The rule reward runs where the rollout is made. A function registered by name in the driver's process
+    only (here a local function the workers cannot import) reaches them with the spec; raising there, it
+    stops the run with the driver-side line: the function's name, the error and its line, no traceback."""
+    import inspect
+
+    from hybridflow.rewards import register_reward
+    from hybridflow.trainer.trainer import TrainingError
+
+    def failing(data_source, solution_str, ground_truth, extra_info=None):
+        return len(solution_str) / 0.0
+
+    name = "test_distributed_failing_reward"
+    register_reward(name)(failing)
+    line = inspect.getsourcelines(failing)[1] + 1
+    cfg = in_repo(load_config(ROOT / "configs" / "tiny-grpo.yaml", [
+        f"trainer.output_dir={tmp_path}", "trainer.n_devices=2", "trainer.launcher=ray", "data.val_files=[]",
+        f"reward.function={name}"]))
+    trainer = RLTrainer(cfg)
+    try:
+        with pytest.raises(TrainingError) as caught:
+            trainer.train_step(1)
+    finally:
+        trainer.shutdown()
+    assert str(caught.value) == (f"reward.function {name!r} raised ZeroDivisionError: float division by zero "
+                                 f"(at {__file__}:{line})")
 
 
 def test_torchrun_over_two_nodes_on_loopback_matches_the_single_process_run(tmp_path, single):

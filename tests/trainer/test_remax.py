@@ -10,6 +10,7 @@ from hybridflow.config.loader import load_config
 from hybridflow.data import fields as F
 from hybridflow.roles.rollout import BASELINE, VALIDATION
 from hybridflow.trainer import read_metrics
+from hybridflow.roles.scoring import score
 from hybridflow.trainer import rl_steps
 from hybridflow.trainer.trainer import RLTrainer
 
@@ -44,7 +45,7 @@ def test_the_baseline_is_the_greedy_responses_score_and_the_advantage_subtracts_
     greedy = trainer.rollout(prompts, seed, BASELINE)
     assert torch.equal(greedy[F.RESPONSES], trainer.rollout(prompts, seed, VALIDATION)[F.RESPONSES])  # T = 0
     assert greedy[F.INDEX] == prompts[F.INDEX] and len(greedy[F.INDEX]) == 8  # one greedy response a prompt
-    want = rl_steps.score(greedy, trainer.reward_fn)
+    want = score(greedy, trainer.reward_fn)
     assert torch.equal(batch[F.BASELINE_SCORES], want.repeat_interleave(n))
     assert batch[F.INDEX] == [i for i in prompts[F.INDEX] for _ in range(n)]  # row r belongs to prompt r // n
 

@@ -246,7 +246,7 @@ def test_async_preparation_equals_sync_and_overlaps(tmp_path):
 def test_reward_model_combined_with_rule_reward(tmp_path):
     """reward.model_path: SCORES = rule_weight * rule + model_weight * reward-model score."""
     from hybridflow.data import fields as F
-    from hybridflow.trainer import rl_steps
+    from hybridflow.roles.scoring import score
     from hybridflow.utils import load_hf_model
 
     rm_path = ROOT / "hybridflow/assets/tiny_reward_model"
@@ -254,7 +254,8 @@ def test_reward_model_combined_with_rule_reward(tmp_path):
                          "reward.model_weight=0.5"))
     trainer = RLTrainer(cfg)
     batch, _, _ = trainer.prepare(1)
-    rule = rl_steps.score(batch, trainer.reward_fn)
+    rule = score(batch, trainer.reward_fn)
+    assert torch.equal(batch[F.RULE_SCORES], rule)  # scored by the rollout, where the batch is made
     model = load_hf_model(rm_path).score(list(zip(batch[F.PROMPT_TEXT], batch[F.RESPONSE_TEXT])))
     torch.testing.assert_close(batch[F.SCORES], 2.0 * rule + 0.5 * torch.tensor(model), atol=1e-5, rtol=1e-5)
     assert trainer.train_step(2)["actor/grad_norm"] > 0
@@ -480,16 +481,16 @@ def test_reward_values_a_user_function_may_return():
     import numpy as np
 
     from hybridflow.data import fields as F
-    from hybridflow.trainer import rl_steps
+    from hybridflow.roles import scoring
 
     batch = {F.DATA_SOURCE: ["a"] * 5, F.RESPONSE_TEXT: ["x"] * 5, F.GROUND_TRUTH: ["1"] * 5,
              F.EXTRA_INFO: [{}] * 5}
     values = iter([True, 2, np.float32(0.5), torch.tensor(-1.5), {"score": 0.25, "acc": True}])
-    assert rl_steps.score(batch, lambda *a: next(values)).tolist() == [1.0, 2.0, 0.5, -1.5, 0.25]
+    assert scoring.score(batch, lambda *a: next(values)).tolist() == [1.0, 2.0, 0.5, -1.5, 0.25]
     for bad, shown in ((float("inf"), "inf (not a finite number)"), (None, "None (a NoneType, not a number)"),
                        (torch.ones(2), "(a Tensor, not a number)"), ("1", "'1' (a str, not a number)")):
-        with pytest.raises(rl_steps.RewardValueError, match=re.escape(shown)):
-            rl_steps.score(batch, lambda *a, bad=bad: bad)
+        with pytest.raises(scoring.RewardValueError, match=re.escape(shown)):
+            scoring.score(batch, lambda *a, bad=bad: bad)
 
 
 def test_uniform_rows_are_the_groups_without_signal_and_above_a_floor():
