@@ -311,6 +311,11 @@ class TrainerConfig:
     # (in this process; or this rank's share under torchrun), "auto" (Ray when
     # n_devices > 1 or ray_address is set, else local).
     launcher: Literal["auto", "ray", "local"] = "auto"
+    # How a Ray run's token tensors and texts travel between worker groups: "object_store" (each worker leaves
+    # them in Ray's object store; the driver passes references and one number a row) or "driver" (through
+    # the driver, as verl's controller moves them). Both give the same numbers; `hybridflow bench data_plane`
+    # measures the bytes and the step time of each.
+    data_plane: Literal["object_store", "driver"] = "object_store"
     # Overlap of rollout and update, with the rollout placed apart (placement.rollout off placement.training):
     # "sync" (lock step), "one_step" (batch t+1 generates with the weights of before update t while update t
     # runs), "async" (the rollout group generates up to max_staleness versions ahead; weights are pushed to it

@@ -60,7 +60,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from hybridflow.data.batch import Gathered, concat, pad_rows, row_count, select_fields, split_rows, unpad
+from hybridflow.data.batch import (Gathered, RowsElsewhere, concat, pad_rows, row_count, select_fields, split_rows,
+                                   unpad)
 
 _ATTR = "__hybridflow_dispatch__"
 _MESH_ATTR = "__hybridflow_mesh__"
@@ -187,12 +188,19 @@ def strip_padding(answer: Any, real: Optional[Tensor]) -> Any:
 
 def shipped_bytes(per_rank: PerRank) -> int:
     """The tensor bytes a call's arguments deliver, summed over the ranks (what each rank receives)."""
-    return tensor_bytes(per_rank)
+    return sum(tensor_bytes(rank) for rank in per_rank)
 
 
 def tensor_bytes(value: Any) -> int:
-    """The bytes of every tensor inside `value` (dicts, lists, tuples): what a call's answer brings back."""
-    return sum(leaf.nbytes for leaf in tree_leaves(value) if isinstance(leaf, Tensor))
+    """The bytes of every tensor inside `value` (dicts, lists, tuples): what a call's answer brings back.
+    A field kept elsewhere (`data.batch.RowsElsewhere`) counts its row index, once for the fields sharing it."""
+    total, indexes = 0, {}
+    for leaf in tree_leaves(value):
+        if isinstance(leaf, Tensor):
+            total += leaf.nbytes
+        elif isinstance(leaf, RowsElsewhere):
+            indexes[id(leaf.rows)] = leaf.rows.nbytes
+    return total + sum(indexes.values())
 
 
 def _rows_of(value: Any) -> int:

@@ -25,16 +25,16 @@ through the object store, not the driver:
     def load(self, handle):
         self.model.load_state_dict(handle.get())
 
-Rows left in the object store (`remote_rows`), for batch fields the driver
-never reads: a worker returns a tensor field (or a list field, such as the
-texts) as a tuple of `RowRef`s (one object-store reference per value, shared,
-and a row index each), which
-every batch operation on the driver treats as a per-row field like any
-tuple (select, cut, join, pad), at tens of bytes a row. A worker that
-receives such a tuple in a call gets the tensor back (`unpack`: each
-referenced tensor fetched once, from the process that put it, and its rows
-taken in order), so the rows travel from one worker group to another
-without passing the driver.
+Rows left in the object store (`remote_fields`, `remote_rows`), for batch
+fields the driver never reads: a worker puts its answer's tensor fields (or
+list fields, such as the texts) into the store as one object and returns
+each field as a `RowsElsewhere` (`data.batch`: the object's reference and a
+row index, 4 bytes a row, shared by the answer's fields), which every batch
+operation on the driver treats as a per-row field (select, cut, join, pad).
+A worker that receives one in a call gets the values back
+(`fetch_remote_rows`: the referenced objects fetched together, each once,
+from the process that put them, and the rows taken in order), so the rows
+travel from one worker group to another without passing the driver.
 
 Under Ray, `ObjectHandle(value)` puts the value into the object store once, in
 the process that creates it (which then owns it); the handle carries only the
@@ -48,6 +48,8 @@ from __future__ import annotations
 import sys
 import warnings
 from typing import Any
+
+from hybridflow.data.batch import Rows, RowsElsewhere
 
 
 def _ray_running() -> bool:
@@ -119,63 +121,92 @@ def unpack(value: Any) -> Any:
     return value
 
 
-class RowRef:
-    """Row `row` of a tensor left in the object store (`remote_rows`); `ref` is shared by its rows."""
-
-    __slots__ = ("ref", "row")
-
-    def __init__(self, ref, row: int):
-        self.ref, self.row = ref, row
-
-    def __reduce__(self):
-        return RowRef, (self.ref, self.row)
-
-
-def remote_rows(rows) -> Any:
-    """A tensor [B, ...] or a list of B items (texts) put into the object store once, as B `RowRef`s; the
-    value itself without Ray."""
+def remote_rows(value) -> Any:
+    """A tensor [B, ...] or a list of B items (texts) put into the object store once, as a `RowsElsewhere`;
+    the value itself without Ray."""
     if not _ray_running():
-        return rows
+        return value
     import ray
 
-    ref = ray.put(pack(rows))
-    return tuple(RowRef(ref, i) for i in range(len(rows)))
+    return RowsElsewhere(_rows_of_one(ray.put(pack(value)), len(value)))
+
+
+def remote_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """Per-row fields (tensors [B, ...], lists of B) put into the object store as *one* object, each field a
+    `RowsElsewhere` naming it, all sharing one `Rows`: one put for a worker's whole answer, one fetch for a
+    receiver, and one row index on the driver for all of them (a put or a get costs about a millisecond
+    whatever its size, and a reference per row and field cost more than the rows of a small batch). The
+    fields themselves without Ray."""
+    if not fields or not _ray_running():
+        return fields
+    import ray
+
+    rows = _rows_of_one(ray.put(pack(fields)), len(next(iter(fields.values()))))
+    return {name: RowsElsewhere(rows, name) for name in fields}
+
+
+def _rows_of_one(ref, count: int) -> Rows:
+    import torch
+
+    return Rows((ref,), (count,), torch.arange(count, dtype=torch.int32))
 
 
 def is_remote_rows(value: Any) -> bool:
-    return type(value) is tuple and bool(value) and all(type(v) is RowRef for v in value)
+    return isinstance(value, RowsElsewhere)
 
 
 def fetch_remote_rows(value: Any) -> Any:
-    """`value` (a worker's call arguments, unpacked) with every tuple of `RowRef`s replaced by its tensor."""
-    if is_remote_rows(value):
-        return fetch_rows(value)
+    """`value` (a worker's call arguments, unpacked) with every `RowsElsewhere` replaced by its tensor (or
+    list): the objects they reference fetched together, each once."""
+    refs: dict[Any, None] = {}
+    _collect_sources(value, refs)
+    if not refs:
+        return value
+    import ray
+
+    names = list(refs)
+    objects = dict(zip(names, unpack_results(ray.get(names))))
+    return _replace_rows(value, objects)
+
+
+def fetch_rows(rows: RowsElsewhere) -> Any:
+    """The tensor (or list) `rows` stands for, in its order."""
+    return fetch_remote_rows(rows)
+
+
+def _collect_sources(value: Any, refs: dict) -> None:
+    if isinstance(value, RowsElsewhere):
+        refs.update(dict.fromkeys(value.rows.sources))
+    elif type(value) is dict:
+        for v in value.values():
+            _collect_sources(v, refs)
+    elif type(value) in (list, tuple):
+        for v in value:
+            _collect_sources(v, refs)
+
+
+def _replace_rows(value: Any, objects: dict) -> Any:
+    if isinstance(value, RowsElsewhere):
+        return _values_of(value, objects)
     if type(value) is dict:
-        return {k: fetch_remote_rows(v) for k, v in value.items()}
+        return {k: _replace_rows(v, objects) for k, v in value.items()}
     if type(value) in (list, tuple):
-        return type(value)(fetch_remote_rows(v) for v in value)
+        return type(value)(_replace_rows(v, objects) for v in value)
     return value
 
 
-def fetch_rows(rows: tuple) -> Any:
-    """The tensor (or list) of `RowRef`s `rows`, in their order: each referenced value fetched once."""
-    import ray
+def _values_of(field: RowsElsewhere, objects: dict) -> Any:
+    """The rows `field` names, in its order, out of the fetched `objects` (read-only views of the store: the
+    gather below copies them into a tensor of its own)."""
     import torch
 
-    refs = list({r.ref.hex(): r.ref for r in rows}.items())
-    tensors = {key: unpack_results([t])[0] for (key, _), t in zip(refs, ray.get([ref for _, ref in refs]))}
-    first = tensors[rows[0].ref.hex()]  # read-only views of the store: copied into `out` below
-    if isinstance(first, list):
-        return [tensors[r.ref.hex()][r.row] for r in rows]
-    out = first.new_empty((len(rows), *first.shape[1:]))
-    by_ref: dict[str, tuple[list[int], list[int]]] = {}
-    for position, r in enumerate(rows):
-        slots, picks = by_ref.setdefault(r.ref.hex(), ([], []))
-        slots.append(position)
-        picks.append(r.row)
-    for key, (slots, picks) in by_ref.items():
-        out[torch.tensor(slots)] = tensors[key][torch.tensor(picks)]
-    return out
+    parts = [objects[s] if field.field is None else objects[s][field.field] for s in field.rows.sources]
+    index = field.rows.index.long()
+    if isinstance(parts[0], list):
+        flat = [item for part in parts for item in part]
+        return [flat[i] for i in index.tolist()]
+    whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return whole[index]
 
 
 def unpack_results(parts: list) -> list:

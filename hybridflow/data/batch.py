@@ -24,18 +24,86 @@ from torch import Tensor
 from hybridflow.data import fields as F
 
 
+class Rows:
+    """Which rows, of values kept elsewhere (another process, Ray's object store): `sources` are opaque,
+    hashable handles whose owner resolves them (`controller.transfer`), holding `counts` rows each; `index`
+    [n] names each row by its position in the sources' rows laid end to end. The fields of one answer share
+    one `Rows`, and every row operation here keeps them sharing it (one index for all of them)."""
+
+    __slots__ = ("sources", "counts", "index")
+
+    def __init__(self, sources: tuple, counts: tuple, index: Tensor):
+        self.sources, self.counts, self.index = sources, counts, index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def nbytes(self) -> int:
+        return self.index.nbytes
+
+    def take(self, index: Tensor) -> "Rows":
+        return Rows(self.sources, self.counts, self.index[index])
+
+    @staticmethod
+    def join(parts: Sequence["Rows"]) -> "Rows":
+        """The rows of `parts` one after another, over their sources (each kept once)."""
+        sources, counts, where = [], [], {}
+        for part in parts:
+            for source, count in zip(part.sources, part.counts):
+                if source not in where:
+                    where[source] = sum(counts)
+                    sources.append(source)
+                    counts.append(count)
+        index = []
+        for part in parts:  # each part's position -> the joined position
+            starts = torch.tensor([0, *part.counts]).cumsum(0)[:-1]
+            shift = torch.tensor([where[s] for s in part.sources]) - starts
+            owner = torch.bucketize(part.index.long(), starts[1:], right=True)
+            index.append((part.index.long() + shift[owner]).to(part.index.dtype))
+        return Rows(tuple(sources), tuple(counts), torch.cat(index) if index else torch.zeros(0, dtype=torch.int32))
+
+    def __reduce__(self):
+        return Rows, (self.sources, self.counts, self.index)
+
+
+class RowsElsewhere:
+    """A per-row field whose values are kept elsewhere: field `field` of `rows`' sources (None: each source is
+    the value itself). Row operations treat it as any per-row field; a worker receiving one gets the
+    values (`controller.transfer.fetch_remote_rows`)."""
+
+    __slots__ = ("rows", "field")
+
+    def __init__(self, rows: Rows, field: Optional[str] = None):
+        self.rows, self.field = rows, field
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __reduce__(self):
+        return RowsElsewhere, (self.rows, self.field)
+
+
+def _shared(value: Any, memo: dict, op) -> Any:
+    """`op` applied to a field's rows once per shared `Rows` (the fields of one answer stay sharing one)."""
+    key = id(value.rows)
+    if key not in memo:
+        memo[key] = (value.rows, op(value.rows))  # the input kept alive: its id is not reused meanwhile
+    return RowsElsewhere(memo[key][1], value.field)
+
+
 def row_count(batch: Any) -> int:
     """Rows in a batch; every field of a dict batch must have the same count."""
     if isinstance(batch, Tensor):
         if batch.dim() == 0:
             raise ValueError("a 0-d tensor has no rows")
         return batch.shape[0]
-    if isinstance(batch, (list, tuple)):
+    if isinstance(batch, (list, tuple, RowsElsewhere)):
         return len(batch)
     if isinstance(batch, dict):
         if not batch:
             raise ValueError("an empty batch dict has no rows")
-        sizes = {key: row_count(value) if isinstance(value, (Tensor, list, tuple)) else None
+        sizes = {key: row_count(value) if isinstance(value, (Tensor, list, tuple, RowsElsewhere)) else None
                  for key, value in batch.items()}
         bad = [key for key, size in sizes.items() if size is None]
         if bad:
@@ -57,10 +125,13 @@ def tensor_fields(batch: dict[str, Any]) -> dict[str, Tensor]:
     return {k: v for k, v in batch.items() if isinstance(v, Tensor)}
 
 
-def slice_rows(batch: Any, start: int, stop: int) -> Any:
+def slice_rows(batch: Any, start: int, stop: int, _memo: Optional[dict] = None) -> Any:
     """Rows [start, stop) of a batch (views of its tensors)."""
     if isinstance(batch, dict):
-        return {key: slice_rows(value, start, stop) for key, value in batch.items()}
+        memo: dict = {}
+        return {key: slice_rows(value, start, stop, memo) for key, value in batch.items()}
+    if isinstance(batch, RowsElsewhere):
+        return _shared(batch, {} if _memo is None else _memo, lambda rows: rows.take(slice(start, stop)))
     return batch[start:stop]
 
 
@@ -70,7 +141,11 @@ def take_rows(batch: Any, index: Tensor | Sequence[int]) -> Any:
     if index.dtype == torch.bool:
         index = index.nonzero().flatten()
     if isinstance(batch, dict):
-        return {key: take_rows(value, index) for key, value in batch.items()}
+        memo: dict = {}
+        return {key: _shared(value, memo, lambda rows: rows.take(index)) if isinstance(value, RowsElsewhere)
+                else take_rows(value, index) for key, value in batch.items()}
+    if isinstance(batch, RowsElsewhere):
+        return RowsElsewhere(batch.rows.take(index), batch.field)
     if isinstance(batch, Tensor):
         return batch[index.to(batch.device)]
     items = [batch[int(i)] for i in index]
@@ -131,7 +206,11 @@ def concat(parts: Sequence[Any], name: str = "part") -> Any:
             if not isinstance(part, dict) or list(part) != keys:
                 got = list(part) if isinstance(part, dict) else type(part).__name__
                 raise ValueError(f"{name} {i} returned {got}, {name} 0 returned keys {keys}")
-        return {key: concat([part[key] for part in parts], name) for key in keys}
+        memo: dict = {}
+        return {key: _joined([part[key] for part in parts], memo) if isinstance(first[key], RowsElsewhere)
+                else concat([part[key] for part in parts], name) for key in keys}
+    if all(isinstance(p, RowsElsewhere) for p in parts):
+        return _joined(parts, {})
     if all(isinstance(p, Tensor) and p.dim() > 0 for p in parts):
         return torch.cat(list(parts))
     if all(isinstance(p, list) for p in parts):
@@ -141,6 +220,16 @@ def concat(parts: Sequence[Any], name: str = "part") -> Any:
     if all(p is None for p in parts):
         return None
     return Gathered(parts)
+
+
+def _joined(parts: Sequence[Any], memo: dict) -> Any:
+    """RowsElsewhere parts joined (the fields that shared `Rows` in every part share the joined one)."""
+    if not all(isinstance(p, RowsElsewhere) and p.field == parts[0].field for p in parts):
+        raise ValueError("a field kept elsewhere in one part is not in another")
+    key = tuple(id(p.rows) for p in parts)
+    if key not in memo:
+        memo[key] = ([p.rows for p in parts], Rows.join([p.rows for p in parts]))
+    return RowsElsewhere(memo[key][1], parts[0].field)
 
 
 def pad_rows(batch: Any, multiple: int) -> tuple[Any, Tensor]:

@@ -36,7 +36,7 @@ def _run(cfg: Config) -> Run:
     # Token tensors stay in the object store where the workers are Ray actors (in-process, there is no trip).
     ray = uses_ray(cfg)
     return Run(device=cfg.trainer.device, seed=cfg.trainer.seed, processes=cfg.trainer.n_devices if ray else 1,
-               rows_in_object_store=ray)
+               rows_in_object_store=ray and cfg.trainer.data_plane == "object_store")
 
 
 def _rule_reward(cfg: Config) -> RuleReward:

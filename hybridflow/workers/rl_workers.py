@@ -34,7 +34,7 @@ import torch
 from hybridflow.config.schema import FSDPConfig, ModelConfig, OptimConfig, ParallelConfig, RewardConfig
 from hybridflow.controller.dispatch import Dispatch, register
 from hybridflow.controller.group import RoleGroup, remote
-from hybridflow.controller.transfer import remote_rows
+from hybridflow.controller.transfer import remote_fields
 from hybridflow.controller.worker import Worker
 from hybridflow.data import fields as F
 from hybridflow.data.tokenizer import Tokenizer
@@ -75,13 +75,14 @@ TEXT_FIELDS = (F.PROMPT_TEXT, F.RESPONSE_TEXT, F.DATA_SOURCE, F.GROUND_TRUTH, F.
 
 def token_rows(out: dict[str, Any], run: Run, answers: bool = True) -> dict[str, Any]:
     """`out` (a worker's per-row answer) with its token tensors ([B, R] and wider) and its texts
-    (`TEXT_FIELDS`) left in the object store as `RowRef`s, when the run keeps them there
-    (`Run.rows_in_object_store`) and this rank's answer is the one the caller gets; the driver reads only
-    what is one number a row (lengths, scores, versions) and the group ids. Without Ray they stay as they are."""
+    (`TEXT_FIELDS`) left in the object store, one object for them all (each a `RowsElsewhere`), when the run
+    keeps them there (`Run.rows_in_object_store`) and this rank's answer is the one the caller gets; the
+    driver reads only what is one number a row (lengths, scores, versions) and the group ids. Without Ray
+    they stay as they are."""
     if not (run.rows_in_object_store and answers):
         return out
-    return {k: remote_rows(v) if (isinstance(v, torch.Tensor) and v.dim() >= 2) or k in TEXT_FIELDS else v
-            for k, v in out.items()}
+    left = {k: v for k, v in out.items() if (isinstance(v, torch.Tensor) and v.dim() >= 2) or k in TEXT_FIELDS}
+    return {**out, **remote_fields(left)}  # the fields' order kept
 
 
 def read_tokenizer(model: ModelConfig) -> Tokenizer:

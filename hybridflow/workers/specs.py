@@ -25,10 +25,9 @@ class Run:
     # Processes the run starts on the machine's cores (under Ray every device index is one; groups apart
     # each have their own): a CPU worker's torch threads are its share of them (`prepare_process`).
     processes: int = 1
-    # The token plane (Ray runs only): a worker leaves the token tensors ([B, R] and wider) of what it returns
-    # in the object store, and the driver passes references (`controller.transfer.remote_rows`); the workers
-    # that read the rows next fetch them from there. False sends them through the driver, as before
-    # (benchmarks/bench_data_plane.py runs both).
+    # trainer.data_plane "object_store" in a Ray run: a worker leaves the token tensors ([B, R] and wider) and
+    # texts of what it returns in the object store, and the driver passes references
+    # (`controller.transfer.remote_fields`); the workers that read the rows next fetch them from there.
     rows_in_object_store: bool = False
 
 

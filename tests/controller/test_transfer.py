@@ -34,21 +34,21 @@ def test_rows_left_in_the_object_store_reach_another_group_in_any_order_without_
     """A group's answer holds references to its rows (tens of bytes a row, no tensor bytes on the driver);
     the driver shuffles, pads and splits them like any per-row field, and the other group's workers get
     exactly those rows as tensors."""
-    from hybridflow.controller.transfer import RowRef
-    from hybridflow.data.batch import take_rows
+    from hybridflow.data.batch import RowsElsewhere, take_rows
 
     source = RayWorkerGroup(RowSource, ResourcePool([0, 1], "cpu"))
     sink = RayWorkerGroup(Receiver, ResourcePool([1, 0], "cpu"))
     try:
         batch = source.call(RowSource.make, torch.arange(8))
-        assert source.received_bytes == 8 * 2 * 8  # the mask only: the ids stayed in the object store
-        assert type(batch["ids"]) is tuple and all(type(r) is RowRef for r in batch["ids"])
+        # the mask, and each rank's row index of the ids (4 bytes a row): the ids stayed in the object store
+        assert source.received_bytes == 8 * 2 * 8 + 8 * 4
+        assert isinstance(batch["ids"], RowsElsewhere) and len(batch["ids"]) == 8
         assert len(pickle.dumps(batch["ids"])) < 8 * 256 * 8 / 4  # references: far below the rows' bytes
         order = torch.tensor([5, 0, 7, 2, 6, 1, 3])  # 7 rows over 2 ranks: padded to 8 by the call
         out = sink.call(Receiver.rows_back, take_rows(batch, order))
         want = order.view(-1, 1) * 1000 + torch.arange(256).view(1, -1)
         assert torch.equal(out["ids"], want)
-        assert sink.shipped_bytes == 8 * 2 * 8  # the mask (padded to 8 rows); the ids went as references
+        assert sink.shipped_bytes == 8 * 2 * 8 + 8 * 4  # the mask (padded to 8 rows), the ids' row index
         assert all(pid != os.getpid() for pid in out["pid"])
     finally:
         source.shutdown()

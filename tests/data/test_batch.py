@@ -81,3 +81,33 @@ def test_a_replica_receives_only_its_rows_and_pads_with_masked_copies():
     assert pad[F.RESPONSE_MASK].sum() == 0 and pad[F.ADVANTAGES].abs().sum() == 0
     lone, lone_steps = rows_for_plan(batch, [torch.tensor([-1])])  # only padding: one row to mask
     assert row_count(lone) == 1 and mini_batch_rows(lone, lone_steps[0])[F.RESPONSE_MASK].sum() == 0
+
+
+def test_fields_kept_elsewhere_go_through_every_row_operation_as_their_values_would():
+    """A RowsElsewhere field (its values in another process) selected, cut, joined and padded names exactly
+    the rows the same operations pick from the values themselves; the fields of one answer keep sharing one
+    row index through them (one index for all on the wire)."""
+    from hybridflow.data.batch import Rows, RowsElsewhere, pad_rows, repeat_rows, split_rows, take_rows
+
+    values = {"a": torch.arange(5) * 10, "b": torch.arange(7) * 10 + 1000}  # two sources' rows
+    stores = {"a": {"x": values["a"], "y": values["a"] + 1}, "b": {"x": values["b"], "y": values["b"] + 1}}
+
+    def answer(source: str) -> dict:
+        rows = Rows((source,), (len(values[source]),), torch.arange(len(values[source]), dtype=torch.int32))
+        return {"x": RowsElsewhere(rows, "x"), "y": RowsElsewhere(rows, "y"), "n": values[source] // 10}
+
+    def resolve(field: RowsElsewhere) -> torch.Tensor:
+        whole = torch.cat([stores[s][field.field] for s in field.rows.sources])
+        return whole[field.rows.index.long()]
+
+    joined = concat([answer("a"), answer("b"), answer("a")])
+    assert joined["x"].rows is joined["y"].rows and len(joined["x"]) == 17
+    assert torch.equal(resolve(joined["x"]), torch.cat([values["a"], values["b"], values["a"]]))
+    assert joined["x"].rows.sources == ("a", "b")  # a source is held once however often it is joined
+    order = torch.tensor([16, 3, 9, 0, 11, 5])
+    for batch in (take_rows(joined, order), repeat_rows(take_rows(joined, order), 2),
+                  pad_rows(take_rows(joined, order), 4)[0], *split_rows(take_rows(joined, order), 3)):
+        assert batch["x"].rows is batch["y"].rows
+        assert torch.equal(resolve(batch["x"]) // 10, batch["n"])  # the same rows as the plain field
+        assert torch.equal(resolve(batch["y"]), resolve(batch["x"]) + 1)
+    assert torch.equal(resolve(take_rows(joined["x"], order)), resolve(take_rows(joined, order)["x"]))

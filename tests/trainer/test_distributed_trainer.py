@@ -223,7 +223,9 @@ def test_no_token_tensor_of_a_ray_step_passes_the_driver(tmp_path):
     store: the rollout's, the old and reference log-probs, the values, and the token rewards and advantages
     the actor's rank 0 makes from them (KL in the reward included). The driver holds references and one
     number a row: what it received while preparing the step is RESPONSE_LENGTH and the rule reward's
-    RULE_SCORES, which the rollout scored (12 bytes a row). The texts stay in the store too.
+    RULE_SCORES, which the rollout scored (12 bytes a row), and the row index of each answer whose fields
+    stayed in the store (4 bytes a row, shared by the answer's fields: the rollout's, the log-prob pass's,
+    the values', the token stage's). The texts stay in the store too.
     Fetched back, the advantages are what the token stage gives on those rows in this process (the same
     function on the same rows; another process with its own thread count, hence assert_close)."""
     from hybridflow.controller.transfer import fetch_remote_rows, is_remote_rows
@@ -237,7 +239,7 @@ def test_no_token_tensor_of_a_ray_step_passes_the_driver(tmp_path):
         coef, received = trainer.kl_ctrl.value, trainer.received_bytes()
         batch, metrics, _ = trainer.prepare(1)
         rows = len(batch[F.UID])
-        assert trainer.received_bytes() - received == (8 + 4) * rows
+        assert trainer.received_bytes() - received == (8 + 4) * rows + 4 * (4 * rows)
         left = {name for name, value in batch.items() if is_remote_rows(value)}
         assert {F.INPUT_IDS, F.RESPONSES, F.RESPONSE_MASK, F.OLD_LOG_PROBS, F.REF_LOG_PROBS, F.VALUES,
                 F.TOKEN_REWARDS, F.ADVANTAGES, F.RETURNS, F.RESPONSE_TEXT, F.PROMPT_TEXT, F.GROUND_TRUTH} <= left

@@ -186,7 +186,7 @@ def test_killed_rollout_rank_under_one_step_stops_the_run_naming_it(tmp_path):
     import signal
 
     from hybridflow.controller import WorkerError
-    from hybridflow.controller.transfer import RowRef
+    from hybridflow.data.batch import RowsElsewhere
     from hybridflow.data import fields as F
     from hybridflow.roles.rollout import TRAIN
 
@@ -194,7 +194,7 @@ def test_killed_rollout_rank_under_one_step_stops_the_run_naming_it(tmp_path):
                                 "actor.ppo_mini_batch_size=8"))
     try:
         out = trainer.rollout_group.generate(trainer.prompts(1), 0, TRAIN)  # the stream has submitted nothing yet
-        assert all(type(r) is RowRef for name in (F.ROLLOUT_LOG_PROBS, F.RESPONSE_MASK) for r in out[name])
+        assert all(isinstance(out[name], RowsElsewhere) for name in (F.ROLLOUT_LOG_PROBS, F.RESPONSE_MASK))
         assert torch.is_tensor(out[F.RESPONSE_LENGTH])  # what the driver reads of the tokens: a number a row
         assert "offpolicy/k3_kl" in trainer.train_step(1)  # batch 2 is being generated now
         os.kill(trainer.rollout_group.group.pids()[0], signal.SIGKILL)
