@@ -77,8 +77,9 @@ RULE_SCORES        FloatTensor[B]        the rule-based reward of each response
                                          (reward.function), scored by the rollout.
 OUTCOME_SCORES     FloatTensor[B]        the rule (and reward-model) part of SCORES,
                                          which TOKEN_SCORES places on the last token.
-TOKEN_SCORES       FloatTensor[B, R]     SCORES placed on each sequence's last
-                                         response token, zeros elsewhere.
+TOKEN_SCORES       FloatTensor[B, R]     OUTCOME_SCORES placed on each sequence's
+                                         last response token, plus each ENV_REWARDS
+                                         turn reward where it lands; zeros elsewhere.
 TOKEN_REWARDS      FloatTensor[B, R]     TOKEN_SCORES minus the KL penalty when
                                          KL-in-reward is on (otherwise equal).
 ADVANTAGES         FloatTensor[B, R]     advantage estimate per response token.

@@ -26,8 +26,8 @@ serialises in hybridflow's implementation (`dataflow/off_policy.py`, `trainer/tr
   staged copy) happens every e steps: `sync / e + max(rollout, prep + update + stage / e)`.
   k = 0 is sync's lock step (the schedule is the same), with the staged copy added.
 
-Not modelled: the driver's share between calls (rewards, advantages, Ray's per-call overhead: a few
-milliseconds a call on these machines), chunked generation overlapping preparation within a step
+Not modelled: the driver's share between calls (summing the scores, filtering groups, Ray's per-call
+overhead: a few milliseconds a call on these machines), chunked generation overlapping preparation within a step
 (`dataflow.async_execution`), and `stale_samples: drop` (regenerated batches).
 """
 from __future__ import annotations

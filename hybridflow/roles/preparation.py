@@ -1,8 +1,8 @@
 """The token-level half of preparing an RL batch, run where the rows are (a worker), not on the driver.
 
-The driver scores each response (one number a row, from its text) and
-filters groups; everything that reads a batch's token tensors happens here,
-in one pass over the whole batch:
+The rollout scores each response where it makes it (`roles.scoring`: one
+number a row), the driver sums the scores and filters groups; everything that
+reads a batch's token tensors happens here, in one pass over the whole batch:
 
     scores on the last response token (+ an environment's per-turn rewards)
     -> [KL penalty in the reward] -> advantages and returns

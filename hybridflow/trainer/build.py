@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Union
 
 from hybridflow.checkpoint.format import model_table
@@ -43,8 +44,9 @@ def _rule_reward(cfg: Config) -> RuleReward:
     """reward.function for the generating workers: a registered name goes as the function this process has
     under it (it may have been registered here only); a "file.py:function" the worker loads by its path."""
     spec = cfg.reward.function
-    if ":" in spec:
-        return RuleReward(spec)
+    if ":" in spec:  # the path as the driver resolved it (a worker may run in another directory)
+        path, _, name = spec.rpartition(":")
+        return RuleReward(spec, resolved=f"{Path(path).expanduser().resolve()}:{name}")
     from hybridflow.rewards import get_reward_fn
 
     return RuleReward(spec, get_reward_fn(spec))

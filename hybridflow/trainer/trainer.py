@@ -17,8 +17,10 @@ through the driver); `trainer.off_policy` lets it generate ahead of the update
 (one_step, async within max_staleness; `dataflow/off_policy.py`), each row
 stamped with the weight version that generated it: the actor's ranks keep a
 snapshot of each published version until the rollout has taken it.
-Under Ray no token tensor ([B, R] and wider) or text passes through this
-process: each worker leaves those it returns in the object store, the driver
+Under Ray (trainer.data_plane=object_store) nothing a worker makes, token
+tensors ([B, R] and wider) or texts, passes through this process (only the
+prompts the data loader reads go out from it): each worker leaves those it
+returns in the object store, the driver
 holds references and one number a row (lengths, scores, weight versions, group
 ids), and the workers that read the rows next fetch them
 (`rl_workers.token_rows`). The rollout scores its responses with the rule

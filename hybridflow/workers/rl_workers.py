@@ -175,8 +175,10 @@ class _Generates(Worker):
         groups that read them next fetch the rows from there, not from the driver.
         """
         out = self.rollout.generate(prompts, seed, mode, pad)
+        if not self.mesh_coords()["generation"].answers:  # a TP peer: its answer is dropped, its copy unscored
+            return out
         out[F.RULE_SCORES] = rule_scores(out, self.reward_fn, self.spec.reward.function)
-        return token_rows(out, self.spec.run, self.mesh_coords()["generation"].answers)
+        return token_rows(out, self.spec.run)
 
 
 class ActorRolloutRefWorker(EngineWorker, _Generates):

@@ -33,17 +33,19 @@ class Run:
 
 @dataclass(frozen=True)
 class RuleReward:
-    """reward.function, which a generating worker scores each response with (`roles.scoring`). `fn`: the
-    function the trainer resolved, passed along where the worker could not find it by the name (one
-    registered in the driver's process by `register_reward`); a "file.py:function" the worker loads itself."""
+    """reward.function (as configured: errors name it so), which a generating worker scores each response
+    with (`roles.scoring`). `fn`: the function the trainer found under a registered name, passed along (it
+    may have been registered in the driver's process only, by `register_reward`); `resolved`: a
+    "file.py:function" with the file's absolute path, which the worker loads itself."""
 
     function: str = "default"
     fn: Optional[Callable] = None
+    resolved: Optional[str] = None
 
     def load(self) -> Callable:
         from hybridflow.rewards import get_reward_fn
 
-        return self.fn if self.fn is not None else get_reward_fn(self.function)
+        return self.fn if self.fn is not None else get_reward_fn(self.resolved or self.function)
 
 
 @dataclass(frozen=True)
