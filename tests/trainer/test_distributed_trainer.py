@@ -218,22 +218,41 @@ def test_ppo_with_the_actor_at_dp2_and_the_critic_at_tp2_matches_the_single_proc
     _assert_same_metrics({"one": single("tiny-ppo.yaml")[1], "dp2": records}, (1, 2, 3), rel=1e-5)
 
 
-def test_no_token_tensor_of_a_ray_step_passes_the_driver(tmp_path):
-    """The data plane: under Ray every token tensor ([B, R] and wider) of a PPO step stays in the object
-    store: the rollout's, the old and reference log-probs, the values, and the token rewards and advantages
-    the actor's rank 0 makes from them (KL in the reward included). The driver holds references and one
-    number a row: what it received while preparing the step is RESPONSE_LENGTH and the rule reward's
-    RULE_SCORES, which the rollout scored (12 bytes a row), and the row index of each answer whose fields
-    stayed in the store (4 bytes a row, shared by the answer's fields: the rollout's, the log-prob pass's,
-    the values', the token stage's). The texts stay in the store too.
+def test_no_token_tensor_or_text_of_a_ray_step_passes_the_driver(tmp_path):
+    """The data plane: under Ray every token tensor ([B, R] and wider) and text of a PPO step stays in the
+    object store: the rollout's, the old and reference log-probs, the values, and the token rewards and
+    advantages the actor's rank 0 makes from them (KL in the reward included). The driver holds references
+    and one number a row: what it received while preparing the step is RESPONSE_LENGTH and RULE_SCORES
+    (12 bytes a row) and the row index of each answer whose fields stayed in the store (4 bytes a row,
+    shared by the answer's fields: the rollout's, the log-prob pass's, the values', the token stage's).
     Fetched back, the advantages are what the token stage gives on those rows in this process (the same
-    function on the same rows; another process with its own thread count, hence assert_close)."""
+    function on the same rows; another process with its own thread count, hence assert_close).
+
+    The rule reward scores where the rows are made. Here it is a function registered by name in this
+    process only (a local function the workers cannot import), which reaches them with the spec and scores
+    exactly as it does here; made to raise (it reads a flag file), it stops the next step with the
+    driver-side line: the function's name, the error and its line, no traceback."""
+    import inspect
+    import os
+
     from hybridflow.controller.transfer import fetch_remote_rows, is_remote_rows
     from hybridflow.data import fields as F
+    from hybridflow.rewards import register_reward
     from hybridflow.roles.preparation import prepare_tokens
+    from hybridflow.trainer.trainer import TrainingError
 
+    flag = tmp_path / "fail"
+
+    def reward(data_source, solution_str, ground_truth, extra_info=None):
+        if os.path.exists(flag):
+            return len(solution_str) / 0.0
+        return float(sum(map(ord, solution_str)) % 7)
+
+    name = "test_distributed_reward_of_this_process"
+    register_reward(name)(reward)
     cfg = in_repo(load_config(ROOT / "configs" / "tiny-ppo.yaml", [
-        f"trainer.output_dir={tmp_path}", "trainer.n_devices=2", "trainer.launcher=ray", "data.val_files=[]"]))
+        f"trainer.output_dir={tmp_path}", "trainer.n_devices=2", "trainer.launcher=ray", "data.val_files=[]",
+        f"reward.function={name}"]))
     trainer = RLTrainer(cfg)
     try:
         coef, received = trainer.kl_ctrl.value, trainer.received_bytes()
@@ -245,39 +264,21 @@ def test_no_token_tensor_of_a_ray_step_passes_the_driver(tmp_path):
                 F.TOKEN_REWARDS, F.ADVANTAGES, F.RETURNS, F.RESPONSE_TEXT, F.PROMPT_TEXT, F.GROUND_TRUTH} <= left
         assert all(value.dim() == 1 for value in batch.values() if torch.is_tensor(value))
         fetched = fetch_remote_rows(batch)
+        texts = fetched[F.RESPONSE_TEXT]
+        assert torch.equal(batch[F.RULE_SCORES], torch.tensor([float(sum(map(ord, t)) % 7) for t in texts]))
+        assert len(set(batch[F.RULE_SCORES].tolist())) > 1  # scores that tell rows apart
         want, figures = prepare_tokens(fetched, trainer.token_stage, coef)
-        for name in (F.TOKEN_REWARDS, F.ADVANTAGES, F.RETURNS):
-            torch.testing.assert_close(fetched[name], want[name])
+        for field in (F.TOKEN_REWARDS, F.ADVANTAGES, F.RETURNS):
+            torch.testing.assert_close(fetched[field], want[field])
         assert metrics["actor/kl_in_reward"] == pytest.approx(figures["actor/kl_in_reward"], rel=1e-5, abs=1e-7)
         assert metrics["batch/tokens"] == figures["batch/tokens"]
-    finally:
-        trainer.shutdown()
 
-
-def test_a_reward_registered_in_the_driver_scores_in_the_ray_workers_and_its_failure_is_one_line(tmp_path):
-    """The rule reward runs where the rollout is made. A function registered by name in the driver's process
-    only (here a local function the workers cannot import) reaches them with the spec; raising there, it
-    stops the run with the driver-side line: the function's name, the error and its line, no traceback."""
-    import inspect
-
-    from hybridflow.rewards import register_reward
-    from hybridflow.trainer.trainer import TrainingError
-
-    def failing(data_source, solution_str, ground_truth, extra_info=None):
-        return len(solution_str) / 0.0
-
-    name = "test_distributed_failing_reward"
-    register_reward(name)(failing)
-    line = inspect.getsourcelines(failing)[1] + 1
-    cfg = in_repo(load_config(ROOT / "configs" / "tiny-grpo.yaml", [
-        f"trainer.output_dir={tmp_path}", "trainer.n_devices=2", "trainer.launcher=ray", "data.val_files=[]",
-        f"reward.function={name}"]))
-    trainer = RLTrainer(cfg)
-    try:
+        flag.touch()
         with pytest.raises(TrainingError) as caught:
-            trainer.train_step(1)
+            trainer.train_step(2)
     finally:
         trainer.shutdown()
+    line = inspect.getsourcelines(reward)[1] + 2
     assert str(caught.value) == (f"reward.function {name!r} raised ZeroDivisionError: float division by zero "
                                  f"(at {__file__}:{line})")
 
