@@ -62,8 +62,8 @@ from hybridflow.roles.actor import actor_update_plan
 from hybridflow.roles.critic import critic_update_plan
 from hybridflow.roles.preparation import READS as PREPARATION_READS
 from hybridflow.roles.preparation import TokenStage
-from hybridflow.roles.scoring import RewardError
-from hybridflow.roles.rollout import BASELINE, TRAIN, VALIDATION
+from hybridflow.roles.scoring import RewardError, rule_scores
+from hybridflow.roles.rollout import BASELINE, TRAIN, VALIDATION, row_figures
 from hybridflow.trainer import rl_steps as S
 from hybridflow.checkpoint.format import trainer_state
 from hybridflow.checkpoint.manager import CheckpointManager
@@ -325,7 +325,16 @@ class RLTrainer:
         got = self.stream.next(step, self.version)
         metrics.update({"timing/rollout_s": got.seconds, "timing/rollout_wait_s": got.wait_s,
                         "offpolicy/dropped_batches": float(got.dropped)})
-        return got.output
+        return [chunk if F.RULE_SCORES in chunk else self._scored_here(chunk) for chunk in got.output]
+
+    def _scored_here(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A batch from a checkpoint's rollout buffer saved before the rollout scored its rows (it holds its
+        tensors and texts): scored here, with the per-row figures the driver reads, as the rollout would."""
+        try:
+            batch[F.RULE_SCORES] = rule_scores(batch, self.reward_fn, self.cfg.reward.function)
+        except RewardError as exc:
+            raise TrainingError(str(exc)) from None
+        return row_figures(batch)
 
     def transition(self) -> Metrics:
         """Bring generation up to the trained actor: its own weights, and a separate rollout group's."""

@@ -243,6 +243,19 @@ def test_async_preparation_equals_sync_and_overlaps(tmp_path):
     assert all(r["timing/overlap_s"] == 0 for r in runs["false"][1:])
 
 
+def test_a_rollout_buffer_saved_before_the_rollout_scored_its_rows_is_scored_on_resume(tmp_path):
+    """An off-policy checkpoint written before the rule reward moved into the rollout's worker holds batches
+    without RULE_SCORES or RESPONSE_LENGTH; the trainer scores them as the rollout would have."""
+    from hybridflow.data import fields as F
+
+    trainer = RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path)))
+    made = trainer.rollout(trainer.prompts(1), 0)
+    old = {k: v for k, v in made.items() if k not in (F.RULE_SCORES, F.RESPONSE_LENGTH)}
+    again = trainer._scored_here(old)
+    assert torch.equal(again[F.RULE_SCORES], made[F.RULE_SCORES])
+    assert torch.equal(again[F.RESPONSE_LENGTH], made[F.RESPONSE_LENGTH])
+
+
 def test_reward_model_combined_with_rule_reward(tmp_path):
     """reward.model_path: SCORES = rule_weight * rule + model_weight * reward-model score."""
     from hybridflow.data import fields as F
