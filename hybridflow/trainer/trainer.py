@@ -460,7 +460,7 @@ class RLTrainer:
             real = len(items)  # any count: DP_SPLIT pads for equal shares and strips the answer
             batch = self.rollout(self.val_set.collate(items), self.cfg.trainer.seed, VALIDATION)
             batch[F.SCORES] = self.cfg.reward.rule_weight * batch[F.RULE_SCORES] + S.env_scores(batch)
-            rows.append(batch)
+            rows.append(select_fields(batch, (F.SCORES, F.RESPONSE_LENGTH, F.ENV_STATS)))  # its rows in the store go
             done += real
             if self.is_main:
                 elapsed = time.perf_counter() - started
