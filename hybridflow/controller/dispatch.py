@@ -179,7 +179,16 @@ def strip_padding(answer: Any, real: Optional[Tensor]) -> Any:
     if real is None or isinstance(answer, Gathered):  # one value per rank, not rows
         return answer
     if isinstance(answer, dict):
-        return {k: strip_padding(v, real) for k, v in answer.items()}
+        out, by_rows = {}, {}
+        for key, value in answer.items():
+            rows = -1 if isinstance(value, (dict, Gathered)) else _rows_of(value)
+            if rows > 0 and rows % len(real) == 0:
+                by_rows.setdefault(rows, {})[key] = value
+            else:
+                out[key] = strip_padding(value, real)
+        for rows, fields in by_rows.items():  # one take per row count: fields kept elsewhere keep one index
+            out.update(unpad(fields, real.repeat_interleave(rows // len(real))))
+        return {key: out[key] for key in answer}
     rows = _rows_of(answer)
     if rows <= 0 or rows % len(real):
         return answer

@@ -42,8 +42,9 @@ class Rows:
     def nbytes(self) -> int:
         return self.index.nbytes
 
-    def take(self, index: Tensor) -> "Rows":
-        return Rows(self.sources, self.counts, self.index[index])
+    def take(self, index: Tensor | slice) -> "Rows":
+        picked = self.index[index]  # a slice is a view: copied, so its pickle holds its rows, not the parent's
+        return Rows(self.sources, self.counts, picked.clone() if isinstance(index, slice) else picked)
 
     @staticmethod
     def join(parts: Sequence["Rows"]) -> "Rows":
@@ -206,6 +207,11 @@ def concat(parts: Sequence[Any], name: str = "part") -> Any:
             if not isinstance(part, dict) or list(part) != keys:
                 got = list(part) if isinstance(part, dict) else type(part).__name__
                 raise ValueError(f"{name} {i} returned {got}, {name} 0 returned keys {keys}")
+        for key in keys:
+            elsewhere = [isinstance(part[key], RowsElsewhere) for part in parts]
+            if any(elsewhere) and not all(elsewhere):
+                raise ValueError(f"field {key!r} is kept elsewhere in {name} {elsewhere.index(True)} and not in "
+                                 f"{name} {elsewhere.index(False)}")
         memo: dict = {}
         return {key: _joined([part[key] for part in parts], memo) if isinstance(first[key], RowsElsewhere)
                 else concat([part[key] for part in parts], name) for key in keys}

@@ -111,3 +111,23 @@ def test_fields_kept_elsewhere_go_through_every_row_operation_as_their_values_wo
         assert torch.equal(resolve(batch["x"]) // 10, batch["n"])  # the same rows as the plain field
         assert torch.equal(resolve(batch["y"]), resolve(batch["x"]) + 1)
     assert torch.equal(resolve(take_rows(joined["x"], order)), resolve(take_rows(joined, order)["x"]))
+
+
+def test_a_padded_answer_stripped_keeps_its_fields_sharing_one_index_and_parts_must_agree():
+    """DP_SPLIT strips the rows it padded from an answer field by field; the fields kept elsewhere still share
+    one row index afterwards (counted and sent once). A field kept elsewhere in one part and not in another
+    is an error naming the field."""
+    from hybridflow.controller.dispatch import concat_batches, strip_padding, tensor_bytes
+    from hybridflow.data.batch import Rows, RowsElsewhere
+
+    def answer(source: str) -> dict:
+        rows = Rows((source,), (4,), torch.arange(4, dtype=torch.int32))
+        return {"x": RowsElsewhere(rows, "x"), "y": RowsElsewhere(rows, "y"), "n": torch.arange(4)}
+
+    joined = concat_batches([answer("a"), answer("b")])
+    real = torch.tensor([True] * 7 + [False])
+    out = strip_padding(joined, real)
+    assert out["x"].rows is out["y"].rows and len(out["x"]) == 7 and list(out) == ["x", "y", "n"]
+    assert tensor_bytes(out) == 7 * 4 + 7 * 8  # one index of 7 int32 rows, and "n"
+    with pytest.raises(ValueError, match="field 'x' is kept elsewhere in rank 0 and not in rank 1"):
+        concat_batches([answer("a"), {"x": torch.zeros(4), "y": torch.zeros(4), "n": torch.arange(4)}])
