@@ -116,7 +116,7 @@ class _Host:
 
     def call(self, slot: str, name: str, reply: bool, kw_names: tuple, *values):
         """Run the method; a rank whose result the caller drops (a TP or earlier-stage peer) sends None.
-        Rows another group left in the object store (`transfer.remote_rows`) are fetched here, not on the
+        Rows another group left in the object store (`transfer.remote_fields`) are fetched here, not on the
         driver."""
         try:
             args, kwargs = _split_kw(kw_names, fetch_remote_rows(unpack(values)))

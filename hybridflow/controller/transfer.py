@@ -169,11 +169,6 @@ def fetch_remote_rows(value: Any) -> Any:
     return _replace_rows(value, objects)
 
 
-def fetch_rows(rows: RowsElsewhere) -> Any:
-    """The tensor (or list) `rows` stands for, in its order."""
-    return fetch_remote_rows(rows)
-
-
 def _collect_sources(value: Any, refs: dict) -> None:
     if isinstance(value, RowsElsewhere):
         refs.update(dict.fromkeys(value.rows.sources))
