@@ -79,16 +79,26 @@ def two_process_launch(tmp_path_factory, layouts_hf):
     engine's roles at 2 ranks (tests/engine/fsdp_check.py), a reward model sharded by FSDP2
     (tests/engine/fsdp_frozen_check.py), the engine at TP2 with and without sequence parallelism
     (tests/engine/layouts_check.py), FSDP checkpoints for the reshard tool, one of them its own output
-    loaded back (tests/reshard/fsdp_save_check.py), and the engine at pp 2 with virtual_pp 2
-    (tests/engine/vpp_check.py)."""
+    loaded back (tests/reshard/fsdp_save_check.py), the engine at pp 2 with virtual_pp 2
+    (tests/engine/vpp_check.py), the static decode path at tg = 2 (tests/rollout/static_tp_check.py), CP
+    attention and the engine at cp = 2 (tests/engine/cp_check.py, cp_engine_check.py), megatron-core loading
+    the reshard tool's dist checkpoint at TP2 (tests/reshard/dist_load_check.py) and FSDP's in-place
+    all-gather (tests/engine/test_fsdp_comm.py). Each launch costs ~6 s of start-up on 2 cores (torchrun's
+    agent and two processes importing torch and megatron-core); these ran as six launches before."""
     from tests.reshard.fsdp_save_check import write_from_hf
+    from tests.reshard.test_reshard_dist import tool
+    from tests.reshard.conftest import write_model
     from tests.torchrun import torchrun_scripts
 
     tmp = tmp_path_factory.mktemp("two_processes")
     paths = {"tp_generate": tmp / "tp_generate.pt", "dp_step": tmp / "dp2.pt", "sp_layouts": tmp / "sp.pt",
              "fsdp": tmp / "fsdp.pt", "fsdp_reshard": tmp / "fsdp_reshard", "fsdp_frozen": tmp / "fsdp_frozen.pt",
-             "vpp": tmp / "vpp.pt", "vpp_dir": tmp / "vpp"}
+             "vpp": tmp / "vpp.pt", "vpp_dir": tmp / "vpp", "static_tp": tmp / "static_tp.pt", "cp": tmp / "cp.json",
+             "cp_engine": tmp / "cp_engine.pt", "fsdp_comm": tmp / "fsdp_comm.pt", "dist_hf": tmp / "dist_hf",
+             "dist": tmp / "dist", "dist_logits": tmp / "dist_logits.pt", "dist_resaved": tmp / "megatron_tp2"}
     write_from_hf(paths["fsdp_reshard"])  # the tool's HF -> fsdp output, which the launch loads at 2 ranks
+    write_model(paths["dist_hf"], "qwen2")  # QKV bias, tied embeddings, GQA (2 KV heads, one per TP rank)
+    tool(paths["dist_hf"], paths["dist"], "--to", "dist", "--tp", 2)  # what dist_load_check.py loads
     torchrun_scripts(2, [{"script": "tests/hybrid_engine/tp_generate_check.py", "args": [paths["tp_generate"]]},
                          {"script": "tests/engine/dp_step.py", "args": [paths["dp_step"]]},
                          {"script": "tests/engine/fsdp_check.py", "args": [paths["fsdp"]]},
@@ -96,6 +106,12 @@ def two_process_launch(tmp_path_factory, layouts_hf):
                          {"script": "tests/reshard/fsdp_save_check.py", "args": [paths["fsdp_reshard"]]},
                          {"script": "tests/engine/layouts_check.py",
                           "args": [paths["sp_layouts"], layouts_hf, "tp2_pp1_sp,tp2_pp1"]},
-                         {"script": "tests/engine/vpp_check.py", "args": [paths["vpp"], paths["vpp_dir"]]}],
+                         {"script": "tests/engine/vpp_check.py", "args": [paths["vpp"], paths["vpp_dir"]]},
+                         {"script": "tests/rollout/static_tp_check.py", "args": [paths["static_tp"]]},
+                         {"script": "tests/engine/cp_check.py", "args": [paths["cp"]]},
+                         {"script": "tests/engine/cp_engine_check.py", "args": [paths["cp_engine"], layouts_hf]},
+                         {"script": "tests/reshard/dist_load_check.py",
+                          "args": [paths["dist"], paths["dist_hf"], paths["dist_logits"], paths["dist_resaved"]]},
+                         {"script": "tests/engine/test_fsdp_comm.py", "args": [paths["fsdp_comm"]]}],
                      timeout=600)
     return paths

@@ -16,7 +16,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.torchrun import torchrun_scripts
 
 EQUAL = {"cp2", "cp2_rows"}
 WRONG = {"wrong_rope", "contiguous", "slice_backward", "window_ignored"}
@@ -30,17 +29,10 @@ def test_core_attention_choice_keeps_cp1_as_megatron_builds_it():
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """One 2-rank launch: cp_check.py (GPTModel) and cp_engine_check.py (the engine at cp = 2)."""
-    from tests.engine.conftest import write_layout_model
-
-    tmp = tmp_path_factory.mktemp("cp")
-    hf = write_layout_model(tmp / "hf")
-    torchrun_scripts(2, [{"script": "tests/engine/cp_check.py", "args": [tmp / "cp.json"]},
-                         {"script": "tests/engine/cp_engine_check.py", "args": [tmp / "engine.pt", hf]}],
-                     timeout=500)
-    return {"model": json.loads((tmp / "cp.json").read_text()), "engine": torch.load(tmp / "engine.pt"),
-            "hf": hf}
+def launched(two_process_launch, layouts_hf):
+    """cp_check.py (GPTModel) and cp_engine_check.py (the engine at cp = 2), in the suite's 2-process launch."""
+    return {"model": json.loads(two_process_launch["cp"].read_text()),
+            "engine": torch.load(two_process_launch["cp_engine"]), "hf": layouts_hf}
 
 
 @pytest.fixture(scope="module")

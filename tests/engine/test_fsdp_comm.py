@@ -1,8 +1,9 @@
 """`InPlaceAllGather` (engine/fsdp_comm.py) gathers what FSDP2's own all-gather gathers, in the parameter itself.
 
-Run as a script by torchrun on 2 gloo processes (the test below launches it): one small model sharded twice,
-once with FSDP2's default all-gather and once with `gather_in_place`, units of one tensor (a linear layer
-whose rows do not split evenly over the ranks, an embedding) and of two (a linear layer with its bias).
+Run as a script on 2 gloo processes in the suite's 2-process launch (tests/conftest.py, two_process_launch):
+one small model sharded twice, once with FSDP2's default all-gather and once with `gather_in_place`, units of
+one tensor (a linear layer whose rows do not split evenly over the ranks, an embedding) and of two (a linear
+layer with its bias).
 Gathering moves weights, it does not compute, so the forward outputs and the gradients are `==` those of the
 default and of the unsharded model. A single-tensor unit's weight, while it runs, lies in the buffer the
 all-gather filled (no copy of it); a two-tensor unit's does not.
@@ -50,7 +51,9 @@ def main(out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo")
+    from hybridflow.parallel import init_process_group
+
+    init_process_group("cpu")
     mesh = init_device_mesh("cpu", (2,))
     ids = torch.tensor([[1, 4, 9, 2], [0, 9, 3, 3]]) + dist.get_rank()
     results = {}
@@ -68,16 +71,11 @@ def main(out: str) -> None:
     results["whole"] = [whole(ids) for _ in range(2)]
     if dist.get_rank() == 1:  # the rank whose row chunks are short (37 rows: 19 + 18)
         torch.save(results, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    dist.barrier()  # the process group stays for the launch's next script
 
 
-@pytest.mark.timeout(120)
-def test_the_in_place_all_gather_gathers_exactly_and_without_a_copy(tmp_path):
-    from tests.torchrun import torchrun  # here: torchrun runs this file as a script, where `tests` is not a package
-
-    torchrun("tests/engine/test_fsdp_comm.py", 2, tmp_path / "comm.pt", timeout=120)
-    got = torch.load(tmp_path / "comm.pt")
+def test_the_in_place_all_gather_gathers_exactly_and_without_a_copy(two_process_launch):
+    got = torch.load(two_process_launch["fsdp_comm"])
     default, in_place = got[False], got[True]
     for a, b, c in zip(in_place["outputs"], default["outputs"], got["whole"]):
         assert torch.equal(a, b) and torch.equal(a, c)

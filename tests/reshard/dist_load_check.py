@@ -1,4 +1,4 @@
-"""Run by test_reshard_dist.py under `torchrun --nproc-per-node 2`: megatron-core's own loader reads the
+"""Run in the suite's 2-process launch (tests/conftest.py, for test_reshard_dist.py): megatron-core's own loader reads the
 reshard tool's dist_checkpointing output into a GPTModel at TP2 and computes logits on a fixed batch.
 
 argv: the dist checkpoint, the HF model it was converted from (its config.json), the output file (rank 0
@@ -37,6 +37,8 @@ def main(dist_dir: str, hf_dir: str, out: str, resaved: str = "") -> None:
             os.makedirs(resaved)
         dist.barrier()
         dist_checkpointing.save(model.sharded_state_dict(), resaved)
+    ps.destroy_model_parallel()  # the process group stays for the launch's next script
+    dist.barrier()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Run by test_static_decode.py under `torchrun --nproc-per-node 2`: the static decode path at tg = 2.
+"""Run in the suite's 2-process launch (tests/conftest.py, for test_static_decode.py): the static decode path at tg = 2.
 
 Each rank holds its generation shard of the tiny tensor-parallel test model
 (tests/hybrid_engine/test_tensor_parallel_generation.py's `case`) and decodes
@@ -51,15 +51,8 @@ def main(out: str) -> None:
     assert captured[0] == captured[1] > 0, f"captures after one rank's weights moved: {captured}"
     if rank == 0:
         torch.save(results, out)
-    dist.barrier()
-    dist.destroy_process_group()  # a gloo group still alive at exit aborted a rank now and then (SIGABRT)
+    dist.barrier()  # the process group stays for the launch's next script (tests/run_scripts.py ends it)
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    # Leave without running the interpreter's and C++ static destructors: under load, gloo's threads torn
-    # down at exit still aborted a rank now and then ("terminate called without an active exception",
-    # SIGABRT) after every result was written (seen in a full-suite run on 2 busy cores).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

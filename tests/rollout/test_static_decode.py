@@ -266,18 +266,14 @@ def tp_workloads() -> dict:
             "keyed": (SamplingParams(max_new_tokens=16, temperature=1.0, n=4, stop_token_ids=(3, 9, 20, 30)), keys)}
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_tg2_static_path_equals_one_rank(tmp_path):
-    """Two gloo processes, each with its shard: the static step's all-reduces and vocabulary gathers give
-    the one-rank eager loop's tokens and log-probs, moving rows to smaller buckets on the way."""
+def test_tg2_static_path_equals_one_rank(two_process_launch):
+    """Two gloo processes, each with its shard (static_tp_check.py, in the suite's 2-process launch): the
+    static step's all-reduces and vocabulary gathers give the one-rank eager loop's tokens and log-probs,
+    moving rows to smaller buckets on the way."""
     from hybridflow.models import Decoder
     from tests.hybrid_engine.test_tensor_parallel_generation import case
-    from tests.torchrun import torchrun
 
-    out = tmp_path / "tg2.pt"
-    torchrun("tests/rollout/static_tp_check.py", 2, out, timeout=240)
-    got = torch.load(out)
+    got = torch.load(two_process_launch["static_tp"])
     cfg, bridge, full, batch = case(False, tp=1)
     model = Decoder(cfg)
     model.load_state_dict(bridge.megatron_to_generation(full), strict=False)
