@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import socket
 import threading
 import time
 import traceback
+import weakref
 from typing import Any, Optional
 
 from hybridflow.controller import warm_hosts
@@ -45,6 +47,9 @@ ASIDE = "aside"  # the Ray concurrency group of methods registered aside
 RESET_TIMEOUT_S = 60.0  # a process kept warm must have let go of its job's workers and world within this
 DEATH_GRACE_S = 5.0  # after a rank fails, how long to wait for news that a peer's process died
 _DIED = DIED  # WorkerError.reason of a rank whose process is gone
+# Ray worker id (hex) -> (its host set, rank): whose process owned rows a failed fetch could not read.
+_PROCESSES: dict[str, tuple[weakref.ref, int]] = {}
+_OWNER = re.compile(r"Owner worker ID: ([0-9a-f]+)")
 
 
 def _split_kw(kw_names: tuple, values: tuple) -> tuple[tuple, dict]:
@@ -87,14 +92,16 @@ class _Host:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
         self.workers: dict[str, Worker] = {}
 
-    def node_address(self) -> tuple[str, int, str]:
-        """This node's IP, a port free on it now (rank 0's becomes the master port) and its Ray node id."""
+    def node_address(self) -> tuple[str, int, str, str]:
+        """This node's IP, a port free on it now (rank 0's becomes the master port), its Ray node id and
+        this process's Ray worker id."""
         import ray
 
         address = ray.util.get_node_ip_address()
+        context = ray.get_runtime_context()
         with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
             s.bind((address, 0))
-            return address, s.getsockname()[1], ray.get_runtime_context().get_node_id()
+            return address, s.getsockname()[1], context.get_node_id(), context.get_worker_id()
 
     def pid(self) -> int:
         return os.getpid()
@@ -214,6 +221,24 @@ class _HostSet:
         self.hosts = None
 
 
+def _with_lost_rows(error: WorkerError) -> WorkerError:
+    """`error`, naming the rank and workers whose process owned rows the failed rank could not fetch.
+
+    Rows a group left in the object store (`transfer.remote_fields`) live as long as the process that put
+    them: when it has exited, the rank reading them next fails with Ray's OwnerDiedError, which names a
+    worker id only. The rank at fault is the owner's, found here among the processes this driver started."""
+    found = _OWNER.search(f"{error.reason}\n{error.traceback or ''}")
+    owner = _PROCESSES.get(found.group(1)) if found else None
+    host_set = owner[0]() if owner else None
+    if host_set is None:
+        return error
+    rank = owner[1]
+    where = f" (node {host_set.nodes[rank].ip})" if rank < len(host_set.nodes) else ""
+    reason = (f"rows it read are lost: rank {rank} of {host_set.roles}{where}, whose process kept them in the "
+              f"object store, has exited ({error.reason})")
+    return WorkerError(error.rank, error.method, reason, error.traceback, error.os_error)
+
+
 def _local_ranks(ips: list[str]) -> list[int]:
     seen: dict[str, int] = {}
     out = []
@@ -323,8 +348,12 @@ class RayWorkerGroup(WorkerGroup):
                 continue
             self._set.hosts.append(host.options(max_restarts=0, **pool.actor_options(rank)).remote(pool.device))
         addresses = self._gather([h.node_address.remote() for h in self._set.hosts], "start", STARTUP_TIMEOUT_S)
-        master_addr, master_port, _ = addresses[0]
-        self._set.nodes = [NodeOf(node_id, ip) for ip, _, node_id in addresses]
+        master_addr, master_port, _, _ = addresses[0]
+        self._set.nodes = [NodeOf(node_id, ip) for ip, _, node_id, _ in addresses]
+        for worker_id in [w for w, (host_set, _) in _PROCESSES.items() if host_set() is None]:
+            del _PROCESSES[worker_id]  # groups long gone
+        for rank, (_, _, _, worker_id) in enumerate(addresses):
+            _PROCESSES[worker_id] = (weakref.ref(self._set), rank)
         # On GPU, Ray shows each actor only its own GPU: that is local device 0.
         local_ranks = (_local_ranks([node.ip for node in self._set.nodes]) if pool.device == "cpu"
                        else [0] * self.world_size)
@@ -469,7 +498,7 @@ class RayWorkerGroup(WorkerGroup):
 
     def _fail(self, error: WorkerError) -> None:
         """Tear down the processes (and so every group on them) and raise `error`, naming any lost node."""
-        error = self._with_lost_nodes(error)
+        error = _with_lost_rows(self._with_lost_nodes(error))
         self._dead = self._dead or error  # an `abort` that killed the processes keeps its reason
         if self._set is not None:
             self._set.dead = self._set.dead or error

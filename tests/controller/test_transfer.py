@@ -1,6 +1,7 @@
 """How values travel: tensors as numpy views (no copy on the sender), and ObjectHandle between groups."""
 import os
 import pickle
+import time
 
 import pytest
 import torch
@@ -50,6 +51,40 @@ def test_rows_left_in_the_object_store_reach_another_group_in_any_order_without_
         assert torch.equal(out["ids"], want)
         assert sink.shipped_bytes == 8 * 2 * 8 + 8 * 4  # the mask (padded to 8 rows), the ids' row index
         assert all(pid != os.getpid() for pid in out["pid"])
+    finally:
+        source.shutdown()
+        sink.shutdown()
+
+
+def test_rows_whose_owner_died_are_reported_with_the_owners_rank_and_role(ray_cluster):
+    """Rows stay in the object store as long as the process that put them: when that process has exited,
+    the rank reading them fails with Ray's OwnerDiedError, which names a worker id only. The driver's error
+    names the owner's rank and workers (was: the reading rank's failure, as if it were at fault)."""
+    import signal
+
+    from hybridflow.controller import WorkerError
+
+    source = RayWorkerGroup(RowSource, ResourcePool([0, 1], "cpu"))
+    sink = RayWorkerGroup(Receiver, ResourcePool([1, 0], "cpu"))
+    try:
+        # 64 rows of 2 KiB a rank: above Ray's 100 KiB for objects it copies into the references themselves
+        batch = source.call(RowSource.make, torch.arange(128))
+        os.kill(source.pids()[1], signal.SIGKILL)  # rank 1 made rows 64-127
+        lost = batch["ids"].rows.sources[1]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until Ray has freed what the dead process owned
+            try:
+                ray_cluster.get(lost, timeout=10)
+            except ray_cluster.exceptions.OwnerDiedError:
+                break
+            time.sleep(0.2)
+        with pytest.raises(WorkerError) as failed:
+            sink.call(Receiver.rows_back, batch)
+        message = str(failed.value)
+        first = message.splitlines()[0]  # what a one-line report shows
+        assert first.startswith("rank ") and "failed in rows_back: rows it read are lost: rank 1 of RowSource " \
+            "(node " in first and "whose process kept them in the object store, has exited (OwnerDiedError" in first, \
+            message
     finally:
         source.shutdown()
         sink.shutdown()
