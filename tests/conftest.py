@@ -84,10 +84,10 @@ def two_process_launch(tmp_path_factory, layouts_hf):
     attention and the engine at cp = 2 (tests/engine/cp_check.py, cp_engine_check.py), megatron-core loading
     the reshard tool's dist checkpoint at TP2 (tests/reshard/dist_load_check.py) and FSDP's in-place
     all-gather (tests/engine/test_fsdp_comm.py). Each launch costs ~6 s of start-up on 2 cores (torchrun's
-    agent and two processes importing torch and megatron-core); these ran as six launches before."""
+    agent and two processes importing torch and megatron-core); these ran as five launches before."""
+    from tests.reshard.conftest import write_model
     from tests.reshard.fsdp_save_check import write_from_hf
     from tests.reshard.test_reshard_dist import tool
-    from tests.reshard.conftest import write_model
     from tests.torchrun import torchrun_scripts
 
     tmp = tmp_path_factory.mktemp("two_processes")
