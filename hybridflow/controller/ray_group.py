@@ -49,6 +49,7 @@ DEATH_GRACE_S = 5.0  # after a rank fails, how long to wait for news that a peer
 _DIED = DIED  # WorkerError.reason of a rank whose process is gone
 # Ray worker id (hex) -> (its host set, rank): whose process owned rows a failed fetch could not read.
 _PROCESSES: dict[str, tuple[weakref.ref, int]] = {}
+_PROCESSES_LOCK = threading.Lock()  # groups may start from several threads (an async DataFlow's stages)
 _OWNER = re.compile(r"Owner worker ID: ([0-9a-f]+)")
 
 
@@ -228,7 +229,8 @@ def _with_lost_rows(error: WorkerError) -> WorkerError:
     them: when it has exited, the rank reading them next fails with Ray's OwnerDiedError, which names a
     worker id only. The rank at fault is the owner's, found here among the processes this driver started."""
     found = _OWNER.search(f"{error.reason}\n{error.traceback or ''}")
-    owner = _PROCESSES.get(found.group(1)) if found else None
+    with _PROCESSES_LOCK:
+        owner = _PROCESSES.get(found.group(1)) if found else None
     host_set = owner[0]() if owner else None
     if host_set is None:
         return error
@@ -350,10 +352,11 @@ class RayWorkerGroup(WorkerGroup):
         addresses = self._gather([h.node_address.remote() for h in self._set.hosts], "start", STARTUP_TIMEOUT_S)
         master_addr, master_port, _, _ = addresses[0]
         self._set.nodes = [NodeOf(node_id, ip) for ip, _, node_id, _ in addresses]
-        for worker_id in [w for w, (host_set, _) in _PROCESSES.items() if host_set() is None]:
-            del _PROCESSES[worker_id]  # groups long gone
-        for rank, (_, _, _, worker_id) in enumerate(addresses):
-            _PROCESSES[worker_id] = (weakref.ref(self._set), rank)
+        with _PROCESSES_LOCK:
+            for worker_id in [w for w, (host_set, _) in _PROCESSES.items() if host_set() is None]:
+                del _PROCESSES[worker_id]  # groups long gone
+            for rank, (_, _, _, worker_id) in enumerate(addresses):
+                _PROCESSES[worker_id] = (weakref.ref(self._set), rank)
         # On GPU, Ray shows each actor only its own GPU: that is local device 0.
         local_ranks = (_local_ranks([node.ip for node in self._set.nodes]) if pool.device == "cpu"
                        else [0] * self.world_size)
