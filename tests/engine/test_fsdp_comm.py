@@ -11,7 +11,6 @@ all-gather filled (no copy of it); a two-tensor unit's does not.
 import os
 import sys
 
-import pytest
 import torch
 from torch import nn
 
