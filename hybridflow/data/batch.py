@@ -126,14 +126,16 @@ def tensor_fields(batch: dict[str, Any]) -> dict[str, Tensor]:
     return {k: v for k, v in batch.items() if isinstance(v, Tensor)}
 
 
-def slice_rows(batch: Any, start: int, stop: int, _memo: Optional[dict] = None) -> Any:
+def slice_rows(batch: Any, start: int, stop: int) -> Any:
     """Rows [start, stop) of a batch (views of its tensors)."""
+    cut = slice(start, stop)
     if isinstance(batch, dict):
         memo: dict = {}
-        return {key: slice_rows(value, start, stop, memo) for key, value in batch.items()}
+        return {key: _shared(value, memo, lambda rows: rows.take(cut)) if isinstance(value, RowsElsewhere)
+                else slice_rows(value, start, stop) for key, value in batch.items()}
     if isinstance(batch, RowsElsewhere):
-        return _shared(batch, {} if _memo is None else _memo, lambda rows: rows.take(slice(start, stop)))
-    return batch[start:stop]
+        return RowsElsewhere(batch.rows.take(cut), batch.field)
+    return batch[cut]
 
 
 def take_rows(batch: Any, index: Tensor | Sequence[int]) -> Any:
@@ -229,9 +231,12 @@ def concat(parts: Sequence[Any], name: str = "part") -> Any:
 
 
 def _joined(parts: Sequence[Any], memo: dict) -> Any:
-    """RowsElsewhere parts joined (the fields that shared `Rows` in every part share the joined one)."""
-    if not all(isinstance(p, RowsElsewhere) and p.field == parts[0].field for p in parts):
-        raise ValueError("a field kept elsewhere in one part is not in another")
+    """RowsElsewhere parts (the callers check that every part is one) joined: the fields that shared `Rows`
+    in every part share the joined one."""
+    fields = {p.field for p in parts}
+    if len(fields) > 1:
+        raise ValueError(f"the parts name different fields of the objects they keep elsewhere: "
+                         f"{sorted(map(str, fields))}")
     key = tuple(id(p.rows) for p in parts)
     if key not in memo:
         memo[key] = ([p.rows for p in parts], Rows.join([p.rows for p in parts]))
