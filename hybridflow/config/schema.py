@@ -85,6 +85,9 @@ class FSDPConfig:
     # Keep parameters, gradients and Adam state in CPU memory between uses (torch's CPUOffloadPolicy): a
     # GPU run trades transfer time for device memory. On the CPU they are there already (refused).
     offload: bool = False
+    # Whose code computes the model: hybridflow's decoder, or the `transformers` class its config.json names
+    # (LlamaForCausalLM, ...), sharded the same way (engine/fsdp_hf.py); both compute the same function.
+    modeling: Literal["hybridflow", "transformers"] = "hybridflow"
 
 
 @dataclass

@@ -132,6 +132,9 @@ def _check_train_engines(cfg: Config, plan: RunPlan) -> None:
                               "trainer.device=cpu they are there already")
         if role.fsdp.offload and role.engine != "fsdp":
             raise ConfigError(f"{name}.fsdp.offload", f"applies to {name}.engine=fsdp; {name}.engine is {role.engine!r}")
+        if role.fsdp.modeling != "hybridflow" and role.engine != "fsdp":
+            raise ConfigError(f"{name}.fsdp.modeling", f"{role.fsdp.modeling} applies to {name}.engine=fsdp; "
+                              f"{name}.engine is {role.engine!r} (megatron-core runs its own GPTModel)")
         world = plan.worlds["training" if name == "actor" else name]  # the actor's placement role is "training"
         if role.fsdp.offload and world > 1:
             raise ConfigError(f"{name}.fsdp.offload", f"on {world} processes is not built yet: with the shards in CPU "

@@ -125,6 +125,7 @@ class FSDPEngine:
     """
 
     kind = "fsdp"
+    modeling = "hybridflow"  # whose model code runs (`<role>.fsdp.modeling`)
 
     def __init__(self, model_cfg: DecoderConfig, optim=None, *, device: str = "cpu", dtype: str = "float32",
                  make_vocab_size_divisible_by: int = 128, value_head: bool = False, total_steps: int = 1,
@@ -145,11 +146,11 @@ class FSDPEngine:
         self.coord: Coord = self.layout.coord(self.rank)
         self.group = self.mesh.get_group()
         with torch.device("meta"):
-            self.module: nn.Module = ValueModel(model_cfg) if value_head else LanguageModel(model_cfg)
+            self.module: nn.Module = self._meta_module()
         mixed = (MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
                  if self.dtype != torch.float32 else MixedPrecisionPolicy())
         policy = CPUOffloadPolicy() if offload else OffloadPolicy()
-        units = engine_units(self.module.decoder, value_head)
+        units = self._units()
         for unit in units:
             fully_shard(unit, mesh=self.mesh, mp_policy=mixed, offload_policy=policy)
         # Left to itself FSDP keeps the root's weights whole after a forward, for the backward; a frozen
@@ -158,7 +159,7 @@ class FSDPEngine:
                     reshard_after_forward=True if optim is None else None)
         gather_in_place([*units, self.module], self.mesh)  # each unit gathered once (engine/fsdp_comm.py)
         self.module.to_empty(device="cpu" if offload else self.torch_device)
-        self.module.decoder.inv_freq = rope_inv_freq(model_cfg).to(self.torch_device)
+        self._init_buffers()
         if value_head:
             with torch.no_grad():
                 self.module.head.weight.zero_()
@@ -168,6 +169,20 @@ class FSDPEngine:
         else:
             self.module.requires_grad_(False)
             self.module.eval()
+
+    # -- the model: hybridflow's decoder (`fsdp_hf.TransformersFSDPEngine`: an HF transformers model) --
+    def _meta_module(self) -> nn.Module:
+        """The model to shard, built on the meta device (no memory): (ids, attention mask, positions, allowed
+        mask) -> logits, or values under a value head."""
+        return ValueModel(self.cfg) if self.value_head else LanguageModel(self.cfg)
+
+    def _units(self) -> list[nn.Module]:
+        """The submodules sharded as units of their own, children first (the root is sharded after them)."""
+        return engine_units(self.module.decoder, self.value_head)
+
+    def _init_buffers(self) -> None:
+        """What `to_empty` left uninitialised and no checkpoint holds: the rotary frequencies."""
+        self.module.decoder.inv_freq = rope_inv_freq(self.cfg).to(self.torch_device)
 
     @property
     def torch_device(self) -> torch.device:
@@ -246,8 +261,10 @@ class FSDPEngine:
         if self.value_head:
             raise NotImplementedError("a critic is not an HF causal LM; save it with save()")
         # Under mixed precision the parameters are float32 masters; the export is at the model's dtype,
-        # as its config.json says (megatron's export likewise).
-        return self.bridge.generation_to_hf({k: v.to(self.dtype) for k, v in self.full_generation_state().items()})
+        # as its config.json says (megatron's export likewise). Copies: at one rank a DTensor's full tensor is
+        # its local one, which the optimizer steps in place.
+        return self.bridge.generation_to_hf({k: v.to(self.dtype, copy=True)
+                                             for k, v in self.full_generation_state().items()})
 
     def hf_stage_parts(self):
         """As `MegatronEngine.hf_stage_parts`: one part, the whole model (every rank gathers)."""
@@ -347,7 +364,8 @@ class FSDPEngine:
         directory = Path(directory)
         dcp.save(self._state(), checkpoint_id=str(directory), process_group=self.group)
         if self.rank == 0:
-            meta = {"engine": self.kind, "world": self.layout.dp, "value_head": self.value_head,
+            meta = {"engine": self.kind, "modeling": self.modeling, "world": self.layout.dp,
+                    "value_head": self.value_head,
                     "optimizer": self._has_stepped(),
                     "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
             (directory / STATE_FILE).write_text(json.dumps(meta, indent=1))
@@ -363,6 +381,12 @@ class FSDPEngine:
         if not meta_path.is_file():
             raise FileNotFoundError(f"{meta_path}: not an FSDP checkpoint (no {STATE_FILE})")
         meta = json.loads(meta_path.read_text())
+        saved = meta.get("modeling", "hybridflow")  # written before the key existed: hybridflow's decoder
+        if saved != self.modeling:
+            raise ValueError(f"{directory} holds a model trained on {saved}'s code (engine.json: modeling), its "
+                             f"tensors under that code's names; this engine runs {self.modeling}'s: set the role's "
+                             f"fsdp.modeling to {saved}, or convert it with `hybridflow reshard --to hf` and start "
+                             f"from that")
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         state = {"model": get_model_state_dict(self.module)}

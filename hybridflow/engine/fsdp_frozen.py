@@ -72,7 +72,7 @@ def shard_frozen(model: nn.Module, mesh) -> nn.Module:
     return model.eval()
 
 
-def _init_buffers(model: nn.Module) -> None:
+def init_buffers(model: nn.Module) -> None:
     """Non-persistent buffers are not in the checkpoint and `to_empty` left them uninitialised: the rotary
     embeddings' are recomputed by transformers' own initialiser; any other is refused."""
     persistent = set(model.state_dict().keys())
@@ -89,31 +89,38 @@ def _init_buffers(model: nn.Module) -> None:
                                       f"{loose} of a model built on the meta device")
 
 
-@torch.no_grad()
 def load_shards(model: nn.Module, path: str | Path) -> int:
     """Copy this rank's rows of every parameter (and persistent buffer) of the sharded `model` from the HF
     safetensors at `path`, reading only those rows. Returns the bytes read."""
     from hybridflow.models.checkpoint import SafetensorsReader
 
     with SafetensorsReader(path) as read:
-        stored = set(read.keys())
-        wanted = dict(model.named_parameters())
-        buffers = {k: v for k, v in model.state_dict().items() if k not in wanted}
-        missing = sorted(set(wanted) - stored)
-        if missing:
-            raise KeyError(f"the checkpoint at {path} has no tensor(s) {missing[:5]} of {type(model).__name__}")
-        unknown = sorted(n for n in stored - set(wanted) - set(buffers) if not n.endswith("rotary_emb.inv_freq"))
-        if unknown:
-            raise KeyError(f"the checkpoint at {path} holds tensor(s) {unknown[:5]} that "
-                           f"{type(model).__name__} does not have")
-        for name, param in wanted.items():
-            start, stop = chunk_bounds(param)
-            if stop > start:
-                param.to_local().copy_(read(name, rows=slice(start, stop)))
-        for name, buffer in buffers.items():
-            if name in stored:
-                buffer.copy_(read(name))
+        load_rows(model, read, f"the checkpoint at {path}")
     return read.bytes_read
+
+
+@torch.no_grad()
+def load_rows(model: nn.Module, read, source: str, prefix: str = "", unused: frozenset[str] = frozenset()) -> None:
+    """`load_shards` from `read` (a `models.bridge.SliceReader`: files or a dict in memory; `source` names it
+    in errors). The stored name of `model`'s tensor `n` is prefix + n (a base model inside a checkpoint of
+    its *ForCausalLM); stored tensors in `unused` (the output layer a value model has not) are not read."""
+    stored = set(read.keys())
+    wanted = {prefix + n: p for n, p in model.named_parameters()}
+    buffers = {prefix + k: v for k, v in model.state_dict().items() if prefix + k not in wanted}
+    missing = sorted(set(wanted) - stored)
+    if missing:
+        raise KeyError(f"{source} has no tensor(s) {missing[:5]} of {type(model).__name__}")
+    unknown = sorted(n for n in stored - set(wanted) - set(buffers) - unused
+                     if not n.endswith("rotary_emb.inv_freq"))
+    if unknown:
+        raise KeyError(f"{source} holds tensor(s) {unknown[:5]} that {type(model).__name__} does not have")
+    for name, param in wanted.items():
+        start, stop = chunk_bounds(param)
+        if stop > start:
+            param.to_local().copy_(read(name, rows=slice(start, stop)))
+    for name, buffer in buffers.items():
+        if name in stored:
+            buffer.copy_(read(name))
 
 
 class FSDPRewardModel(RewardModel):
@@ -164,7 +171,7 @@ def load_sharded_classifier(path: str | Path, device: str = "cpu", dtype: Option
     shard_frozen(model, mesh)
     torch_device = torch.device("cpu") if device == "cpu" else torch.device("cuda", torch.cuda.current_device())
     model.to_empty(device=torch_device)
-    _init_buffers(model)
+    init_buffers(model)
     bytes_read = load_shards(model, path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     return FSDPRewardModel(model, tokenizer, path, torch_device, mesh.get_group(), bytes_read)

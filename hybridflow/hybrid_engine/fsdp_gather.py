@@ -10,6 +10,10 @@ tensors. Per rank that is, by the plan, `(N - 1) / N` of the model received
 to each of the N - 1 others; the counter adds what each collective moved, so
 the test compares the two. Switching back frees the generation model (and a
 forward pass on freed weights raises), so training holds only its shard.
+
+An engine on a `transformers` model (`engine/fsdp_hf.py`) holds HF tensors: each
+is gathered the same way, and the bridge fuses q/k/v and gate/up into the
+decoder's tensors as their last part arrives (`LlamaBridge.fuse_stream`).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from hybridflow.engine.fsdp import chunk_rows
 from hybridflow.hybrid_engine.generation import transition_metrics
 from hybridflow.hybrid_engine.reshard import DEFAULT_BUCKET_BYTES, _refuse_released
 from hybridflow.hybrid_engine.traffic import Traffic
+from hybridflow.models.bridge import get_bridge
 from hybridflow.models.decoder import Decoder, rope_inv_freq
 
 
@@ -44,12 +49,16 @@ class FSDPGatheredWeights:
         self.engine, self.bucket_bytes = engine, bucket_bytes
         self.ranks = engine.layout.dp
         self.mesh = (engine.rank, self.ranks, True)  # every rank generates its own share of the prompts
-        self.params = engine._generation_params()  # generation name -> DTensor
+        # The engine's tensors in its generation layout: the decoder's own names, or (an HF `transformers`
+        # model, engine/fsdp_hf.py) HF names, whose q/k/v and gate/up the bridge fuses into the decoder's.
+        self.params = engine._generation_params()  # name -> DTensor
+        self.shapes = {name: tuple(p.shape) for name, p in self.params.items()}
+        self.fuse = get_bridge(engine.cfg).fuse_stream if engine.modeling == "transformers" else None
         model = Decoder(engine.cfg).to(device=engine.torch_device, dtype=engine.dtype).eval()
         model.inv_freq = rope_inv_freq(engine.cfg).to(engine.torch_device)
         self.model = model
         self.model.requires_grad_(False)
-        self.shapes = {name: p.shape for name, p in self.model.named_parameters()}
+        self.model_shapes = {name: p.shape for name, p in self.model.named_parameters()}
         self.element = torch.empty((), dtype=engine.dtype).element_size()
         self._released = None
         self.refresh()
@@ -84,17 +93,8 @@ class FSDPGatheredWeights:
         want = chunk_rows(shape[0], self.ranks) * _row_size(shape)
         return torch.cat([flat, flat.new_zeros(want - flat.numel())]) if flat.numel() < want else flat
 
-    @torch.no_grad()
-    def refresh(self) -> dict[str, float]:
-        """Gather the engine's current shards into the generation model; the transition's figures."""
-        start, traffic = time.perf_counter(), Traffic()
-        params = dict(self.model.named_parameters())
-        if self._released is not None:
-            for name, p in params.items():
-                p.data = p.data.new_empty(self.shapes[name])
-            self._released.remove()
-            del self.model.forward_cached
-            self._released = None
+    def _gathered(self, traffic: Traffic):
+        """(name, whole tensor) of each of the engine's tensors, gathered bucket by bucket."""
         for bucket in self._buckets():
             chunks = [self._padded_chunk(name) for name in bucket]
             flat = torch.cat(chunks)
@@ -109,9 +109,23 @@ class FSDPGatheredWeights:
             for name, chunk in zip(bucket, chunks):
                 shape, count = self.shapes[name], chunk.numel()
                 rows = chunk_rows(shape[0], self.ranks)
-                whole = torch.cat([p[offset:offset + count].view(rows, *shape[1:]) for p in pieces])[:shape[0]]
-                params[name].copy_(whole)
+                yield name, torch.cat([p[offset:offset + count].view(rows, *shape[1:]) for p in pieces])[:shape[0]]
                 offset += count
+
+    @torch.no_grad()
+    def refresh(self) -> dict[str, float]:
+        """Gather the engine's current shards into the generation model; the transition's figures."""
+        start, traffic = time.perf_counter(), Traffic()
+        params = dict(self.model.named_parameters())
+        if self._released is not None:
+            for name, p in params.items():
+                p.data = p.data.new_empty(self.model_shapes[name])
+            self._released.remove()
+            del self.model.forward_cached
+            self._released = None
+        gathered = self._gathered(traffic)
+        for name, whole in (self.fuse(gathered) if self.fuse is not None else gathered):
+            params[name].copy_(whole)
         metrics = transition_metrics(traffic, self.model, time.perf_counter() - start)
         metrics["reshard/own_shard_bytes"] = float(sum(p.to_local().numel() * p.to_local().element_size()
                                                        for p in self.engine.named_params().values()))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional, Protocol
+from typing import Callable, Iterable, Iterator, Literal, Optional, Protocol
 
 import torch
 
@@ -116,6 +116,26 @@ class LlamaBridge:
         if e.fuse == "gate_up":
             return torch.cat(parts, dim=0)
         return parts[0]
+
+    def fuse_stream(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) pairs in any order -> (generation name, fused tensor), each entry once its last
+        part has come. A tied checkpoint's `lm_head.weight` (the embedding again) is skipped; a name no entry
+        has is a KeyError naming it, and so are entries left incomplete when `named` ends."""
+        entries = {name: e for e in self.entries() for name in e.hf}
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in named:
+            if name not in entries:
+                if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                    continue
+                raise KeyError(f"weight {name!r} is not a tensor of this {self.cfg.model_type} model")
+            e = entries[name]
+            parts = pending.setdefault(e.generation, {})
+            parts[name] = tensor
+            if len(parts) == len(e.hf):
+                del pending[e.generation]
+                yield e.generation, self.fuse_parts(e, [parts[n] for n in e.hf])
+        if pending:
+            raise KeyError(f"weights left incomplete: {sorted(pending)[:3]} lack some of their HF parts")
 
     def split_parts(self, e: ParamEntry, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Inverse of `fuse_parts`: entry `e`'s tensor as its HF tensors, in `e.hf` order."""

@@ -14,10 +14,14 @@ group; DCP puts the ranks' dim-0 chunks together), into a tensor allocated from 
 beside it is never read. A generation tensor is a Megatron one with the vocabulary unpadded, so
 `MegatronReader` turns it into HF tensors, and every other format's writer cuts from that.
 
+A role trained on a `transformers` model (`<role>.fsdp.modeling`, engine.json's `modeling`) holds HF
+tensors instead, under `model.model.<HF name>` (a critic's base model: the name less its leading `model.`);
+the reader fuses each entry's parts into the Megatron tensor, so the rest is the same.
+
 Written (`--to fsdp`) as that directory: one `torch.distributed.checkpoint.save` of the whole tensors
 (`no_dist`, so the write holds the model, as `dist` does), `engine.json` (world 1, no optimizer, no
-schedule) and the model's config.json; `FSDPEngine.load` takes it at any world size (DCP reshards) and
-starts a fresh optimizer.
+schedule) and the model's config.json, for hybridflow's decoder; `FSDPEngine.load` takes it at any world
+size (DCP reshards) and starts a fresh optimizer.
 """
 from __future__ import annotations
 
@@ -90,9 +94,21 @@ def open_source(path: Path, role: str, config: Optional[Path]) -> Source:
     return Source(FORMAT, role_dir, read_config(where, "--config"), role=role, layout=layout, step_dir=step)
 
 
-def engine_tensors(cfg: DecoderConfig, value_head: bool) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{Megatron name: (DCP key, whole shape)} of the FSDP engine's model: the bridge's entries by their
-    generation names in the engine's module (on `meta`); a critic's output layer is its `head`."""
+def engine_tensors(cfg: DecoderConfig, value_head: bool,
+                   modeling: str = "hybridflow") -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """{Megatron name: [(DCP key, whole shape), ...]} of the FSDP engine's model. On hybridflow's decoder
+    (`modeling`) one tensor each: the bridge's entries by their generation names in the engine's module (on
+    `meta`); on a `transformers` model (engine/fsdp_hf.py) the entry's HF tensors, by their HF names under
+    the engine's wrapper (`model.<hf name>`; a critic's base model drops the causal LM's `model.` prefix).
+    A critic's output layer is its `head`."""
+    if modeling == "transformers":
+        shapes = get_bridge(cfg).hf_shapes()
+        inner = (lambda hf: f"{MODEL}.model.{hf.removeprefix('model.')}") if value_head else (
+            lambda hf: f"{MODEL}.model.{hf}")
+        out = {e.megatron: [(inner(hf), tuple(shapes[hf])) for hf in e.hf] for e in model_entries(cfg, value_head)}
+        if value_head:
+            out[OUTPUT_LAYER] = [(f"{MODEL}.head.weight", (1, cfg.hidden_size))]
+        return out
     from hybridflow.engine.fsdp import LanguageModel, ValueModel
 
     with torch.device("meta"):
@@ -103,9 +119,9 @@ def engine_tensors(cfg: DecoderConfig, value_head: bool) -> dict[str, tuple[str,
         name = f"decoder.{e.generation}"
         if name not in params:
             raise KeyError(f"the FSDP engine's model has no {name!r} for this config")
-        out[e.megatron] = (f"{MODEL}.{name}", tuple(params.pop(name).shape))
+        out[e.megatron] = [(f"{MODEL}.{name}", tuple(params.pop(name).shape))]
     if value_head:
-        out[OUTPUT_LAYER] = (f"{MODEL}.head.weight", tuple(params.pop("head.weight").shape))
+        out[OUTPUT_LAYER] = [(f"{MODEL}.head.weight", tuple(params.pop("head.weight").shape))]
     if params:
         raise KeyError(f"the FSDP engine's model has parameters the bridge does not name: {sorted(params)[:3]}")
     return out
@@ -124,27 +140,37 @@ class DCPReader(MegatronReader):
         except Exception as exc:  # a torn or foreign .metadata: say which file
             raise ConfigError("SRC", f"{source.path / DCP_METADATA} is not readable as torch DCP metadata "
                                      f"({type(exc).__name__}: {exc})") from None
-        self.tensors = engine_tensors(source.cfg, source.value_head)
-        for megatron_name, (key, shape) in self.tensors.items():  # every tensor checked before anything is written
-            meta = stored.get(key)
-            if not isinstance(meta, TensorStorageMetadata):
-                raise ConfigError("SRC", f"{source.path} holds no tensor {key!r}: not a {source.cfg.model_type} "
-                                         f"{source.role} of this config (--config)?")
-            if tuple(meta.size) != shape:
-                raise ConfigError("SRC", f"{source.path}: {key} is {list(meta.size)}, this config's model has "
-                                         f"{list(shape)} (--config is not the model it was trained from?)")
-        self.stored = {m: stored[key] for m, (key, _) in self.tensors.items()}
+        # whose model code wrote it (engine.json; before the key existed, always hybridflow's decoder)
+        self.modeling = read_state(source.path).get("modeling", "hybridflow")
+        self.tensors = engine_tensors(source.cfg, source.value_head, self.modeling)
+        for parts in self.tensors.values():  # every tensor checked before anything is written
+            for key, shape in parts:
+                meta = stored.get(key)
+                if not isinstance(meta, TensorStorageMetadata):
+                    raise ConfigError("SRC", f"{source.path} holds no tensor {key!r}: not a {source.cfg.model_type} "
+                                             f"{source.role} of this config (--config)?")
+                if tuple(meta.size) != shape:
+                    raise ConfigError("SRC", f"{source.path}: {key} is {list(meta.size)}, this config's model has "
+                                             f"{list(shape)} (--config is not the model it was trained from?)")
+        self.stored = {key: stored[key] for parts in self.tensors.values() for key, _ in parts}
+        self.entries = {e.megatron: e for e in model_entries(source.cfg, source.value_head)}
         super().__init__(source.cfg, source.value_head, self._load_one)
 
     def _dtype_of(self, megatron_name: str) -> torch.dtype:
-        return self.stored[megatron_name].properties.dtype
+        return self.stored[self.tensors[megatron_name][0][0]].properties.dtype
 
     def _load_one(self, megatron_name: str) -> torch.Tensor:
+        """The whole Megatron tensor (vocabulary unpadded): the engine's one tensor, or its HF parts fused."""
+        parts = [self._load_key(key) for key, _ in self.tensors[megatron_name]]
+        if self.modeling == "transformers" and megatron_name in self.entries:
+            return self.bridge.fuse_parts(self.entries[megatron_name], parts)
+        return parts[0]
+
+    def _load_key(self, key: str) -> torch.Tensor:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
 
-        key, _ = self.tensors[megatron_name]
-        meta = self.stored[megatron_name]
+        meta = self.stored[key]
         out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
             warnings.simplefilter("ignore", UserWarning)
@@ -159,7 +185,7 @@ def plan_fsdp(cfg: DecoderConfig, dtype: torch.dtype, role: str) -> Plan:
     plan = Plan("fsdp", cfg, dtype, role)
     critic = role == "critic"
     plan.items = [Item(FILE, key, shape, VALUE_HEAD if critic and name == OUTPUT_LAYER else name)
-                  for name, (key, shape) in engine_tensors(cfg, critic).items()]
+                  for name, [(key, shape)] in engine_tensors(cfg, critic).items()]  # one tensor each: the decoder's
     return plan
 
 

@@ -110,25 +110,18 @@ class Generator:
         """
         if self.model.parallel.size > 1:
             raise ValueError("load_weights takes whole HF tensors; this generator holds a tensor-parallel shard")
-        bridge = get_bridge(self.model.cfg)
-        entries = {name: e for e in bridge.entries() for name in e.hf}
+        taken, tied = 0, self.model.cfg.tie_word_embeddings
+
+        def counted():  # a tied checkpoint's copy of the embedding is skipped, not taken
+            nonlocal taken
+            for name, tensor in named:
+                if not (tied and name == "lm_head.weight"):
+                    taken += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
         params = dict(self.model.named_parameters())
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        taken = 0
-        for name, tensor in named:
-            if name not in entries:
-                if name == "lm_head.weight" and self.model.cfg.tie_word_embeddings:
-                    continue  # a tied checkpoint's copy of the embedding
-                raise KeyError(f"weight {name!r} is not a tensor of this {self.model.cfg.model_type} model")
-            e = entries[name]
-            parts = pending.setdefault(e.generation, {})
-            parts[name] = tensor
-            taken += tensor.numel() * tensor.element_size()
-            if len(parts) == len(e.hf):
-                params[e.generation].copy_(bridge.fuse_parts(e, [parts[n] for n in e.hf]))
-                del pending[e.generation]
-        if pending:
-            raise KeyError(f"weights left incomplete: {sorted(pending)[:3]} lack some of their HF parts")
+        for name, fused in get_bridge(self.model.cfg).fuse_stream(counted()):
+            params[name].copy_(fused)
         return taken
 
     def release(self) -> None:

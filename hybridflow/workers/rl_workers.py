@@ -99,11 +99,15 @@ def build_engine(run: Run, model: ModelConfig, path: str, optim: Optional[OptimC
     (the plan's layout is then dp = world, which the config checks made sure of)."""
     if kind == "fsdp":
         from hybridflow.engine.fsdp import FSDPEngine
+        from hybridflow.engine.fsdp_hf import TransformersFSDPEngine
 
-        engine = FSDPEngine(
-            DecoderConfig.from_pretrained(path), optim, device=run.device, dtype=model.dtype,
-            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, value_head=value_head,
-            total_steps=optimizer_steps, seed=run.seed, offload=fsdp is not None and fsdp.offload)
+        fsdp = fsdp or FSDPConfig()
+        options = dict(device=run.device, dtype=model.dtype,
+                       make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, value_head=value_head,
+                       total_steps=optimizer_steps, seed=run.seed, offload=fsdp.offload)
+        model_cfg = DecoderConfig.from_pretrained(path)
+        engine = (TransformersFSDPEngine(path, model_cfg, optim, **options) if fsdp.modeling == "transformers"
+                  else FSDPEngine(model_cfg, optim, **options))
         if engine.layout != layout:
             raise ValueError(f"the run plan's layout {layout} is not FSDP's {engine.layout} over this group")
         engine.load_hf_checkpoint(path)

@@ -128,6 +128,21 @@ def main(out: str) -> None:
         same &= all(torch.equal(mine[n].to_local(), theirs[n].to_local()) for n in mine if n != "head.weight")
     result["checkpoint_shards_equal"], result["checkpoint_read_fraction"] = same, fractions
 
+    # The actor on the transformers model code (engine/fsdp_hf.py), its generator refreshed after the update.
+    from hybridflow.engine.fsdp_hf import TransformersFSDPEngine
+
+    hf_engine = TransformersFSDPEngine(hf_dir, cfg, optim, total_steps=10)
+    result["transformers_read_fraction"] = (hf_engine.load_hf_checkpoint(hf_dir)
+                                            / sum(t.numel() * t.element_size() for t in hf.values()))
+    hf_generation = FSDPGatheredWeights(hf_engine, bucket_bytes=4096)
+    result["transformers_metrics"] = update(Actor(actor_cfg, hf_engine), 0)
+    result["transformers_weights"] = hf_engine.hf_state_dict()
+    result["transformers_refresh"] = hf_generation.refresh()
+    result["transformers_plan_bytes"] = hf_generation.plan_bytes()
+    fused = dict(hf_engine.bridge.fuse_stream(result["transformers_weights"].items()))
+    result["transformers_generation_equals_trained"] = all(
+        torch.equal(p, fused[n]) for n, p in hf_generation.model.named_parameters())
+
     # Mixed precision: bfloat16 compute over float32 parameters and Adam state.
     bf16 = FSDPEngine(cfg, optim, dtype="bfloat16", total_steps=10)
     bf16.load_hf_state_dict(hf)

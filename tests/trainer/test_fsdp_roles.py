@@ -38,11 +38,14 @@ def _synced_by_plan(records) -> None:
 
 
 def test_grpo_with_the_actor_under_fsdp_at_two_ranks_matches_megatron_at_one_process_and_tp2(tmp_path, single):
-    """The actor (and its generator's weights) under FSDP2 on two Ray processes: each rank trains on its
-    half of every mini-batch and gathers the whole model into its generator after each update. Three
-    steps' learned metrics equal megatron-core's at one process and at TP2 within 1e-4."""
+    """The actor (and its generator's weights) under FSDP2 on two Ray processes, on the `transformers` model
+    code (`actor.fsdp.modeling`: LlamaForCausalLM itself; the PPO test below runs hybridflow's decoder): each
+    rank trains on its half of every mini-batch and gathers the whole model into its generator after each
+    update (HF tensors, fused by the bridge). Three steps' learned metrics equal megatron-core's at one
+    process and at TP2 within 1e-4."""
     common = ["actor.ppo_mini_batch_size=8"]
-    _, fsdp = run("tiny-grpo.yaml", tmp_path / "fsdp", *RAY2, "actor.engine=fsdp", *common, *THREE_STEPS)
+    _, fsdp = run("tiny-grpo.yaml", tmp_path / "fsdp", *RAY2, "actor.engine=fsdp",
+                  "actor.fsdp.modeling=transformers", *common, *THREE_STEPS)
     _synced_by_plan(fsdp)
     _, tp2 = run("tiny-grpo.yaml", tmp_path / "tp2", *RAY2, "actor.parallel.tp=2", *common, *THREE_STEPS)
     one = single("tiny-grpo.yaml", *common)[1]
@@ -97,6 +100,7 @@ def test_ppo_with_actor_critic_and_reference_under_fsdp_matches_megatron_and_res
     (["actor.engine=fsdp", "reference.engine=fsdp", "placement.training=[0]", "placement.rollout=[1]",
       "placement.reference=[0]", "placement.critic=[0]"], "actor.engine"),
     (["actor.engine=deepspeed"], "actor.engine"),
+    (["critic.fsdp.modeling=transformers"], "critic.fsdp.modeling"),  # the critic stays under megatron
 ])
 def test_fsdp_combinations_not_built_are_one_config_error_naming_the_key(tmp_path, overrides, key):
     """Checked with the run plan, as the trainer does before it starts any worker (`check_plan`)."""

@@ -1,0 +1,130 @@
+"""The FSDP2 engine on a Hugging Face `transformers` model: `TransformersFSDPEngine` (`<role>.fsdp.modeling:
+transformers`).
+
+`FSDPEngine` shards hybridflow's own decoder; this one shards the model class the checkpoint's config.json
+names (`LlamaForCausalLM`, `Qwen2ForCausalLM`, ...), built by `transformers` itself, so a role trains the
+exact modelling code the checkpoint was written for (its attention, its RoPE variant), as verl's and
+NeMo-RL's FSDP workers do. Everything around the model is `FSDPEngine`'s: the units (each linear layer of
+every decoder layer, the layer, an untied embedding and output layer, then the root), the in-place
+all-gather, mixed precision and offload, the idle passes, Adam, the LR schedule, torch DCP checkpoints.
+
+- The model is built on the meta device and each rank reads only its dim-0 rows of every tensor from the
+  safetensors, by the tensors' own HF names (`fsdp_frozen.load_rows`); the rotary embeddings' buffers are
+  recomputed by `transformers` (`fsdp_frozen.init_buffers`).
+- Left-padded rows take position ids counted from the attention mask (as hybridflow's decoder does);
+  packed and shared-prompt micro-batches pass their block-causal mask as a 4-D boolean attention mask
+  (`[b, 1, s, s]`, True = may attend), which `transformers`' SDPA attention takes as given.
+- The critic (value_head) is the base model (`AutoModel`: the decoder layers and the final norm) and a
+  scalar head starting at zero, as `FSDPEngine`'s.
+- The generation layout is HF names: the switch to generation gathers each HF tensor and the bridge fuses
+  q/k/v and gate/up into the built-in generator's tensors (`hybrid_engine/fsdp_gather.py`), and the
+  HF export is the gathered tensors themselves.
+
+The architectures are those the bridge maps (Llama, Qwen2, Mistral): the run's planning, the generator and
+the checkpoint tables read the model through `DecoderConfig`. On them both engines compute the same
+function (tests/engine/test_fsdp_hf.py: logits equal, an update within float32 rounding).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from hybridflow.engine.fsdp import FSDPEngine, block_units
+from hybridflow.engine.fsdp_frozen import init_buffers, load_rows
+from hybridflow.models.config import DecoderConfig
+
+__all__ = ["TransformersFSDPEngine", "TransformersModel", "transformers_units"]
+
+
+class TransformersModel(nn.Module):
+    """An HF causal LM, or (value_head) its base model and a scalar head, behind the engine's forward:
+    (ids, attention mask, positions, allowed mask) -> logits [b, s, vocab] or values [b, s, 1]."""
+
+    def __init__(self, config, value_head: bool = False):
+        import transformers
+
+        super().__init__()
+        # float32 parameters: the engine's masters (a lower compute dtype is FSDP's mixed-precision cast)
+        kind = transformers.AutoModel if value_head else transformers.AutoModelForCausalLM
+        self.model = kind.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        self.head = nn.Linear(config.hidden_size, 1, bias=False) if value_head else None
+
+    def forward(self, ids: Tensor, attention_mask: Optional[Tensor], positions: Optional[Tensor],
+                allowed: Optional[Tensor]) -> Tensor:
+        if allowed is not None:  # packed or shared-prompt rows: their own block-causal mask, [b, 1, s, s]
+            mask = allowed if allowed.dim() == 4 else allowed[:, None]
+        else:  # left padding: positions count the real tokens
+            mask = attention_mask
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        return self.head(out.last_hidden_state) if self.head is not None else out.logits
+
+
+def transformers_units(module: TransformersModel) -> list[nn.Module]:
+    """`FSDPEngine`'s units on an HF model: the linear layers of each decoder layer (the classes the model
+    names in `_no_split_modules`), then the layer; the embedding and the output layer as units of their own
+    when they are two tensors (tied, the one tensor stays in the root); a value model's embedding."""
+    model = module.model
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules) to shard by")
+    units = [unit for block in blocks for unit in block_units(block)]
+    embed = model.get_input_embeddings()
+    output = None if module.head is not None else model.get_output_embeddings()
+    if output is not None and output.weight is not embed.weight:
+        units += [embed, output]
+    elif module.head is not None:
+        units.append(embed)
+    return units
+
+
+class TransformersFSDPEngine(FSDPEngine):
+    """`FSDPEngine` on the `transformers` model at `path` (see the module doc); the same interface."""
+
+    modeling = "transformers"
+
+    def __init__(self, path: str | Path, model_cfg: DecoderConfig, optim=None, **kwargs):
+        import transformers
+
+        self.path = Path(path)
+        self.hf_config = transformers.AutoConfig.from_pretrained(path)
+        super().__init__(model_cfg, optim, **kwargs)
+        if not self.value_head and self.hf_config.tie_word_embeddings:  # one tensor, used first and last
+            model = self.module.model
+            if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+                raise RuntimeError("sharding untied the model's tied embedding and output layer")
+
+    def _meta_module(self) -> nn.Module:
+        return TransformersModel(self.hf_config, self.value_head)
+
+    def _units(self) -> list[nn.Module]:
+        return transformers_units(self.module)
+
+    def _init_buffers(self) -> None:
+        init_buffers(self.module.model)
+
+    @property
+    def _prefix(self) -> str:
+        """What the checkpoint's names add to the module's: a value model's base model sits under its
+        causal LM's `base_model_prefix` there."""
+        return f"{self.module.model.base_model_prefix}." if self.value_head else ""
+
+    def _generation_params(self) -> dict[str, Tensor]:
+        """HF name -> this rank's DTensor parameter (the generation layout of this engine: HF's tensors)."""
+        return {self._prefix + name: p for name, p in self.module.model.named_parameters()}
+
+    def _load(self, read, source) -> None:
+        # a value model has no output layer; some tied checkpoints store the embedding again as lm_head
+        tied = self.hf_config.tie_word_embeddings
+        unused = frozenset({"lm_head.weight"}) if self.value_head or tied else frozenset()
+        load_rows(self.module.model, read, str(source), self._prefix, unused)
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        if self.value_head:
+            raise NotImplementedError("a critic is not an HF causal LM; save it with save()")
+        # copies: at one rank a DTensor's full tensor is its local one, which the optimizer steps in place
+        return {k: v.to(self.dtype, copy=True) for k, v in self.full_generation_state().items()}
