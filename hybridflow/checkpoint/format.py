@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hybridflow.models.bridge import get_bridge
+from hybridflow.models.checkpoint import foreign_shapes
 from hybridflow.models.config import DecoderConfig
 
 ROLES = ("actor", "critic")  # the checkpointed models: one directory each in a step
@@ -74,7 +75,10 @@ def shard_coordinates(name: str) -> Optional[tuple[int, int, int]]:
 def model_table(decoder: DecoderConfig, divisible_by: int, value_head: bool) -> dict[str, list[int]]:
     """{Megatron parameter: full shape} of a model, from the bridge (the vocabulary padded as at TP 1, so the
     table describes the model, not the layout); a critic's output layer is its one-value head."""
-    shapes = get_bridge(decoder, divisible_by, 1).megatron_shapes()
+    if not decoder.native:  # a model only transformers builds: its own parameters, by HF name
+        shapes = foreign_shapes(decoder, value_head)
+    else:
+        shapes = get_bridge(decoder, divisible_by, 1).megatron_shapes()
     if value_head:
         shapes[OUTPUT_LAYER] = (1, decoder.hidden_size)
     return {name: list(shape) for name, shape in shapes.items()}

@@ -20,10 +20,15 @@ if TYPE_CHECKING:
     from hybridflow.models.config import DecoderConfig
 
 
-def load_model_config(path: Optional[str], key: str) -> "DecoderConfig":
-    """The HF config at `path`, its weights' headers checked against it; a ConfigError naming `key` otherwise."""
+def load_model_config(path: Optional[str], key: str, needs_decoder: Optional[str] = "") -> "DecoderConfig":
+    """The HF config at `path`, its weights' headers checked against it; a ConfigError naming `key` otherwise.
+
+    needs_decoder: the setting of the run that needs hybridflow's own model code for this model (e.g.
+    "actor.engine=megatron"; `validate.needs_decoder`), or None when every role loading it runs under
+    `transformers`: then a model the decoder does not build (GPT-2, ...) is described (`DecoderConfig.foreign`)
+    instead of refused."""
     from hybridflow.models.checkpoint import check_hf_checkpoint
-    from hybridflow.models.config import DecoderConfig, ModelConfigError
+    from hybridflow.models.config import DecoderConfig, ModelConfigError, UnsupportedArchitecture
 
     if not path:
         raise ConfigError(key, "no model path given")
@@ -32,8 +37,13 @@ def load_model_config(path: Optional[str], key: str) -> "DecoderConfig":
     if not Path(path).is_dir():
         raise ConfigError(key, f"{path} is a file; give the model's directory (config.json and safetensors)")
     try:
-        cfg = DecoderConfig.from_pretrained(path)
+        cfg = DecoderConfig.from_pretrained(path, any_architecture=needs_decoder is None)
         check_hf_checkpoint(path, cfg)  # the weights' headers: before any worker starts loading them
+    except UnsupportedArchitecture as exc:
+        raise ConfigError(key, f"{exc}: hybridflow's decoder and megatron-core do not build this model; it "
+                               f"runs under transformers, with every role loading it on engine fsdp and "
+                               f"fsdp.modeling transformers and the built-in rollout engine (this run has "
+                               f"{needs_decoder})" if needs_decoder else str(exc)) from None
     except (FileNotFoundError, ModelConfigError) as exc:
         raise ConfigError(key, str(exc)) from None
     return cfg

@@ -483,6 +483,28 @@ def check_model_split(dims: ParallelDims, key: str, *, num_heads: int, num_kv_he
         raise ConfigError(f"{key}.pp", f"{what} does not divide the model's {num_layers} layers")
 
 
+def needs_decoder(cfg: Config, plan: RunPlan, critic_model: bool = False) -> Optional[str]:
+    """The first setting of this run that needs hybridflow's own model code (decoder, bridge, megatron-core)
+    for model.path (critic_model: for critic.model_path), as "key=value"; None when every role loading that
+    model runs under FSDP on `transformers` and (the actor's) rollout is the built-in engine, which then
+    generates with the model's own code (`rollout/hf_generate.py`). A model only transformers builds is
+    loaded only then (`inputs.load_model_config`)."""
+    if critic_model:
+        roles = [("critic", cfg.critic)]
+    else:
+        roles = [("actor", cfg.actor)] + ([("reference", cfg.reference)] if plan.needs_reference else [])
+        if plan.uses_critic and not cfg.critic.model_path:
+            roles.append(("critic", cfg.critic))
+    for name, role in roles:
+        if role.engine != "fsdp":
+            return f"{name}.engine={role.engine}"
+        if role.fsdp.modeling != "transformers":
+            return f"{name}.fsdp.modeling={role.fsdp.modeling}"
+    if not critic_model and cfg.rollout.engine != "builtin":
+        return f"rollout.engine={cfg.rollout.engine}"
+    return None
+
+
 def check_plan(cfg: Config, plan: RunPlan, model: "DecoderConfig",
                critic_model: Optional["DecoderConfig"] = None) -> None:
     """ConfigError for what the config, its run plan and the models' own config.json cannot run together.

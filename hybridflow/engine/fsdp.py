@@ -139,7 +139,8 @@ class FSDPEngine:
         self.dtype = resolve_dtype(dtype)
         self.fused_output = False
         self.optim_cfg = optim
-        self.bridge = get_bridge(model_cfg, make_vocab_size_divisible_by, 1)
+        # (none for a model only transformers builds: fsdp_hf.TransformersFSDPEngine uses HF names throughout)
+        self.bridge = get_bridge(model_cfg, make_vocab_size_divisible_by, 1) if model_cfg.native else None
         self.mesh = world_mesh(device)
         world, self.rank = dist.get_world_size(), dist.get_rank()
         self.layout = ParallelDims(dp=world)

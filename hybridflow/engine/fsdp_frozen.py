@@ -31,6 +31,7 @@ from torch import nn
 
 from hybridflow.engine.fsdp import agreed_count, block_units, chunk_bounds, world_mesh
 from hybridflow.engine.fsdp_comm import gather_in_place
+from hybridflow.models.checkpoint import is_rotary, loose_buffers
 from hybridflow.models.hf import RewardModel
 
 __all__ = ["FSDPRewardModel", "frozen_units", "load_sharded_classifier", "shard_frozen",
@@ -75,18 +76,13 @@ def shard_frozen(model: nn.Module, mesh) -> nn.Module:
 def init_buffers(model: nn.Module) -> None:
     """Non-persistent buffers are not in the checkpoint and `to_empty` left them uninitialised: the rotary
     embeddings' are recomputed by transformers' own initialiser; any other is refused."""
-    persistent = set(model.state_dict().keys())
-    for module_name, module in model.named_modules():
-        own = [n for n, _ in module.named_buffers(recurse=False)]
-        if not own:
-            continue
-        if "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq"):
+    for module in model.modules():
+        if is_rotary(module):
             model._init_weights(module)
-            continue
-        loose = [f"{module_name}.{n}" for n in own if f"{module_name}.{n}" not in persistent]
-        if loose:
-            raise NotImplementedError(f"{type(model).__name__}: cannot initialise the non-persistent buffer(s) "
-                                      f"{loose} of a model built on the meta device")
+    loose = loose_buffers(model)
+    if loose:
+        raise NotImplementedError(f"{type(model).__name__}: cannot initialise the non-persistent buffer(s) "
+                                  f"{loose} of a model built on the meta device")
 
 
 def load_shards(model: nn.Module, path: str | Path) -> int:

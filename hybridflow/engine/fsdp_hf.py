@@ -19,20 +19,26 @@ all-gather, mixed precision and offload, the idle passes, Adam, the LR schedule,
 - The generation layout is HF names: the switch to generation gathers each HF tensor and the bridge fuses
   q/k/v and gate/up into the built-in generator's tensors (`hybrid_engine/fsdp_gather.py`), and the
   HF export is the gathered tensors themselves.
+- Dropout is off (`without_dropout`), as in TRL's RL trainers: a token's new/old log-prob ratio must be 1
+  at equal weights.
 
-The architectures are those the bridge maps (Llama, Qwen2, Mistral): the run's planning, the generator and
-the checkpoint tables read the model through `DecoderConfig`. On them both engines compute the same
-function (tests/engine/test_fsdp_hf.py: logits equal, an update within float32 rounding).
+On the architectures the bridge maps (Llama, Qwen2, Mistral) both model codes compute the same function
+(tests/engine/test_fsdp_hf.py: logits equal, an update within float32 rounding), and the actor generates on
+the built-in engine. Any other architecture `transformers` builds (GPT-2, a Llama with a GELU MLP, ...) runs
+too when every role loading it is on this engine (`config.validate.needs_decoder`): `DecoderConfig.foreign`
+describes it for the run's planning, the generator is the model's own class (`rollout/hf_generate.py`), and
+its checkpoint table and export are its own tensors and config.json (tests/trainer/test_transformers_models.py).
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from hybridflow.engine.fsdp import FSDPEngine, block_units
+from hybridflow.engine.fsdp import FSDPEngine
 from hybridflow.engine.fsdp_frozen import init_buffers, load_rows
 from hybridflow.models.config import DecoderConfig
 
@@ -49,7 +55,10 @@ class TransformersModel(nn.Module):
         super().__init__()
         # float32 parameters: the engine's masters (a lower compute dtype is FSDP's mixed-precision cast)
         kind = transformers.AutoModel if value_head else transformers.AutoModelForCausalLM
-        self.model = kind.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        self.model = kind.from_config(without_dropout(config), dtype=torch.float32, attn_implementation="sdpa")
+        for module in self.model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
         self.head = nn.Linear(config.hidden_size, 1, bias=False) if value_head else None
 
     def forward(self, ids: Tensor, attention_mask: Optional[Tensor], positions: Optional[Tensor],
@@ -63,6 +72,17 @@ class TransformersModel(nn.Module):
         return self.head(out.last_hidden_state) if self.head is not None else out.logits
 
 
+def without_dropout(config):
+    """`config` with every dropout probability 0 (GPT-2's resid/embd/attn_pdrop, attention_dropout, ...): an
+    RL update weighs each token by the ratio of its new log-prob to the old one, which dropout would make
+    differ at equal weights (TRL disables it in its RL trainers too); hybridflow's decoder has none."""
+    config = copy.deepcopy(config)
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
+
+
 def transformers_units(module: TransformersModel) -> list[nn.Module]:
     """`FSDPEngine`'s units on an HF model: the linear layers of each decoder layer (the classes the model
     names in `_no_split_modules`), then the layer; the embedding and the output layer as units of their own
@@ -72,7 +92,7 @@ def transformers_units(module: TransformersModel) -> list[nn.Module]:
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
         raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules) to shard by")
-    units = [unit for block in blocks for unit in block_units(block)]
+    units = [unit for block in blocks for unit in _leaf_matrices(block) + [block]]
     embed = model.get_input_embeddings()
     output = None if module.head is not None else model.get_output_embeddings()
     if output is not None and output.weight is not embed.weight:
@@ -80,6 +100,13 @@ def transformers_units(module: TransformersModel) -> list[nn.Module]:
     elif module.head is not None:
         units.append(embed)
     return units
+
+
+def _leaf_matrices(block: nn.Module) -> list[nn.Module]:
+    """The layers of a decoder layer that hold a matrix: `nn.Linear`, GPT-2's `Conv1D` and the like (leaf
+    modules with a 2-D weight), each an FSDP unit of its own, as `fsdp.block_units` makes the decoder's."""
+    return [m for m in block.modules() if not any(True for _ in m.children())
+            and isinstance(getattr(m, "weight", None), Tensor) and m.weight.dim() == 2]
 
 
 class TransformersFSDPEngine(FSDPEngine):

@@ -24,11 +24,27 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hybridflow.engine.fsdp import chunk_rows
+from hybridflow.engine.fsdp_frozen import init_buffers
+from hybridflow.engine.fsdp_hf import without_dropout
 from hybridflow.hybrid_engine.generation import transition_metrics
 from hybridflow.hybrid_engine.reshard import DEFAULT_BUCKET_BYTES, _refuse_released
 from hybridflow.hybrid_engine.traffic import Traffic
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.decoder import Decoder, rope_inv_freq
+
+
+def hf_generation_model(config, dtype: torch.dtype, device: torch.device):
+    """An HF *ForCausalLM of `config` for generation: allocated, not initialised (every weight is filled by
+    the first refresh), its rotary buffers computed; eval mode, no gradients."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(without_dropout(config), dtype=dtype,
+                                                              attn_implementation="sdpa")
+    model.to_empty(device=device)  # allocates each module's tensors apart: a tied output layer is untied
+    model.tie_weights()
+    init_buffers(model)
+    return model.eval()
 
 
 def _row_size(shape) -> int:
@@ -53,12 +69,22 @@ class FSDPGatheredWeights:
         # model, engine/fsdp_hf.py) HF names, whose q/k/v and gate/up the bridge fuses into the decoder's.
         self.params = engine._generation_params()  # name -> DTensor
         self.shapes = {name: tuple(p.shape) for name, p in self.params.items()}
-        self.fuse = get_bridge(engine.cfg).fuse_stream if engine.modeling == "transformers" else None
-        model = Decoder(engine.cfg).to(device=engine.torch_device, dtype=engine.dtype).eval()
-        model.inv_freq = rope_inv_freq(engine.cfg).to(engine.torch_device)
+        native, hf_names = engine.cfg.native, engine.modeling == "transformers"
+        self.fuse = get_bridge(engine.cfg).fuse_stream if native and hf_names else None
+        if native:
+            model = Decoder(engine.cfg).to(device=engine.torch_device, dtype=engine.dtype).eval()
+            model.inv_freq = rope_inv_freq(engine.cfg).to(engine.torch_device)
+        else:  # a model only transformers builds generates on its own code (rollout/hf_generate.py)
+            model = hf_generation_model(engine.hf_config, engine.dtype, engine.torch_device)
         self.model = model
         self.model.requires_grad_(False)
         self.model_shapes = {name: p.shape for name, p in self.model.named_parameters()}
+        # Every generation tensor is refilled by each refresh (a tensor left out would generate from whatever
+        # memory it was given, or from stale weights): the gathered names, fused where the bridge fuses.
+        filled = {e.generation for e in get_bridge(engine.cfg).entries()} if self.fuse is not None else set(self.params)
+        if filled != set(self.model_shapes):
+            raise RuntimeError(f"the generator's tensors {sorted(set(self.model_shapes) ^ filled)[:4]} are not "
+                               f"the engine's gathered ones")
         self.element = torch.empty((), dtype=engine.dtype).element_size()
         self._released = None
         self.refresh()

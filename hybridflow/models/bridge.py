@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Iterator, Literal, Optional, Protocol
 
 import torch
 
-from hybridflow.models.config import DecoderConfig
+from hybridflow.models.config import DecoderConfig, ModelConfigError
 from hybridflow.models.sharding import ShardSpec, padded_vocab_size, spec_for
 
 Fuse = Optional[Literal["qkv", "gate_up"]]
@@ -301,6 +301,9 @@ BRIDGES: dict[str, type[LlamaBridge]] = {"llama": LlamaBridge, "qwen2": LlamaBri
 
 
 def get_bridge(cfg: DecoderConfig, make_vocab_size_divisible_by: int = 128, tp: int = 1) -> LlamaBridge:
+    if not cfg.native:
+        raise ModelConfigError(f"{cfg.why_foreign}: hybridflow's bridge (HF <-> megatron-core <-> decoder names) "
+                               f"does not map this model; it runs under transformers only")
     if cfg.model_type not in BRIDGES:
         raise KeyError(f"no bridge for model_type {cfg.model_type!r}; known: {sorted(BRIDGES)}")
     return BRIDGES[cfg.model_type](cfg, make_vocab_size_divisible_by, tp)

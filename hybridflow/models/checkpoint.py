@@ -67,6 +67,22 @@ def check_hf_checkpoint(path: str | Path, cfg: DecoderConfig) -> None:
         except (SafetensorError, OSError) as exc:
             raise ModelConfigError(f"{file} is not a readable safetensors file ({exc})") from None
     config = Path(path) / "config.json"
+    if not cfg.native:  # the names and shapes of the transformers model config.json builds
+        loose = loose_buffers(foreign_model(cfg))
+        if loose:
+            raise ModelConfigError(f"{cfg.why_foreign}; nor can it run under transformers here: its buffer(s) "
+                                   f"{loose[:3]} are in no checkpoint and transformers' initialiser does not "
+                                   f"recompute them on a model built on the meta device")
+        want = foreign_shapes(cfg)
+        missing, unknown = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want) - {"lm_head.weight"})
+        if missing or unknown:
+            raise ModelConfigError(f"the weights in {path} do not match {config}: missing {missing[:3]}, "
+                                   f"unknown {unknown[:3]}")
+        for name, shape in want.items():
+            if shapes[name][0] != shape:
+                raise ModelConfigError(f"{config} makes {name} {list(shape)}, but {shapes[name][1]} holds "
+                                       f"{list(shapes[name][0])}")
+        return
     bridge = get_bridge(cfg)
     try:
         bridge.check_hf_names(shapes)
@@ -80,6 +96,39 @@ def check_hf_checkpoint(path: str | Path, cfg: DecoderConfig) -> None:
             raise ModelConfigError(f"{config} says vocab_size {cfg.vocab_size}, but {name} in {file} has "
                                    f"{found[0]} rows")
         raise ModelConfigError(f"{config} makes {name} {list(want)}, but {file} holds {list(found)}")
+
+
+def foreign_model(cfg: DecoderConfig, value_head: bool = False):
+    """The `transformers` model of a foreign description (`DecoderConfig.native` False), on the meta device
+    (no memory): its *ForCausalLM, or (value_head) its base model."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**cfg.hf_config)
+    kind = transformers.AutoModel if value_head else transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        return kind.from_config(config, dtype=torch.float32)
+
+
+def is_rotary(module) -> bool:
+    """A transformers rotary embedding, whose frequency buffers its model's `_init_weights` recomputes."""
+    return "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq")
+
+
+def loose_buffers(model) -> list[str]:
+    """The non-persistent buffers of a transformers `model` that no checkpoint holds and nothing recomputes
+    (the rotary embeddings' are recomputed: `engine/fsdp_frozen.init_buffers`): on the meta device a model
+    cannot be given them."""
+    persistent = set(model.state_dict())
+    return [f"{module_name}.{n}" for module_name, module in model.named_modules() if not is_rotary(module)
+            for n, _ in module.named_buffers(recurse=False) if f"{module_name}.{n}" not in persistent]
+
+
+def foreign_shapes(cfg: DecoderConfig, value_head: bool = False) -> dict[str, tuple[int, ...]]:
+    """{HF checkpoint name: shape} of a foreign model's parameters (a tied output layer is the embedding;
+    a value model's base model under its causal LM's prefix)."""
+    model = foreign_model(cfg, value_head)
+    prefix = f"{model.base_model_prefix}." if value_head else ""
+    return {prefix + name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def load_hf_state_dict(path: str | Path, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:

@@ -27,6 +27,12 @@ class ModelConfigError(ValueError):
     """config.json describes a model this decoder cannot reproduce exactly."""
 
 
+class UnsupportedArchitecture(ModelConfigError):
+    """A well-formed config.json of an architecture (or an option of one) hybridflow's decoder does not
+    reproduce: such a model runs only under `transformers` (`DecoderConfig.from_pretrained(any_architecture=
+    True)` describes it)."""
+
+
 @dataclass
 class DecoderConfig:
     model_type: str
@@ -48,6 +54,13 @@ class DecoderConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int | list[int]] = None
     torch_dtype: str = "float32"
+    # False: a model hybridflow's decoder, bridge and megatron-core builder do not reproduce (GPT-2, a Llama
+    # with a GELU MLP, ...), described from its config.json for the run's planning only (`foreign`); it runs
+    # under `transformers` alone (an FSDP role with fsdp.modeling: transformers, generating with
+    # `rollout/hf_generate.py`). Building a decoder or a bridge from it is a ModelConfigError.
+    native: bool = True
+    why_foreign: str = ""  # why the decoder does not build it (the UnsupportedArchitecture message)
+    hf_config: Optional[dict] = None  # a foreign model's config.json as read: its export writes it back
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
@@ -69,7 +82,7 @@ class DecoderConfig:
     def from_hf_dict(cls, hf: dict[str, Any]) -> "DecoderConfig":
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_FAMILIES:
-            raise ModelConfigError(
+            raise UnsupportedArchitecture(
                 f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_FAMILIES}")
         for key in _SIZE_KEYS:
             value = hf.get(key)
@@ -77,20 +90,20 @@ class DecoderConfig:
                 raise ModelConfigError(f"{key}={value!r}: must be a positive integer")
         act = hf.get("hidden_act", "silu")
         if act != "silu":
-            raise ModelConfigError(f"hidden_act={act!r}: only SwiGLU (silu) MLPs are supported")
+            raise UnsupportedArchitecture(f"hidden_act={act!r}: only SwiGLU (silu) MLPs are supported")
         if hf.get("mlp_bias"):
-            raise ModelConfigError("mlp_bias=true is not supported")
+            raise UnsupportedArchitecture("mlp_bias=true is not supported")
         # Llama's `attention_bias` also puts a bias on o_proj, which Megatron's
         # local spec cannot hold separately from the MLP biases; Qwen2 always
         # has a QKV bias and never an o_proj bias.
         if model_type != "qwen2" and hf.get("attention_bias"):
-            raise ModelConfigError("attention_bias=true (bias on o_proj) is not supported")
+            raise UnsupportedArchitecture("attention_bias=true (bias on o_proj) is not supported")
         heads = hf["num_attention_heads"]
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3"):
-            raise ModelConfigError(f"rope_type={rope_type!r} is not supported (default, linear, llama3)")
+            raise UnsupportedArchitecture(f"rope_type={rope_type!r} is not supported (default, linear, llama3)")
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -113,7 +126,41 @@ class DecoderConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "DecoderConfig":
+    def foreign(cls, hf: dict[str, Any], why: str) -> "DecoderConfig":
+        """A description (native=False) of a model the decoder does not build (`why`), read through
+        `transformers`' own config class, whose standard names (num_hidden_layers, hidden_size, ...) cover
+        the architecture's own (GPT-2's n_layer, n_embd, ...). Windows: the config's sliding_window on every
+        layer, which keeps packed and prompt-shared micro-batches (a mask of hybridflow's) off it."""
+        import transformers
+
+        try:
+            config = transformers.AutoConfig.for_model(**hf)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ModelConfigError(f"{why}, and transformers does not read this config.json either "
+                                   f"({type(exc).__name__}: {exc})") from None
+        heads = config.num_attention_heads
+        hidden = config.hidden_size
+        window = getattr(config, "sliding_window", None)
+        layers = config.num_hidden_layers
+        return cls(
+            model_type=config.model_type, vocab_size=config.vocab_size, hidden_size=hidden,
+            intermediate_size=(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+                               or 4 * hidden),
+            num_layers=layers, num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or hidden // heads,
+            max_position_embeddings=getattr(config, "max_position_embeddings", None) or 4096,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            layer_windows=[window if isinstance(window, int) else None] * layers,
+            bos_token_id=getattr(config, "bos_token_id", None), eos_token_id=getattr(config, "eos_token_id", None),
+            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            native=False, why_foreign=why, hf_config=dict(hf))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, any_architecture: bool = False) -> "DecoderConfig":
+        """The model at `path` (its directory or config.json). any_architecture: a model the decoder does not
+        build (UnsupportedArchitecture) is described (`foreign`) instead of refused; malformed files are
+        refused either way."""
         file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
         if not file.is_file():
             raise FileNotFoundError(f"model config not found: {file}")
@@ -127,9 +174,15 @@ class DecoderConfig:
             return cls.from_hf_dict(hf)
         except KeyError as exc:
             raise ModelConfigError(f"{file} lacks the key {exc.args[0]!r}") from None
+        except UnsupportedArchitecture as exc:
+            if not any_architecture:
+                raise
+            return cls.foreign(hf, str(exc))
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The `config.json` an HF loader needs to rebuild this model."""
+        """The `config.json` an HF loader needs to rebuild this model (a foreign one's: as it was read)."""
+        if not self.native:
+            return dict(self.hf_config)
         out: dict[str, Any] = {
             "architectures": [HF_ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridflow.models.config import DecoderConfig
+from hybridflow.models.config import DecoderConfig, ModelConfigError
 from hybridflow.models.kv_cache import KVCache
 
 
@@ -214,6 +214,9 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: DecoderConfig, parallel: TensorParallel = NO_PARALLEL):
         super().__init__()
+        if not cfg.native:
+            raise ModelConfigError(f"{cfg.why_foreign}: hybridflow's decoder does not build this model (it runs "
+                                   f"under transformers only)")
         self.full_cfg, self.parallel = cfg, parallel
         self.cfg = local_config(cfg, parallel.size)
         rows = cfg.vocab_size if parallel.size == 1 else parallel.padded_vocab // parallel.size

@@ -3,7 +3,8 @@
     backend = build_backend(cfg.rollout, model, tokenizer, model_path)            # the trainer's workers
     backend, engine = build_with_fallback(RolloutConfig(engine="vllm"), ...)      # the DataFlow API
 
-"builtin" is a `Generator` on `model` itself; "vllm" an in-process vLLM engine
+"builtin" is a `Generator` on `model` itself (an HF model hybridflow's decoder does not build: an
+`HFGenerator` on its own code, `hf_generate.py`); "vllm" an in-process vLLM engine
 (`vllm_backend.py`) of the same architecture with placeholder weights, which
 the caller pushes with `weights.sync_weights` before the first rollout. Both
 engines are imported here at module level: neither imports this module, and
@@ -25,6 +26,7 @@ from hybridflow.errors import ConfigError
 from hybridflow.models.decoder import Decoder
 from hybridflow.rollout.backend import RolloutBackend
 from hybridflow.rollout.generator import Generator
+from hybridflow.rollout.hf_generate import HFGenerator
 from hybridflow.rollout.vllm_backend import VLLMBackend, VLLMUnavailable, check_generation_group
 
 __all__ = ["build_backend", "build_with_fallback"]
@@ -44,6 +46,11 @@ def build_backend(cfg: RolloutConfig, model: Decoder, tokenizer: Any, model_path
     """
     if cfg.engine not in ENGINES:
         raise ConfigError("rollout.engine", f"{cfg.engine!r} is not one of {list(ENGINES)}")
+    if not isinstance(model, Decoder):  # an HF model hybridflow's decoder does not build: its own code
+        if cfg.engine != "builtin":
+            raise ConfigError("rollout.engine", f"{cfg.engine!r} generates for the models hybridflow's decoder "
+                              f"builds; {type(model).__name__} generates on its own code with 'builtin'")
+        return HFGenerator(model, tokenizer.pad_token_id, tokenizer)
     if cfg.engine == "builtin":
         return Generator(model, tokenizer.pad_token_id, tokenizer)
     dtype = str(model.embed.weight.dtype).removeprefix("torch.")

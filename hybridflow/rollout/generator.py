@@ -317,18 +317,23 @@ class Generator:
 
     def _completes_stop_string(self, tokens: torch.Tensor, done: torch.Tensor,
                                stop: tuple[str, ...]) -> torch.Tensor:
-        """Rows [N] (bool) not yet done whose last token completes one of `stop`.
+        return completes_stop_string(self.tokenizer, tokens, done, stop)
 
-        Only the tail of each row is decoded: an earlier occurrence would
-        already have ended the row.
-        """
-        lookback = _TOKENS_PER_CHAR * max(len(s) for s in stop)
-        tails = tokens[:, -lookback:].tolist()
-        hits = torch.zeros_like(done)
-        for row in (~done).nonzero().flatten().tolist():
-            text = self.tokenizer.decode(tails[row])
-            hits[row] = any(s in text for s in stop)
-        return hits
+
+def completes_stop_string(tokenizer: Any, tokens: torch.Tensor, done: torch.Tensor,
+                          stop: tuple[str, ...]) -> torch.Tensor:
+    """Rows [N] (bool) not yet done whose last token completes one of `stop` (tokens: [N, steps so far]).
+
+    Only the tail of each row is decoded: an earlier occurrence would
+    already have ended the row.
+    """
+    lookback = _TOKENS_PER_CHAR * max(len(s) for s in stop)
+    tails = tokens[:, -lookback:].tolist()
+    hits = torch.zeros_like(done)
+    for row in (~done).nonzero().flatten().tolist():
+        text = tokenizer.decode(tails[row])
+        hits[row] = any(s in text for s in stop)
+    return hits
 
 
 def _row_streams(row_keys: Optional[torch.Tensor], n: int, steps: int, device) -> Optional[torch.Tensor]:

@@ -49,6 +49,7 @@ from hybridflow.config.inputs import check_prompt_count, load_model_config, load
 from hybridflow.config.plan import RunPlan
 from hybridflow.config.preflight import check_runnable
 from hybridflow.config.schema import Config
+from hybridflow.config.validate import needs_decoder
 from hybridflow.controller.dispatch import PerReplica, concat_batches, method_reads
 from hybridflow.controller.worker import DIED, WorkerError
 from hybridflow.controller.transfer import fetch_remote_rows
@@ -127,8 +128,11 @@ class RLTrainer:
         t = cfg.trainer
         self.plan = plan = RunPlan.from_config(cfg)  # what the config implies, computed once
         self.run_dir = plan.run_dir
-        self.model_cfg = load_model_config(cfg.model.path, "model.path")
-        critic_cfg = load_model_config(cfg.critic.model_path, "critic.model_path") if cfg.critic.model_path else None
+        # A model only transformers builds is read when every role loading it runs on transformers.
+        self.model_cfg = load_model_config(cfg.model.path, "model.path", needs_decoder(cfg, plan))
+        critic_cfg = (load_model_config(cfg.critic.model_path, "critic.model_path",
+                                        needs_decoder(cfg, plan, critic_model=True))
+                      if cfg.critic.model_path else None)
         check_runnable(cfg, plan, self.model_cfg, critic_cfg)  # the last config checks, before any worker starts
         self.model_tensors = model_tensors(cfg, plan, self.model_cfg, critic_cfg)  # recorded in each checkpoint
         self.tokenizer = load_tokenizer(cfg.model, self.model_cfg)

@@ -105,8 +105,9 @@ def build_engine(run: Run, model: ModelConfig, path: str, optim: Optional[OptimC
         options = dict(device=run.device, dtype=model.dtype,
                        make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, value_head=value_head,
                        total_steps=optimizer_steps, seed=run.seed, offload=fsdp.offload)
-        model_cfg = DecoderConfig.from_pretrained(path)
-        engine = (TransformersFSDPEngine(path, model_cfg, optim, **options) if fsdp.modeling == "transformers"
+        transformers_code = fsdp.modeling == "transformers"  # then any architecture transformers builds
+        model_cfg = DecoderConfig.from_pretrained(path, any_architecture=transformers_code)
+        engine = (TransformersFSDPEngine(path, model_cfg, optim, **options) if transformers_code
                   else FSDPEngine(model_cfg, optim, **options))
         if engine.layout != layout:
             raise ValueError(f"the run plan's layout {layout} is not FSDP's {engine.layout} over this group")
@@ -195,7 +196,8 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         prepare_process(self, spec.run.processes)
         torch.manual_seed(spec.run.seed)
         self.spec = spec
-        self.model_cfg = DecoderConfig.from_pretrained(spec.model.path)
+        self.model_cfg = DecoderConfig.from_pretrained(  # a model only transformers builds runs on it alone
+            spec.model.path, any_architecture=spec.actor.engine == "fsdp" and spec.actor.fsdp.modeling == "transformers")
         self.tokenizer = read_tokenizer(spec.model)
         self.engine = build_engine(spec.run, spec.model, spec.model.path, spec.actor.optim, spec.actor.parallel,
                                    spec.layout, spec.optimizer_steps, kind=spec.actor.engine, fsdp=spec.actor.fsdp)

@@ -200,3 +200,53 @@ def test_an_actor_on_transformers_at_two_ranks_updates_as_megatron_core_at_one_p
     assert fsdp["transformers_generation_equals_trained"]
     refresh = fsdp["transformers_refresh"]
     assert refresh["reshard/bytes_received"] == fsdp["transformers_plan_bytes"] == refresh["reshard/plan_bytes"]
+
+
+def test_a_model_only_transformers_builds_runs_on_the_engine_and_its_generator(tmp_path):
+    """GPT-2 (Conv1D layers, learned positions, tied embeddings; `DecoderConfig.native` False): loaded as
+    stored, its log-probs of plain, packed and prompt-shared micro-batches agree (one model, three batchings:
+    within 1e-6), an update moves it, and the generator refreshed after the update (a whole GPT2LMHeadModel,
+    tied again after allocation) holds the trained tensors; the decoder and the bridge refuse it by name."""
+    from hybridflow.models.config import DecoderConfig, ModelConfigError
+    from hybridflow.models.decoder import Decoder
+    from hybridflow.rollout.hf_generate import HFGenerator
+    from hybridflow.rollout.sampling import SamplingParams
+    from tests.trainer.test_transformers_models import write_gpt2
+
+    path = write_gpt2(tmp_path / "gpt2")
+    cfg = DecoderConfig.from_pretrained(path, any_architecture=True)
+    assert not cfg.native and cfg.num_layers == 2 and cfg.hidden_size == 64 and cfg.intermediate_size == 256
+    for build in (Decoder, get_bridge):
+        with pytest.raises(ModelConfigError, match="model_type 'gpt2' is not supported"):
+            build(cfg)
+    _, _, batch, optim, actor_cfg = dp_case()
+    batch = {k: v % cfg.vocab_size if k in (F.INPUT_IDS, F.RESPONSES) else v for k, v in batch.items()}
+    engine = TransformersFSDPEngine(path, cfg, optim, total_steps=10)
+    engine.load_hf_checkpoint(path)
+    from hybridflow.models.checkpoint import load_hf_state_dict
+
+    stored = load_hf_state_dict(path)
+    assert all(torch.equal(v, stored[k]) for k, v in engine.hf_state_dict().items())
+    real = batch[F.RESPONSE_MASK].bool()
+    frozen = TransformersFSDPEngine(path, cfg)
+    frozen.load_hf_checkpoint(path)
+    plain, packed, shared = (
+        Reference(ReferenceConfig(log_prob_micro_batch_size=2, **mode), frozen).compute_ref_log_probs(batch)
+        for mode in ({}, dict(log_prob_use_dynamic_bsz=True, log_prob_max_token_len_per_gpu=20),
+                     dict(log_prob_share_prompts=True)))
+    for other in (packed, shared):
+        torch.testing.assert_close(other[F.REF_LOG_PROBS][real], plain[F.REF_LOG_PROBS][real], atol=1e-6, rtol=0)
+    generation = FSDPGatheredWeights(engine, bucket_bytes=4096)
+    model = generation.model
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied, so the refresh fills both
+    generation.release()
+    actor = Actor(actor_cfg, engine)
+    rows, steps = rows_for_plan(batch, actor.plan(len(batch[F.INPUT_IDS]), step=0, replicas=1)[0])
+    assert actor.update_share(rows, steps)["actor/grad_norm"] > 0
+    generation.refresh()
+    trained = engine.hf_state_dict()
+    assert all(torch.equal(p, trained[n]) for n, p in model.named_parameters())
+    assert not all(torch.equal(trained[n], stored[n]) for n in trained)
+    out = HFGenerator(model, 0).generate(batch[F.INPUT_IDS][:2, :5], batch[F.ATTENTION_MASK][:2, :5],
+                                         SamplingParams(max_new_tokens=4, do_sample=False))
+    assert out.responses.shape == (2, 4)
