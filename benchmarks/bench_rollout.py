@@ -34,7 +34,10 @@ machine shift single timings. Two workloads:
   Python decode loop (`decode="python"`; `ours` runs the C++ decode loop on
   the CPU) and `no-drop` that loop with ended rows kept in the batch (as HF
   keeps them), on the same keyed samples as `ours`: `vs python` is what the
-  C++ loop gains, `vs no-drop` what it and dropping ended rows gain.
+  C++ loop gains, `vs no-drop` what it and dropping ended rows gain. The
+  line's tail: `rollout/hf_generate.py`'s loop (the engine of models only
+  `transformers` builds) on the HF model with `ours`' keys, its tokens/s and
+  the share of rows it sampled exactly as `python` did.
 
 - `turns`: multi-turn agent episodes on the built-in engine, the KV cache
   kept between turns against re-prefilling the whole trajectory at every
@@ -62,6 +65,7 @@ import torch
 
 from hybridflow.models import Decoder, DecoderConfig, save_decoder
 from hybridflow.rollout import Generator, SamplingParams
+from hybridflow.rollout.hf_generate import HFGenerator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (hybridflow bench runs this by path)
 from figures import mib, peak_extra_mib, ratio, write_json  # noqa: E402
@@ -120,6 +124,7 @@ def bench_sampled(ours: Generator, hf_model, batches, prompt_len: int, new_token
                      pad_token_id=PAD, eos_token_id=list(eos))
     drop_at = generator_module._COMPACT_AT
     python = Generator(ours.model, pad_token_id=PAD, decode="python")
+    hf_loop = HFGenerator(hf_model, pad_token_id=PAD)  # the engine of models only transformers builds
 
     def ours_keyed(generator, ids, mask, keys, compact: bool = True):
         generator_module._COMPACT_AT = drop_at if compact else float("inf")
@@ -132,15 +137,17 @@ def bench_sampled(ours: Generator, hf_model, batches, prompt_len: int, new_token
     for batch in batches:
         ids, mask = _prompts(batch, prompt_len, vocab)
         torch.manual_seed(0)
-        names = ("ours", "python", "no-drop", "hf")
+        names = ("ours", "python", "no-drop", "hf loop", "hf")
         tokens = dict.fromkeys(names, 0)
         seconds = dict.fromkeys(names, 0.0)
+        same_loop = 0.0
         for i in range(repeats + 1):  # the first round is a warm-up
             keys = torch.arange(batch) + 1000 * i  # the same samples for all of ours
             runs = {}
             for name, call in (("ours", lambda: ours_keyed(ours, ids, mask, keys)),
                                ("python", lambda: ours_keyed(python, ids, mask, keys)),
                                ("no-drop", lambda: ours_keyed(python, ids, mask, keys, compact=False)),
+                               ("hf loop", lambda: hf_loop.generate(ids, mask, params, row_keys=keys)),
                                ("hf", lambda: hf_model.generate(ids, attention_mask=mask, **hf_kwargs))):
                 start = time.perf_counter()
                 with torch.no_grad():
@@ -148,7 +155,10 @@ def bench_sampled(ours: Generator, hf_model, batches, prompt_len: int, new_token
                 if i:
                     seconds[name] += time.perf_counter() - start
             assert torch.equal(runs["python"].responses, runs["no-drop"].responses)
-            counts = {name: int(runs[name].response_mask.sum()) for name in names[:3]}
+            # the same keyed samples on transformers' code: equal but for a near-tie flipped by rounding
+            same_loop += float((runs["hf loop"].responses == runs["python"].responses).all(1).float().mean()) if (
+                runs["hf loop"].responses.shape == runs["python"].responses.shape) else 0.0
+            counts = {name: int(runs[name].response_mask.sum()) for name in names[:4]}
             counts["hf"] = _tokens_to_eos(runs["hf"][:, prompt_len:], eos)
             if i:
                 tokens = {k: tokens[k] + counts[k] for k in tokens}
@@ -160,9 +170,11 @@ def bench_sampled(ours: Generator, hf_model, batches, prompt_len: int, new_token
               f"{rate['no-drop']:10.0f} {rate['hf']:10.0f} {rate['ours'] / rate['hf']:7.2f}x "
               f"{rate['ours'] / rate['python']:9.2f}x {rate['ours'] / rate['no-drop']:9.2f}x "
               f"{length['ours'] / length['hf']:6.3f} {mib(peak_ours)} {mib(peak_hf)} {ratio(peak_ours, peak_hf)}"
-              f"   mean length ours {length['ours']:.0f}, HF {length['hf']:.0f}", flush=True)
+              f"   mean length ours {length['ours']:.0f}, HF {length['hf']:.0f}; hf_generate.py loop "
+              f"{rate['hf loop']:.0f} tok/s (ours {rate['ours'] / rate['hf loop']:.2f}x), same rows "
+              f"{same_loop / (repeats + 1):.3f}", flush=True)
         rows.append({"workload": "sampled", "batch": batch, "tokens_per_s": rate, "mean_length": length,
-                     "peak_mib": {"ours": peak_ours, "hf": peak_hf}})
+                     "peak_mib": {"ours": peak_ours, "hf": peak_hf}, "hf_loop_same_rows": same_loop / (repeats + 1)})
     return rows
 
 

@@ -24,9 +24,9 @@ def load_model_config(path: Optional[str], key: str, needs_decoder: Optional[str
     """The HF config at `path`, its weights' headers checked against it; a ConfigError naming `key` otherwise.
 
     needs_decoder: the setting of the run that needs hybridflow's own model code for this model (e.g.
-    "actor.engine=megatron"; `validate.needs_decoder`), or None when every role loading it runs under
-    `transformers`: then a model the decoder does not build (GPT-2, ...) is described (`DecoderConfig.foreign`)
-    instead of refused."""
+    "actor.engine=megatron"; `validate.needs_decoder`), named in the refusal of a model the decoder does not
+    build; "" (a caller that does not say) refuses it as the decoder does; None (every role loading it runs
+    under `transformers`) describes it instead (`DecoderConfig.foreign`)."""
     from hybridflow.models.checkpoint import check_hf_checkpoint
     from hybridflow.models.config import DecoderConfig, ModelConfigError, UnsupportedArchitecture
 
