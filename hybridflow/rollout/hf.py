@@ -7,7 +7,8 @@
 
 The architecture named in `config.json` picks the wrapper. A causal LM runs on
 hybridflow's own plain `Decoder` and built-in KV-cache `Generator` (the
-Llama/Qwen2/Mistral families); a sequence classifier (reward model or guard)
+Llama/Qwen2/Mistral families), any other on its `transformers` class and
+`hf_generate.HFGenerator` (a GPT-2 trained by the FSDP engine on transformers); a sequence classifier (reward model or guard)
 is `models.hf.RewardModel`, on `transformers`. This module sits in the rollout
 layer because a causal LM generates with the `Generator`; what loading needs
 below it (devices, dtypes, config.json, prompt ids, the classifier) is in
@@ -30,6 +31,7 @@ from hybridflow.config.schema import ENGINES, RolloutConfig
 from hybridflow.data.prompts import left_pad
 from hybridflow.models.hf import (RewardModel, load_classifier, prompt_ids, read_config, resolve_device,
                                   resolve_dtype)
+from hybridflow.models.decoder import Decoder
 from hybridflow.rollout.backend import RolloutBackend
 from hybridflow.rollout.factory import build_backend, build_with_fallback
 from hybridflow.rollout.sampling import SamplingParams
@@ -163,7 +165,12 @@ class CausalLM:
         if not questions:
             return []
         input_ids, mask = self._encode(questions, self._wants_chat(None))
-        logits = self.model.logits(self.model.hidden_states(input_ids, mask)[:, -1])[:, digits].float()
+        if isinstance(self.model, Decoder):
+            logits = self.model.logits(self.model.hidden_states(input_ids, mask)[:, -1])
+        else:  # a transformers model (one hybridflow's decoder does not build)
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+        logits = logits[:, digits].float()
         values = torch.arange(1, scale + 1, dtype=torch.float32, device=logits.device)
         return (logits.softmax(-1) * values).sum(-1).cpu().tolist()
 
@@ -176,11 +183,22 @@ HFModel = Union[CausalLM, RewardModel]
 
 def _load_causal_lm(path: Path, device: torch.device, dtype: Optional[torch.dtype],
                     engine: str) -> CausalLM:
+    """On hybridflow's decoder; a model it does not build (GPT-2, ...) on `transformers`' own class, which
+    generates with `hf_generate.HFGenerator` (the built-in engine only: vLLM is refused for it)."""
     from hybridflow.data.tokenizer import Tokenizer
     from hybridflow.models.checkpoint import load_decoder
+    from hybridflow.models.config import DecoderConfig
 
-    decoder = load_decoder(path, dtype).to(device).eval()
-    return CausalLM(decoder, Tokenizer.from_path(path), path, device, engine)
+    if DecoderConfig.from_pretrained(path, any_architecture=True).native:
+        model = load_decoder(path, dtype).to(device).eval()
+    else:
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto").to(device).eval()
+        if engine != "builtin":
+            raise ValueError(f"engine={engine!r}: {type(model).__name__} at {path} generates on its own code, "
+                             f"with the built-in engine only")
+    return CausalLM(model, Tokenizer.from_path(path), path, device, engine)
 
 
 def load_hf_model(path: Union[str, Path], device_map: Optional[str] = None,
@@ -198,7 +216,7 @@ def load_hf_model(path: Union[str, Path], device_map: Optional[str] = None,
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     architectures = config.get("architectures") or []
-    if any(a.endswith("ForCausalLM") for a in architectures):
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):  # GPT-2's is GPT2LMHeadModel
         return _load_causal_lm(path, device, torch_dtype, engine)
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         return load_classifier(path, device, torch_dtype)

@@ -76,6 +76,16 @@ def test_ppo_on_a_gpt2_at_two_ray_ranks_matches_one_process_resumes_and_exports_
     assert all(torch.equal(p.detach(), weights[n]) for n, p in model.named_parameters())
     start = load_hf_state_dict(gpt2)
     assert not all(torch.equal(weights[n], start[n]) for n in weights)  # trained
+    # `load_hf_model` (the DataFlow API, `hybridflow eval`) generates with it on its own code
+    from hybridflow.rollout.hf import load_hf_model
+    from hybridflow.rollout.hf_generate import HFGenerator
+
+    loaded = load_hf_model(exported)
+    assert isinstance(loaded.backend, HFGenerator) and type(loaded.model).__name__ == "GPT2LMHeadModel"
+    [(prompt, response)] = loaded.generate(["123+456="], max_new_tokens=4)
+    assert prompt == "123+456=" and isinstance(response, str)
+    with pytest.raises(ValueError, match="with the built-in engine only"):
+        load_hf_model(exported, engine="vllm")
 
 
 @pytest.mark.parametrize("overrides, blocker", [
