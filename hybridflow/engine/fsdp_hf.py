@@ -56,7 +56,7 @@ class TransformersModel(nn.Module):
         # float32 parameters: the engine's masters (a lower compute dtype is FSDP's mixed-precision cast)
         kind = transformers.AutoModel if value_head else transformers.AutoModelForCausalLM
         self.model = kind.from_config(without_dropout(config), dtype=torch.float32, attn_implementation="sdpa")
-        for module in self.model.modules():
+        for module in self.model.modules():  # a dropout layer sized by a key the pass above did not name
             if isinstance(module, nn.Dropout):
                 module.p = 0.0
         self.head = nn.Linear(config.hidden_size, 1, bias=False) if value_head else None

@@ -13,7 +13,10 @@ forward pass on freed weights raises), so training holds only its shard.
 
 An engine on a `transformers` model (`engine/fsdp_hf.py`) holds HF tensors: each
 is gathered the same way, and the bridge fuses q/k/v and gate/up into the
-decoder's tensors as their last part arrives (`LlamaBridge.fuse_stream`).
+decoder's tensors as their last part arrives (`LlamaBridge.fuse_stream`); for a
+model hybridflow's decoder does not build, the generator is the model's own
+class (`hf_generation_model`) and takes the gathered tensors as they are. Each
+refresh fills every generator tensor (checked when it is built).
 """
 from __future__ import annotations
 

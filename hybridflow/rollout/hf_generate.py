@@ -36,7 +36,6 @@ class HFGenerator:
         self.model = model
         self.pad_token_id = pad_token_id
         self.tokenizer = tokenizer  # anything with .decode(list[int]) -> str; needed for stop strings
-        self.prefill_tokens = 0  # real prompt tokens prefilled so far
         # transformers 5 names the KV cache argument (and output) `cache`, earlier releases `past_key_values`
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -72,7 +71,6 @@ class HFGenerator:
         n, steps = params.n, params.max_new_tokens
         home, device = input_ids.device, next(self.model.parameters()).device
         ids, mask = input_ids.to(device), attention_mask.to(device).long()
-        self.prefill_tokens += int(mask.sum())
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                          use_cache=True)
         cache, logits = out[self._cache_arg], out.logits[:, -1]
