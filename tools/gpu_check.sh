@@ -3,6 +3,9 @@
 #   pytest    pytest -m gpu: the CUDA kernels against the eager reference, the CUDA generation and training
 #             paths against the CPU ones (tests/trainer/test_on_cuda.py), and the static decode path's CUDA
 #             graph and reduce-overhead replays against the eager loop (tests/rollout/test_static_decode.py);
+#   fsdp      pytest -m gpu tests/engine/test_fsdp_cuda.py, alone (an NCCL world of one): the FSDP engine's
+#             CPU offload, bfloat16 mixed precision, the transformers model code and the gathered generator
+#             on the GPU (issue 42; none of it has run on a GPU yet);
 #   step      benchmarks/gpu_suite.py --only step: the Qwen2.5-0.5B-shaped GRPO step (24 layers, bf16,
 #             32 prompts x 8 x 256 tokens, 3 steps) stage by stage, generated tokens/s, the decode step
 #             against its HBM roofline, the update's MFU (issue 30);
@@ -22,7 +25,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
-steps=${1:-pytest,step,generate,train,suite,reshard}
+steps=${1:-pytest,fsdp,step,generate,train,suite,reshard}
 BUDGET=${BUDGET:-470}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
@@ -45,6 +48,8 @@ step() {  # NAME CAP LOG COMMAND...: run COMMAND when NAME was asked for, within
 }
 step pytest 200 pytest_gpu.log python3 -m pytest -m gpu tests/kernels tests/trainer/test_on_cuda.py \
   tests/rollout/test_static_decode.py -q -p no:cacheprovider -rs
+# the FSDP engine on the GPU (NCCL, CPU offload, bf16, transformers models): alone, it joins an NCCL world
+step fsdp 90 fsdp_cuda.log python3 -m pytest -m gpu tests/engine/test_fsdp_cuda.py -q -p no:cacheprovider -rs
 step step 170 gpu_step.log python3 benchmarks/gpu_suite.py --only step
 step generate 200 gpu_suite_generate.log python3 benchmarks/gpu_suite.py --only generate
 step train 120 train_cuda.log python3 -m hybridflow.cli train configs/demo.yaml trainer.device=cuda \
