@@ -42,8 +42,8 @@ def load_model_config(path: Optional[str], key: str, needs_decoder: Optional[str
     except UnsupportedArchitecture as exc:
         raise ConfigError(key, f"{exc}: hybridflow's decoder and megatron-core do not build this model; it "
                                f"runs under transformers, with every role loading it on engine fsdp and "
-                               f"fsdp.modeling transformers and the built-in rollout engine (this run has "
-                               f"{needs_decoder})" if needs_decoder else str(exc)) from None
+                               f"fsdp.modeling transformers (an actor's model: with the built-in rollout "
+                               f"engine); this run has {needs_decoder}" if needs_decoder else str(exc)) from None
     except (FileNotFoundError, ModelConfigError) as exc:
         raise ConfigError(key, str(exc)) from None
     return cfg

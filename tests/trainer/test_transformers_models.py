@@ -109,6 +109,25 @@ def test_a_model_only_transformers_builds_needs_every_role_on_transformers(tmp_p
     assert "model_type 'gpt2' is not supported" in str(err.value) and f"this run has {blocker}" in str(err.value)
 
 
+def test_a_llama_actor_under_megatron_with_a_gpt2_critic_on_transformers(tmp_path, gpt2):
+    """critic.model_path names a model only transformers builds: the critic alone must run on it (the actor
+    and reference stay on megatron-core); PPO runs in one process and the critic learns (at step 2: step 1's
+    16 samples all scored 0 here, with the head at zero). Under megatron the GPT-2 critic is refused."""
+    from hybridflow.config.inputs import load_model_config
+    from hybridflow.config.plan import RunPlan
+    from hybridflow.config.validate import needs_decoder
+
+    critic = [f"critic.model_path={gpt2}", "critic.engine=fsdp", "critic.fsdp.modeling=transformers"]
+    _, records = run("tiny-ppo.yaml", tmp_path / "mixed", *critic, "trainer.total_steps=2", "data.val_files=[]",
+                     "trainer.save_every=0")
+    assert records[-1]["step"] == 2 and records[-1]["critic/grad_norm"] > 0
+    cfg = in_repo(load_config(ROOT / "configs/tiny-ppo.yaml", [f"trainer.output_dir={tmp_path}",
+                                                                f"critic.model_path={gpt2}"]))
+    with pytest.raises(ConfigError, match="critic.model_path: model_type 'gpt2' is not supported.*"
+                                          "this run has critic.engine=megatron"):
+        load_model_config(str(gpt2), "critic.model_path", needs_decoder(cfg, RunPlan.from_config(cfg), True))
+
+
 def test_a_model_only_transformers_builds_is_checked_against_its_weights(tmp_path, gpt2):
     """Its safetensors' names and shapes are those of the transformers model its config.json builds."""
     from hybridflow.config.inputs import load_model_config
