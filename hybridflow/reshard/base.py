@@ -56,10 +56,11 @@ class Format:
     no_critic: Optional[str] = None  # why it cannot hold a critic, where it cannot
 
 
-def read_config(path: Path, where: str) -> DecoderConfig:
-    """The model's architecture from `path` (config.json or its directory); an unknown one is a ConfigError."""
+def read_config(path: Path, where: str, any_architecture: bool = False) -> DecoderConfig:
+    """The model's architecture from `path` (config.json or its directory); an unknown one is a ConfigError
+    (any_architecture: described instead, `DecoderConfig.foreign`, for a checkpoint trained on transformers)."""
     try:
-        return DecoderConfig.from_pretrained(path)
+        return DecoderConfig.from_pretrained(path, any_architecture)
     except ModelConfigError as exc:
         raise ConfigError(where, str(exc)) from None
 

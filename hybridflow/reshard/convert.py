@@ -27,6 +27,7 @@ from hybridflow.errors import ConfigError
 from hybridflow.parallel.layout import ParallelDims
 from hybridflow.reshard.base import Format, Plan, Sink, Source, hf_dtype, human
 from hybridflow.reshard.formats import FORMATS, open_source
+from hybridflow.reshard.fsdp import plan_foreign_hf, write_foreign_hf
 
 
 @dataclass
@@ -127,6 +128,8 @@ def _formats(joined: str, which: Callable[[Format], bool]) -> str:
 
 
 def build_plan(source: Source, req: Request, reader) -> Plan:
+    if not source.cfg.native:  # a model only transformers builds (an FSDP checkpoint of it): to HF as it is
+        return plan_foreign_hf(source, req, None if req.dtype is None else _dtype(req.dtype), reader)
     dtype = hf_dtype(reader, "model.embed_tokens.weight") if req.dtype is None else _dtype(req.dtype)
     return FORMATS[req.to].plan(source, req, dtype)
 
@@ -147,6 +150,7 @@ def run(req: Request, out: Callable[[str], None] = print) -> Optional[Result]:
     with source.open() as reader:
         plan = build_plan(source, req, reader)
         target = FORMATS[req.to]
+        write_tensors = target.write if source.cfg.native else write_foreign_hf
         out(f"reshard: {source.describe()} -> {req.to} {target.layout(req)}: {req.dst}")
         if req.dry_run:
             for line in plan.lines():
@@ -158,7 +162,7 @@ def run(req: Request, out: Callable[[str], None] = print) -> Optional[Result]:
 
         def write(tmp: Path) -> None:
             with CtrlC() as ctrl_c:
-                target.write(plan, source, reader, tmp, sink)
+                write_tensors(plan, source, reader, tmp, sink)
                 ctrl_c.check()  # before the rename: a Ctrl-C a library swallowed still leaves no DST
 
         write_dir_atomically(req.dst, write, "reshard")

@@ -16,7 +16,9 @@ beside it is never read. A generation tensor is a Megatron one with the vocabula
 
 A role trained on a `transformers` model (`<role>.fsdp.modeling`, engine.json's `modeling`) holds HF
 tensors instead, under `model.model.<HF name>` (a critic's base model: the name less its leading `model.`);
-the reader fuses each entry's parts into the Megatron tensor, so the rest is the same.
+the reader fuses each entry's parts into the Megatron tensor, so the rest is the same. A model
+hybridflow's decoder does not build at all (GPT-2, ...: `DecoderConfig.native` False) converts to HF only,
+each stored tensor under its own name (`ForeignDCPReader`, `plan_foreign_hf`).
 
 Written (`--to fsdp`) as that directory: one `torch.distributed.checkpoint.save` of the whole tensors
 (`no_dist`, so the write holds the model, as `dist` does), `engine.json` (world 1, no optimizer, no
@@ -38,6 +40,7 @@ from hybridflow.models.bridge import get_bridge
 from hybridflow.models.config import DecoderConfig
 from hybridflow.parallel.layout import ParallelDims
 from hybridflow.reshard import dist
+from hybridflow.reshard.hf import write_safetensors
 from hybridflow.reshard.base import (Format, Item, MegatronReader, Plan, Sink, Source, checked, hf_config,
                                      model_entries, read_config, tensor_for)
 
@@ -91,7 +94,9 @@ def open_source(path: Path, role: str, config: Optional[Path]) -> Source:
         raise ConfigError("--config", f"{path} is an FSDP checkpoint without a config.json: pass the model's "
                                       "(--config MODEL_DIR, the model.path it was trained from)")
     layout = ParallelDims(dp=int(state.get("world", 1)))
-    return Source(FORMAT, role_dir, read_config(where, "--config"), role=role, layout=layout, step_dir=step)
+    # a role trained on transformers may be a model hybridflow's decoder does not build (converted to HF only)
+    cfg = read_config(where, "--config", any_architecture=state.get("modeling") == "transformers")
+    return Source(FORMAT, role_dir, cfg, role=role, layout=layout, step_dir=step)
 
 
 def engine_tensors(cfg: DecoderConfig, value_head: bool,
@@ -178,6 +183,88 @@ class DCPReader(MegatronReader):
         return out
 
 
+class ForeignDCPReader:
+    """The HF tensors of an FSDP checkpoint of a model hybridflow's decoder does not build (GPT-2, ...;
+    `DecoderConfig.native` False), under the names its transformers class gives them: each stored
+    `model.model.<name>` read whole and alone, as `DCPReader` reads."""
+
+    PREFIX = f"{MODEL}.model."
+
+    def __init__(self, source: Source):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.path = source.path
+        stored = FileSystemReader(str(source.path)).read_metadata().state_dict_metadata
+        self.stored = {key[len(self.PREFIX):]: meta for key, meta in stored.items()
+                       if key.startswith(self.PREFIX) and isinstance(meta, TensorStorageMetadata)}
+        if not self.stored:
+            raise ConfigError("SRC", f"{source.path} holds no tensor under {self.PREFIX!r}: not an FSDP checkpoint "
+                                     f"of a transformers model")
+        if source.cfg.tie_word_embeddings:  # the state dict names the tied output layer too: the embedding again
+            self.stored.pop("lm_head.weight", None)
+
+    def keys(self) -> list[str]:
+        return list(self.stored)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.stored[name].size)
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        return self.stored[name].properties.dtype
+
+    def __call__(self, name: str, rows=None, cols=None) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+
+        meta = self.stored[name]
+        out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({self.PREFIX + name: out}, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
+        return out
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def open_reader(source: Source):
+    """The reader of an FSDP checkpoint: by Megatron entries (`DCPReader`), or by the transformers model's
+    own names where hybridflow's decoder does not build the model (`ForeignDCPReader`)."""
+    return DCPReader(source) if source.cfg.native else ForeignDCPReader(source)
+
+
+def plan_foreign_hf(source: Source, req, dtype: Optional[torch.dtype], reader: ForeignDCPReader) -> Plan:
+    """`hybridflow reshard` of a model only transformers builds: its actor to HF, every stored tensor under
+    its own name in one safetensors file, beside the config.json the run read. Anything else is refused:
+    the other formats (and a critic's HF form) are laid out by hybridflow's bridge, which does not map it."""
+    why = source.cfg.why_foreign
+    if req.to != "hf":
+        raise ConfigError("--to", f"{req.to}: {why}; a checkpoint of it converts to hf only")
+    if source.value_head:
+        raise ConfigError("--role", f"critic: {why}; its value model has no HF form here (the actor converts)")
+    if req.verify or req.verify_logits:
+        raise ConfigError("--verify", f"{why}; reading the output back with transformers is the check")
+    names = reader.keys()
+    plan = Plan("hf", source.cfg, dtype or reader.stored_dtype(names[0]), source.role)
+    plan.items = [Item("model.safetensors", name, reader.shape(name), name) for name in names]
+    return plan
+
+
+def write_foreign_hf(plan: Plan, source: Source, reader: ForeignDCPReader, out: Path, sink: Sink) -> None:
+    def each():
+        for item in plan.items:
+            t = reader(item.source).to(plan.dtype)
+            yield t
+            sink.wrote(t, item.name)
+    write_safetensors(out / "model.safetensors", plan.items, plan.dtype, each())
+    config = {**source.cfg.hf_config, "torch_dtype": str(plan.dtype).removeprefix("torch.")}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
 # --- writing -----------------------------------------------------------------
 
 def plan_fsdp(cfg: DecoderConfig, dtype: torch.dtype, role: str) -> Plan:
@@ -213,6 +300,6 @@ def write_fsdp(plan: Plan, source: Source, reader, out: Path, sink: Sink) -> Non
     (out / "config.json").write_text(json.dumps(hf_config(plan), indent=2))
 
 
-FORMAT = Format("fsdp", "FSDP", holds, open_source, DCPReader,
+FORMAT = Format("fsdp", "FSDP", holds, open_source, open_reader,
                 lambda source, req, dtype: plan_fsdp(source.cfg, dtype, source.role), write_fsdp,
                 lambda req: "(whole tensors; FSDPEngine.load reshards them to its world)")

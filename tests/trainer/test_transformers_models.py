@@ -42,11 +42,12 @@ def gpt2(tmp_path_factory):
     return write_gpt2(tmp_path_factory.mktemp("gpt2") / "model")
 
 
-def test_ppo_on_a_gpt2_at_two_ray_ranks_matches_one_process_resumes_and_exports_a_gpt2(tmp_path, gpt2):
+def test_ppo_on_a_gpt2_at_two_ray_ranks_matches_one_process_resumes_and_exports_a_gpt2(tmp_path, gpt2, capsys):
     """Actor, critic (GPT2Model and a zero head) and reference all sharded by FSDP2 over two Ray processes;
     each rank's generator (a whole GPT2LMHeadModel) refilled by the bucketed all-gather after each update,
     bytes = plan. Three steps equal one process within 1e-4; the one-process run resumed from step 2 takes
-    step 3 exactly; the export is a GPT-2 transformers loads, holding the trained weights."""
+    step 3 exactly; the export is a GPT-2 transformers loads, holding the trained weights, and `hybridflow
+    reshard --to hf` of the last checkpoint writes the same tensors."""
     import transformers
 
     from hybridflow.models.checkpoint import load_hf_state_dict
@@ -76,6 +77,17 @@ def test_ppo_on_a_gpt2_at_two_ray_ranks_matches_one_process_resumes_and_exports_
     assert all(torch.equal(p.detach(), weights[n]) for n, p in model.named_parameters())
     start = load_hf_state_dict(gpt2)
     assert not all(torch.equal(weights[n], start[n]) for n in weights)  # trained
+    # `hybridflow reshard` turns its last checkpoint (DCP shards) into the same HF model, and only into HF
+    from hybridflow.cli import main
+
+    step = one_summary["run_dir"] / "checkpoints" / "step_000003"
+    assert main(["reshard", str(step), str(tmp_path / "converted"), "--to", "hf", "--config", str(gpt2),
+                 "--no-progress"]) == 0
+    converted = load_hf_state_dict(tmp_path / "converted")
+    assert sorted(converted) == sorted(weights) and all(torch.equal(converted[k], weights[k]) for k in weights)
+    capsys.readouterr()
+    assert main(["reshard", str(step), str(tmp_path / "dist"), "--to", "dist", "--config", str(gpt2)]) == 2
+    assert "--to: dist: model_type 'gpt2' is not supported" in capsys.readouterr().err
     # `load_hf_model` (the DataFlow API, `hybridflow eval`) generates with it on its own code
     from hybridflow.rollout.hf import load_hf_model
     from hybridflow.rollout.hf_generate import HFGenerator
