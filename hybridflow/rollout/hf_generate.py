@@ -8,9 +8,11 @@ It samples as the built-in `Generator` samples (`sampling.sample`, the same keye
 per prompt and sample), so a prompt's tokens do not depend on the batch or rank that generates it, and on a
 model both codes build the two engines give the same tokens (tests/rollout/test_hf_generate.py). The loop is
 the plain one: left-padded prompts prefilled once with position ids counted from the mask, their KV cache
-(transformers' own) repeated for the n samples, then one token per step for every row, an ended row fed
-padding (its outputs dropped) until all have ended or `max_new_tokens` is reached. No C++ loop, no static
-path, no row compaction: this engine is for architectures the fast ones do not cover.
+(transformers' own) repeated for the n samples, then one token per step for the live rows until all have
+ended or `max_new_tokens` is reached. As in the built-in loop, an ended row is fed padding (its outputs
+dropped) until a quarter of the live rows have ended, then those leave the batch and the cache in one copy,
+so a long tail of responses is decoded at the cost of the rows still running. No C++ loop, no static path:
+this engine is for architectures the fast ones do not cover.
 
 Weights are the model's parameters, read at each call: the FSDP actor's switch to generation refills them
 (`hybrid_engine/fsdp_gather.py`); `load_weights` copies (HF name, tensor) pairs for a caller with its own
@@ -23,7 +25,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from hybridflow.rollout.generator import GenerationOutput, _output, _row_streams, completes_stop_string
+from hybridflow.rollout.generator import (_COMPACT_AT, GenerationOutput, _output, _row_streams,
+                                         completes_stop_string)
 from hybridflow.rollout.sampling import SamplingParams, sample
 
 __all__ = ["HFGenerator"]
@@ -83,21 +86,28 @@ class HFGenerator:
         tokens = torch.full((rows, steps), self.pad_token_id, dtype=torch.long, device=device)
         log_probs = torch.zeros(rows, steps, device=device)
         response_mask = torch.zeros(rows, steps, dtype=torch.long, device=device)
-        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        live = torch.arange(rows, device=device)  # the output row of each cache row
+        done = torch.zeros(rows, dtype=torch.bool, device=device)  # per cache row
         position = mask.sum(-1)  # the first new token's: the prompt's real tokens
         length = 0
         while True:
             token, log_prob = sample(logits, params, generator, None if keys is None else keys + length)
             token = token.masked_fill(done, self.pad_token_id)
-            tokens[:, length] = token
-            log_probs[:, length] = log_prob.masked_fill(done, 0.0)
-            response_mask[:, length] = (~done).long()
+            tokens[live, length] = token
+            log_probs[live, length] = log_prob.masked_fill(done, 0.0)
+            response_mask[live, length] = (~done).long()
             done |= torch.isin(token, stop_ids)
             length += 1
             if params.stop:
-                done |= completes_stop_string(self.tokenizer, tokens[:, :length], done, params.stop)
-            if length == steps or bool(done.all()):
+                done |= completes_stop_string(self.tokenizer, tokens[live, :length], done, params.stop)
+            ended = int(done.sum())
+            if length == steps or ended == done.numel():
                 break
+            if ended >= _COMPACT_AT * done.numel():  # drop the ended rows from the batch and the cache at once
+                keep = (~done).nonzero().flatten()
+                cache.batch_select_indices(keep)
+                live, done, token, mask, position = live[keep], done[keep], token[keep], mask[keep], position[keep]
+                keys = None if keys is None else keys[keep]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
             out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
                              use_cache=True, **{self._cache_arg: cache})

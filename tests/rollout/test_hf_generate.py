@@ -23,31 +23,50 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(config).eval()
 
 
-def test_keyed_samples_equal_the_built_in_engines_on_every_family(family, hf_twin):
-    """n = 3 samples of each left-padded prompt, keyed, with a stop token; and greedy."""
+def _counting_compactions(monkeypatch) -> list:
+    """Each time a generate call drops ended rows from transformers' KV cache (`batch_select_indices`)."""
+    from transformers import DynamicCache
+
+    calls, select = [], DynamicCache.batch_select_indices
+    monkeypatch.setattr(DynamicCache, "batch_select_indices",
+                        lambda self, keep: calls.append(len(keep)) or select(self, keep))
+    return calls
+
+
+def test_keyed_samples_equal_the_built_in_engines_on_every_family(family, hf_twin, monkeypatch):
+    """n = 3 samples of each left-padded prompt, keyed, with stop tokens (rows end at different steps and
+    the ended ones leave the batch); and greedy."""
+    compactions = _counting_compactions(monkeypatch)
     model = tiny_decoder(family)
     twin = hf_twin(model)
     ids, mask = left_padded_prompts(model.cfg.vocab_size)
     keys = torch.tensor([5, 17, 29, 41])
-    for params in (SamplingParams(max_new_tokens=STEPS, n=3, temperature=0.9, stop_token_ids=(7, 11)), _greedy()):
+    stops = tuple(range(3, 101, 8))  # ~1 in 8 tokens ends a row
+    for params in (SamplingParams(max_new_tokens=STEPS, n=3, temperature=0.9, stop_token_ids=stops), _greedy()):
         want = Generator(model, PAD, decode="python").generate(ids, mask, params, row_keys=keys)
         got = HFGenerator(twin, PAD).generate(ids, mask, params, row_keys=keys)
         assert torch.equal(got.responses, want.responses) and torch.equal(got.response_mask, want.response_mask)
         assert torch.equal(got.prompts, want.prompts) and torch.equal(got.prompt_mask, want.prompt_mask)
         torch.testing.assert_close(got.log_probs, want.log_probs, atol=1e-5, rtol=0)
-    assert got.responses.unique().numel() > 10  # varied text
+    assert got.responses.unique().numel() > 10  # varied text (greedy)
+    assert compactions  # the sampled call dropped ended rows
 
 
-def test_a_prompts_samples_do_not_depend_on_its_batch():
-    """Keyed sampling: a prompt generated alone (no padding) gives the tokens it gives among others."""
+def test_a_prompts_samples_do_not_depend_on_its_batch(monkeypatch):
+    """Keyed sampling: a prompt generated alone (no padding) gives the tokens it gives among others, whatever
+    rows ended beside it and left the batch."""
+    compactions = _counting_compactions(monkeypatch)
     model = _gpt2()
     ids, mask = left_padded_prompts(101)
-    params = SamplingParams(max_new_tokens=STEPS, n=2, temperature=1.0)
+    params = SamplingParams(max_new_tokens=STEPS, n=2, temperature=1.0, stop_token_ids=tuple(range(1, 101, 8)))
     keys = torch.tensor([3, 4, 5, 6])
     together = HFGenerator(model, PAD).generate(ids, mask, params, row_keys=keys)
     alone = HFGenerator(model, PAD).generate(ids[1:2, -4:], mask[1:2, -4:], params, row_keys=keys[1:2])
-    assert torch.equal(alone.responses, together.responses[2:4])
-    torch.testing.assert_close(alone.log_probs, together.log_probs[2:4], atol=1e-5, rtol=0)
+    width = alone.responses.shape[1]  # the batch ran to its longest row; beyond this row's, padding
+    assert torch.equal(alone.responses, together.responses[2:4, :width])
+    assert not together.response_mask[2:4, width:].any()
+    torch.testing.assert_close(alone.log_probs, together.log_probs[2:4, :width], atol=1e-5, rtol=0)
+    assert compactions
 
 
 def test_greedy_on_a_gpt2_matches_transformers_generate():
