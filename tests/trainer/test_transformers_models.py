@@ -58,7 +58,7 @@ def test_ppo_on_a_gpt2_at_two_ray_ranks_matches_one_process_resumes_and_exports_
     common = [f"model.path={gpt2}", *ON_TRANSFORMERS, "trainer.total_steps=3", "data.val_files=[]",
               f"reward.function={reward}:score"]
     one_summary, one = run("tiny-ppo.yaml", tmp_path / "one", *common, "trainer.save_every=1")
-    assert all(r["actor/grad_norm"] > 0 and r["critic/grad_norm"] > 0 for r in one if r["step"] > 1), [(r.get("actor/grad_norm"), r.get("critic/grad_norm")) for r in one]
+    assert all(r["actor/grad_norm"] > 0 and r["critic/grad_norm"] > 0 for r in one if r["step"] > 1)
     _, two = run("tiny-ppo.yaml", tmp_path / "two", *common, "trainer.save_every=0", "trainer.n_devices=2",
                  "trainer.launcher=ray")
     for r in (r for r in two if r["step"] > 0):
@@ -103,7 +103,7 @@ def test_ppo_on_a_gpt2_at_two_ray_ranks_matches_one_process_resumes_and_exports_
 @pytest.mark.parametrize("overrides, blocker", [
     ([], "actor.engine=megatron"),
     (ON_TRANSFORMERS[:2], "reference.engine=megatron"),
-    ([*ON_TRANSFORMERS[:5], "reference.fsdp.modeling=hybridflow"], "reference.fsdp.modeling=hybridflow"),
+    ([*ON_TRANSFORMERS[:5], "reference.fsdp.modeling=hybridflow"], "reference.fsdp.modeling=hybridflow"),  # fsdp, own code
     ([*ON_TRANSFORMERS, "rollout.engine=vllm"], "rollout.engine=vllm"),
 ])
 def test_a_model_only_transformers_builds_needs_every_role_on_transformers(tmp_path, gpt2, overrides, blocker):
