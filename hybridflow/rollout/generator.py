@@ -51,7 +51,7 @@ positions computed with padding; the static path is not counted).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -223,34 +223,11 @@ class Generator:
 
     def _python_decode(self, logits, cache: KVCache, params: SamplingParams, generator, keys, stop_ids,
                        compact: bool = True):
-        """The decode steps after the prefill, one batch of torch ops each: tokens, log_probs, mask
-        [rows, max_new_tokens] and the number of steps run."""
-        rows, steps, device = logits.shape[0], params.max_new_tokens, logits.device
-        tokens = torch.full((rows, steps), self.pad_token_id, dtype=torch.long, device=device)
-        log_probs = torch.zeros(rows, steps, device=device)
-        mask = torch.zeros(rows, steps, dtype=torch.long, device=device)
-        live = torch.arange(rows, device=device)  # output row of each cache row
-        done = torch.zeros(rows, dtype=torch.bool, device=device)  # per cache row
-        length = 0
-        while True:
-            token, log_prob = sample(logits, params, generator, None if keys is None else keys + length)
-            token = token.masked_fill(done, self.pad_token_id)
-            tokens[live, length] = token
-            log_probs[live, length] = log_prob.masked_fill(done, 0.0)
-            mask[live, length] = (~done).long()
-            done |= torch.isin(token, stop_ids)
-            length += 1
-            if params.stop:
-                done |= self._completes_stop_string(tokens[live, :length], done, params.stop)
-            ended = int(done.sum())
-            if length == steps or ended == done.numel():
-                return tokens, log_probs, mask, length
-            if compact and ended >= _COMPACT_AT * done.numel():
-                keep = (~done).nonzero().flatten()
-                cache.keep_rows(keep)
-                live, done, token = live[keep], done[keep], token[keep]
-                keys = None if keys is None else keys[keep]
-            logits = self.model.forward_cached(token[:, None], cache)[:, -1]
+        """The decode steps after the prefill, one batch of torch ops each (`decode_loop` on this model's
+        `forward_cached`): tokens, log_probs, mask [rows, max_new_tokens] and the number of steps run."""
+        return decode_loop(logits, params, generator, keys, stop_ids, self.pad_token_id, self.tokenizer,
+                           lambda token: self.model.forward_cached(token[:, None], cache)[:, -1],
+                           cache.keep_rows if compact else None)
 
     def _decode_extension(self, params: SamplingParams, keyed: bool, device: torch.device):
         """The C++ decode loop's module when it computes this call exactly as the Python loop, else None."""
@@ -315,9 +292,43 @@ class Generator:
             cache.start, cache.length = filled + length - 2, filled + length - 1
         return tokens, log_probs, mask, length
 
-    def _completes_stop_string(self, tokens: torch.Tensor, done: torch.Tensor,
-                               stop: tuple[str, ...]) -> torch.Tensor:
-        return completes_stop_string(self.tokenizer, tokens, done, stop)
+
+def decode_loop(logits: torch.Tensor, params: SamplingParams, generator, keys: Optional[torch.Tensor],
+                stop_ids: torch.Tensor, pad_token_id: int, tokenizer: Any,
+                next_logits: Callable[[torch.Tensor], torch.Tensor],
+                drop_rows: Optional[Callable[[torch.Tensor], None]] = None):
+    """The eager decode steps after a prefill, shared by the built-in engine and `hf_generate.HFGenerator`:
+    sample each live row's token (keyed streams advance one a step), record it, end rows on a stop id or
+    stop string, until every row has ended or `max_new_tokens` are done. `next_logits(token [live])` feeds
+    the live rows' tokens to the model and returns their next logits [live, V]; `drop_rows(keep)` removes
+    the ended rows from the caller's cache once they are `_COMPACT_AT` of the batch (None: never, ended rows
+    are fed padding). Returns tokens, log_probs, mask [rows, max_new_tokens] and the steps run."""
+    rows, steps, device = logits.shape[0], params.max_new_tokens, logits.device
+    tokens = torch.full((rows, steps), pad_token_id, dtype=torch.long, device=device)
+    log_probs = torch.zeros(rows, steps, device=device)
+    mask = torch.zeros(rows, steps, dtype=torch.long, device=device)
+    live = torch.arange(rows, device=device)  # output row of each cache row
+    done = torch.zeros(rows, dtype=torch.bool, device=device)  # per cache row
+    length = 0
+    while True:
+        token, log_prob = sample(logits, params, generator, None if keys is None else keys + length)
+        token = token.masked_fill(done, pad_token_id)
+        tokens[live, length] = token
+        log_probs[live, length] = log_prob.masked_fill(done, 0.0)
+        mask[live, length] = (~done).long()
+        done |= torch.isin(token, stop_ids)
+        length += 1
+        if params.stop:
+            done |= completes_stop_string(tokenizer, tokens[live, :length], done, params.stop)
+        ended = int(done.sum())
+        if length == steps or ended == done.numel():
+            return tokens, log_probs, mask, length
+        if drop_rows is not None and ended >= _COMPACT_AT * done.numel():
+            keep = (~done).nonzero().flatten()
+            drop_rows(keep)
+            live, done, token = live[keep], done[keep], token[keep]
+            keys = None if keys is None else keys[keep]
+        logits = next_logits(token)
 
 
 def completes_stop_string(tokenizer: Any, tokens: torch.Tensor, done: torch.Tensor,

@@ -25,9 +25,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from hybridflow.rollout.generator import (_COMPACT_AT, GenerationOutput, _output, _row_streams,
-                                         completes_stop_string)
-from hybridflow.rollout.sampling import SamplingParams, sample
+from hybridflow.rollout.generator import GenerationOutput, _output, _row_streams, decode_loop
+from hybridflow.rollout.sampling import SamplingParams
 
 __all__ = ["HFGenerator"]
 
@@ -80,37 +79,23 @@ class HFGenerator:
         if n > 1:  # each prompt's cache rows shared by its n samples: repeated, as the built-in prefill does
             cache.batch_repeat_interleave(n)
             logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
-        rows = logits.shape[0]
         keys = _row_streams(row_keys, n, steps, device)
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
-        tokens = torch.full((rows, steps), self.pad_token_id, dtype=torch.long, device=device)
-        log_probs = torch.zeros(rows, steps, device=device)
-        response_mask = torch.zeros(rows, steps, dtype=torch.long, device=device)
-        live = torch.arange(rows, device=device)  # the output row of each cache row
-        done = torch.zeros(rows, dtype=torch.bool, device=device)  # per cache row
         position = mask.sum(-1)  # the first new token's: the prompt's real tokens
-        length = 0
-        while True:
-            token, log_prob = sample(logits, params, generator, None if keys is None else keys + length)
-            token = token.masked_fill(done, self.pad_token_id)
-            tokens[live, length] = token
-            log_probs[live, length] = log_prob.masked_fill(done, 0.0)
-            response_mask[live, length] = (~done).long()
-            done |= torch.isin(token, stop_ids)
-            length += 1
-            if params.stop:
-                done |= completes_stop_string(self.tokenizer, tokens[live, :length], done, params.stop)
-            ended = int(done.sum())
-            if length == steps or ended == done.numel():
-                break
-            if ended >= _COMPACT_AT * done.numel():  # drop the ended rows from the batch and the cache at once
-                keep = (~done).nonzero().flatten()
-                cache.batch_select_indices(keep)
-                live, done, token, mask, position = live[keep], done[keep], token[keep], mask[keep], position[keep]
-                keys = None if keys is None else keys[keep]
+
+        def next_logits(token: torch.Tensor) -> torch.Tensor:
+            nonlocal cache, mask, position
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
             out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
                              use_cache=True, **{self._cache_arg: cache})
-            cache, logits = out[self._cache_arg], out.logits[:, -1]
-            position = position + 1
+            cache, position = out[self._cache_arg], position + 1
+            return out.logits[:, -1]
+
+        def drop_rows(keep: torch.Tensor) -> None:  # ended rows leave the KV cache, the mask and the positions
+            nonlocal mask, position
+            cache.batch_select_indices(keep)
+            mask, position = mask[keep], position[keep]
+
+        tokens, log_probs, response_mask, length = decode_loop(
+            logits, params, generator, keys, stop_ids, self.pad_token_id, self.tokenizer, next_logits, drop_rows)
         return _output(input_ids, attention_mask, n, home, tokens, log_probs, response_mask, length)
