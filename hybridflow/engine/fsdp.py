@@ -264,8 +264,12 @@ class FSDPEngine:
         # Under mixed precision the parameters are float32 masters; the export is at the model's dtype,
         # as its config.json says (megatron's export likewise). Copies: at one rank a DTensor's full tensor is
         # its local one, which the optimizer steps in place.
-        return self.bridge.generation_to_hf({k: v.to(self.dtype, copy=True)
-                                             for k, v in self.full_generation_state().items()})
+        return self._generation_to_hf({k: v.to(self.dtype, copy=True)
+                                       for k, v in self.full_generation_state().items()})
+
+    def _generation_to_hf(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The generation layout's tensors under HF names: the decoder's, unfused by the bridge."""
+        return self.bridge.generation_to_hf(state)
 
     def hf_stage_parts(self):
         """As `MegatronEngine.hf_stage_parts`: one part, the whole model (every rank gathers)."""

@@ -150,8 +150,5 @@ class TransformersFSDPEngine(FSDPEngine):
         unused = frozenset({"lm_head.weight"}) if self.value_head or tied else frozenset()
         load_rows(self.module.model, read, str(source), self._prefix, unused)
 
-    def hf_state_dict(self) -> dict[str, Tensor]:
-        if self.value_head:
-            raise NotImplementedError("a critic is not an HF causal LM; save it with save()")
-        # copies: at one rank a DTensor's full tensor is its local one, which the optimizer steps in place
-        return {k: v.to(self.dtype, copy=True) for k, v in self.full_generation_state().items()}
+    def _generation_to_hf(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        return state  # this engine's generation layout is HF names already

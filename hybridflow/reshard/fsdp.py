@@ -172,21 +172,26 @@ class DCPReader(MegatronReader):
         return parts[0]
 
     def _load_key(self, key: str) -> torch.Tensor:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
+        return load_whole(self.path, key, self.stored[key])
 
-        meta = self.stored[key]
-        out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({key: out}, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
-        return out
+
+def load_whole(path: Path, key: str, meta) -> torch.Tensor:
+    """The tensor `key` of the DCP checkpoint at `path` (its metadata `meta`), whole and alone: `dcp.load`
+    with `no_dist` (no process group; DCP puts the ranks' dim-0 chunks together)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({key: out}, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    return out
 
 
 class ForeignDCPReader:
     """The HF tensors of an FSDP checkpoint of a model hybridflow's decoder does not build (GPT-2, ...;
     `DecoderConfig.native` False), under the names its transformers class gives them: each stored
-    `model.model.<name>` read whole and alone, as `DCPReader` reads."""
+    `model.model.<name>` read whole and alone (`load_whole`, as `DCPReader` reads), then sliced."""
 
     PREFIX = f"{MODEL}.model."
 
@@ -214,15 +219,9 @@ class ForeignDCPReader:
         return self.stored[name].properties.dtype
 
     def __call__(self, name: str, rows=None, cols=None) -> torch.Tensor:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
-
-        meta = self.stored[name]
-        out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({self.PREFIX + name: out}, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
-        return out
+        t = load_whole(self.path, self.PREFIX + name, self.stored[name])
+        t = t[rows or slice(None)] if cols is None else t[rows or slice(None), cols]
+        return t.contiguous()
 
     def __enter__(self):
         return self
