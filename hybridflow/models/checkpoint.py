@@ -68,12 +68,13 @@ def check_hf_checkpoint(path: str | Path, cfg: DecoderConfig) -> None:
             raise ModelConfigError(f"{file} is not a readable safetensors file ({exc})") from None
     config = Path(path) / "config.json"
     if not cfg.native:  # the names and shapes of the transformers model config.json builds
-        loose = loose_buffers(foreign_model(cfg))
+        model = foreign_model(cfg)
+        loose = loose_buffers(model)
         if loose:
             raise ModelConfigError(f"{cfg.why_foreign}; nor can it run under transformers here: its buffer(s) "
                                    f"{loose[:3]} are in no checkpoint and transformers' initialiser does not "
                                    f"recompute them on a model built on the meta device")
-        want = foreign_shapes(cfg)
+        want = foreign_shapes(cfg, model=model)
         missing, unknown = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want) - {"lm_head.weight"})
         if missing or unknown:
             raise ModelConfigError(f"the weights in {path} do not match {config}: missing {missing[:3]}, "
@@ -123,10 +124,10 @@ def loose_buffers(model) -> list[str]:
             for n, _ in module.named_buffers(recurse=False) if f"{module_name}.{n}" not in persistent]
 
 
-def foreign_shapes(cfg: DecoderConfig, value_head: bool = False) -> dict[str, tuple[int, ...]]:
+def foreign_shapes(cfg: DecoderConfig, value_head: bool = False, model=None) -> dict[str, tuple[int, ...]]:
     """{HF checkpoint name: shape} of a foreign model's parameters (a tied output layer is the embedding;
-    a value model's base model under its causal LM's prefix)."""
-    model = foreign_model(cfg, value_head)
+    a value model's base model under its causal LM's prefix). `model`: its `foreign_model`, when built."""
+    model = model if model is not None else foreign_model(cfg, value_head)
     prefix = f"{model.base_model_prefix}." if value_head else ""
     return {prefix + name: tuple(p.shape) for name, p in model.named_parameters()}
 
