@@ -15,6 +15,7 @@ $(PY):
 $(STAMP): $(PY) setup.py
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e ".[dev]" $(TORCH)
+	$(PY) -c "from hybridflow.kernels.backend import prebuild; prebuild()"
 	touch $(STAMP)
 
 install: $(STAMP)

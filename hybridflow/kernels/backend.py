@@ -62,10 +62,31 @@ def _build(name: str, sources: list[Path], headers: tuple[Path, ...] = (), **fla
     build.mkdir(parents=True, exist_ok=True)
     try:
         with build_lock(build):
-            return cpp_extension.load(name=f"hybridflow_{name}_{digest}", sources=[str(s) for s in sources],
+            staged = _stage_sources(build / "src", [*sources, *headers])[:len(sources)]
+            return cpp_extension.load(name=f"hybridflow_{name}_{digest}", sources=[str(s) for s in staged],
                                       build_directory=str(build), verbose=False, **flags)
     except Exception as exc:  # compiler missing, headers missing, ...
         raise BackendUnavailable(f"could not build {', '.join(s.name for s in sources)}: {exc}") from exc
+
+
+def _stage_sources(into: Path, files: list[Path]) -> list[Path]:
+    """Copies of `files` (sources, then headers) in `into`, the build's own directory, returned in order.
+
+    torch's build files name their sources' paths, so a build of the same bytes from another checkout (a
+    fresh clone, a worktree) would compile again; compiled from copies under the content digest, every
+    checkout holding these bytes loads the one build. Headers lie beside the sources, as `#include "x.h"`
+    expects. A copy is written whole (temporary file, then rename), so a killed copy leaves none."""
+    into.mkdir(exist_ok=True)
+    staged = []
+    for path in files:
+        copy = into / path.name
+        data = path.read_bytes()
+        if not copy.is_file() or copy.read_bytes() != data:
+            tmp = copy.with_name(f".{copy.name}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, copy)
+        staged.append(copy)
+    return staged
 
 
 @contextlib.contextmanager
@@ -167,3 +188,17 @@ def resolve(backend: str, device: torch.device, available: tuple[str, ...]) -> s
 @functools.lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
     log.warning(message)
+
+
+
+def prebuild() -> None:
+    """`make install` builds the C++ CPU kernels once, as pip builds an extension; without a compiler the
+    kernels fall back to PyTorch, as they do at run time, and this says why."""
+    import time
+
+    started = time.perf_counter()
+    try:
+        build_cpu_extension()
+        print(f"hybridflow: C++ CPU kernels built ({time.perf_counter() - started:.0f} s, cached under {_cache_dir()})")
+    except BackendUnavailable as exc:
+        print(f"hybridflow: C++ CPU kernels not built, the PyTorch kernels will run: {exc}")

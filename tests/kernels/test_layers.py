@@ -110,3 +110,25 @@ def test_using_cpu_build_swaps_the_extension_inside_the_block_only():
         assert torch.equal(swiglu(x), torch.zeros(3, 4))  # the layer kernels call the swapped build
     assert backend.cpu_extension() is own
     torch.testing.assert_close(swiglu(x), swiglu_reference(x))
+
+
+def test_sources_are_compiled_from_copies_under_the_digest_so_any_checkout_loads_one_build(tmp_path):
+    """torch's build files name the sources' paths: two checkouts of the same bytes stage to the same
+    copies (so the second loads the first's build), a changed byte is copied anew, and no partial copy
+    is left behind."""
+    from hybridflow.kernels.backend import _stage_sources
+    into = tmp_path / "build" / "src"
+    (tmp_path / "build").mkdir()
+    staged = {}
+    for checkout in ("a", "b"):
+        d = tmp_path / checkout
+        d.mkdir()
+        (d / "k.cpp").write_text('#include "k.h"\nint f() { return K; }\n')
+        (d / "k.h").write_text("#define K 1\n")
+        staged[checkout] = _stage_sources(into, [d / "k.cpp", d / "k.h"])
+    assert staged["a"] == staged["b"] == [into / "k.cpp", into / "k.h"]
+    assert (into / "k.h").read_text() == "#define K 1\n"
+    (tmp_path / "b" / "k.h").write_text("#define K 2\n")
+    _stage_sources(into, [tmp_path / "b" / "k.cpp", tmp_path / "b" / "k.h"])
+    assert (into / "k.h").read_text() == "#define K 2\n"
+    assert sorted(p.name for p in into.iterdir()) == ["k.cpp", "k.h"]
