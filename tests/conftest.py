@@ -1,10 +1,15 @@
 """Suite-wide settings: GPU tests are skipped where no CUDA device exists; tests that start Ray or a
 multi-process launch are `slow` and tests/benchmarks is `bench` (`make test-fast` leaves both out);
 one Ray cluster per session."""
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# The suite compiles one inductor kernel on the CPU (tests/rollout/test_static_decode.py); inductor would
+# first build a 150 MB precompiled header, which pays off only over many compiles (24 -> 17.5 s cold).
+os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
 
 # A test that needs one of these pays for a Ray cluster or a torchrun launch (tens of seconds on 2 cores).
 SLOW_FIXTURES = {"ray_cluster", "four_process_launch", "two_process_launch"}
