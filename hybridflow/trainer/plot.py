@@ -42,6 +42,7 @@ def plot_run(run_dir: Path | str) -> list[Path]:
     """Write `run_dir/plots/metrics.png` (a grid of the key metrics vs step); return the paths."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -62,7 +63,8 @@ def plot_run(run_dir: Path | str) -> list[Path]:
 
     ncols = 1 if len(panels) == 1 else 2 if len(panels) <= 4 else 3
     nrows = math.ceil(len(panels) / ncols)
-    fig = Figure(figsize=(4.5 * ncols, 3.0 * nrows), layout="constrained")
+    width, height = 4.5 * ncols, 3.0 * nrows
+    fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, (key, steps, values) in zip(axes, panels):
@@ -70,10 +72,15 @@ def plot_run(run_dir: Path | str) -> list[Path]:
         ax.plot(steps, values, marker="o" if len(steps) <= 50 else None, markersize=3)
         ax.set_title(key)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.grid(alpha=0.3)
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(run_dir.resolve().name)
+    # Margins fixed in inches (room for tick labels, titles and the suptitle): matplotlib's constrained
+    # layout measured every text first and took 0.4 of the 0.7 s a plot cost at the end of each run.
+    fig.subplots_adjust(left=0.75 / width, right=1 - 0.2 / width, bottom=0.55 / height, top=1 - 0.6 / height,
+                        wspace=0.75 * ncols / width, hspace=1.1 * nrows / height)
 
     out = run_dir / "plots" / "metrics.png"
     out.parent.mkdir(exist_ok=True)
