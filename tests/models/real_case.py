@@ -1,4 +1,8 @@
 """The fixed batch the tests on SmolLM2's real weights share: one rank in-process and TP = 3 under torchrun."""
+import json
+import shutil
+from pathlib import Path
+
 import torch
 
 from hybridflow.data.tokenizer import Tokenizer
@@ -46,8 +50,27 @@ def update_case(batch: dict) -> tuple[dict, object]:
     return batch, cfg
 
 
+TP3_LAYERS = 4  # the TP = 3 check runs SmolLM2's first 4 of 30 layers (see first_layers)
+
 # Weights compared after the update: the embedding (tied, so the output layer's gradient too), a column-
 # and a row-parallel matrix of the first layer, the fused gate/up of the last, and the final norm.
 WATCHED = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-           "model.layers.0.self_attn.o_proj.weight", "model.layers.29.mlp.up_proj.weight",
-           "model.layers.29.mlp.down_proj.weight", "model.norm.weight")
+           "model.layers.0.self_attn.o_proj.weight", f"model.layers.{TP3_LAYERS - 1}.mlp.up_proj.weight",
+           f"model.layers.{TP3_LAYERS - 1}.mlp.down_proj.weight", "model.norm.weight")
+
+
+def first_layers(model_dir, out, layers: int = TP3_LAYERS) -> Path:
+    """The model of `model_dir` cut to its first `layers` decoder layers (the real weights; the embedding,
+    vocabulary, heads and final norm unchanged), written to `out` with its tokenizer files."""
+    from hybridflow.models.checkpoint import load_hf_state_dict, save_hf_checkpoint
+
+    model_dir, out = Path(model_dir), Path(out)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    kept = {k: v for k, v in load_hf_state_dict(model_dir).items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_hf_checkpoint(kept, config, out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, out / name)
+    return out

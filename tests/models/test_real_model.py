@@ -18,7 +18,7 @@ from hybridflow.models.fetch import KNOWN_MODELS, FetchError, _download, fetch_m
 from hybridflow.models.gguf import GGUFError, convert_gguf
 from hybridflow.utils import load_hf_model
 from tests.data.conftest import gsm8k_questions
-from tests.models.real_case import WATCHED, real_batch, update_case
+from tests.models.real_case import WATCHED, first_layers, real_batch, update_case
 from tests.torchrun import torchrun
 
 pytestmark = pytest.mark.slow  # a 135M-parameter model, converted and run (minutes on CPU)
@@ -138,7 +138,9 @@ def test_megatron_engine_log_probs_equal_the_plain_decoder(model_dir):
 
 @pytest.mark.timeout(600)
 def test_tensor_parallel_3_equals_one_rank_on_the_real_weights(model_dir, tmp_path):
-    """9 heads and 3 KV heads split 3 ways: log-probs, entropy and one update equal the one-rank engine."""
+    """9 heads and 3 KV heads split 3 ways: log-probs, entropy and one update equal the one-rank engine.
+    On the model's first 4 of 30 layers (real weights, vocabulary and heads: what TP = 3 splits), which
+    cut this check from ~38 s to ~14 s of the suite; all 30 layers ran it alike before (2026-12-07)."""
     from hybridflow.config.schema import ParallelConfig
     from hybridflow.data import fields as F
     from hybridflow.engine import MegatronEngine
@@ -146,6 +148,7 @@ def test_tensor_parallel_3_equals_one_rank_on_the_real_weights(model_dir, tmp_pa
     from hybridflow.parallel.process_group import init_process_group
     from hybridflow.roles import Actor
 
+    model_dir = first_layers(model_dir, tmp_path / "first_layers")
     out = tmp_path / "tp3.pt"
     torchrun("tests/models/real_tp3_check.py", 3, out, model_dir, timeout=540)
     got = torch.load(out)
@@ -162,7 +165,7 @@ def test_tensor_parallel_3_equals_one_rank_on_the_real_weights(model_dir, tmp_pa
     # The vocabulary (49152) is split in three: each rank holds a third of the embedding rows.
     assert got["tp"] == 3 and got["shard_rows"] == 49152 // 3
     mask = batch["response_mask"].bool()
-    # Row-parallel sums in another order, 30 float32 layers: as close as the engine is to the decoder.
+    # Row-parallel sums in another order: within the engine's distance to the decoder over all 30 layers.
     for key in (F.OLD_LOG_PROBS, F.ENTROPY):
         torch.testing.assert_close(got[key][mask], want[key][mask], atol=5e-4, rtol=0, msg=key)
     assert got["metrics"]["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-3)
