@@ -11,6 +11,7 @@ import json
 import os
 import runpy
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,11 +31,14 @@ def main(spec: str) -> None:
         stdout = entry.get("stdout") if rank == 0 else None
         with open(stdout, "w") if stdout else contextlib.nullcontext(sys.stdout) as out, \
                 contextlib.redirect_stdout(out):
+            started = time.perf_counter()
             try:
                 runpy.run_path(os.path.join(REPO, entry["script"]), run_name="__main__")
             except SystemExit as exc:
                 if exc.code not in (0, None):
                     raise
+        if rank == 0:  # on stderr, which a failed launch shows: where a slow launch spent its time
+            print(f"run_scripts: {entry['script']} {time.perf_counter() - started:.1f} s", file=sys.stderr)
 
 
 if __name__ == "__main__":
