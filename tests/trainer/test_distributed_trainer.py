@@ -31,20 +31,6 @@ def run(name: str, tmp_path: Path, *overrides: str, before_fit=None):
 THREE_STEPS = ["trainer.total_steps=3", "trainer.save_every=0", "data.val_files=[]"]
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """The one-process run of a config (THREE_STEPS) that the layout tests compare with, run once each."""
-    runs = {}
-
-    def get(name: str, *overrides: str):
-        key = (name, *overrides)
-        if key not in runs:
-            runs[key] = run(name, tmp_path_factory.mktemp("one"), *overrides, *THREE_STEPS)
-        return runs[key]
-
-    return get
-
-
 def test_grpo_colocated_on_two_ray_workers_matches_the_single_process_run(tmp_path):
     """Actor, rollout (views), DP=2 training and the reward model share two Ray processes (the hybrid
     layout): the reward model, placed on the actor's devices, joins the actor's processes.

@@ -13,7 +13,7 @@ import torch
 
 from hybridflow.config.loader import load_config
 from hybridflow.errors import ConfigError
-from tests.trainer.test_distributed_trainer import ROOT, THREE_STEPS, _assert_same_metrics, run, single  # noqa: F401
+from tests.trainer.test_distributed_trainer import ROOT, THREE_STEPS, _assert_same_metrics, run
 from tests.trainer.test_trainer import in_repo, learned
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(600)]
