@@ -151,10 +151,6 @@ def _rows_of_one(ref, count: int) -> Rows:
     return Rows((ref,), (count,), torch.arange(count, dtype=torch.int32))
 
 
-def is_remote_rows(value: Any) -> bool:
-    return isinstance(value, RowsElsewhere)
-
-
 def fetch_remote_rows(value: Any) -> Any:
     """`value` (a worker's call arguments, unpacked) with every `RowsElsewhere` replaced by its tensor (or
     list): the objects they reference fetched together, each once."""

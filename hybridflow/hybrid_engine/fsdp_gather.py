@@ -73,7 +73,8 @@ class FSDPGatheredWeights:
         self.params = engine._generation_params()  # name -> DTensor
         self.shapes = {name: tuple(p.shape) for name, p in self.params.items()}
         native, hf_names = engine.cfg.native, engine.modeling == "transformers"
-        self.fuse = get_bridge(engine.cfg).fuse_stream if native and hf_names else None
+        bridge = get_bridge(engine.cfg) if native and hf_names else None
+        self.fuse = bridge.fuse_stream if bridge is not None else None
         if native:
             model = Decoder(engine.cfg).to(device=engine.torch_device, dtype=engine.dtype).eval()
             model.inv_freq = rope_inv_freq(engine.cfg).to(engine.torch_device)
@@ -84,7 +85,7 @@ class FSDPGatheredWeights:
         self.model_shapes = {name: p.shape for name, p in self.model.named_parameters()}
         # Every generation tensor is refilled by each refresh (a tensor left out would generate from whatever
         # memory it was given, or from stale weights): the gathered names, fused where the bridge fuses.
-        filled = {e.generation for e in get_bridge(engine.cfg).entries()} if self.fuse is not None else set(self.params)
+        filled = {e.generation for e in bridge.entries()} if bridge is not None else set(self.params)
         if filled != set(self.model_shapes):
             raise RuntimeError(f"the generator's tensors {sorted(set(self.model_shapes) ^ filled)[:4]} are not "
                                f"the engine's gathered ones")

@@ -221,7 +221,8 @@ def test_no_token_tensor_or_text_of_a_ray_step_passes_the_driver(tmp_path):
     import inspect
     import os
 
-    from hybridflow.controller.transfer import fetch_remote_rows, is_remote_rows
+    from hybridflow.controller.transfer import fetch_remote_rows
+    from hybridflow.data.batch import RowsElsewhere
     from hybridflow.data import fields as F
     from hybridflow.rewards import register_reward
     from hybridflow.roles.preparation import prepare_tokens
@@ -245,7 +246,7 @@ def test_no_token_tensor_or_text_of_a_ray_step_passes_the_driver(tmp_path):
         batch, metrics, _ = trainer.prepare(1)
         rows = len(batch[F.UID])
         assert trainer.received_bytes() - received == (8 + 4) * rows + 4 * (4 * rows)
-        left = {name for name, value in batch.items() if is_remote_rows(value)}
+        left = {name for name, value in batch.items() if isinstance(value, RowsElsewhere)}
         assert {F.INPUT_IDS, F.RESPONSES, F.RESPONSE_MASK, F.OLD_LOG_PROBS, F.REF_LOG_PROBS, F.VALUES,
                 F.TOKEN_REWARDS, F.ADVANTAGES, F.RETURNS, F.RESPONSE_TEXT, F.PROMPT_TEXT, F.GROUND_TRUTH} <= left
         assert all(value.dim() == 1 for value in batch.values() if torch.is_tensor(value))
