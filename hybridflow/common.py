@@ -1,5 +1,5 @@
 """Small helpers shared across layers: "did you mean" names, one-line values, seed mixing, loading a
-user's Python file, and the atomic writes: a file (`atomic_write`, `atomic_write_json`, `atomic_torch_save`)
+user's Python file, a Ctrl-C handler's install and restore (`SigintHandler`), and the atomic writes: a file (`atomic_write`, `atomic_write_json`, `atomic_torch_save`)
 and a directory (`write_dir_atomically`, with `clear_dead_writes` for what a killed writer left).
 
 They import nothing from hybridflow, so any layer may use them (a leaf, docs/design.md section 2). The
@@ -15,12 +15,14 @@ import importlib.util
 import os
 import reprlib
 import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import IO, Any, Callable, Iterable, Optional
 
-__all__ = ["SEED_STRIDE", "atomic_torch_save", "atomic_write", "atomic_write_json", "clear_dead_writes", "fsync_dir",
+__all__ = ["SEED_STRIDE", "SigintHandler", "atomic_torch_save", "atomic_write", "atomic_write_json", "clear_dead_writes", "fsync_dir",
            "fsync_tree", "load_source_file", "mix_seed", "nearest_name", "pid_alive", "shown_value",
            "write_dir_atomically"]
 
@@ -198,3 +200,24 @@ def clear_dead_writes(dst: Path, tag: str) -> None:
             os.replace(entry, dst)
         else:
             shutil.rmtree(entry, ignore_errors=True)
+
+
+class SigintHandler:
+    """A `with` block during which SIGINT calls `self._on_sigint(signum, frame)`; the handler it replaced is
+    restored on leaving. Python delivers signals to the main thread only, so elsewhere the block is inert
+    (nothing installed, nothing restored)."""
+
+    _previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _on_sigint(self, signum, frame) -> None:
+        raise NotImplementedError  # each subclass says what a Ctrl-C does

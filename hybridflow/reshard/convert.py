@@ -12,9 +12,7 @@ temporary directory; a kill leaves it, named as what it is.
 from __future__ import annotations
 
 import resource
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from hybridflow.common import clear_dead_writes, write_dir_atomically
+from hybridflow.common import SigintHandler, clear_dead_writes, write_dir_atomically
 from hybridflow.errors import ConfigError
 from hybridflow.parallel.layout import ParallelDims
 from hybridflow.reshard.base import Format, Plan, Sink, Source, hf_dtype, human
@@ -176,17 +174,13 @@ def run(req: Request, out: Callable[[str], None] = print) -> Optional[Result]:
     return result
 
 
-class CtrlC:
+class CtrlC(SigintHandler):
     """While open (in the main thread): a Ctrl-C raises KeyboardInterrupt as usual and is also remembered,
     so `check()` raises it again where code it interrupted swallowed it (an `except BaseException` in a
     library, an exception in a callback that Python only prints): the suite once saw an interrupted
     conversion finish and exit 0."""
 
-    def __enter__(self) -> "CtrlC":
-        self.hit, self.previous = False, None
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._on_sigint)
-        return self
+    hit = False
 
     def _on_sigint(self, signum, frame) -> None:
         self.hit = True
@@ -195,10 +189,6 @@ class CtrlC:
     def check(self) -> None:
         if self.hit:
             raise KeyboardInterrupt
-
-    def __exit__(self, *exc) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
 
 
 def progress_bar(total: int, stream=None, width: int = 30) -> Callable[[int, str], None]:

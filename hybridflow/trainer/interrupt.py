@@ -10,14 +10,14 @@ workers finish the step undisturbed; the controller shuts them down.
 """
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 from contextlib import contextmanager
 from typing import Iterator
 
+from hybridflow.common import SigintHandler
 
-class GracefulInterrupt:
+
+class GracefulInterrupt(SigintHandler):
     """SIGINT handling for the span of a `with` block (main thread only; elsewhere it is inert)."""
 
     def __init__(self, message: str = "finishing this step, then stopping (Ctrl-C again to abandon it)"):
@@ -25,17 +25,6 @@ class GracefulInterrupt:
         self.requested = False
         self._critical = 0
         self._deferred = False
-        self._previous = None
-
-    def __enter__(self) -> "GracefulInterrupt":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
 
     def _on_sigint(self, signum, frame) -> None:
         if not self.requested:
