@@ -1,12 +1,14 @@
 """Small helpers shared across layers: "did you mean" names, one-line values, seed mixing, loading a
-user's Python file, a Ctrl-C handler's install and restore (`SigintHandler`), and the atomic writes: a file (`atomic_write`, `atomic_write_json`, `atomic_torch_save`)
-and a directory (`write_dir_atomically`, with `clear_dead_writes` for what a killed writer left).
+user's Python file, a Ctrl-C handler's install and restore (`SigintHandler`), and the atomic writes: a
+file (`atomic_write`, `atomic_write_json`, `atomic_torch_save`) and a directory (`write_dir_atomically`,
+with `clear_dead_writes` for what a killed writer left).
 
 They import nothing from hybridflow, so any layer may use them (a leaf, docs/design.md section 2). The
 user-facing `from hybridflow.utils import load_hf_model` is `hybridflow/utils.py`, a module at the top.
 """
 from __future__ import annotations
 
+import abc
 import difflib
 import errno
 import hashlib
@@ -22,9 +24,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import IO, Any, Callable, Iterable, Optional
 
-__all__ = ["SEED_STRIDE", "SigintHandler", "atomic_torch_save", "atomic_write", "atomic_write_json", "clear_dead_writes", "fsync_dir",
-           "fsync_tree", "load_source_file", "mix_seed", "nearest_name", "pid_alive", "shown_value",
-           "write_dir_atomically"]
+__all__ = ["SEED_STRIDE", "SigintHandler", "atomic_torch_save", "atomic_write", "atomic_write_json",
+           "clear_dead_writes", "fsync_dir", "fsync_tree", "load_source_file", "mix_seed", "nearest_name",
+           "pid_alive", "shown_value", "write_dir_atomically"]
 
 
 def nearest_name(name: str, choices: Iterable[str], cutoff: float = 0.5,
@@ -202,7 +204,7 @@ def clear_dead_writes(dst: Path, tag: str) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-class SigintHandler:
+class SigintHandler(abc.ABC):
     """A `with` block during which SIGINT calls `self._on_sigint(signum, frame)`; the handler it replaced is
     restored on leaving. Python delivers signals to the main thread only, so elsewhere the block is inert
     (nothing installed, nothing restored)."""
@@ -219,5 +221,6 @@ class SigintHandler:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
 
+    @abc.abstractmethod
     def _on_sigint(self, signum, frame) -> None:
-        raise NotImplementedError  # each subclass says what a Ctrl-C does
+        """What a Ctrl-C does inside the block."""

@@ -190,7 +190,6 @@ def _warn_once(message: str) -> None:
     log.warning(message)
 
 
-
 def prebuild() -> None:
     """`make install` builds the C++ CPU kernels once, as pip builds an extension; without a compiler the
     kernels fall back to PyTorch, as they do at run time, and this says why."""
