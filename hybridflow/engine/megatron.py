@@ -302,8 +302,9 @@ class MegatronEngine:
                 if traffic is not None:
                     moved = tensor.numel() * tensor.element_size() * (self.layout.tp - 1)
                     traffic.add(moved, moved)  # an all-gather: as much out to the peers as in from them
-                tensor = unshard_tensor(pieces, entry.shard)
-            out[entry.megatron] = tensor.clone()
+                out[entry.megatron] = unshard_tensor(pieces, entry.shard)  # joined anew: a copy already
+            else:
+                out[entry.megatron] = tensor.clone()
         return out
 
     def full_state(self, traffic: Optional[TrafficCounter] = None) -> dict[str, Tensor]:
