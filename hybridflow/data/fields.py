@@ -75,6 +75,10 @@ ENV_STATS          list[dict]            multi-turn rollouts only: per trajector
                                          environment's own counts (`stats()`).
 RULE_SCORES        FloatTensor[B]        the rule-based reward of each response
                                          (reward.function), scored by the rollout.
+RULE_REWARD_SECONDS FloatTensor[B]       the seconds the rollout spent in the rule
+                                         reward, spread evenly over the rows it
+                                         scored (the driver sums and drops it:
+                                         timing/rule_reward_s).
 OUTCOME_SCORES     FloatTensor[B]        the rule (and reward-model) part of SCORES,
                                          which TOKEN_SCORES places on the last token.
 TOKEN_SCORES       FloatTensor[B, R]     OUTCOME_SCORES placed on each sequence's
@@ -125,6 +129,7 @@ ENV_SCORES = "env_scores"
 ENV_STATS = "env_stats"
 OUTCOME_SCORES = "outcome_scores"
 RULE_SCORES = "rule_scores"
+RULE_REWARD_SECONDS = "rule_reward_seconds"
 TOKEN_SCORES = "token_scores"
 TOKEN_REWARDS = "token_rewards"
 ADVANTAGES = "advantages"
@@ -159,6 +164,7 @@ FIELD_SHAPES: Mapping[str, str] = MappingProxyType({
     ENV_STATS: "list[dict]",
     OUTCOME_SCORES: "FloatTensor[B]",
     RULE_SCORES: "FloatTensor[B]",
+    RULE_REWARD_SECONDS: "FloatTensor[B]",
     TOKEN_SCORES: "FloatTensor[B, R]",
     TOKEN_REWARDS: "FloatTensor[B, R]",
     ADVANTAGES: "FloatTensor[B, R]",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import time
 import traceback
 from typing import Any, Callable
 
@@ -52,6 +53,15 @@ def rule_scores(batch: dict[str, Any], reward_fn: Callable, name: str) -> Tensor
         frame = [f for f in user if f.filename == user[0].filename][-1]  # its deepest line in its own file
         raise RewardError(f"reward.function {name!r} raised {type(exc).__name__}: {exc} "
                           f"(at {frame.filename}:{frame.lineno})") from exc
+
+
+def score_rule(batch: dict[str, Any], reward_fn: Callable, name: str) -> dict[str, Any]:
+    """`batch` with RULE_SCORES (`rule_scores`) and RULE_REWARD_SECONDS, the seconds that took spread over the
+    rows: where the rollout scores, the scoring's time would otherwise count only in the rollout's."""
+    started = time.perf_counter()
+    batch[F.RULE_SCORES] = scores = rule_scores(batch, reward_fn, name)
+    batch[F.RULE_REWARD_SECONDS] = torch.full((len(scores),), (time.perf_counter() - started) / max(len(scores), 1))
+    return batch
 
 
 def _reward_value(value: Any, reward_fn: Callable) -> float:

@@ -63,7 +63,7 @@ from hybridflow.roles.actor import actor_update_plan
 from hybridflow.roles.critic import critic_update_plan
 from hybridflow.roles.preparation import READS as PREPARATION_READS
 from hybridflow.roles.preparation import TokenStage
-from hybridflow.roles.scoring import RewardError, rule_scores
+from hybridflow.roles.scoring import RewardError, score_rule
 from hybridflow.roles.rollout import BASELINE, TRAIN, VALIDATION, row_figures
 from hybridflow.trainer import rl_steps as S
 from hybridflow.checkpoint.format import trainer_state
@@ -331,7 +331,7 @@ class RLTrainer:
         """A batch from a checkpoint's rollout buffer saved before the rollout scored its rows (it holds its
         tensors and texts): scored here, with the per-row figures the driver reads, as the rollout would."""
         try:
-            batch[F.RULE_SCORES] = rule_scores(batch, self.reward_fn, self.cfg.reward.function)
+            batch = score_rule(batch, self.reward_fn, self.cfg.reward.function)
         except RewardError as exc:
             raise TrainingError(str(exc)) from None
         return row_figures(batch)
@@ -394,6 +394,8 @@ class RLTrainer:
         from `_prepare_tokens`)."""
         metrics = S.rollout_metrics(batch)
         metrics.update(staleness_metrics(self.version - batch[F.WEIGHT_VERSION]))
+        if F.RULE_REWARD_SECONDS in batch:  # the rollout's seconds in the rule reward, summed over its replicas
+            metrics["timing/rule_reward_s"] = batch.pop(F.RULE_REWARD_SECONDS).sum().item()
         return metrics
 
     def _prepare_tokens(self, batch, metrics: Metrics):

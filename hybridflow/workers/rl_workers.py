@@ -59,7 +59,7 @@ from hybridflow.roles.actor import UPDATE_FIELDS as ACTOR_UPDATE_FIELDS
 from hybridflow.roles.critic import UPDATE_FIELDS as CRITIC_UPDATE_FIELDS
 from hybridflow.roles.critic import VALUE_FIELDS
 from hybridflow.roles.preparation import TokenStage, prepare_tokens
-from hybridflow.roles.scoring import rule_scores
+from hybridflow.roles.scoring import score_rule
 from hybridflow.roles.rollout import TRAIN
 from hybridflow.rollout import RolloutBackend, hf_named, sync_weights
 from hybridflow.rollout.factory import build_backend
@@ -175,15 +175,14 @@ class _Generates(Worker):
         generation TP group get the same prompts and its TP rank 0 answers, so
         the controller regroups prompts onto generation replicas and the
         responses back into one batch, which the training meshes then split.
-        Each response is scored here with the rule reward (RULE_SCORES, `roles.scoring`),
+        Each response is scored here with the rule reward (RULE_SCORES and the seconds it took, `roles.scoring`),
         and the token tensors and texts stay in the object store (`token_rows`): the
         groups that read them next fetch the rows from there, not from the driver.
         """
         out = self.rollout.generate(prompts, seed, mode, pad)
         if not self.mesh_coords()["generation"].answers:  # a TP peer: its answer is dropped, its copy unscored
             return out
-        out[F.RULE_SCORES] = rule_scores(out, self.reward_fn, self.spec.reward.function)
-        return token_rows(out, self.spec.run)
+        return token_rows(score_rule(out, self.reward_fn, self.spec.reward.function), self.spec.run)
 
 
 class ActorRolloutRefWorker(EngineWorker, _Generates):

@@ -208,8 +208,8 @@ def test_no_token_tensor_or_text_of_a_ray_step_passes_the_driver(tmp_path):
     """The data plane: under Ray every token tensor ([B, R] and wider) and text of a PPO step stays in the
     object store: the rollout's, the old and reference log-probs, the values, and the token rewards and
     advantages the actor's rank 0 makes from them (KL in the reward included). The driver holds references
-    and one number a row: what it received while preparing the step is RESPONSE_LENGTH and RULE_SCORES
-    (12 bytes a row) and the row index of each answer whose fields stayed in the store (4 bytes a row,
+    and one number a row: what it received while preparing the step is RESPONSE_LENGTH, RULE_SCORES and
+    RULE_REWARD_SECONDS (16 bytes a row) and the row index of each answer whose fields stayed in the store (4 bytes a row,
     shared by the answer's fields: the rollout's, the log-prob pass's, the values', the token stage's).
     Fetched back, the advantages are what the token stage gives on those rows in this process (the same
     function on the same rows; another process with its own thread count, hence assert_close).
@@ -245,7 +245,8 @@ def test_no_token_tensor_or_text_of_a_ray_step_passes_the_driver(tmp_path):
         coef, received = trainer.kl_ctrl.value, trainer.received_bytes()
         batch, metrics, _ = trainer.prepare(1)
         rows = len(batch[F.UID])
-        assert trainer.received_bytes() - received == (8 + 4) * rows + 4 * (4 * rows)
+        assert trainer.received_bytes() - received == (8 + 4 + 4) * rows + 4 * (4 * rows)
+        assert metrics["timing/rule_reward_s"] > 0 and F.RULE_REWARD_SECONDS not in batch
         left = {name for name, value in batch.items() if isinstance(value, RowsElsewhere)}
         assert {F.INPUT_IDS, F.RESPONSES, F.RESPONSE_MASK, F.OLD_LOG_PROBS, F.REF_LOG_PROBS, F.VALUES,
                 F.TOKEN_REWARDS, F.ADVANTAGES, F.RETURNS, F.RESPONSE_TEXT, F.PROMPT_TEXT, F.GROUND_TRUTH} <= left

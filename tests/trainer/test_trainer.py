@@ -506,6 +506,39 @@ def test_reward_values_a_user_function_may_return():
             scoring.score(batch, lambda *a, bad=bad: bad)
 
 
+def test_the_rule_rewards_seconds_ride_with_the_rows_it_scored_and_are_reported_apart(tmp_path):
+    """The rollout scores its rows (RULE_SCORES) and says how long that took, spread evenly over the rows
+    (RULE_REWARD_SECONDS): the driver reports the sum as timing/rule_reward_s and drops the field. Before,
+    a slow reward function's time showed only inside timing/rollout_s, and timing/reward_s read ~0."""
+    import time
+
+    from hybridflow.data import fields as F
+    from hybridflow.rewards import register_reward
+    from hybridflow.roles import scoring
+
+    def slow(data_source, solution_str, ground_truth, extra_info=None):
+        time.sleep(0.002)
+        return 1.0
+
+    batch = {F.DATA_SOURCE: ["a"] * 4, F.RESPONSE_TEXT: ["x"] * 4, F.GROUND_TRUTH: ["1"] * 4,
+             F.EXTRA_INFO: [{}] * 4}
+    scoring.score_rule(batch, slow, "slow")
+    seconds = batch[F.RULE_REWARD_SECONDS]
+    assert batch[F.RULE_SCORES].tolist() == [1.0] * 4 and seconds.shape == (4,)
+    assert torch.all(seconds == seconds[0]) and seconds.sum().item() >= 4 * 0.002  # four sleeps at least
+
+    name = "test_trainer_slow_reward"
+    register_reward(name)(slow)
+    trainer = RLTrainer(in_repo(config("tiny-grpo.yaml", tmp_path, f"reward.function={name}",
+                                       "trainer.val_every=0", "trainer.save_every=0")))
+    try:
+        batch, metrics, _ = trainer.prepare(1)
+    finally:
+        trainer.shutdown()
+    rows = len(batch[F.UID])  # 8 prompts x 4 samples, each scored once (sleeping 2 ms)
+    assert rows * 0.002 <= metrics["timing/rule_reward_s"] and F.RULE_REWARD_SECONDS not in batch
+
+
 def test_uniform_rows_are_the_groups_without_signal_and_above_a_floor():
     from hybridflow.data import fields as F
     from hybridflow.trainer import rl_steps
