@@ -209,8 +209,9 @@ def test_no_token_tensor_or_text_of_a_ray_step_passes_the_driver(tmp_path):
     object store: the rollout's, the old and reference log-probs, the values, and the token rewards and
     advantages the actor's rank 0 makes from them (KL in the reward included). The driver holds references
     and one number a row: what it received while preparing the step is RESPONSE_LENGTH, RULE_SCORES and
-    RULE_REWARD_SECONDS (16 bytes a row) and the row index of each answer whose fields stayed in the store (4 bytes a row,
-    shared by the answer's fields: the rollout's, the log-prob pass's, the values', the token stage's).
+    RULE_REWARD_SECONDS (16 bytes a row) and the row index of each answer whose fields stayed in the store
+    (4 bytes a row, shared by the answer's fields: the rollout's, the log-prob pass's, the values', the token
+    stage's).
     Fetched back, the advantages are what the token stage gives on those rows in this process (the same
     function on the same rows; another process with its own thread count, hence assert_close).
 
