@@ -23,7 +23,7 @@ from hybridflow.hybrid_engine.fsdp_gather import FSDPGatheredWeights
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.checkpoint import save_hf_checkpoint
 from hybridflow.roles import Actor, Critic, Reference
-from tests.engine.conftest import dp_case, grouped_rl_batch, tiny_model
+from tests.engine.conftest import assert_one_adam_step_close, dp_case, grouped_rl_batch, tiny_model
 
 pytestmark = [pytest.mark.usefixtures("megatron_world"), pytest.mark.timeout(300)]
 
@@ -95,9 +95,7 @@ def test_an_actor_on_transformers_updates_as_on_hybridflows_decoder(tmp_path, sh
     assert sorted(metrics[0]) == sorted(metrics[1])
     for key, value in metrics[0].items():
         assert metrics[1][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
-    want = ours.hf_state_dict()
-    for name, value in theirs.hf_state_dict().items():
-        torch.testing.assert_close(value, want[name], atol=0.05 * optim.lr, rtol=0, msg=name)
+    assert_one_adam_step_close(theirs.hf_state_dict(), ours.hf_state_dict(), hf, optim.lr)
     # The generator refilled from the transformers engine holds its trained HF tensors, fused by the bridge.
     generators[1].release()
     generators[1].refresh()
@@ -194,8 +192,7 @@ def test_an_actor_on_transformers_at_two_ranks_updates_as_megatron_core_at_one_p
     assert sorted(fsdp["transformers_metrics"]) == sorted(metrics)
     for key, value in metrics.items():
         assert fsdp["transformers_metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
-    for name, value in engine.hf_state_dict().items():
-        torch.testing.assert_close(fsdp["transformers_weights"][name], value, atol=0.05 * optim.lr, rtol=0, msg=name)
+    assert_one_adam_step_close(fsdp["transformers_weights"], engine.hf_state_dict(), hf, optim.lr)
     assert 0.45 < fsdp["transformers_read_fraction"] < 0.56
     assert fsdp["transformers_generation_equals_trained"]
     refresh = fsdp["transformers_refresh"]
