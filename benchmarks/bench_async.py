@@ -80,6 +80,7 @@ def run_config(name: str, overrides: list[str], args, out: Path):
         f"trainer.output_dir={out}", f"trainer.experiment={name.replace(' ', '_').replace('=', '')}",
         "trainer.n_devices=2", "trainer.launcher=ray", f"trainer.total_steps={steps}", "trainer.val_every=0",
         "trainer.val_before_train=false", "trainer.save_every=0", "trainer.overwrite=true", "trainer.loggers=[jsonl]",
+        "trainer.plot=false",  # the run directory is a temporary one: a plot would be drawn to be deleted
         f"data.train_batch_size={args.prompts}", f"actor.ppo_mini_batch_size={args.prompts}",
         f"data.max_response_length={args.max_response}", f"rollout.temperature={args.temperature}",
         f"data.val_max_samples={args.val}", "data.val_batch_size=200", "algorithm.skip_uniform_groups=false",

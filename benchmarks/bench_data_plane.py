@@ -51,7 +51,7 @@ def run(config: str, steps: int, rows_in_store: bool, overrides: list[str], out:
 
     plane = "object_store" if rows_in_store else "driver"
     cfg = load_config(ROOT / config, [f"trainer.output_dir={out}", f"trainer.total_steps={steps}", *LAYOUTS[layout],
-                                      f"trainer.data_plane={plane}", *overrides])
+                                      f"trainer.data_plane={plane}", "trainer.plot=false", *overrides])
     if not Path(cfg.model.path).is_absolute():
         cfg.model.path = str(ROOT / cfg.model.path)
         cfg.data.train_files = [str(ROOT / f) for f in cfg.data.train_files]

@@ -636,7 +636,7 @@ class RLTrainer:
         with tracker:  # a raised error closes it as failed (W&B and MLflow mark the run)
             with GracefulInterrupt() as interrupt:
                 self._loop(start, stop_after, tracker, summary, interrupt)
-            if "jsonl" in t.loggers and self.is_main:
+            if t.plot and "jsonl" in t.loggers and self.is_main:
                 summary["plots"] = plot_run(self.run_dir)
             for path in summary.get("plots", []):
                 tracker.add_artifact(path, "plots")

@@ -30,7 +30,9 @@ def config(name: str, tmp_path: Path, *overrides: str):
 
 
 def in_repo(cfg):
-    """Config paths are relative to the repo root."""
+    """Config paths are relative to the repo root. Runs end without the plot (`trainer.plot`: 0.4 s a run, about
+    100 runs a suite); the tests of the plot turn it back on."""
+    cfg.trainer.plot = False
     cfg.model.path = str(ROOT / cfg.model.path)
     cfg.data.train_files = [str(ROOT / f) for f in cfg.data.train_files]
     cfg.data.val_files = [str(ROOT / f) for f in cfg.data.val_files]
@@ -44,6 +46,7 @@ def learned(metrics: list[dict]) -> dict[int, dict]:
 @pytest.mark.slow
 def test_grpo_runs_saves_exports_and_resumes_identically(tmp_path):
     full = in_repo(config("tiny-grpo.yaml", tmp_path / "a"))
+    full.trainer.plot = True
     summary = RLTrainer(full).fit()
     run = summary["run_dir"]
     records = read_metrics(run / "metrics.jsonl")
@@ -71,6 +74,7 @@ def test_grpo_runs_saves_exports_and_resumes_identically(tmp_path):
     RLTrainer(resumed).fit()
     again = read_metrics(tmp_path / "b" / "tiny-grpo" / "metrics.jsonl")
     assert [r["step"] for r in again] == [0, 1, 2, 3, 4]
+    assert not (tmp_path / "b" / "tiny-grpo" / "plots").exists()  # trainer.plot=false (in_repo) draws none
     want, got = learned(records), learned(again)
     for step in (3, 4):
         assert got[step].keys() == want[step].keys()
