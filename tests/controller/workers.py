@@ -17,10 +17,25 @@ def _raise_from_worker(rank: int):
     raise ValueError(f"bad value on rank {rank}")
 
 
+_ECHOES: list = []  # weak references to this process's Echo workers (`alive_echoes`)
+
+
 class Echo(Worker):
     def __init__(self, offset: int = 0):
+        import weakref
+
         self.offset = offset
         self.init_rank = self.rank  # the context is in place before __init__
+        self.cycle = {"worker": self}  # a reference cycle: only the collector frees this worker
+        _ECHOES.append(weakref.ref(self))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def alive_echoes(self) -> dict:
+        """Echo workers still alive in this process (this one included), and the objects `gc.freeze` put out
+        of the collector's reach."""
+        import gc
+
+        return {"alive": sum(ref() is not None for ref in _ECHOES), "frozen": gc.get_freeze_count()}
 
     @register(Dispatch.DP_SPLIT)
     def double(self, batch: dict, extra: int = 0) -> dict:
