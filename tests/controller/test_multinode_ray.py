@@ -54,13 +54,23 @@ class TwoNodeCluster:
         # exists only once some local ray.init wrote it (this file alone, on a fresh machine, had none).
         self.env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0",
                         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1")
-        self.address = f"{HEAD_IP}:{_free_port()}"
+        self.ports: set[int] = set()  # handed out to this cluster's components
+        self.address = f"{HEAD_IP}:{self._port()}"
         self.starters: list[subprocess.Popen] = []
+
+    def _port(self) -> int:
+        """A port free now and not yet given to another of this cluster's components: each probe's socket is
+        closed before the next, so the OS may offer one port twice (seen: the GCS and the client server both
+        got 53465, and `ray start` refused)."""
+        while (port := _free_port()) in self.ports:
+            pass
+        self.ports.add(port)
+        return port
 
     def start(self) -> None:
         port = self.address.rsplit(":", 1)[1]
         self._node(HEAD_IP, "head", ["--head", "--port", port, "--temp-dir", self.temp_dir,
-                                     "--include-dashboard", "false", "--ray-client-server-port", str(_free_port())])
+                                     "--include-dashboard", "false", "--ray-client-server-port", str(self._port())])
         self._node(SECOND_IP, "second", ["--address", self.address])
 
     def _node(self, ip: str, name: str, role_args: list[str]) -> None:
@@ -71,7 +81,7 @@ class TwoNodeCluster:
                "--num-cpus", "1", "--object-store-memory", str(100 * 1024 ** 2), "--disable-usage-stats",
                "--include-log-monitor", "false", "--resources", json.dumps({f"node_{name}": 1}), *role_args]
         for flag in sorted(ports):
-            cmd += [flag, str(_free_port())]
+            cmd += [flag, str(self._port())]
         log = Path(self.temp_dir) / f"start_{name}.log"
         with open(log, "w") as out:
             self.starters.append(subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
