@@ -113,8 +113,6 @@ class _Host:
         os.environ.update(context.env())
         try:
             worker_cls = cloudpickle.loads(cls_blob)  # imports the worker's modules under that env
-            if not self.workers:
-                _freeze_heap()
             args, kwargs = _split_kw(kw_names, unpack(values))
             self.workers[slot] = construct_worker(worker_cls, context, args, kwargs)
         except Exception as exc:
@@ -151,18 +149,19 @@ class _Host:
             gc.collect()  # the workers' gloo groups close before the world they were made in
             kept = leave_process_group()
             gc.collect()
-            _freeze_heap()  # what is left is the process's own (modules, caches): the next job's collections skip it
+            _freeze_heap()
         except Exception as exc:
             return _Failure(exc)
         return kept  # None: clean; else why this process must end with its job
 
 
 def _freeze_heap() -> None:
-    """Move every object the collector tracks now out of its reach (`gc.freeze`), at a moment when the process
-    holds no worker: what it holds then (imported modules, torch's and megatron-core's tables; ~430k objects)
-    lives as long as the process. A full collection scanned all of it: 0.2 s each, once per group shut down
-    (`drop`) and twice per `reset`, on every rank. A worker's own objects are made after the freeze and are
-    collected as before."""
+    """Move every object the collector tracks out of its reach (`gc.freeze`), once a reset has let go of the
+    job and collected what it left: what the process holds then (imported modules, torch's and megatron-core's
+    tables; ~430k objects) lives as long as the process. A full collection scanned all of it: 0.2 s each, once
+    per group shut down (`drop`) and twice per `reset`, on every rank; the next job's workers are made after
+    the freeze and are collected as before. Not at a job's start: the call's arguments and a worker class
+    sent by value (a notebook's) are live then, and a frozen object in a reference cycle is never freed."""
     gc.freeze()
 
 

@@ -52,7 +52,7 @@ def test_a_clean_shutdown_hands_the_processes_to_the_next_group_in_a_new_world(f
         assert second.call(Echo.all_reduce, 2.0) == [6.0, 6.0]  # the old world was left, a new one joined
         assert second.call(Echo.gather_ranks) == [[0, 1], [0, 1]]
         # The first job's workers were freed, though only the collector could (each is in a reference cycle):
-        # the heap frozen when a process holds no worker (`ray_group._freeze_heap`) never holds a worker.
+        # the heap frozen at the end of a reset (`ray_group._freeze_heap`) holds no worker.
         assert second.call(Echo.alive_echoes) == [{"alive": 1, "frozen": ANY}] * 2
         assert all(r["frozen"] > 10_000 for r in second.call(Echo.alive_echoes))
     finally:

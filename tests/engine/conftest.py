@@ -54,13 +54,16 @@ def assert_one_adam_step_close(got: dict, want: dict, before: dict, lr: float) -
     few eps of 0 (0 up to rounding, both steps under half of lr), the step's size and sign are rounding's:
     there the two agree within lr (measured: one element of 6144 in a Qwen2 MLP stepped 0.196 lr on one code
     and 0.251 lr on the other on an AVX2 CPU, equal on AVX-512)."""
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    assert got and got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    settled = 0
     for name, value in got.items():
         start, value, other = before[name].cpu(), value.cpu(), want[name].cpu()
         rounding = ((value - start).abs() < 0.5 * lr) & ((other - start).abs() < 0.5 * lr)
+        settled += int((~rounding).sum())
         over = (value - other).abs() > torch.where(rounding, lr, 0.05 * lr)
         assert not over.any(), (f"{name}: {int(over.sum())} of {value.numel()} elements differ by more than "
                                 f"the allowance, up to {float((value - other).abs()[over].max()) / lr:.3f} lr")
+    assert settled > 0, "no weight moved by half of lr: `before` is not the weights before the step"
 
 
 @pytest.fixture(scope="session")
