@@ -31,6 +31,8 @@ from types import ModuleType
 
 import torch
 
+from hybridflow.common import atomic_write
+
 log = logging.getLogger("hybridflow.kernels")
 BACKENDS = ("reference", "chunked", "cpu", "cuda", "triton", "auto")
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -75,16 +77,14 @@ def _stage_sources(into: Path, files: list[Path]) -> list[Path]:
     torch's build files name their sources' paths, so a build of the same bytes from another checkout (a
     fresh clone, a worktree) would compile again; compiled from copies under the content digest, every
     checkout holding these bytes loads the one build. Headers lie beside the sources, as `#include "x.h"`
-    expects. A copy is written whole (temporary file, then rename), so a killed copy leaves none."""
+    expects. A copy is written whole (`common.atomic_write`), so a killed copy leaves none."""
     into.mkdir(exist_ok=True)
     staged = []
     for path in files:
         copy = into / path.name
         data = path.read_bytes()
         if not copy.is_file() or copy.read_bytes() != data:
-            tmp = copy.with_name(f".{copy.name}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, copy)
+            atomic_write(copy, lambda f: f.write(data))
         staged.append(copy)
     return staged
 
