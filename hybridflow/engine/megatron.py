@@ -1,21 +1,13 @@
 """The training engine: a megatron-core GPTModel built and loaded from an HF checkpoint.
 
-`MegatronEngine` owns one model replica's shard on this rank: the GPTModel
-(local layer spec, so it runs without Transformer Engine), Megatron DDP and
-its (distributed) optimizer with an LR schedule. Roles (actor, critic,
-reference in `hybridflow.workers`) hand it micro-batches and a loss
-function; it never knows which algorithm runs (rule 6, docs/conventions.md).
+`MegatronEngine` owns one model replica's shard on this rank: the GPTModel (built in `build.py`),
+Megatron DDP and its (distributed) optimizer with an LR schedule, and the weight I/O (HF load and
+export, the TP/PP gathers, this rank's checkpoint shard). Roles (`hybridflow.roles`) hand it
+micro-batches and a loss function; it never knows which algorithm runs (rule 6).
 
-Batches are RL sequences: a left-padded prompt followed by a right-padded
-response, so real tokens are one contiguous run per row. Megatron's GPTModel
-numbers positions 0..S-1 for every row, so each row is rotated to start at
-column 0 before the forward pass and the outputs are rotated back; with only
-right padding left, the plain causal mask is exact (`packing.py`).
-
-The model itself is built in `build.py`. Weight I/O stays here, on the
-engine: HF loading and export, the TP/PP gathers the 3D-HybridEngine
-compares against (they count into a `TrafficCounter` they are handed), and
-this rank's checkpoint shard.
+Rows are a left-padded prompt then a right-padded response. GPTModel numbers positions 0..S-1 in every
+row, so each row is rotated to start at column 0 before the forward pass and rotated back after; with
+only right padding left, the plain causal mask is exact (`packing.py`).
 """
 from __future__ import annotations
 
@@ -85,22 +77,17 @@ class _ScaleGrad(torch.autograd.Function):
 class MegatronEngine:
     """One rank's shard of a megatron-core GPTModel, its DDP wrapper and optimizer.
 
-    optim=None builds a frozen, forward-only engine (the reference policy).
-    value_head=True replaces the vocabulary output layer by a scalar head (the critic).
-    fused_output=True (at tp = 1) leaves the output layer to the loss: the model
-    returns its final hidden states [b, s, H] and `output_weight` is the layer's
-    weight, which `roles.batching.response_log_probs` applies on the response
-    positions only, fused with the log-prob (`kernels.fused_linear`), so no
-    [tokens, vocab] logits are ever held. `self.fused_output` says which.
-    layer_kernels=True (on CPU) runs the norms, SwiGLU and RoPE as one-pass C++ kernels (engine/cpu_layers.py).
-    layout: the run plan's `ParallelDims` for this role (checked against the process group); without one
-    the layout is the world's at `parallel`'s degrees. `self.layout` is it, and `self.coord` this rank's
-    place in it; `parallel` supplies the settings a layout does not hold (virtual_pp, sequence_parallel,
-    distributed_optimizer).
-    virtual_pp = v > 1 (pp > 1): the rank holds v model chunks (`self.chunks`, each a GPTModel, and
-    `self.models`, their DDP wrappers; one optimizer over all), run by megatron-core's interleaved schedule;
-    chunk c of stage s holds the layers `parallel.stages.chunk_layers(s, c, ...)`. `self.module` and
-    `self.model` are the first chunk and its wrapper (the only ones at v = 1).
+    optim=None builds a frozen, forward-only engine (the reference policy); value_head=True replaces
+    the vocabulary output layer by a scalar head (the critic). fused_output=True (tp = 1 only; see
+    `self.fused_output`) makes the model return its final hidden states [b, s, H] and leaves
+    `output_weight` to the loss, which applies it on the response positions only
+    (`kernels.fused_linear`), so no [tokens, vocab] logits are held. layer_kernels=True (CPU) runs the
+    norms, SwiGLU and RoPE as C++ kernels (engine/cpu_layers.py).
+    layout: the run plan's `ParallelDims` for this role (checked against the process group; default:
+    the world at `parallel`'s degrees), kept as `self.layout`, with this rank's `self.coord`.
+    virtual_pp = v > 1: the rank holds v model chunks (`self.chunks`; `self.models` their DDP wrappers,
+    one optimizer over all), chunk c of stage s holding `parallel.stages.chunk_layers(s, c, ...)`.
+    `self.module` and `self.model` are the first chunk and its wrapper.
     """
 
     kind = "megatron"
@@ -177,11 +164,8 @@ class MegatronEngine:
     def distributed_optimizer(self) -> bool:
         """Whether Adam state is sharded over the DP ranks: as configured, and only where dp > 1.
 
-        At dp = 1 it shards nothing, and its parameter all-gather runs on gloo's
-        work thread, whose first ATen op starts a second OpenMP team; libgomp
-        then has more threads than cores and stops spinning, so every later
-        small op of the process pays a futex wake-up (measured: a 16x64 @ 64x128
-        matmul 13 -> 30-50 us, for the rest of the run). docs/megatron-on-cpu.md.
+        At dp = 1 it shards nothing, and its all-gather on gloo's work thread starts a second OpenMP
+        team, which slows every later small op of the process (docs/megatron-on-cpu.md).
         """
         return self.parallel.distributed_optimizer and self.layout.dp > 1
 
@@ -447,27 +431,18 @@ class MegatronEngine:
             share_prompts: bool = False) -> list[dict[str, Any]]:
         """Forward (and backward) over micro-batches; returns what each step_fn reported, on every rank.
 
-        Each micro-batch holds at least INPUT_IDS and ATTENTION_MASK [b, S] (`data.fields`).
-        Megatron divides each loss by len(micro_batches), so a step_fn that
-        returns its micro-batch's share of the mini-batch loss times
-        len(micro_batches) gives exactly the mini-batch gradient. At pp > 1
-        micro-batches are padded with empty rows to one shape (the pipeline
-        sends fixed-shape activations; step_fn never sees the padding), and
-        the reports, which only the last stage computes, are broadcast to the
-        pipeline's other stages. packed=True runs each micro-batch as one row
-        of its real tokens (`pack_rows`; pp = 1, full attention only); step_fn
-        sees the same [b, S, ...] output either way. share_prompts=True runs
-        the rows that share a prompt as one row, the prompt computed once
-        (`share_prompt_rows`; pp = 1, cp = 1, full attention; each micro-batch
-        holds RESPONSES, which mark where prompts end). At cp > 1 (padded rows only) each CP rank
-        runs its load-balanced chunks of every row and step_fn sees the whole output, gathered, on every
-        CP rank (`_context_parallel_forward`). Under sequence
-        parallelism each row is padded on the right to a multiple of tp columns
-        (`pad_columns`: megatron-core splits the sequence evenly over the TP
-        ranks); step_fn never sees the padding either. At virtual_pp > 1 megatron-core's interleaved schedule
-        runs the micro-batches through every chunk (one data iterator each), in groups of pp: a call with
-        a count not a multiple of pp gets empty micro-batches after its own (no report; its real losses
-        scaled by padded / real count, so the gradient is the same).
+        Each micro-batch holds at least INPUT_IDS and ATTENTION_MASK [b, S] (`data.fields`); step_fn
+        sees the output [b, S, ...] of its real rows and columns only, whatever padding the layout adds
+        (empty rows to one shape at pp > 1, right columns to a multiple of tp under sequence
+        parallelism, empty micro-batches to a multiple of pp at virtual_pp > 1, whose real losses are
+        then scaled so the gradient is unchanged). Megatron divides each loss by len(micro_batches),
+        so step_fn returns its micro-batch's share of the mini-batch loss times len(micro_batches).
+        packed=True runs each micro-batch as one row of its real tokens (`pack_rows`);
+        share_prompts=True runs the rows that share a prompt as one row, the prompt once
+        (`share_prompt_rows`; needs RESPONSES); both need pp = 1, cp = 1 and full attention
+        (ValueError otherwise). At cp > 1 every CP rank sees the whole output, gathered. Reports,
+        computed on the last pipeline stage, are broadcast to the others. RuntimeError on a frozen
+        engine unless forward_only.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -596,7 +571,6 @@ class MegatronEngine:
             raise UnsafeCheckpointError(f"{path}: refusing to load a checkpoint shard that holds more than "
                                         f"tensors and plain data (loading it could run code). {found}") from None
         self.load_state_dict(state)
-
 
 
 def _param_state(opt) -> Optional[dict]:
