@@ -117,8 +117,27 @@ class RopePositions:
         return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
 
 
+def moe_fields(cfg: DecoderConfig, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0) -> dict:
+    """megatron-core's MoE settings for an MoE model (empty for a dense one): the softmax top-k router
+    (`moe_router_pre_softmax` keeps the full softmax's weights where the family does not renormalise the
+    top k), SequentialMLP experts, the allgather token dispatcher (the one that runs over gloo), the
+    shared expert and its sigmoid gate, and the load-balancing and z losses with the run's coefficients."""
+    if not cfg.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_top_k, moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_router_score_function="softmax", moe_router_pre_softmax=not cfg.moe_norm_topk_prob,
+        moe_router_dtype="fp32", moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none",
+        moe_aux_loss_coeff=aux_loss_coeff, moe_z_loss_coeff=z_loss_coeff or None,
+        moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size or None,
+        moe_shared_expert_gate=cfg.shared_expert_gate, moe_permute_fusion=False)
+
+
 def transformer_config(cfg: DecoderConfig, parallel: ParallelConfig, dtype: torch.dtype, device: str,
-                       layer_kernels: bool = True):
+                       layer_kernels: bool = True, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0):
+    """megatron-core's TransformerConfig for `cfg` at `parallel`; the two coefficients weigh an MoE
+    model's load-balancing and router z losses (megatron-core adds their gradients in the backward)."""
     from megatron.core.transformer import TransformerConfig
 
     if len(set(cfg.layer_windows)) > 1:
@@ -137,6 +156,7 @@ def transformer_config(cfg: DecoderConfig, parallel: ParallelConfig, dtype: torc
         num_attention_heads=cfg.num_heads, num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
         normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=cfg.qkv_bias,
+        qk_layernorm=cfg.qk_norm, **moe_fields(cfg, aux_loss_coeff, z_loss_coeff),
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=cpu_kernels,
         use_te_activation_func=cpu_kernels,
@@ -168,7 +188,8 @@ def build_model(cfg: DecoderConfig, tconfig, padded_vocab: int, dtype: torch.dty
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = (cpu_layers.layer_spec(tconfig) if tconfig.use_te_activation_func
-            else get_gpt_layer_local_spec(normalization="RMSNorm"))
+            else get_gpt_layer_local_spec(normalization="RMSNorm", num_experts=tconfig.num_moe_experts,
+                                          qk_layernorm=tconfig.qk_layernorm))
     core_attention = core_attention_for(tconfig, torch.device(device).type)
     if core_attention is not None:  # cp > 1
         for layer in getattr(spec, "layer_specs", [spec]):

@@ -194,6 +194,8 @@ def _megatron_modules():
         import megatron.core.models.gpt  # noqa: F401
         import megatron.core.optimizer  # noqa: F401
         import megatron.core.pipeline_parallel  # noqa: F401
+        import megatron.core.transformer.moe.moe_layer  # noqa: F401
+        import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
         # dist_checkpointing's save and load (the reshard tool) call torch.cuda for a device and a sync.
         import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
         import megatron.core.dist_checkpointing.strategies.state_dict_saver  # noqa: F401
@@ -222,6 +224,16 @@ def _patch_multi_tensor_scale() -> None:
             module.multi_tensor_scale_impl = _foreach_scale
 
 
+def _define_te_general_gemm() -> None:
+    """megatron-core 0.16.1's MoE router reads `moe_utils.te_general_gemm`, a name the module defines only
+    when Transformer Engine imports (a NameError in every MoE forward otherwise); without it, None selects
+    the router's torch matmul."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply() -> None:
     """Adapt megatron-core to this CPU-only process (idempotent)."""
     global _APPLIED
@@ -238,4 +250,5 @@ def apply() -> None:
     _patch_tensor_type()
     _patch_tensor_cuda()
     _patch_multi_tensor_scale()
+    _define_te_general_gemm()
     _APPLIED = True

@@ -36,6 +36,15 @@ class RMSNorm(torch.nn.RMSNorm):
         return rms_norm(x, self.weight, self.eps)
 
 
+class HeadRMSNorm(RMSNorm):
+    """QK-norm over each head's features: its weight is not split by sequence parallelism (megatron-core
+    sums its gradient over TP by name, as `qk_layernorm` asks)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(config, hidden_size, eps)
+        self.weight.sequence_parallel = False
+
+
 class SwiGLU(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -91,7 +100,16 @@ def layer_spec(config):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", num_experts=config.num_moe_experts,
+                                     qk_layernorm=config.qk_layernorm)
     layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
-    layer.submodules.mlp.submodules.activation_func = SwiGLU
+    if config.qk_layernorm:
+        attention = layer.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
+    mlp = layer.submodules.mlp.submodules
+    if config.num_moe_experts:  # the experts' and the shared expert's MLPs
+        for sub in (mlp.experts.submodules, mlp.shared_experts.submodules):
+            sub.activation_func = SwiGLU
+    else:
+        mlp.activation_func = SwiGLU
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)

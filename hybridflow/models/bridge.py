@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Iterator, Literal, Optional, Protocol
 
 import torch
 
-from hybridflow.models.config import DecoderConfig, ModelConfigError
+from hybridflow.models.config import SUPPORTED_FAMILIES, DecoderConfig, ModelConfigError
 from hybridflow.models.sharding import ShardSpec, padded_vocab_size, spec_for
 
 Fuse = Optional[Literal["qkv", "gate_up"]]
@@ -70,7 +70,8 @@ class SliceReader(Protocol):
 
 
 class LlamaBridge:
-    """Llama, Qwen2 and Mistral share HF names; their differences are in `cfg`."""
+    """The Llama family and its relatives share HF names; their differences (QKV bias, QK-norm, experts, and
+    Mixtral's `block_sparse_moe` names) are read from `cfg`."""
 
     def __init__(self, cfg: DecoderConfig, make_vocab_size_divisible_by: int = 128, tp: int = 1):
         self.cfg = cfg
@@ -92,19 +93,41 @@ class LlamaBridge:
             if cfg.qkv_bias:
                 out.append(ParamEntry(mc + "self_attention.linear_qkv.bias", gen + "attn.qkv.bias",
                                       tuple(f"{att}{p}_proj.bias" for p in "qkv"), fuse="qkv"))
+            if cfg.qk_norm:
+                out += [ParamEntry(mc + "self_attention.q_layernorm.weight", gen + "attn.q_norm.weight",
+                                   (att + "q_norm.weight",)),
+                        ParamEntry(mc + "self_attention.k_layernorm.weight", gen + "attn.k_norm.weight",
+                                   (att + "k_norm.weight",))]
             out += [
                 ParamEntry(mc + "self_attention.linear_proj.weight", gen + "attn.proj.weight",
                            (att + "o_proj.weight",)),
                 ParamEntry(mc + "pre_mlp_layernorm.weight", gen + "mlp_norm.weight",
                            (hf + "post_attention_layernorm.weight",)),
-                ParamEntry(mc + "mlp.linear_fc1.weight", gen + "mlp.fc1.weight",
-                           (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), fuse="gate_up"),
-                ParamEntry(mc + "mlp.linear_fc2.weight", gen + "mlp.fc2.weight",
-                           (hf + "mlp.down_proj.weight",)),
             ]
+            out += self._moe_entries(mc + "mlp.", gen + "mlp.", hf) if cfg.is_moe else \
+                _mlp_entries(mc + "mlp.", gen + "mlp.", hf + "mlp.", ("gate_proj", "up_proj", "down_proj"))
         out.append(ParamEntry("decoder.final_layernorm.weight", "norm.weight", ("model.norm.weight",)))
         if not cfg.tie_word_embeddings:
             out.append(ParamEntry("output_layer.weight", "lm_head.weight", ("lm_head.weight",), vocab=True))
+        return out
+
+    def _moe_entries(self, mc: str, gen: str, hf_layer: str) -> list[ParamEntry]:
+        """One MoE layer: router, each expert (megatron-core's SequentialMLP names), the shared expert and
+        its gate. HF names are those `transformers` writes to disk (one tensor per expert)."""
+        cfg = self.cfg
+        if cfg.model_type == "mixtral":
+            hf, projections = hf_layer + "block_sparse_moe.", ("w1", "w3", "w2")
+        else:
+            hf, projections = hf_layer + "mlp.", ("gate_proj", "up_proj", "down_proj")
+        out = [ParamEntry(mc + "router.weight", gen + "router.weight", (hf + "gate.weight",))]
+        for j in range(cfg.num_experts):
+            out += _mlp_entries(f"{mc}experts.local_experts.{j}.", f"{gen}experts.{j}.", f"{hf}experts.{j}.",
+                                projections)
+        if cfg.shared_expert_intermediate_size:
+            out += _mlp_entries(mc + "shared_experts.", gen + "shared.", hf + "shared_expert.", projections)
+            if cfg.shared_expert_gate:
+                out.append(ParamEntry(mc + "shared_experts.gate_weight", gen + "shared_gate.weight",
+                                      (hf + "shared_expert_gate.weight",)))
         return out
 
     # -- one tensor ---------------------------------------------------------
@@ -267,37 +290,37 @@ class LlamaBridge:
         return {e.generation: sd[e.megatron][: self.cfg.vocab_size] if e.vocab else sd[e.megatron]
                 for e in self.entries()}
 
+    def generation_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the plain decoder's parameters (vocabulary unpadded), built on the meta device."""
+        from hybridflow.models.decoder import Decoder
+
+        with torch.device("meta"):
+            model = Decoder(self.cfg)
+        return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of every HF tensor a checkpoint of this config holds (vocabulary unpadded)."""
-        cfg = self.cfg
-        hidden, ffn = cfg.hidden_size, cfg.intermediate_size
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        by_suffix = {"embed_tokens.weight": (cfg.vocab_size, hidden), "lm_head.weight": (cfg.vocab_size, hidden),
-                     "q_proj.weight": (q, hidden), "k_proj.weight": (kv, hidden), "v_proj.weight": (kv, hidden),
-                     "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.weight": (hidden, q),
-                     "gate_proj.weight": (ffn, hidden), "up_proj.weight": (ffn, hidden),
-                     "down_proj.weight": (hidden, ffn)}
-        return {name: by_suffix.get(".".join(name.split(".")[-2:]), (hidden,))
-                for e in self.entries() for name in e.hf}
+        gen, out = self.generation_shapes(), {}
+        for e in self.entries():
+            parts = self.split_parts(e, torch.empty(gen[e.generation], device="meta"))
+            out.update((name, tuple(p.shape)) for name, p in zip(e.hf, parts))
+        return out
 
     def megatron_shapes(self) -> dict[str, tuple[int, ...]]:
         """Full (unsharded) shapes of every Megatron parameter."""
-        cfg, shapes = self.cfg, {}
-        for e in self.entries():
-            suffix = ".".join(e.megatron.split(".")[-2:])
-            shapes[e.megatron] = {
-                "word_embeddings.weight": (self.padded_vocab, cfg.hidden_size),
-                "output_layer.weight": (self.padded_vocab, cfg.hidden_size),
-                "linear_qkv.weight": (cfg.qkv_size, cfg.hidden_size),
-                "linear_qkv.bias": (cfg.qkv_size,),
-                "linear_proj.weight": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
-                "linear_fc1.weight": (2 * cfg.intermediate_size, cfg.hidden_size),
-                "linear_fc2.weight": (cfg.hidden_size, cfg.intermediate_size),
-            }.get(suffix, (cfg.hidden_size,))
-        return shapes
+        gen = self.generation_shapes()
+        return {e.megatron: (self.padded_vocab, *gen[e.generation][1:]) if e.vocab else gen[e.generation]
+                for e in self.entries()}
 
 
-BRIDGES: dict[str, type[LlamaBridge]] = {"llama": LlamaBridge, "qwen2": LlamaBridge, "mistral": LlamaBridge}
+def _mlp_entries(mc: str, gen: str, hf: str, projections: tuple[str, str, str]) -> list[ParamEntry]:
+    """A SwiGLU MLP's two tensors; projections: the HF names of its gate, up and down projections."""
+    gate, up, down = (f"{hf}{p}.weight" for p in projections)
+    return [ParamEntry(mc + "linear_fc1.weight", gen + "fc1.weight", (gate, up), fuse="gate_up"),
+            ParamEntry(mc + "linear_fc2.weight", gen + "fc2.weight", (down,))]
+
+
+BRIDGES: dict[str, type[LlamaBridge]] = {family: LlamaBridge for family in SUPPORTED_FAMILIES}
 
 
 def get_bridge(cfg: DecoderConfig, make_vocab_size_divisible_by: int = 128, tp: int = 1) -> LlamaBridge:

@@ -1,10 +1,11 @@
-"""Decoder architecture read from an HF `config.json` (Llama, Qwen2, Mistral).
+"""Decoder architecture read from an HF `config.json`: Llama, Qwen2, Mistral, Qwen3 and the
+mixture-of-experts families Qwen3-MoE, Mixtral and Qwen2-MoE.
 
-The three families differ only in a few switches (QKV bias, sliding window,
-tied embeddings, RoPE base/scaling); `DecoderConfig` holds exactly those, so
-the plain decoder, the bridge and the Megatron builder read one description.
-Options these families can carry but hybridflow does not implement fail
-loudly here instead of giving silently wrong logits.
+The families differ only in a few switches (QKV bias, QK-norm, sliding window,
+tied embeddings, RoPE base/scaling, experts in place of the MLP); `DecoderConfig`
+holds exactly those, so the plain decoder, the bridge and the Megatron builder
+read one description. Options these families can carry but hybridflow does not
+implement fail loudly here instead of giving silently wrong logits.
 """
 from __future__ import annotations
 
@@ -13,9 +14,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
 HF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM"}
+QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe")  # a bias on q, k and v, never on o_proj
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # RMSNorm on each head's queries and keys before RoPE
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 
 
 # Sizes config.json must give as positive integers (a "16" would fail far from here, in arithmetic).
@@ -54,6 +60,18 @@ class DecoderConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int | list[int]] = None
     torch_dtype: str = "float32"
+    qk_norm: bool = False
+    # Mixture of experts (num_experts > 0): every layer's MLP is `num_experts` SwiGLU experts of
+    # `moe_intermediate_size` features, `moe_top_k` per token, chosen by a softmax router (top-k weights
+    # renormalised when `moe_norm_topk_prob`); plus, when `shared_expert_intermediate_size` > 0, one
+    # always-on expert, scaled by a sigmoid gate when `shared_expert_gate`.
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_intermediate_size: int = 0
+    moe_norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    router_aux_loss_coef: float = 0.0  # the checkpoint's own coefficient (informational)
     # False: a model hybridflow's decoder, bridge and megatron-core builder do not reproduce (GPT-2, a Llama
     # with a GELU MLP, ...), described from its config.json for the run's planning only (`foreign`); it runs
     # under `transformers` alone (an FSDP role with fsdp.modeling: transformers, generating with
@@ -69,6 +87,10 @@ class DecoderConfig:
             raise ModelConfigError(
                 f"num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def heads_per_group(self) -> int:
@@ -96,8 +118,10 @@ class DecoderConfig:
         # Llama's `attention_bias` also puts a bias on o_proj, which Megatron's
         # local spec cannot hold separately from the MLP biases; Qwen2 always
         # has a QKV bias and never an o_proj bias.
-        if model_type != "qwen2" and hf.get("attention_bias"):
+        if model_type not in QKV_BIAS_FAMILIES and hf.get("attention_bias"):
             raise UnsupportedArchitecture("attention_bias=true (bias on o_proj) is not supported")
+        if model_type == "qwen2_moe" and hf.get("qkv_bias") is False:
+            raise UnsupportedArchitecture("qkv_bias=false is not supported for qwen2_moe")
         heads = hf["num_attention_heads"]
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -118,11 +142,13 @@ class DecoderConfig:
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2",
+            qkv_bias=model_type in QKV_BIAS_FAMILIES,
+            qk_norm=model_type in QK_NORM_FAMILIES,
             layer_windows=_layer_windows(hf, model_type),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            **(_moe_fields(hf, model_type) if model_type in MOE_FAMILIES else {}),
         )
 
     @classmethod
@@ -204,10 +230,12 @@ class DecoderConfig:
         }
         if self.rope_scaling:
             out["rope_scaling"] = dict(self.rope_scaling)
+        if self.is_moe:
+            out.update(_moe_hf_fields(self))
         windows = {w for w in self.layer_windows if w is not None}
-        if self.model_type == "mistral":
+        if self.model_type in ("mistral", "mixtral"):
             out["sliding_window"] = windows.pop() if windows else None
-        if self.model_type == "qwen2":
+        if self.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             out["use_sliding_window"] = bool(windows)
             if windows:
                 out["sliding_window"] = windows.pop()
@@ -221,9 +249,45 @@ class DecoderConfig:
 def _layer_windows(hf: dict[str, Any], model_type: str) -> list[Optional[int]]:
     n = hf["num_hidden_layers"]
     window = hf.get("sliding_window")
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         return [window] * n
-    if model_type == "qwen2" and hf.get("use_sliding_window") and window:
+    if model_type != "llama" and hf.get("use_sliding_window") and window:
         first = hf.get("max_window_layers", n)
         return [window if i >= first else None for i in range(n)]
     return [None] * n
+
+
+def _moe_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The expert fields of an MoE family's config.json; what the decoder does not build is refused by name."""
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    top_k = hf.get("num_experts_per_tok")
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", top_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelConfigError(f"{key}={value!r}: must be a positive integer")
+    if top_k > experts:
+        raise ModelConfigError(f"num_experts_per_tok={top_k} exceeds num_experts={experts}")
+    if model_type == "mixtral":
+        if hf.get("router_jitter_noise"):
+            raise UnsupportedArchitecture(f"router_jitter_noise={hf['router_jitter_noise']!r}: only 0 is built")
+        ffn, norm, shared = hf["intermediate_size"], True, 0
+    else:
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise UnsupportedArchitecture("decoder_sparse_step != 1 or mlp_only_layers (dense layers among the "
+                                          "expert layers) is not supported: every layer must be an MoE layer")
+        ffn, norm = hf["moe_intermediate_size"], bool(hf.get("norm_topk_prob", False))
+        shared = hf.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    return dict(num_experts=experts, moe_top_k=top_k, moe_intermediate_size=ffn, moe_norm_topk_prob=norm,
+                shared_expert_intermediate_size=shared or 0, shared_expert_gate=bool(shared),
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+
+
+def _moe_hf_fields(cfg: DecoderConfig) -> dict[str, Any]:
+    """Inverse of `_moe_fields`: the config.json keys of cfg's family."""
+    out: dict[str, Any] = {"num_experts_per_tok": cfg.moe_top_k, "router_aux_loss_coef": cfg.router_aux_loss_coef}
+    if cfg.model_type == "mixtral":
+        return {**out, "num_local_experts": cfg.num_experts, "router_jitter_noise": 0.0}
+    out.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
+               norm_topk_prob=cfg.moe_norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+    if cfg.model_type == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, qkv_bias=True)
+    return out

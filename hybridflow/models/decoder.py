@@ -1,4 +1,5 @@
-"""A plain decoder-only transformer for the Llama / Qwen2 / Mistral family.
+"""A plain decoder-only transformer for the Llama family and its relatives (Qwen2, Mistral, Qwen3, and the
+mixture-of-experts Qwen3-MoE, Mixtral and Qwen2-MoE).
 
 Used for generation and as a reference forward. It keeps the *fused* weight
 layout of megatron-core rather than HF's separate projections:
@@ -6,7 +7,8 @@ layout of megatron-core rather than HF's separate projections:
 - `attn.qkv` is Megatron's grouped layout: rows are ordered per query group
   `[q_0 .. q_{h/g-1}, k, v]` (head_dim rows each), so a contiguous row slice
   is exactly one tensor-parallel shard;
-- `mlp.fc1` is `[gate; up]`.
+- `mlp.fc1` is `[gate; up]`; an MoE layer's `mlp.experts[j].fc1` too, one module per expert (as
+  megatron-core's SequentialMLP holds them), so generation weights stay views of training ones.
 
 With the same layout, the generation weights can be views of the training
 engine's parameters (no copy), which is what the 3D-HybridEngine builds on.
@@ -67,12 +69,18 @@ def local_config(cfg: DecoderConfig, size: int) -> DecoderConfig:
         return cfg
     import dataclasses
 
-    for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
-                    ("MLP features", cfg.intermediate_size)):
+    splits = [("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads)]
+    splits += ([("expert MLP features", cfg.moe_intermediate_size),
+                ("shared-expert MLP features", cfg.shared_expert_intermediate_size)] if cfg.is_moe
+               else [("MLP features", cfg.intermediate_size)])
+    for what, n in splits:
         if n % size:
             raise ValueError(f"a {size}-way tensor-parallel group cannot split {n} {what}")
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=cfg.num_kv_heads // size,
-                               intermediate_size=cfg.intermediate_size // size)
+                               intermediate_size=cfg.intermediate_size // size if not cfg.is_moe
+                               else cfg.intermediate_size,
+                               moe_intermediate_size=cfg.moe_intermediate_size // size,
+                               shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // size)
 
 
 class RMSNorm(nn.Module):
@@ -132,6 +140,18 @@ class Attention(nn.Module):
         self.layer = layer  # its slot in a KVCache
         self.qkv = nn.Linear(cfg.hidden_size, cfg.qkv_size, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def rotate_qk(self, qkv: torch.Tensor, cos, sin) -> torch.Tensor:
+        """Each group's queries and key [B, T, groups, heads_per_group + 1, head_dim], QK-normed (where the
+        family has it) and rotated, from the grouped qkv [B, T, groups, heads_per_group + 2, head_dim]."""
+        hpg = self.cfg.heads_per_group
+        if not self.cfg.qk_norm:
+            return apply_rope(qkv[:, :, :, :hpg + 1], cos, sin)
+        qk = torch.cat([self.q_norm(qkv[:, :, :, :hpg]), self.k_norm(qkv[:, :, :, hpg:hpg + 1])], dim=3)
+        return apply_rope(qk, cos, sin)
 
     def forward(self, x, cos, sin, mask, cache: Optional[KVCache] = None):
         cfg = self.cfg
@@ -139,7 +159,7 @@ class Attention(nn.Module):
         hpg, hd = cfg.heads_per_group, cfg.head_dim
         # [B, T, groups, heads_per_group + 2, head_dim]: Megatron's grouped layout.
         qkv = self.qkv(x).view(b, t, -1, hpg + 2, hd)
-        qk = apply_rope(qkv[:, :, :, :hpg + 1], cos, sin)  # queries and key of each group at once
+        qk = self.rotate_qk(qkv, cos, sin)  # queries and key of each group at once
         k = qk[:, :, :, hpg].transpose(1, 2)
         v = qkv[:, :, :, hpg + 1].transpose(1, 2)
         if cache is not None:
@@ -157,15 +177,70 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU over this rank's slice of the hidden features (cfg: the local config)."""
 
-    def __init__(self, cfg: DecoderConfig, parallel: TensorParallel = NO_PARALLEL):
+    def __init__(self, cfg: DecoderConfig, parallel: TensorParallel = NO_PARALLEL, features: Optional[int] = None):
         super().__init__()
         self.parallel = parallel
-        self.fc1 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # [gate; up]
-        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        features = features or cfg.intermediate_size
+        self.fc1 = nn.Linear(cfg.hidden_size, 2 * features, bias=False)  # [gate; up]
+        self.fc2 = nn.Linear(features, cfg.hidden_size, bias=False)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (before the sum over the TP group)."""
+        gate, up = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(F.silu(gate) * up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc1(x).chunk(2, dim=-1)
-        return self.parallel.all_reduce(self.fc2(F.silu(gate) * up))
+        return self.parallel.all_reduce(self.partial(x))
+
+
+class MoE(nn.Module):
+    """Experts in place of the MLP (cfg: the local config; each expert holds this rank's feature slice).
+
+    The router is a softmax over the experts' logits, the top `moe_top_k` kept per token (their weights
+    renormalised when `moe_norm_topk_prob`). Tokens are grouped by expert, and each expert computes its
+    rows in one matmul pair. `route(x)` gives the (weights, experts) pair a caller may record and hand
+    back through `forward(x, routes=...)` to reuse the same experts.
+    """
+
+    def __init__(self, cfg: DecoderConfig, parallel: TensorParallel = NO_PARALLEL):
+        super().__init__()
+        self.cfg, self.parallel = cfg, parallel
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg, parallel, cfg.moe_intermediate_size)
+                                     for _ in range(cfg.num_experts))
+        self.shared = (MLP(cfg, parallel, cfg.shared_expert_intermediate_size)
+                       if cfg.shared_expert_intermediate_size else None)
+        self.shared_gate = (nn.Linear(cfg.hidden_size, 1, bias=False)
+                            if self.shared is not None and cfg.shared_expert_gate else None)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> (weights [N, k] in x's dtype, experts [N, k] int64)."""
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.cfg.moe_top_k, dim=-1)
+        if self.cfg.moe_norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor, routes: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts = self.route(x) if routes is None else routes
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = order // experts.shape[1]  # the token of each (token, slot) pair, grouped by expert
+        counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                pairs = order[start:start + count]
+                y = expert.partial(x[rows[start:start + count]])
+                out.index_add_(0, rows[start:start + count], y * weights.reshape(-1)[pairs, None])
+            start += count
+        if self.shared is not None:
+            y = self.shared.partial(x)
+            out = out + (y * torch.sigmoid(self.shared_gate(x)) if self.shared_gate is not None else y)
+        return self.parallel.all_reduce(out).reshape(shape)
 
 
 class Block(nn.Module):
@@ -174,7 +249,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer, parallel)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, parallel)
+        self.mlp = MoE(cfg, parallel) if cfg.is_moe else MLP(cfg, parallel)
 
     def forward(self, x, cos, sin, mask, cache: Optional[KVCache] = None):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
@@ -204,7 +279,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class Decoder(nn.Module):
-    """Llama-family causal LM. `forward(input_ids[B,T]) -> logits[B,T,V]`.
+    """Llama-family causal LM (dense or mixture-of-experts). `forward(input_ids[B,T]) -> logits[B,T,V]`.
 
     parallel: a tensor-parallel context (`NO_PARALLEL`: the whole model).
     `cfg` is then this rank's local config (its heads, KV heads, MLP slice;

@@ -11,7 +11,11 @@ joining are pure functions of (tensor, spec, rank, size).
 - ROW: input features split along dim 1 (`linear_proj`, `linear_fc2`).
 - VOCAB: vocabulary rows split along dim 0 (embedding, output layer); the
   vocabulary is padded to a multiple of the TP size first.
-- REPLICATE: every rank holds the whole tensor (norms).
+- REPLICATE: every rank holds the whole tensor (norms, an MoE router).
+
+An MoE layer's experts (`local_experts.J.linear_fc1`, `...linear_fc2`) and
+shared expert split like a dense MLP: the table is keyed by the last two
+name components.
 
 Megatron's grouped QKV layout keeps each query group contiguous, so a plain
 COLUMN split hands every rank whole groups (`num_kv_heads % tp == 0`).
@@ -54,6 +58,10 @@ SHARDING_PLAN: dict[str, ShardSpec] = {
     "linear_proj.weight": ROW,
     "linear_fc1.weight": ShardSpec(Shard.COLUMN, blocks=2),
     "linear_fc2.weight": ROW,
+    "q_layernorm.weight": REPLICATE,
+    "k_layernorm.weight": REPLICATE,
+    "router.weight": REPLICATE,  # MoE: every rank routes every token
+    "shared_experts.gate_weight": REPLICATE,
     "input_layernorm.weight": REPLICATE,
     "pre_mlp_layernorm.weight": REPLICATE,
     "final_layernorm.weight": REPLICATE,
