@@ -144,7 +144,7 @@ def _apart(cfg, train_kw: dict, tg: int, args) -> dict:
 
     from hybridflow.hybrid_engine import bridge_params
     from hybridflow.hybrid_engine.apart import plan_apart
-    from hybridflow.hybrid_engine.plan import _layer, _stage
+    from hybridflow.parallel.stages import layer_index, param_stage
     from hybridflow.hybrid_engine.traffic import Traffic
     from hybridflow.hybrid_engine.weight_sync import SyncWorld, receive, send
     from hybridflow.models import get_bridge, shard_tensor
@@ -158,14 +158,14 @@ def _apart(cfg, train_kw: dict, tg: int, args) -> dict:
     address = [os.environ["MASTER_ADDR"], free_port(os.environ["MASTER_ADDR"]) if rank == 0 else 0]
     dist.broadcast_object_list(address, src=0)
     world = SyncWorld(plan, rank, address[0], address[1], "cpu")
-    layers = 1 + max(_layer(p.name) for p in params if _layer(p.name) is not None)
+    layers = 1 + max(layer_index(p.name) for p in params if layer_index(p.name) is not None)
     g = torch.Generator().manual_seed(0)
     full = {p.name: torch.randn(p.shape, generator=g) for p in params}  # the same model on every rank
     j = (rank - train.world_size) % tg
     if rank < train.world_size:
         c = train.coord(rank)
         mine = {p.name: shard_tensor(full[p.name], p.spec, c.tp, train.tp)
-                for p in params if _stage(p.name, layers, train.pp) == c.pp}
+                for p in params if param_stage(p.name, layers, train.pp) == c.pp}
     else:
         mine = {p.name: torch.full_like(shard_tensor(full[p.name], p.spec, j, tg), float("nan")) for p in params}
     times, traffic = [], Traffic()

@@ -41,8 +41,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from hybridflow.hybrid_engine.plan import ParamInfo, _layer, _stage
+from hybridflow.hybrid_engine.plan import ParamInfo
 from hybridflow.parallel.layout import Coord, ParallelDims
+from hybridflow.parallel.stages import layer_index, param_stage
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def plan_apart(params: Iterable[ParamInfo], train: ParallelDims, tg: int, rollou
         raise ValueError(f"tg={tg} must divide the rollout group's {rollout_world} ranks")
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    layers = 1 + max((_layer(p.name) for p in params if _layer(p.name) is not None), default=0)
+    layers = 1 + max((layer_index(p.name) for p in params if layer_index(p.name) is not None), default=0)
     if layers % (train.pp * virtual_pp):
         raise ValueError(f"p*virtual_pp = {train.pp}*{virtual_pp} must divide the {layers} layers")
     n, replicas = train.world_size, rollout_world // tg
@@ -155,7 +156,7 @@ def plan_apart(params: Iterable[ParamInfo], train: ParallelDims, tg: int, rollou
     for j in range(tg):
         dsts = tuple(n + q * tg + j for q in range(replicas))
         for p in params:
-            stage = _stage(p.name, layers, train.pp, virtual_pp)
+            stage = param_stage(p.name, layers, train.pp, virtual_pp)
             for r, s in _slices_of(p, train.tp, tg, j):
                 holders = [train.rank(Coord(tp=r, cp=0, dp=d, pp=stage)) for d in range(train.dp)]
                 src = min(holders, key=lambda h: (load[h], h))

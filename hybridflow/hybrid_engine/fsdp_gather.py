@@ -30,7 +30,7 @@ from hybridflow.engine.fsdp import chunk_rows
 from hybridflow.engine.fsdp_frozen import init_buffers
 from hybridflow.engine.fsdp_hf import without_dropout
 from hybridflow.hybrid_engine.generation import transition_metrics
-from hybridflow.hybrid_engine.reshard import DEFAULT_BUCKET_BYTES, _refuse_released
+from hybridflow.hybrid_engine.reshard import DEFAULT_BUCKET_BYTES, refuse_released
 from hybridflow.hybrid_engine.traffic import Traffic
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.decoder import Decoder, rope_inv_freq
@@ -102,8 +102,8 @@ class FSDPGatheredWeights:
             return
         for p in self.model.parameters():
             p.data = p.data.new_empty(0)
-        self._released = self.model.register_forward_pre_hook(_refuse_released)
-        self.model.forward_cached = _refuse_released
+        self._released = self.model.register_forward_pre_hook(refuse_released)
+        self.model.forward_cached = refuse_released
 
     def _buckets(self) -> list[list[str]]:
         buckets, size = [[]], 0

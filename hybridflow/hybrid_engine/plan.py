@@ -39,16 +39,14 @@ themselves; `dg = t*p / (tg*pg)` of them per generation group):
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable
 
 from hybridflow.models.sharding import ShardSpec, spec_for
 from hybridflow.parallel.layout import Coord, ParallelDims  # noqa: F401 (Coord: see gen_coord)
-from hybridflow.parallel.stages import param_stage
+from hybridflow.parallel.stages import layer_index, param_stage
 
 GROUPINGS = ("hybridflow", "vanilla", "full")
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -131,16 +129,6 @@ class ReshardPlan:
         return g.replica * per + g.micro_dp_rank, self.train.dp * self.train.cp * per
 
 
-def _layer(name: str) -> Optional[int]:
-    match = _LAYER.match(name)
-    return int(match[1]) if match else None
-
-
-def _stage(name: str, layers: int, stages: int, virtual_pp: int = 1) -> int:
-    """The training (or generation) stage holding a parameter: `parallel.stages`' answer, the engine's."""
-    return param_stage(name, layers, stages, virtual_pp)
-
-
 def _pieces(p: ParamInfo, t: int) -> list[tuple[int, int]]:
     """(TP rank, block) pieces of a parameter; a replicated one is the single piece (-1, 0)."""
     if p.spec.dim is None or t == 1:
@@ -182,7 +170,7 @@ def plan_reshard(params: Iterable[ParamInfo], train: ParallelDims, gen: GenLayou
     """Who holds, needs and receives which piece of every parameter (see the module docstring).
     virtual_pp: the training pipeline's model chunks per stage (its layers interleave over the stages)."""
     params = list(params)
-    layers = 1 + max((_layer(p.name) for p in params if _layer(p.name) is not None), default=0)
+    layers = 1 + max((layer_index(p.name) for p in params if layer_index(p.name) is not None), default=0)
     _check(train, gen, grouping, layers)
     if layers % (train.pp * virtual_pp):
         raise ValueError(f"p*virtual_pp = {train.pp}*{virtual_pp} must divide the {layers} layers")
@@ -191,7 +179,7 @@ def plan_reshard(params: Iterable[ParamInfo], train: ParallelDims, gen: GenLayou
     held: dict[int, set] = {r: set() for r in range(world)}
     needed: dict[int, set] = {r: set() for r in range(world)}
     for p in params:
-        stage, gstage = _stage(p.name, layers, train.pp, virtual_pp), _stage(p.name, layers, gen.pg)
+        stage, gstage = param_stage(p.name, layers, train.pp, virtual_pp), param_stage(p.name, layers, gen.pg)
         for rank in range(world):
             c, g = train.coord(rank), coords[rank]
             for r, b in _pieces(p, t):

@@ -55,7 +55,7 @@ from hybridflow.parallel.layout import Coord
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 
-def _new_groups(groups: list[list[int]]):
+def new_groups(groups: list[list[int]]):
     """Every rank creates every group, in one order (torch.distributed requires it); returns rank -> group."""
     mine = {}
     for ranks in groups:
@@ -90,8 +90,8 @@ class GroupedWeights:
         gather = [[train.rank(Coord(tp=j * self.k + i, cp=c, dp=d, pp=s)) for i in range(self.k)]
                   for d in range(train.dp) for c in range(train.cp) for s in range(train.pp)
                   for j in range(train.tp // self.k)]
-        self.gather_group = _new_groups(gather)[rank]
-        gen_tp = _new_groups([list(g) for g in self.plan.gen_tp_groups])[rank]
+        self.gather_group = new_groups(gather)[rank]
+        gen_tp = new_groups([list(g) for g in self.plan.gen_tp_groups])[rank]
         parallel = GroupTensorParallel(gen_tp, engine.bridge.padded_vocab) if tg > 1 else None
         model = Decoder(engine.cfg, parallel) if parallel is not None else Decoder(engine.cfg)
         self.model = model.to(device=engine.torch_device, dtype=engine.dtype).eval()
@@ -109,8 +109,8 @@ class GroupedWeights:
             return
         for p in self.model.parameters():
             p.data = p.data.new_empty(0)
-        self._released = self.model.register_forward_pre_hook(_refuse_released)
-        self.model.forward_cached = _refuse_released  # the generator's entry point (an instance attribute)
+        self._released = self.model.register_forward_pre_hook(refuse_released)
+        self.model.forward_cached = refuse_released  # the generator's entry point (an instance attribute)
 
     def _buckets(self) -> list[list]:
         """This stage's (entry, local name) pairs in buckets of at most `bucket_bytes` local bytes."""
@@ -187,7 +187,7 @@ class GroupedWeights:
         return metrics
 
 
-def _refuse_released(*args, **kwargs):
+def refuse_released(*args, **kwargs):
     raise RuntimeError("the generation weights were released for training: refresh them (the switch to "
                        "generation, RLTrainer.transition) before generating")
 

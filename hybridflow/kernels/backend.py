@@ -181,12 +181,12 @@ def resolve(backend: str, device: torch.device, available: tuple[str, ...]) -> s
             _EXTENSIONS[device.type]()
             return device.type
         except BackendUnavailable as exc:
-            _warn_once(f"{device.type.upper()} kernels unavailable, using the PyTorch fallback: {exc}")
+            warn_once(f"{device.type.upper()} kernels unavailable, using the PyTorch fallback: {exc}")
     return "chunked" if "chunked" in available else "reference"
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
     log.warning(message)
 
 

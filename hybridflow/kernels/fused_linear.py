@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.kernels.backend import cpu_extension, cuda_extension, resolve
-from hybridflow.kernels.logprob import _chunk_grad, incoming_grads, logprob_entropy
+from hybridflow.kernels.logprob import chunk_grad, incoming_grads, logprob_entropy
 
 DEFAULT_CHUNK = 512
 
@@ -57,7 +57,7 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
             elif chosen == "cuda":
                 g = cuda_extension().logprob_entropy_backward(logits, y, lse, entropy[s:e], g_logp[s:e], g_ent[s:e])
             else:
-                g = _chunk_grad(logits, y, lse, entropy[s:e], g_logp[s:e], g_ent[s:e])
+                g = chunk_grad(logits, y, lse, entropy[s:e], g_logp[s:e], g_ent[s:e])
             if grad_h is not None:
                 grad_h[s:e] = (g @ weight).to(hidden.dtype)
             if grad_w is not None:

@@ -39,7 +39,7 @@ def _chunk_stats(x: torch.Tensor, labels: torch.Tensor):
     return x.gather(-1, labels[:, None]).squeeze(-1) - lse, entropy, lse
 
 
-def _chunk_grad(x, labels, lse, entropy, g_logp, g_ent, label_grad=None):
+def chunk_grad(x, labels, lse, entropy, g_logp, g_ent, label_grad=None):
     """d/dx of (g_logp * logp + g_ent * H) for one chunk of rows.
 
     `label_grad` (default `g_logp`) is what lands on each row's label column;
@@ -75,7 +75,7 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.chunk):
             e = s + ctx.chunk
-            grad[s:e] = _chunk_grad(logits[s:e], labels[s:e], lse[s:e], entropy[s:e], g_logp[s:e], g_ent[s:e])
+            grad[s:e] = chunk_grad(logits[s:e], labels[s:e], lse[s:e], entropy[s:e], g_logp[s:e], g_ent[s:e])
         return grad, None, None
 
 

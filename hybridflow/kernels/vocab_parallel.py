@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybridflow.kernels.logprob import _chunk_grad, incoming_grads
+from hybridflow.kernels.logprob import chunk_grad, incoming_grads
 
 
 def _local_target(shard: torch.Tensor, labels: torch.Tensor, start: int) -> torch.Tensor:
@@ -51,7 +51,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         local = labels - ctx.start
         inside = (local >= 0) & (local < shard.shape[-1])
         # The label term lands only on the rank that owns the label.
-        grad = _chunk_grad(shard, local.clamp(0, shard.shape[-1] - 1), lse, entropy, g_logp, g_ent,
+        grad = chunk_grad(shard, local.clamp(0, shard.shape[-1] - 1), lse, entropy, g_logp, g_ent,
                            label_grad=torch.where(inside, g_logp, 0.0))
         return grad, None, None
 

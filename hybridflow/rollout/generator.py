@@ -3,50 +3,26 @@
     gen = Generator(decoder, pad_token_id=tok.pad_token_id, tokenizer=tok)
     out = gen.generate(input_ids, attention_mask, SamplingParams(max_new_tokens=256, n=4))
 
-Prompts come left-padded; each prompt is prefilled once and its cache rows
-shared by its `n` samples. Every decode step runs the live rows together, so
-the step is the same few tensor ops whatever the batch. A row that has ended
-is fed padding (its outputs discarded) until a quarter of the live rows have
-ended; then those rows are dropped from the batch and the KV cache in one
-copy (`_COMPACT_AT`), so a long tail of responses is decoded at the cost of
-the rows still running, not of the whole batch. Greedy and keyed sampling
-(`row_keys`) give the same tokens either way; sampling from a
-`torch.Generator` draws for the live rows only, so its samples depend on
-when rows are dropped (still reproducible for the same inputs). The loop
-stops once every row has ended. The one per-row Python loop is the
-stop-string check, which has to decode text and runs only when `stop`
-strings are given.
+Prompts come left-padded; each is prefilled once and its cache rows shared by its `n` samples. Every
+decode step runs the live rows together. Ended rows are fed padding until they are `_COMPACT_AT` of the
+batch, then dropped from the batch and the KV cache in one copy, so a long tail of responses costs the
+rows still running, not the whole batch. Greedy and keyed sampling (`row_keys`) give the same tokens
+either way; a `torch.Generator` draws for the live rows only, so its samples depend on when rows are
+dropped (still reproducible for the same inputs). Stop strings are the one per-row Python check.
 
-Weights are read from the model's parameters at each call (the hybrid engine
-hands over a decoder whose parameters are views of the training weights).
-It implements the rollout interface (`backend.RolloutBackend`): `load_weights`
-copies (HF name, tensor) pairs into the model through the bridge, for a
-rollout group apart from training that holds its own copy; `release` and
-`resume` have nothing to free.
+Weights are read from the model's parameters at each call (the hybrid engine hands over views of the
+training weights). As a `backend.RolloutBackend`, `load_weights` copies (HF name, tensor) pairs in
+through the bridge, for a rollout group apart that holds its own copy; `release` and `resume` free
+nothing.
 
-On the CPU the prefill and the decode steps after it run in two C++ calls
-(`csrc/cpu/decode.cpp`, `decode="auto"`): the same layers and sampler with
-ATen's GEMMs and plain loops in between, so a step no longer costs ~100
-Python-dispatched ops. The prefill runs every prompt's real tokens in one pass
-per layer and writes each prompt's keys and values into its n rows; left
-padding is not computed (prompts that do not end in a real token take
-`forward_cached`). Measured in the demo's trainer (64 prompts x 8 samples of a
-4-layer, 128-wide model), alternating steps: the prefill 31 -> 19 ms, the
-rollout 106 -> 95 ms. They take what they compute exactly as this loop does
-(a float32 model, TP size 1, full attention, greedy or keyed sampling, no
-top-k / top-p / stop strings); anything else, or a machine that cannot build
-it, runs the loop below. The two agree to float rounding (tests).
-
-On CUDA, `decode="auto"` takes the static-shape path of `static_decode.py`
-instead: a fixed-size cache and batch bucket per step, captured once as a CUDA
-graph (or `torch.compile(mode="reduce-overhead")`, `capture="compile"`) and
-replayed per token, sampling inside it. It gives this loop's tokens for greedy
-and keyed sampling; calls with stop strings take this loop.
-
-`prefill` and `decode_after` are the two halves of the eager path, also used
-by the agent loop's cache kept between turns (`turns.py`); `prefill_tokens`
-and `prefill_positions` count the prefill work they did (real tokens, and
-positions computed with padding; the static path is not counted).
+Decode paths (`decode`): on the CPU the prefill and the decode steps run in two C++ calls
+(`csrc/cpu/decode.cpp`) instead of ~100 Python-dispatched ops a step, the prefill skipping left
+padding; they run only where they compute what the loop here does (float32, TP size 1, full attention,
+greedy or keyed sampling, no top-k / top-p / stop strings) and agree with it to float rounding. On
+CUDA the static-shape path of `static_decode.py` replays one captured step per token (this loop's
+tokens; stop strings take this loop). `prefill` and `decode_after`, the eager path's two halves, also
+serve the agent loop's cache kept between turns (`turns.py`); `prefill_tokens` and `prefill_positions`
+count their prefill work (real tokens; positions computed, padding included).
 """
 from __future__ import annotations
 
@@ -159,9 +135,9 @@ class Generator:
                 # its peers (a hang), so there the failure stops the call.
                 if self.decode == "static" or getattr(self.model.parallel, "size", 1) > 1:
                     raise
-                from hybridflow.kernels.backend import _warn_once
+                from hybridflow.kernels.backend import warn_once
 
-                _warn_once(f"the static decode path failed, decoding eagerly from now on: {type(exc).__name__}: {exc}")
+                warn_once(f"the static decode path failed, decoding eagerly from now on: {type(exc).__name__}: {exc}")
                 self.static.release()
                 self.static_failed = f"{type(exc).__name__}: {exc}"
         fused = self._decode_extension(params, row_keys is not None, device)
@@ -169,8 +145,8 @@ class Generator:
         cache = KVCache(self.model.cfg, rows, t + steps, self.model.embed.weight.dtype, device)
         logits = self.prefill(fused, input_ids, attention_mask, cache, n)
         tokens, log_probs, mask, length = self.decode_after(fused, logits, cache, params, generator,
-                                                            _row_streams(row_keys, n, steps, device))
-        return _output(input_ids, attention_mask, n, home, tokens, log_probs, mask, length)
+                                                            row_streams(row_keys, n, steps, device))
+        return generation_output(input_ids, attention_mask, n, home, tokens, log_probs, mask, length)
 
     def prefill(self, fused, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: KVCache,
                 n: int = 1) -> torch.Tensor:
@@ -214,12 +190,12 @@ class Generator:
         if row_keys is None and not params.greedy:
             row_keys = torch.randint(0, 2 ** 40, (b,), generator=generator,
                                      device=generator.device if generator is not None else "cpu")
-        keys = _row_streams(row_keys, n, steps, device)
+        keys = row_streams(row_keys, n, steps, device)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
         tokens, log_probs, mask, length = self.static.generate(input_ids, attention_mask, params, keys, stop_ids,
                                                                self.pad_token_id)
-        return _output(input_ids, attention_mask, n, home, tokens, log_probs, mask, length)
+        return generation_output(input_ids, attention_mask, n, home, tokens, log_probs, mask, length)
 
     def _python_decode(self, logits, cache: KVCache, params: SamplingParams, generator, keys, stop_ids,
                        compact: bool = True):
@@ -244,14 +220,14 @@ class Generator:
         elif not params.greedy and not keyed:
             why = "it samples greedily or with row_keys, not from a torch.Generator"
         if why is None:
-            from hybridflow.kernels.backend import BackendUnavailable, _warn_once, cpu_extension
+            from hybridflow.kernels.backend import BackendUnavailable, warn_once, cpu_extension
 
             try:
                 return cpu_extension()
             except BackendUnavailable as exc:
                 if self.decode == "cpu":
                     raise
-                _warn_once(f"the C++ decode loop is unavailable, decoding in Python: {exc}")
+                warn_once(f"the C++ decode loop is unavailable, decoding in Python: {exc}")
                 return None
         if self.decode == "cpu":
             raise ValueError(f"decode='cpu' cannot run this call: {why}")
@@ -347,7 +323,7 @@ def completes_stop_string(tokenizer: Any, tokens: torch.Tensor, done: torch.Tens
     return hits
 
 
-def _row_streams(row_keys: Optional[torch.Tensor], n: int, steps: int, device) -> Optional[torch.Tensor]:
+def row_streams(row_keys: Optional[torch.Tensor], n: int, steps: int, device) -> Optional[torch.Tensor]:
     """One sampling stream per (prompt, sample) from the prompts' keys, spaced `steps + 1` apart so the
     decode loop can advance each by one a step; None without keys."""
     if row_keys is None:
@@ -357,7 +333,7 @@ def _row_streams(row_keys: Optional[torch.Tensor], n: int, steps: int, device) -
     return per_sample * (steps + 1)
 
 
-def _output(input_ids, attention_mask, n: int, home, tokens, log_probs, mask, length: int) -> GenerationOutput:
+def generation_output(input_ids, attention_mask, n: int, home, tokens, log_probs, mask, length: int) -> GenerationOutput:
     """The GenerationOutput of a decode that ran `length` steps, on the prompts' device (`home`)."""
     return GenerationOutput(
         prompts=input_ids.repeat_interleave(n, 0).to(home),

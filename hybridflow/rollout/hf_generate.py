@@ -4,7 +4,7 @@ decoder does not build (GPT-2, ...; `DecoderConfig.native` False).
     gen = HFGenerator(model, pad_token_id=tok.pad_token_id, tokenizer=tok)   # model: an HF *ForCausalLM
     out = gen.generate(input_ids, attention_mask, SamplingParams(max_new_tokens=64, n=4), row_keys=keys)
 
-It samples as the built-in `Generator` samples (`sampling.sample`, the same keyed streams `_row_streams`
+It samples as the built-in `Generator` samples (`sampling.sample`, the same keyed streams `row_streams`
 per prompt and sample), so a prompt's tokens do not depend on the batch or rank that generates it, and on a
 model both codes build the two engines give the same tokens (tests/rollout/test_hf_generate.py). The loop is
 the plain one: left-padded prompts prefilled once with position ids counted from the mask, their KV cache
@@ -25,7 +25,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from hybridflow.rollout.generator import GenerationOutput, _output, _row_streams, decode_loop
+from hybridflow.rollout.generator import GenerationOutput, generation_output, row_streams, decode_loop
 from hybridflow.rollout.sampling import SamplingParams
 
 __all__ = ["HFGenerator"]
@@ -79,7 +79,7 @@ class HFGenerator:
         if n > 1:  # each prompt's cache rows shared by its n samples: repeated, as the built-in prefill does
             cache.batch_repeat_interleave(n)
             logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
-        keys = _row_streams(row_keys, n, steps, device)
+        keys = row_streams(row_keys, n, steps, device)
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
         position = mask.sum(-1)  # the first new token's: the prompt's real tokens
 
@@ -98,4 +98,4 @@ class HFGenerator:
 
         tokens, log_probs, response_mask, length = decode_loop(
             logits, params, generator, keys, stop_ids, self.pad_token_id, self.tokenizer, next_logits, drop_rows)
-        return _output(input_ids, attention_mask, n, home, tokens, log_probs, response_mask, length)
+        return generation_output(input_ids, attention_mask, n, home, tokens, log_probs, response_mask, length)

@@ -32,7 +32,7 @@ import torch
 
 from hybridflow.data.prompts import left_pad
 from hybridflow.models.kv_cache import KVCache
-from hybridflow.rollout.generator import GenerationOutput, Generator, _output, _row_streams
+from hybridflow.rollout.generator import GenerationOutput, Generator, generation_output, row_streams
 from hybridflow.rollout.sampling import SamplingParams
 
 __all__ = ["TurnCache"]
@@ -66,11 +66,11 @@ class TurnCache:
         cache = KVCache(gen.model.cfg, len(prompt_ids) * n, ids.shape[1] + steps, gen.model.embed.weight.dtype,
                         device)
         logits = gen.prefill(fused, ids, mask, cache, n)
-        out = self._decode(fused, logits, cache, params, _row_streams(row_keys, n, steps, device), ids.shape[1])
+        out = self._decode(fused, logits, cache, params, row_streams(row_keys, n, steps, device), ids.shape[1])
         self.rows = list(range(len(prompt_ids) * n))
         self.ids = {i: list(prompt_ids[i // n]) for i in self.rows}
         self._note_fed(out)
-        return _output(ids, mask, n, torch.device("cpu"), *out)
+        return generation_output(ids, mask, n, torch.device("cpu"), *out)
 
     @torch.no_grad()
     def next(self, rows: Sequence[int], sequences: Sequence[Sequence[int]], params: SamplingParams,
@@ -95,9 +95,9 @@ class TurnCache:
             self.ids[i] += extra
         fused = gen._decode_extension(params, True, device)
         logits = gen.prefill(fused, ids.to(device), mask.to(device), cache)
-        out = self._decode(fused, logits, cache, params, _row_streams(row_keys, 1, steps, device), cache.length)
+        out = self._decode(fused, logits, cache, params, row_streams(row_keys, 1, steps, device), cache.length)
         self._note_fed(out)
-        return _output(ids, mask, 1, torch.device("cpu"), *out)
+        return generation_output(ids, mask, 1, torch.device("cpu"), *out)
 
     def _decode(self, fused, logits, cache: KVCache, params: SamplingParams, keys, since: int):
         """The decode steps with every row kept in the cache; then each row's slots beyond the tokens it was

@@ -43,7 +43,7 @@ from hybridflow.hybrid_engine import generation_weights
 from hybridflow.hybrid_engine.apart import plan_apart
 from hybridflow.hybrid_engine.fsdp_gather import FSDPGatheredWeights
 from hybridflow.hybrid_engine.plan import bridge_params
-from hybridflow.hybrid_engine.reshard import _new_groups
+from hybridflow.hybrid_engine.reshard import new_groups
 from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel
 from hybridflow.hybrid_engine.traffic import Traffic
 from hybridflow.hybrid_engine.weight_sync import SyncWorld, receive, send, sync_metrics
@@ -383,7 +383,7 @@ class RolloutWorker(_Generates):
         self.bridge = get_bridge(model_cfg, spec.model.make_vocab_size_divisible_by, spec.train_layout.tp)
         parallel = None
         if tg > 1:
-            group = _new_groups([list(range(q * tg, (q + 1) * tg)) for q in range(world // tg)])[self.rank]
+            group = new_groups([list(range(q * tg, (q + 1) * tg)) for q in range(world // tg)])[self.rank]
             parallel = GroupTensorParallel(group, self.bridge.padded_vocab)
         with torch.device("meta"):
             model = Decoder(model_cfg, parallel) if parallel is not None else Decoder(model_cfg)

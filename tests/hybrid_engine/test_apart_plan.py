@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from hybridflow.hybrid_engine.apart import plan_apart
-from hybridflow.hybrid_engine.plan import _stage, bridge_params
+from hybridflow.hybrid_engine.plan import bridge_params
+from hybridflow.parallel.stages import param_stage
 from hybridflow.hybrid_engine.weight_sync import pack, unpack
 from hybridflow.models import DecoderConfig, get_bridge, shard_tensor
 from hybridflow.parallel import ParallelDims
@@ -36,7 +37,7 @@ def simulate(plan, bridge, full):
     for rank in range(train.world_size):
         c = train.coord(rank)
         held[rank] = {name: shard_tensor(t, bridge_entry(bridge, name).shard, c.tp, train.tp)
-                      for name, t in full.items() if _stage(name, layers, train.pp) == c.pp}
+                      for name, t in full.items() if param_stage(name, layers, train.pp) == c.pp}
     got = {i: {name: torch.full_like(shard_tensor(t, bridge_entry(bridge, name).shard, i % tg, tg), float("nan"))
                for name, t in full.items()} for i in range(plan.rollout_world)}
     for b in plan.broadcasts:

@@ -5,7 +5,7 @@
 - `csrc/cuda/binding.cpp` compiles against torch's headers (syntax only);
 - `tests/kernels/cuda_host_harness.cu` runs the kernels' per-thread code on
   the CPU (one emulated block per row) and matches `logprob_entropy_reference`
-  and `_chunk_grad`; `tests/kernels/cuda_gae_harness.cu` runs the GAE
+  and `chunk_grad`; `tests/kernels/cuda_gae_harness.cu` runs the GAE
   kernel's 32 lanes and its warp scan (in the shuffles' order) against
   `gae_reference`. Shuffles, shared memory and launches need a GPU:
   tests/kernels/test_logprob_cuda.py;
@@ -26,8 +26,8 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-from hybridflow.kernels.backend import BackendUnavailable, _warn_once, resolve
-from hybridflow.kernels.logprob import _chunk_grad, logprob_entropy_reference
+from hybridflow.kernels.backend import BackendUnavailable, warn_once, resolve
+from hybridflow.kernels.logprob import chunk_grad, logprob_entropy_reference
 from tests.kernels.test_logprob import CASES, _inputs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,7 +117,7 @@ def _expected(logits, labels, g_logp, g_ent):
     safe = torch.where(valid, labels, 0)
     logp, ent = logprob_entropy_reference(logits, safe)
     lse = torch.logsumexp(logits.float(), -1)
-    grad = _chunk_grad(logits, safe, lse, ent, g_logp, g_ent, label_grad=torch.where(valid, g_logp, 0.0))
+    grad = chunk_grad(logits, safe, lse, ent, g_logp, g_ent, label_grad=torch.where(valid, g_logp, 0.0))
     return torch.where(valid, logp, float("nan")), ent, lse, grad
 
 
@@ -166,7 +166,7 @@ def test_harness_masked_logits_and_invalid_labels(harness):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback where no CUDA device exists")
 def test_without_cuda_auto_falls_back_to_chunked_and_cuda_by_name_raises(caplog):
-    _warn_once.cache_clear()
+    warn_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="hybridflow.kernels"):
         assert resolve("auto", torch.device("cuda"), ("cpu", "cuda", "chunked")) == "chunked"
     assert "CUDA kernels unavailable" in caplog.text and "no CUDA device" in caplog.text

@@ -228,7 +228,7 @@ def test_auto_falls_back_to_the_eager_loop_when_the_static_path_fails(monkeypatc
 
     monkeypatch.setattr(gen.static, "generate", broken)
     warned = []
-    monkeypatch.setattr(backend, "_warn_once", warned.append)
+    monkeypatch.setattr(backend, "warn_once", warned.append)
     _assert_same(gen.generate(ids, mask, _params(False), row_keys=KEYS), want)
     assert gen.static_failed == "RuntimeError: capture failed" and "capture failed" in warned[0]
     _assert_same(gen.generate(ids, mask, _params(False), row_keys=KEYS), want)  # no second try
