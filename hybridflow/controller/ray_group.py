@@ -8,9 +8,8 @@ copy) and the receiver copies it once out of the read-only object store.
 DP_SPLIT results are concatenated straight from the object store, so the
 driver's one copy of a gathered batch is the concatenation itself. An argument
 several ranks receive is `ray.put` once and every rank gets the ref (resolved
-by Ray); a rank's own chunk goes by value — Ray inlines small ones, which
-measured 2x faster per call than a put (benchmarks/bench_controller.py), and
-stores large ones itself.
+by Ray); a rank's own chunk goes by value — Ray inlines small ones (cheaper
+than a put) and stores large ones itself.
 
 Failures surface as `WorkerError` naming the rank and method: a raising
 method carries the worker's traceback text; a dying process (crash, SIGKILL,
@@ -156,12 +155,10 @@ class _Host:
 
 
 def _freeze_heap() -> None:
-    """Move every object the collector tracks out of its reach (`gc.freeze`), once a reset has let go of the
-    job and collected what it left: what the process holds then (imported modules, torch's and megatron-core's
-    tables; ~430k objects) lives as long as the process. A full collection scanned all of it: 0.2 s each, once
-    per group shut down (`drop`) and twice per `reset`, on every rank; the next job's workers are made after
-    the freeze and are collected as before. Not at a job's start: the call's arguments and a worker class
-    sent by value (a notebook's) are live then, and a frozen object in a reference cycle is never freed."""
+    """`gc.freeze()` what the process holds once a reset has let go of the job (imported modules, torch's and
+    megatron-core's tables), which lives as long as the process, so full collections stop scanning it. Not
+    at a job's start: its arguments and a worker class sent by value are live then, and a frozen object in
+    a reference cycle is never freed."""
     gc.freeze()
 
 

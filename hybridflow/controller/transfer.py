@@ -134,9 +134,9 @@ def remote_rows(value) -> Any:
 def remote_fields(fields: dict[str, Any]) -> dict[str, Any]:
     """Per-row fields (tensors [B, ...], lists of B) put into the object store as *one* object, each field a
     `RowsElsewhere` naming it, all sharing one `Rows`: one put for a worker's whole answer, one fetch for a
-    receiver, and one row index on the driver for all of them (a put or a get costs about a millisecond
-    whatever its size, and a reference per row and field cost more than the rows of a small batch). The
-    fields themselves without Ray."""
+    receiver, and one row index on the driver for all of them (a put or a get has a fixed cost whatever
+    its size, and a reference per row and field would cost more than a small batch's rows). The fields
+    themselves without Ray."""
     if not fields or not _ray_running():
         return fields
     import ray

@@ -1,8 +1,8 @@
 """Worker processes kept for the next worker group (opt-in): `keep_processes_warm(True)`.
 
 A Ray worker process costs seconds before its worker does anything: Python, torch and megatron-core imports,
-then torch's dynamo and inductor on the first optimizer (~6.5 s on 2 cores). A driver that runs jobs in turn
-(a sweep, a notebook, a test session) pays that for every rank of every job. With warm processes on, a group
+then torch's dynamo and inductor on the first optimizer. A driver that runs jobs in turn (a sweep, a
+notebook, a test session) pays that for every rank of every job. With warm processes on, a group
 whose workers all shut down cleanly does not kill its processes: each drops its workers, leaves the process
 group (and megatron-core's groups: `parallel.process_group.leave_process_group`) and waits here; the next
 group that asks for processes of the same kind takes them and joins a new world (new master port, new
