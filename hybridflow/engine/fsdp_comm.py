@@ -1,12 +1,11 @@
-"""FSDP2's all-gather of a unit, holding the gathered weights once instead of two or three times (issue 42, item 5).
+"""FSDP2's all-gather of a unit, holding the gathered weights once instead of two or three times.
 
 FSDP2 gathers a unit in two steps: an all-gather into one flat output buffer (rank r's chunks of every
 parameter at slice r), then a copy out of it into each parameter's own unsharded tensor. Under gloo a unit
 is then held at least twice: gloo's `all_gather_into_tensor` goes through a staging copy of the output, and
 the output buffer is alive while the copy-out fills the parameters; in a forward FSDP keeps the buffer until
-the next unit's all-gather has run (to overlap the two on a GPU), so that one adds the previous unit's.
-Measured (`hybridflow bench fsdp`, N = 4): with the 8 MiB output layer a unit of its own, a frozen model
-peaked 19 MiB above its shard; with this all-gather, 8.4. `InPlaceAllGather`, set on a unit with
+the next unit's all-gather has run (to overlap the two on a GPU), so that one adds the previous unit's
+(`hybridflow bench fsdp` measures it). `InPlaceAllGather`, set on a unit with
 `FSDPModule.set_custom_all_gather` (torch's hook for custom collectives), removes both:
 
 - on gloo it fills the output in place, one `broadcast` per rank of that rank's slice (gloo broadcasts in
@@ -75,7 +74,7 @@ def fits_in_place(param, size: Sequence[int], dtype: torch.dtype, device: torch.
 
 def gather_in_place(units: Sequence[nn.Module], mesh) -> None:
     """Give each FSDP unit of `units` (sharded over `mesh`) its `InPlaceAllGather`, on gloo only: that is
-    where it was measured and tested (CPU). On NCCL FSDP2's own all-gather has no staging copy, and the
+    where it is tested (CPU). On NCCL FSDP2's own all-gather has no staging copy, and the
     in-place buffer, which reads FSDP2's private state, has not run on a GPU: those units keep the default."""
     if dist.get_backend(mesh.get_group()) != "gloo":
         return
