@@ -290,17 +290,13 @@ def mini_batch_plan(rows: int, size: int, epochs: int, replicas: int,
 
     Each epoch draws one permutation of the `rows` rows (`generator`; None keeps
     their order) and cuts it into global mini-batches of `size` rows (the last
-    may be shorter). Replica r takes the r-th consecutive share of each. When
-    a mini-batch does not split evenly, the shares are padded to equal length
-    with -1 (a padding slot: `mini_batch_rows` masks it), so every replica
-    runs every step. Returns plan[replica][step] -> LongTensor of row indices.
+    may be shorter); replica r takes the r-th consecutive share of each, padded
+    with -1 (a slot `mini_batch_rows` masks) so every replica runs every step.
+    Returns plan[replica][step] -> LongTensor of row indices.
 
-    The plan depends only on (rows, size, epochs, generator), not on the
-    layout beyond `replicas`, and the replicas' shares of a step together are
-    that step's global mini-batch: a one-process update trains on the same
-    mini-batches. Cutting a share into micro-batches then gives the same
-    micro-batches as one process whenever the micro-batch size divides the
-    share.
+    The layout enters only through `replicas`, and a step's shares together are
+    its global mini-batch, so every layout trains on the one-process
+    mini-batches (and micro-batches, where the micro-batch size divides a share).
     """
     if size <= 0 or replicas <= 0 or epochs < 0:
         raise ValueError(f"mini-batch size {size}, replicas {replicas} and epochs {epochs} must be positive")
