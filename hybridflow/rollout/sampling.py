@@ -89,9 +89,9 @@ def counter_uniform(keys: torch.Tensor, width: int) -> torch.Tensor:
 def keyed_choice(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Gumbel-max over `scaled` [B, V] (tempered, truncated logits) with noise hashed from keys [B].
 
-    Eagerly that is ~20 passes over a [B, V] int64/float64 tensor (at 256 x 151936 about 14 GB of traffic
-    per step, several times a 0.5B model's own); the GPU decode path compiles it into one reduction that
-    reads the logits once (`static_decode.compiled_keyed_choice`)."""
+    Eagerly that is ~20 passes over a [B, V] int64/float64 tensor, more memory traffic than a small model's
+    own step at a large vocabulary; the GPU decode path compiles it into one reduction that reads the
+    logits once (`static_decode.compiled_keyed_choice`)."""
     gumbel = -torch.log(-torch.log(counter_uniform(keys, scaled.shape[-1])))
     return (scaled.double() + gumbel).argmax(-1)
 
