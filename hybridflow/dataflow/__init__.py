@@ -11,9 +11,12 @@
 Items are per sample. The source node (the one without an input edge)
 receives the run's inputs; every other node receives what its upstream
 passed on: a node's output list (usually one item per input item; a rollout
-with `n` samples per prompt returns `n`), or, for a filter (a node whose
-outputs are all `bool`), the input items it marked True. Items marked False
-are recorded in `FlowResult.rejected`, not lost.
+with `n` samples per prompt returns `n`), or, for a filter (a node with
+downstream edges that returns one `bool` per item), the input items it marked
+True. Items marked False are recorded in `FlowResult.rejected`, not lost, and
+the report names each filter ("[Safety] Passed 1 of 2 samples"). A last
+node's bools are results. Every declared edge runs: a node with several
+inputs receives the samples all of them passed on (`execute.py`).
 
 `DataFlow.run_steps(batches, update, off_policy=...)` trains on a flow, one
 run per step, in lock step or with the next runs overlapping the update

@@ -9,18 +9,16 @@ Rules (each broken rule is a `DataFlowError` naming the culprit):
   edge: it receives the run's inputs. A second source would have no inputs
   to receive, so it is an error (connect it, or remove it).
 
-Shortcut edges are superseded. When a node has two inputs and one of them is
-an ancestor of the other (``rollout -> reward`` next to ``rollout -> safety
--> reward``), the nearer path wins and the shortcut is dropped from the plan
-(logged once): adding a filter between two connected nodes takes one node
-and two edges, and only the samples the filter passes reach the node after
-it. The declared edges are kept as written (`DataFlow.edges`); `plan()`
-shows what runs. A node whose inputs are independent branches receives
-their items zipped into tuples, in the order the edges were declared.
+Every declared edge runs (`plan()` shows the order). A node with several
+inputs receives each sample once, if every input passed it on
+(`execute.py`): adding a filter between two connected nodes takes one node
+and two edges (``rollout -> safety -> reward`` beside ``rollout -> reward``),
+and only the samples the filter passes reach the node after it. Inputs with
+items of their own (independent branches) are zipped into tuples, in the
+order the edges were declared.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -30,8 +28,6 @@ from hybridflow.dataflow.plan import DataFlowError, Plan
 from hybridflow.common import nearest_name
 
 __all__ = ["DataFlow", "DataFlowError", "Plan", "StepResult"]
-
-logger = logging.getLogger("hybridflow.dataflow")
 
 NodeRef = Union[Node, str]
 
@@ -107,15 +103,6 @@ class DataFlow:
                     stack.append(path + [child])
         return None
 
-    def _ancestors(self, name: str) -> set[str]:
-        out, todo = set(), self._parents(name)
-        while todo:
-            node = todo.pop()
-            if node not in out:
-                out.add(node)
-                todo.extend(self._parents(node))
-        return out
-
     # -- planning -----------------------------------------------------------
     def plan(self) -> Plan:
         """Validate the flow and return what runs (cached until the flow changes)."""
@@ -123,28 +110,10 @@ class DataFlow:
             self._plan = self._build_plan()
         return self._plan
 
-    def _effective_inputs(self) -> tuple[dict[str, tuple[str, ...]], list[tuple[str, str]]]:
-        inputs, superseded = {}, []
-        for b in self.nodes:
-            parents = self._parents(b)
-            ancestors = {p: self._ancestors(p) for p in parents}
-            keep = []
-            for u in parents:
-                nearer = [a for a in parents if u in ancestors[a]]
-                if nearer:
-                    superseded.append((u, b))
-                    logger.info("DataFlow: edge %s -> %s is superseded by %s -> %s (%s reaches %s "
-                                "through %s); only what %s passes on reaches %s",
-                                u, b, nearer[0], b, u, b, nearer[0], nearer[0], b)
-                else:
-                    keep.append(u)
-            inputs[b] = tuple(keep)
-        return inputs, superseded
-
     def _build_plan(self) -> Plan:
         if not self.nodes:
             raise DataFlowError("the DataFlow has no nodes")
-        inputs, superseded = self._effective_inputs()
+        inputs = {n: tuple(self._parents(n)) for n in self.nodes}
         sources = [n for n in self.nodes if not inputs[n]]
         if len(sources) != 1:
             raise DataFlowError(
@@ -164,7 +133,7 @@ class DataFlow:
         assert len(order) == len(self.nodes), "add_edge admits no cycle"
         return Plan(order=tuple(order), source=sources[0],
                     sinks=tuple(n for n in order if not outputs[n]),
-                    inputs=inputs, outputs=outputs, superseded=tuple(superseded))
+                    inputs=inputs, outputs=outputs)
 
     # -- running -----------------------------------------------------------
     def run(self, inputs: Sequence[Any], async_execution: bool = False, min_batch: int = 0,

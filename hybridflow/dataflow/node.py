@@ -3,9 +3,10 @@
     Node(name="reward", model=rm, forward_fn=lambda model, batch: [model(p, r).item() for p, r in batch])
 
 `forward_fn(model, items)` receives a list of items and returns a list. It is
-plain PyTorch/HF code: no ranks, process groups or communication. What the
-returned list means is decided by its contents (see `hybridflow.dataflow`):
-all `bool` makes the node a filter, anything else is passed downstream.
+plain PyTorch/HF code: no ranks, process groups or communication. One `bool`
+per item from a node with downstream edges makes it a filter (only the items
+marked True go on); any other list, and a last node's bools, are its
+outputs (`hybridflow.dataflow.execute`).
 """
 from __future__ import annotations
 

@@ -16,10 +16,9 @@ class DataFlowError(ValueError):
 
 @dataclass(frozen=True)
 class Plan:
-    """What runs: the node order and each node's effective inputs and outputs."""
+    """What runs: the node order and each node's inputs and outputs (the declared edges, none left out)."""
     order: tuple[str, ...]                   # topological; ties keep the order nodes were added
     source: str
     sinks: tuple[str, ...]
-    inputs: dict[str, tuple[str, ...]]       # node -> upstream nodes, in declaration order
-    outputs: dict[str, tuple[str, ...]]      # node -> downstream nodes
-    superseded: tuple[tuple[str, str], ...]  # declared shortcut edges left out
+    inputs: dict[str, tuple[str, ...]]   # node -> upstream nodes: every declared edge, in declaration order
+    outputs: dict[str, tuple[str, ...]]  # node -> downstream nodes

@@ -1,5 +1,4 @@
 """DataFlow graphs: validation errors name the culprit, plans, filters, sync and async runs."""
-import logging
 import time
 
 import pytest
@@ -75,19 +74,17 @@ def test_topological_order_keeps_insertion_order_for_ties():
 
 
 @pytest.mark.parametrize("order", ["api", "reversed"])
-def test_a_filter_inserted_between_connected_nodes_supersedes_the_shortcut(order, caplog):
+def test_a_filter_inserted_between_connected_nodes_keeps_every_declared_edge(order):
     rollout, safety, reward = node("rollout"), node("safety"), node("reward")
     edges = [(rollout, reward), (rollout, safety), (safety, reward)]
     flow = DataFlow(nodes=[rollout, reward])
     flow.add_node(safety)
     for edge in (edges if order == "api" else edges[::-1]):
         flow.add_edge(*edge)
-    with caplog.at_level(logging.INFO, logger="hybridflow.dataflow"):
-        plan = flow.plan()
+    plan = flow.plan()
     assert plan.order == ("rollout", "safety", "reward")
-    assert plan.inputs["reward"] == ("safety",) and plan.superseded == (("rollout", "reward"),)
-    assert "rollout -> reward is superseded by safety -> reward" in caplog.text
-    assert len(flow.edges) == 3  # declared edges are kept as written
+    assert set(plan.inputs["reward"]) == {"rollout", "safety"} and plan.outputs["rollout"] == ("reward", "safety")
+    assert len(flow.edges) == 3
 
 
 # -- running ----------------------------------------------------------------
@@ -119,10 +116,43 @@ def test_filters_pass_input_items_and_record_rejections(async_execution):
     assert result.outputs["safety"] == [True, False, True, False]
     assert result.rejected == [("safety", ("abcdef", "ABCDEF")), ("safety", ("abcde", "ABCDE"))]
     assert result.outputs["reward"] == result.final == [2.0, 3.0]
+    assert result.filtered == ("safety",)
     assert result.report().splitlines()[1:] == [
         f"[Safety] Passed 2 of 4 samples in {result.timings['safety']:.1f}s",
         f"[Reward] Scored 2 samples in {result.timings['reward']:.1f}s"]
     assert result.report().startswith("[Rollout] Generated 4 responses in ")
+
+
+@pytest.mark.parametrize("async_execution", [False, True])
+@pytest.mark.parametrize("order", ["api", "reversed"])
+def test_the_shortcut_beside_a_filter_gives_each_passed_sample_once(order, async_execution):
+    """rollout -> reward stays in the plan: the rollout's pairs and the pairs safety passed are the same
+    items, so reward receives each sample safety passed, once, whichever edge was declared first."""
+    seen = []
+    rollout, safety = node("rollout", generate), node("safety", is_short)
+    reward = node("reward", lambda m, batch: seen.extend(batch) or score(m, batch))
+    edges = [(rollout, reward), (rollout, safety), (safety, reward)]
+    flow = DataFlow(nodes=[rollout, safety, reward], edges=edges if order == "api" else edges[::-1])
+    result = flow.run(["ab", "abcdef", "abc"], async_execution=async_execution, min_batch=1)
+    assert seen == [("ab", "AB"), ("abc", "ABC")] and result.final == [2.0, 3.0]
+
+
+def test_a_shortcut_beside_a_map_gives_the_node_both_items():
+    """rollout -> critic -> reward beside rollout -> reward: reward sees each response with its value."""
+    rollout, critic = node("rollout", generate), node("critic", lambda m, batch: [len(p) / 10 for p, _ in batch])
+    reward = node("reward", lambda m, batch: [f"{r}:{v}" for (_, r), v in batch])
+    flow = DataFlow(nodes=[rollout, critic, reward], edges=[(rollout, critic), (rollout, reward), (critic, reward)])
+    assert flow.run(["ab", "abc"]).final == ["AB:0.2", "ABC:0.3"]
+
+
+@pytest.mark.parametrize("async_execution", [False, True])
+def test_a_last_node_that_returns_bools_gives_results_not_a_filter(async_execution):
+    rollout, correct = node("rollout", generate), node("is_correct", is_short)
+    result = DataFlow(nodes=[rollout, correct], edges=[(rollout, correct)]).run(
+        ["ab", "abcdef"], async_execution=async_execution, min_batch=1)
+    assert result.final == result.outputs["is_correct"] == [True, False]
+    assert result.rejected == [] and result.filtered == ()
+    assert result.report().splitlines()[-1].startswith("[Is_correct] Scored 2 samples in ")
 
 
 def test_a_node_after_a_filter_that_rejects_everything_is_not_called():
@@ -148,11 +178,27 @@ def test_fan_out_n_samples_batch_size_and_zipped_fan_in():
     assert result.report().splitlines()[-1].startswith("[Total] Scored 4 samples")
 
 
-def test_zipping_branches_of_different_lengths_is_an_error():
-    rollout, keep, drop = node("rollout"), node("keep"), node("drop", lambda m, b: [False] * len(b))
-    flow = DataFlow(nodes=[rollout, keep, drop, node("join")],
-                    edges=[(rollout, keep), (rollout, drop), (keep, "join"), (drop, "join")])
-    with pytest.raises(DataFlowError, match=r"node 'join' zips.*\{'keep': 2, 'drop': 0\}"):
+def test_a_join_takes_the_samples_every_branch_passed():
+    """Two filters on two branches rejecting different samples: the join gets the samples both passed, each
+    with its own items (zipping by position would pair one sample's upper case with another's)."""
+    rollout, upper = node("rollout"), node("upper", lambda m, b: [x.upper() for x in b])
+    not_a = node("not_a", lambda m, b: [x != "a" for x in b])
+    not_b = node("not_b", lambda m, b: [x != "B" for x in b])
+    join = node("join", lambda m, b: [f"{x}{y}" for x, y in b])
+    flow = DataFlow(nodes=[rollout, upper, not_a, not_b, join],
+                    edges=[(rollout, upper), (upper, not_b), (rollout, not_a), (not_b, join), (not_a, join)])
+    result = flow.run(["a", "b", "c"])
+    assert result.final == ["Cc"] and result.filtered == ("not_a", "not_b")
+    assert result.rejected == [("not_a", "a"), ("not_b", "B")]
+
+
+def test_joining_new_samples_with_another_branch_is_an_error():
+    rollout, keep = node("rollout"), node("keep")
+    twice = node("twice", lambda m, b: [x for x in b for _ in range(2)])
+    flow = DataFlow(nodes=[rollout, keep, twice, node("join")],
+                    edges=[(rollout, keep), (rollout, twice), (keep, "join"), (twice, "join")])
+    with pytest.raises(DataFlowError, match=r"node 'join' joins its inputs sample by sample, but 'keep' passes on "
+                                            r"samples of the run, 'twice' passes on samples of 'twice': a node that"):
         flow.run(["x", "y"])
 
 
@@ -161,12 +207,13 @@ def test_several_sinks_give_a_dict():
     flow = DataFlow(nodes=[rollout, node("a", score), node("b", is_short)],
                     edges=[(rollout, "a"), (rollout, "b")])
     result = flow.run([("p", "rr"), ("pppp", "r")])
-    assert result.final == {"a": [2.0, 1.0], "b": [("p", "rr")]}
+    assert result.final == {"a": [2.0, 1.0], "b": [True, False]}  # a last node's bools are results
 
 
 def test_a_filter_must_return_one_bool_per_item():
-    flow = DataFlow(nodes=[node("rollout"), node("f", lambda m, b: [True])], edges=[("rollout", "f")])
-    with pytest.raises(NodeError, match="'f' returned 1 bools for 2 items"):
+    flow = DataFlow(nodes=[node("rollout"), node("f", lambda m, b: [True]), node("reward")],
+                    edges=[("rollout", "f"), ("f", "reward")])
+    with pytest.raises(NodeError, match="'f' returned 1 bools for 2 items: a node with downstream edges"):
         flow.run(["x", "y"])
 
 
