@@ -31,14 +31,13 @@ from typing import Any, Optional
 
 import torch
 
-from hybridflow.config.schema import FSDPConfig, ModelConfig, OptimConfig, ParallelConfig, RewardConfig
+from hybridflow.config.schema import ModelConfig, ParallelConfig, RewardConfig
 from hybridflow.controller.dispatch import Dispatch, register
 from hybridflow.controller.group import RoleGroup, remote
 from hybridflow.controller.transfer import remote_fields
 from hybridflow.controller.worker import Worker
 from hybridflow.data import fields as F
 from hybridflow.data.tokenizer import Tokenizer
-from hybridflow.engine import MegatronEngine
 from hybridflow.hybrid_engine import generation_weights
 from hybridflow.hybrid_engine.apart import plan_apart
 from hybridflow.hybrid_engine.fsdp_gather import FSDPGatheredWeights
@@ -63,6 +62,7 @@ from hybridflow.roles.scoring import score_rule
 from hybridflow.roles.rollout import TRAIN
 from hybridflow.rollout import RolloutBackend, hf_named, sync_weights
 from hybridflow.rollout.factory import build_backend
+from hybridflow.workers.engines import build_engine, model_config
 from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, ReferenceWorkerSpec, RolloutWorkerSpec, Run
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
@@ -89,38 +89,6 @@ def read_tokenizer(model: ModelConfig) -> Tokenizer:
     """The run's tokenizer (model.tokenizer_path, else model.path), which the trainer checked
     (`config.inputs.load_tokenizer`) before any worker started."""
     return Tokenizer.from_path(model.tokenizer_path or model.path)
-
-
-def build_engine(run: Run, model: ModelConfig, path: str, optim: Optional[OptimConfig], parallel: ParallelConfig,
-                 layout: ParallelDims, optimizer_steps: int = 1, value_head: bool = False,
-                 kind: str = "megatron", fsdp: Optional[FSDPConfig] = None):
-    """An engine at the run plan's `layout`, loaded from the HF checkpoint at `path` (checked by the trainer);
-    its LR schedule spans `optimizer_steps`. kind "fsdp": an `FSDPEngine` sharded over the group's world
-    (the plan's layout is then dp = world, which the config checks made sure of)."""
-    if kind == "fsdp":
-        from hybridflow.engine.fsdp import FSDPEngine
-        from hybridflow.engine.fsdp_hf import TransformersFSDPEngine
-
-        fsdp = fsdp or FSDPConfig()
-        options = dict(device=run.device, dtype=model.dtype,
-                       make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, value_head=value_head,
-                       total_steps=optimizer_steps, seed=run.seed, offload=fsdp.offload)
-        transformers_code = fsdp.modeling == "transformers"  # then any architecture transformers builds
-        model_cfg = DecoderConfig.from_pretrained(path, any_architecture=transformers_code)
-        engine = (TransformersFSDPEngine(path, model_cfg, optim, **options) if transformers_code
-                  else FSDPEngine(model_cfg, optim, **options))
-        if engine.layout != layout:
-            raise ValueError(f"the run plan's layout {layout} is not FSDP's {engine.layout} over this group")
-        engine.load_hf_checkpoint(path)
-        return engine
-    engine = MegatronEngine(
-        DecoderConfig.from_pretrained(path), parallel, optim,
-        device=run.device, dtype=model.dtype, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
-        value_head=value_head, total_steps=optimizer_steps, seed=run.seed,
-        fused_output=model.use_fused_kernels and not value_head, layer_kernels=model.cpu_layer_kernels,
-        layout=layout)
-    engine.load_hf_checkpoint(path)  # this rank's slices only
-    return engine
 
 
 def prepare_process(worker: Worker, processes: int = 1) -> None:
@@ -195,8 +163,7 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         prepare_process(self, spec.run.processes)
         torch.manual_seed(spec.run.seed)
         self.spec = spec
-        self.model_cfg = DecoderConfig.from_pretrained(  # a model only transformers builds runs on it alone
-            spec.model.path, any_architecture=spec.actor.engine == "fsdp" and spec.actor.fsdp.modeling == "transformers")
+        self.model_cfg = model_config(spec.model.path, spec.actor.engine, spec.actor.fsdp)
         self.tokenizer = read_tokenizer(spec.model)
         self.engine = build_engine(spec.run, spec.model, spec.model.path, spec.actor.optim, spec.actor.parallel,
                                    spec.layout, spec.optimizer_steps, kind=spec.actor.engine, fsdp=spec.actor.fsdp)
