@@ -25,24 +25,19 @@ def main(divisible_by: int, hf_config_paths: list[str]) -> None:
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
 
+    from hybridflow.config.schema import ParallelConfig
+    from hybridflow.engine import cpu_compat
+    from hybridflow.engine.build import RopePositions, build_model, transformer_config
+
+    cpu_compat.apply()
     parallel_state.initialize_model_parallel(1, 1)
     for hf_config_path in hf_config_paths:
         cfg = DecoderConfig.from_pretrained(hf_config_path)
         bridge = get_bridge(cfg, divisible_by)
-        tcfg = TransformerConfig(
-            num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
-            num_attention_heads=cfg.num_heads, num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
-            normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-            add_bias_linear=False, add_qkv_bias=cfg.qkv_bias, use_cpu_initialization=True)
-        model = GPTModel(
-            config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-            vocab_size=bridge.padded_vocab, max_sequence_length=cfg.max_position_embeddings,
-            position_embedding_type="rope", rotary_base=int(cfg.rope_theta),
-            share_embeddings_and_output_weights=cfg.tie_word_embeddings)
+        # The engine's own TransformerConfig and layer spec (QK-norm, experts), on the meta device.
+        tcfg = transformer_config(cfg, ParallelConfig(), torch.float32, "cpu", layer_kernels=False)
+        model = build_model(cfg, tcfg, bridge.padded_vocab, torch.float32, torch.device("meta"), RopePositions())
         shapes = {k: list(v.shape) for k, v in model.state_dict().items()
                   if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
         print(f"SHAPES {hf_config_path}=" + json.dumps(shapes))
