@@ -24,8 +24,6 @@ trainer calls them through: each lists the methods the controller uses.
 from __future__ import annotations
 
 import os
-import threading
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -38,18 +36,8 @@ from hybridflow.controller.transfer import remote_fields
 from hybridflow.controller.worker import Worker
 from hybridflow.data import fields as F
 from hybridflow.data.tokenizer import Tokenizer
-from hybridflow.hybrid_engine import generation_weights
-from hybridflow.hybrid_engine.apart import plan_apart
-from hybridflow.hybrid_engine.fsdp_gather import FSDPGatheredWeights
-from hybridflow.hybrid_engine.plan import bridge_params
-from hybridflow.hybrid_engine.reshard import new_groups
-from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel
-from hybridflow.hybrid_engine.traffic import Traffic
-from hybridflow.hybrid_engine.weight_sync import SyncWorld, receive, send, sync_metrics
+from hybridflow.hybrid_engine.worker_weights import ColocatedGeneration, ShardReceiver, ShardSender
 from hybridflow.models.checkpoint import save_hf_checkpoint, save_hf_checkpoint_parts
-from hybridflow.models.bridge import get_bridge
-from hybridflow.models.config import DecoderConfig
-from hybridflow.models.decoder import Decoder, rope_inv_freq
 from hybridflow.parallel.layout import ParallelDims
 from hybridflow.parallel.process_group import free_port
 from hybridflow.roles import Actor, Critic, Reference, Rollout
@@ -60,7 +48,7 @@ from hybridflow.roles.critic import VALUE_FIELDS
 from hybridflow.roles.preparation import TokenStage, prepare_tokens
 from hybridflow.roles.scoring import score_rule
 from hybridflow.roles.rollout import TRAIN
-from hybridflow.rollout import RolloutBackend, hf_named, sync_weights
+from hybridflow.rollout import RolloutBackend
 from hybridflow.rollout.factory import build_backend
 from hybridflow.workers.engines import build_engine, model_config
 from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, ReferenceWorkerSpec, RolloutWorkerSpec, Run
@@ -168,8 +156,6 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         self.engine = build_engine(spec.run, spec.model, spec.model.path, spec.actor.optim, spec.actor.parallel,
                                    spec.layout, spec.optimizer_steps, kind=spec.actor.engine, fsdp=spec.actor.fsdp)
         self.register_mesh("actor", spec.layout)
-        self.staged: dict[int, dict[str, torch.Tensor]] = {}  # weight version -> shard copy (`stage_weights`)
-        self._staged_lock = threading.Lock()  # `send_staged` runs aside, on another thread of this process
         self.actor = Actor(spec.actor, self.engine, samples_per_prompt=spec.rollout.n,
                            temperature=spec.rollout.temperature, seed=spec.run.seed)
         self.reference = None
@@ -181,52 +167,32 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
             else:
                 engine = build_engine(spec.run, spec.model, spec.model.path, None, ref.parallel, spec.layout)
             self.reference = Reference(spec.reference, engine, temperature=spec.rollout.temperature)
-        # Generation: views of the engine at tp = pp = 1, else a tg-way model the 3D-HybridEngine refills;
-        # none when a rollout group apart generates.
-        self.generation = None
-        if spec.generates:
-            if self.engine.kind == "fsdp":  # tg = 1: every rank gathers the whole model (config checks)
-                self.generation = FSDPGatheredWeights(self.engine, spec.rollout.weight_bucket_mb * 2**20)
-            else:
-                self.generation = generation_weights(self.engine, spec.rollout.tg, spec.rollout.grouping)
-            replica, replicas, answers = self.generation.mesh
-            self.register_replica("generation", replica, replicas, answers)
-            self.backend = build_backend(spec.rollout, self.generation.model, self.tokenizer, spec.model.path,
-                                         seed=spec.run.seed, device=spec.run.device)
-            self._push_generation()  # an engine with its own copy starts from placeholder weights
-            self.reward_fn = spec.reward.load()
-            self.rollout = Rollout(spec.rollout, spec.max_response_length, self.backend, self.tokenizer, replicas,
-                                   env=spec.env)
-
-    def _push_generation(self) -> dict[str, float]:
-        """The refilled generation weights into an engine that keeps its own copy (nothing for the built-in
-        one, which generates from them); that copy made, the 3D-HybridEngine's is freed at once."""
-        pushed = sync_weights(self.backend, self.generation.model, self.spec.model.make_vocab_size_divisible_by)
-        if pushed:
-            self.generation.release()
-        return pushed
+        # The weights' route to the rollout, worker side: this group generates from its own generation
+        # weights, or its ranks send their shards to a rollout group apart.
+        self.generation: Optional[ColocatedGeneration] = None
+        self.sender: Optional[ShardSender] = None
+        if not spec.generates:
+            self.sender = ShardSender(self.engine, self.rank, self.context.device)
+            return
+        self.generation = ColocatedGeneration(self.engine, spec.rollout, spec.model.make_vocab_size_divisible_by)
+        replica, replicas, answers = self.generation.mesh
+        self.register_replica("generation", replica, replicas, answers)
+        backend = build_backend(spec.rollout, self.generation.model, self.tokenizer, spec.model.path,
+                                seed=spec.run.seed, device=spec.run.device)
+        self.generation.attach(backend)
+        self.reward_fn = spec.reward.load()
+        self.rollout = Rollout(spec.rollout, spec.max_response_length, backend, self.tokenizer, replicas, env=spec.env)
 
     @register(Dispatch.RANK_ZERO)
     def refresh_generation(self) -> dict[str, float]:
-        """Switch to generation: bring its weights up to the trained ones; the `reshard/*` figures (with the
-        push into the rollout engine's own copy, where it keeps one, in its time)."""
-        if self.generation is None:
-            return {}
-        self.backend.resume()
-        metrics = self.generation.refresh()
-        pushed = self._push_generation()
-        if pushed:
-            metrics.update(pushed)
-            metrics["reshard/time_s"] += pushed["reshard/push_time_s"]
-        return metrics
+        """Switch to generation (`ColocatedGeneration.refresh`): the `reshard/*` figures; {} without one."""
+        return self.generation.refresh() if self.generation is not None else {}
 
     @register(Dispatch.ONE_TO_ALL)
     def release_generation(self) -> None:
-        """Switch back to training: free the generation weights (nothing to free for views) and the rollout
-        engine's memory where it can."""
+        """Switch back to training: free the generation weights and the rollout engine's memory."""
         if self.generation is not None:
             self.generation.release()
-            self.backend.release()
 
     @register(Dispatch.RANK_ZERO)
     def sync_address(self) -> tuple[str, int]:
@@ -235,49 +201,25 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
 
     @register(Dispatch.ONE_TO_ALL)
     def join_weight_sync(self, address: str, port: int, tg: int, rollout_world: int, bucket_bytes: int) -> None:
-        """Join the process group spanning this group and a rollout group apart (sync ranks 0 .. N-1), and
-        keep the plan both sides build alike (`hybrid_engine/apart.py`). The rollout group joins at once."""
-        element = torch.empty((), dtype=self.engine.dtype).element_size()
-        plan = plan_apart(bridge_params(self.engine.bridge, element), self.engine.layout, tg, rollout_world,
-                          bucket_bytes, self.engine.virtual_pp)
-        self.weight_sync = SyncWorld(plan, self.rank, address, port, self.context.device)
-
-    def _training_shard(self) -> dict[str, torch.Tensor]:
-        """Megatron global name -> this rank's training shard of it (views of the parameters)."""
-        params = self.engine.named_params()
-        return {e.megatron: params[n].detach() for e, n in self.engine.stage_entries()}
+        """Join the process group spanning this group and a rollout group apart (`ShardSender.join`); the
+        rollout group joins at once."""
+        self.sender.join(address, port, tg, rollout_world, bucket_bytes)
 
     @register(Dispatch.ONE_TO_ALL)
     def stage_weights(self, version: int) -> None:
-        """Keep a copy of this rank's training shard as weight `version`, for a later `send_staged(version)`:
-        a rollout generating ahead (trainer.off_policy) takes a version after the actor has trained past it.
-        Copies, not views: the optimizer steps the parameters in place."""
-        copy = {name: t.clone() for name, t in self._training_shard().items()}
-        with self._staged_lock:
-            self.staged[version] = copy
+        """Keep a copy of this rank's training shard as weight `version`, for a later `send_staged(version)`."""
+        self.sender.stage(version)
 
     @register(Dispatch.ONE_TO_ALL)
     def send_weights(self) -> dict[str, float]:
-        """Broadcast this rank's slices of its training shard now to the rollout ranks that need them; what
-        this rank moved (`sync/*`), beside the plan's figures."""
-        return self._send(self._training_shard())
+        """Broadcast this rank's slices of its training shard now to the rollout ranks that need them (`sync/*`)."""
+        return self.sender.send()
 
     @register(Dispatch.ONE_TO_ALL, aside=True)
     def send_staged(self, version: int) -> dict[str, float]:
-        """`send_weights` of the copy staged as `version` (after which it and older copies are dropped), run
-        aside: it reads only that copy, so the broadcast goes on while the actor trains (a rollout generating
-        ahead does not wait for the update in progress to end)."""
-        with self._staged_lock:
-            shard = self.staged[version]
-        out = self._send(shard)
-        with self._staged_lock:
-            self.staged = {v: w for v, w in self.staged.items() if v > version}
-        return out
-
-    def _send(self, shard: dict[str, torch.Tensor]) -> dict[str, float]:
-        start, traffic = time.perf_counter(), Traffic()
-        send(self.weight_sync, shard, traffic)
-        return sync_metrics(traffic, self.weight_sync.plan, self.rank, time.perf_counter() - start)
+        """`send_weights` of the copy staged as `version`, run aside: it reads only that copy, so the broadcast
+        goes on while the actor trains (a rollout generating ahead does not wait for the update to end)."""
+        return self.sender.send_staged(version)
 
     @register(Dispatch.DP_SPLIT, mesh="actor", reads=LOG_PROB_FIELDS)
     def compute_log_probs(self, batch: dict[str, Any], old: bool = True,
@@ -286,7 +228,7 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         (reference): one call, one shipment of the rows, when both are wanted."""
         out = self.reference.compute_ref_log_probs(batch) if reference else {}
         if old:
-            r = self.spec.rollout
+            r = self.spec.actor
             out.update(self.actor.compute_log_probs(
                 batch, r.log_prob_micro_batch_size,
                 r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else 0, r.log_prob_share_prompts))
@@ -329,72 +271,42 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
 
 
 class RolloutWorker(_Generates):
-    """Rollout on devices of its own (placement.rollout apart from placement.training), at `rollout.tg`.
-
-    Its ranks form `world / tg` generation replicas of `tg` consecutive ranks
-    (its own torch.distributed world holds their TP groups). Each holds one
-    generation shard, allocated empty: the weights come only from the actor,
-    by `receive_weights` (the first before the first rollout), never from a
-    checkpoint of its own, so a missed sync cannot pass for a fresh one
-    (generating before the first one is refused).
-    """
+    """Rollout on devices of its own (placement.rollout apart from placement.training), at `rollout.tg`, on
+    a generation shard that only the actor's broadcasts fill (`ShardReceiver`; generating before the first
+    one is refused)."""
 
     def __init__(self, spec: RolloutWorkerSpec):
         self.init_process_group()  # this group's world: the generation TP groups at tg > 1
         prepare_process(self, spec.run.processes)
         self.spec = spec
-        model_cfg = DecoderConfig.from_pretrained(spec.model.path)
         self.tokenizer = read_tokenizer(spec.model)
-        tg, world = spec.rollout.tg, self.world_size
-        # The actor's padded vocabulary: the shards it sends are cut from it.
-        self.bridge = get_bridge(model_cfg, spec.model.make_vocab_size_divisible_by, spec.train_layout.tp)
-        parallel = None
-        if tg > 1:
-            group = new_groups([list(range(q * tg, (q + 1) * tg)) for q in range(world // tg)])[self.rank]
-            parallel = GroupTensorParallel(group, self.bridge.padded_vocab)
-        with torch.device("meta"):
-            model = Decoder(model_cfg, parallel) if parallel is not None else Decoder(model_cfg)
-        self.model = model.to_empty(device=spec.run.device).to(_dtype(spec.model.dtype)).eval()
-        self.model.inv_freq = rope_inv_freq(model_cfg).to(spec.run.device)
-        self.model.requires_grad_(False)
-        self.register_replica("generation", self.rank // tg, world // tg, self.rank % tg == 0)
-        self.backend: RolloutBackend = build_backend(spec.rollout, self.model, self.tokenizer, spec.model.path,
-                                                     seed=spec.run.seed, device=spec.run.device)
+        self.receiver = ShardReceiver(spec.model, spec.train_layout, spec.rollout.tg, self.rank, self.world_size,
+                                      spec.run.device)
+        replica, replicas, answers = self.receiver.mesh
+        self.register_replica("generation", replica, replicas, answers)
+        self.backend: RolloutBackend = build_backend(spec.rollout, self.receiver.model, self.tokenizer,
+                                                     spec.model.path, seed=spec.run.seed, device=spec.run.device)
         self.reward_fn = spec.reward.load()
-        self.rollout = Rollout(spec.rollout, spec.max_response_length, self.backend, self.tokenizer, world // tg,
+        self.rollout = Rollout(spec.rollout, spec.max_response_length, self.backend, self.tokenizer, replicas,
                                env=spec.env)
-        self.weight_sync: Optional[SyncWorld] = None
-        self.syncs = 0
 
     @register(Dispatch.ONE_TO_ALL)
     def join_weight_sync(self, address: str, port: int, train: ParallelDims, bucket_bytes: int,
                          virtual_pp: int = 1) -> None:
         """Join the process group spanning the actor's group (`train` with `virtual_pp` model chunks a stage,
-        sync ranks 0 .. N-1) and this one (N + rank), with the plan the actor's ranks build alike."""
-        element = torch.empty((), dtype=_dtype(self.spec.model.dtype)).element_size()
-        plan = plan_apart(bridge_params(self.bridge, element), train, self.spec.rollout.tg, self.world_size,
-                          bucket_bytes, virtual_pp)
-        self.weight_sync = SyncWorld(plan, train.world_size + self.rank, address, port, self.context.device)
+        sync ranks 0 .. N-1) and this one (N + rank)."""
+        self.receiver.join(address, port, train, bucket_bytes, virtual_pp)
 
     @register(Dispatch.ONE_TO_ALL)
     def receive_weights(self) -> dict[str, float]:
-        """This rank's generation shard from the actor's ranks, straight into the generator's parameters (an
-        engine with its own copy, vLLM, then takes them by the usual bucketed push); `sync/*` figures."""
-        start, traffic = time.perf_counter(), Traffic()
-        params = dict(self.model.named_parameters())
-        dest = {e.megatron: params[e.generation].data for e in self.bridge.entries()}
-        self.backend.resume()
-        receive(self.weight_sync, dest, _dtype(self.spec.model.dtype), traffic)
-        self.syncs += 1
-        metrics = sync_metrics(traffic, self.weight_sync.plan, self.weight_sync.rank, time.perf_counter() - start)
-        metrics.update(sync_weights(self.backend, self.model, self.spec.model.make_vocab_size_divisible_by))
-        return metrics
+        """This rank's generation shard from the actor's ranks (`ShardReceiver.receive`); `sync/*` figures."""
+        return self.receiver.receive(self.backend)
 
     @register(Dispatch.DP_SPLIT, mesh="generation")
     def generate(self, prompts: dict[str, Any], seed: int, mode: str = TRAIN,
                  pad: bool = False) -> dict[str, Any]:
         """As the actor's `generate`, from the weights the actor's ranks broadcast into this group."""
-        if self.syncs == 0:
+        if self.receiver.syncs == 0:
             raise RuntimeError("the rollout group apart has no weights yet: the actor's are broadcast into it "
                                "(receive_weights) before its first rollout")
         return super().generate(prompts, seed, mode, pad)
@@ -402,13 +314,7 @@ class RolloutWorker(_Generates):
     @register(Dispatch.RANK_ZERO)
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """The whole generation model under HF names (gathered over each TP group): for checks, not syncs."""
-        return {name: t.clone() for name, t in hf_named(self.model, self.spec.model.make_vocab_size_divisible_by)}
-
-
-def _dtype(name: str) -> torch.dtype:
-    from hybridflow.models.checkpoint import resolve_dtype
-
-    return resolve_dtype(name)
+        return self.receiver.hf_weights()
 
 
 class CriticWorker(EngineWorker):
