@@ -91,7 +91,7 @@ demo-agent: $(STAMP)
 SCALE_MODEL := models/qwen2.5-0.5b-shaped
 SCALE_RUN := model.path=$(SCALE_MODEL) model.dtype=float32 trainer.device=cpu trainer.n_devices=2 \
 	data.val_files=[] data.train_batch_size=4 data.max_prompt_length=256 data.max_response_length=32 \
-	rollout.n=2 actor.ppo_mini_batch_size=4 actor.ppo_micro_batch_size=2 rollout.log_prob_micro_batch_size=4 \
+	rollout.n=2 actor.ppo_mini_batch_size=4 actor.ppo_micro_batch_size=2 actor.log_prob_micro_batch_size=4 \
 	reference.log_prob_micro_batch_size=4 trainer.total_steps=2 trainer.save_every=0 trainer.output_dir=runs \
 	trainer.overwrite=true
 

@@ -71,7 +71,7 @@ def hybridflow_side(model: Path, steps: int, warmup: int) -> dict:
                  f"data.train_batch_size={PROMPTS}", f"data.max_response_length={NEW_TOKENS}",
                  f"rollout.n={SAMPLES}", "rollout.temperature=1.0",
                  f"actor.ppo_mini_batch_size={PROMPTS}", f"actor.ppo_micro_batch_size={PROMPTS * SAMPLES}",
-                 f"rollout.log_prob_micro_batch_size={PROMPTS * SAMPLES}",
+                 f"actor.log_prob_micro_batch_size={PROMPTS * SAMPLES}",
                  f"actor.optim.lr={LR}", "actor.optim.lr_schedule=constant", "actor.optim.min_lr=0",
                  "algorithm.skip_uniform_groups=false", "reference.enabled=false"]
     res = measure("grpo", steps, warmup, overrides)

@@ -14,7 +14,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from hybridflow.errors import ConfigError
-from hybridflow.config.schema import Config
+from hybridflow.config.schema import Config, LogProbConfig
 from hybridflow.config.validate import validate
 from hybridflow.common import nearest_name, shown_value
 
@@ -24,9 +24,19 @@ __all__ = ["ConfigError", "apply_overrides", "dump_config", "from_dict", "load_c
 MAX_VALUES = 100_000
 
 
+# Keys that moved to the role that reads them: the old path is an unknown key whose message names the new one.
+MOVED = {f"rollout.{f.name}": f"actor.{f.name}" for f in dataclasses.fields(LogProbConfig)}
+
+
 def _nearest(name: str, choices: typing.Iterable[str]) -> str:
     match = nearest_name(name, choices)
     return f" (did you mean '{match}'?)" if match else ""
+
+
+def _unknown_key(path: str, key: str, choices: typing.Iterable[str]) -> ConfigError:
+    if path in MOVED:
+        return ConfigError(path, f"unknown key (did you mean '{MOVED[path]}'? it moved to the role that reads it)")
+    return ConfigError(path, f"unknown key{_nearest(key, choices)}")
 
 
 def _join(path: str, key: str) -> str:
@@ -89,7 +99,7 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
     kwargs = {}
     for key, value in data.items():
         if key not in hints:
-            raise ConfigError(_join(path, str(key)), f"unknown key{_nearest(str(key), names)}")
+            raise _unknown_key(_join(path, str(key)), str(key), names)
         kwargs[key] = _convert(value, hints[key], _join(path, key))
     return cls(**kwargs)
 
@@ -122,7 +132,7 @@ def apply_overrides(data: dict, overrides: typing.Sequence[str], cls: type = Con
             path = _join(path, key)
             hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
             if key not in hints:
-                raise ConfigError(path, f"unknown key{_nearest(key, hints)}")
+                raise _unknown_key(path, key, hints)
             tp = hints[key]
             if i == len(keys) - 1:
                 try:

@@ -123,14 +123,6 @@ class RolloutConfig:
     grouping: Literal["hybridflow", "vanilla", "full"] = "hybridflow"
     batch_size_per_device: Optional[int] = None
     pad_to_max_length: bool = False
-    log_prob_micro_batch_size: int = 16
-    # Sequence packing (verl's dynamic batch size): the old log-probs' micro-batches hold up to this many real tokens each,
-    # packed into one row with no padding computed, instead of a fixed number of sequences (pp = 1 only).
-    log_prob_use_dynamic_bsz: bool = False
-    log_prob_max_token_len_per_gpu: int = 16384
-    # Rows that share a prompt (GRPO's n samples) run as one row: the prompt computed once, each response
-    # attending to it (pp = 1, cp = 1, full attention; not with the dynamic batch size above).
-    log_prob_share_prompts: bool = False
     val_temperature: float = 0.0  # greedy validation
 
 
@@ -159,8 +151,19 @@ class TrainedRoleConfig:
 
 
 @dataclass
-class ActorConfig(TrainedRoleConfig):
-    """Policy training: PPO-style mini-batches over the rollout batch."""
+class LogProbConfig:
+    """Micro-batches of a forward-only log-prob pass (the actor's old log-probs, the reference's): sequences
+    per device, or packed or shared-prompt rows as in `TrainedRoleConfig`."""
+
+    log_prob_micro_batch_size: int = 16
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    log_prob_share_prompts: bool = False
+
+
+@dataclass
+class ActorConfig(LogProbConfig, TrainedRoleConfig):
+    """Policy training: PPO-style mini-batches over the rollout batch; `log_prob_*`: its old log-probs' pass."""
 
     policy_loss: str = "ppo"  # name in the algorithms registry
     ppo_mini_batch_size: int = 32  # in prompts, as verl counts it
@@ -195,18 +198,10 @@ class CriticConfig(TrainedRoleConfig):
 
 
 @dataclass
-class ReferenceConfig:
+class ReferenceConfig(LogProbConfig):
     """Frozen copy of the initial policy for KL; forward only."""
 
     enabled: bool = True
-    log_prob_micro_batch_size: int = 16
-    # Sequence packing (verl's dynamic batch size): micro-batches hold up to this many real tokens each,
-    # packed into one row with no padding computed, instead of a fixed number of sequences (pp = 1 only).
-    log_prob_use_dynamic_bsz: bool = False
-    log_prob_max_token_len_per_gpu: int = 16384
-    # Rows that share a prompt (GRPO's n samples) run as one row: the prompt computed once, each response
-    # attending to it (pp = 1, cp = 1, full attention; not with the dynamic batch size above).
-    log_prob_share_prompts: bool = False
     # None: the actor's layout. The reference lives in the actor's processes,
     # which hold one megatron-core layout, so a value given must equal it.
     parallel: Optional[ParallelConfig] = None
@@ -325,7 +320,7 @@ class TrainerConfig:
     # Overlap of rollout and update, with the rollout placed apart (placement.rollout off placement.training):
     # "sync" (lock step), "one_step" (batch t+1 generates with the weights of before update t while update t
     # runs), "async" (the rollout group generates up to max_staleness versions ahead; weights are pushed to it
-    # every sync_every updates). Every sample carries the weight version that generated it (trainer/off_policy.py).
+    # every sync_every updates). Every sample carries the weight version that generated it (dataflow/off_policy.py).
     off_policy: Literal["sync", "one_step", "async"] = "sync"
     max_staleness: int = 1  # async: updates a sample's weights may lag the trainer's when it trains on it
     # async: "wait" (the rollout waits for fresh enough weights) or "drop" (it never waits; a batch staler

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Optional
 
 from hybridflow.config.plan import (PROCESS_LAYOUT_KEYS, RunPlan, devices_for, engine_parallel, role_world, uses_ray,
                                    rollout_apart)
-from hybridflow.config.schema import Config, ParallelConfig
+from hybridflow.config.schema import Config, LogProbConfig, ParallelConfig, TrainedRoleConfig
 from hybridflow.errors import ConfigError
 from hybridflow.parallel.layout import ParallelDims
 
@@ -263,7 +263,7 @@ def _check_batches(cfg: Config) -> None:
                         ("actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
                         ("actor.ppo_micro_batch_size", actor.ppo_micro_batch_size),
                         ("actor.ppo_epochs", actor.ppo_epochs),
-                        ("rollout.log_prob_micro_batch_size", cfg.rollout.log_prob_micro_batch_size),
+                        ("actor.log_prob_micro_batch_size", actor.log_prob_micro_batch_size),
                         ("reference.log_prob_micro_batch_size", cfg.reference.log_prob_micro_batch_size),
                         ("critic.ppo_micro_batch_size", cfg.critic.ppo_micro_batch_size),
                         ("reward.micro_batch_size", cfg.reward.micro_batch_size),
@@ -415,16 +415,37 @@ def _check_off_policy(cfg: Config) -> None:
 
 # --------------------------------------------------------------------------- with the run plan and the model
 
-def row_layouts(cfg: Config) -> list[tuple]:
-    """(section, its dynamic-batch-size switch, token budget and shared-prompt switch, its layout) for each
-    role that runs the engine's forward: where packed and shared-prompt rows are asked for."""
-    return [
-        ("actor", "use_dynamic_bsz", "ppo_max_token_len_per_gpu", "share_prompts", cfg.actor.parallel),
-        ("rollout", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu", "log_prob_share_prompts",
-         cfg.actor.parallel),
-        ("reference", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu", "log_prob_share_prompts",
-         cfg.reference.parallel or cfg.actor.parallel),
-        ("critic", "use_dynamic_bsz", "ppo_max_token_len_per_gpu", "share_prompts", cfg.critic.parallel)]
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """How one forward pass lays out its micro-batches' rows, and the keys that ask for it (for messages)."""
+
+    packed_key: str  # packed rows: one per micro-batch, up to `token_budget` real tokens
+    packed: bool
+    budget_key: str
+    token_budget: int
+    shared_key: str  # shared-prompt rows: a prompt's samples in one row
+    shared: bool
+    parallel: ParallelConfig  # the layout the pass runs at
+
+
+def _update_rows(name: str, role: TrainedRoleConfig) -> RowLayout:
+    return RowLayout(f"{name}.use_dynamic_bsz", role.use_dynamic_bsz, f"{name}.ppo_max_token_len_per_gpu",
+                     role.ppo_max_token_len_per_gpu, f"{name}.share_prompts", role.share_prompts, role.parallel)
+
+
+def _log_prob_rows(name: str, role: LogProbConfig, parallel: ParallelConfig) -> RowLayout:
+    return RowLayout(f"{name}.log_prob_use_dynamic_bsz", role.log_prob_use_dynamic_bsz,
+                     f"{name}.log_prob_max_token_len_per_gpu", role.log_prob_max_token_len_per_gpu,
+                     f"{name}.log_prob_share_prompts", role.log_prob_share_prompts, parallel)
+
+
+def row_layouts(cfg: Config) -> list[RowLayout]:
+    """The row layout of each pass through the engine's forward: the actor's update and old log-probs, the
+    reference's log-probs, the critic's update (and values)."""
+    return [_update_rows("actor", cfg.actor),
+            _log_prob_rows("actor", cfg.actor, cfg.actor.parallel),
+            _log_prob_rows("reference", cfg.reference, cfg.reference.parallel or cfg.actor.parallel),
+            _update_rows("critic", cfg.critic)]
 
 
 def _check_packing(cfg: Config, model: "DecoderConfig") -> None:
@@ -433,32 +454,34 @@ def _check_packing(cfg: Config, model: "DecoderConfig") -> None:
     window rebuilds its mask).
     Shared-prompt rows (share_prompts) need the same, and cp = 1 (their positions are not the row's)."""
     windowed = any(w is not None for w in model.layer_windows)
-    roles = row_layouts(cfg)
-    for section, dynamic, budget, _, parallel in roles:
-        role, key = getattr(cfg, section), f"{section}.{dynamic}"
-        if not getattr(role, dynamic):
+    rows = row_layouts(cfg)
+    for r in rows:
+        if not r.packed:
             continue
-        if getattr(role, budget) < 1:
-            raise ConfigError(f"{section}.{budget}", f"must be >= 1 token, got {getattr(role, budget)}")
-        if parallel.pp > 1:
-            raise ConfigError(key, f"packed micro-batches need pipeline size 1, the layout has pp = {parallel.pp}")
-        if parallel.cp > 1:
-            raise ConfigError(key, f"packed micro-batches need context-parallel size 1, the layout has "
-                                   f"cp = {parallel.cp} (the engine splits padded rows over the CP ranks)")
+        if r.token_budget < 1:
+            raise ConfigError(r.budget_key, f"must be >= 1 token, got {r.token_budget}")
+        if r.parallel.pp > 1:
+            raise ConfigError(r.packed_key, f"packed micro-batches need pipeline size 1, the layout has "
+                                            f"pp = {r.parallel.pp}")
+        if r.parallel.cp > 1:
+            raise ConfigError(r.packed_key, f"packed micro-batches need context-parallel size 1, the layout has "
+                                            f"cp = {r.parallel.cp} (the engine splits padded rows over the CP ranks)")
         if windowed:
-            raise ConfigError(key, "packed micro-batches need full attention; the model has sliding-window layers")
-    for section, dynamic, _, share, parallel in roles:
-        role, share_key = getattr(cfg, section), f"{section}.{share}"
-        if getattr(role, share):
-            if getattr(role, dynamic):
-                raise ConfigError(share_key, f"shared-prompt rows and packed micro-batches ({section}.{dynamic}) are "
-                                             "two layouts; choose one")
-            for name, size in (("pipeline", parallel.pp), ("context-parallel", parallel.cp)):
-                if size > 1:
-                    raise ConfigError(share_key, f"shared-prompt rows need {name} size 1, the layout has {size}")
-            if windowed:
-                raise ConfigError(share_key, "shared-prompt rows need full attention; the model has sliding-window "
-                                             "layers")
+            raise ConfigError(r.packed_key, "packed micro-batches need full attention; the model has sliding-window "
+                                            "layers")
+    for r in rows:
+        if not r.shared:
+            continue
+        if r.packed:
+            raise ConfigError(r.shared_key, f"shared-prompt rows and packed micro-batches ({r.packed_key}) are two "
+                                            "layouts; choose one")
+        for name, size in (("pipeline", r.parallel.pp), ("context-parallel", r.parallel.cp)):
+            if size > 1:
+                raise ConfigError(r.shared_key, f"shared-prompt rows need {name} size 1, the layout has {size}")
+        if windowed:
+            raise ConfigError(r.shared_key, "shared-prompt rows need full attention; the model has sliding-window "
+                                            "layers")
+
 
 def check_model_split(dims: ParallelDims, key: str, *, num_heads: int, num_kv_heads: int, num_layers: int,
                       ffn_size: Optional[int] = None, virtual_pp: Optional[int] = None) -> None:

@@ -59,7 +59,8 @@ class Schedule:
     @classmethod
     def make(cls, mode: str, total_steps: int, max_staleness: int = 1, sync_every: int = 1,
              stale_samples: str = "wait") -> "Schedule":
-        """The schedule of these settings (the trainer's keys without `trainer.`); ValueError names a bad one."""
+        """The schedule of these settings (the trainer's keys without `trainer.`, as `DataFlow.run_steps` takes
+        them); ValueError names a bad one. A config's values are config/validate.py's to check (`of`)."""
         if mode not in MODES:
             raise ValueError(f"off_policy must be one of {MODES}, got {mode!r}")
         if stale_samples not in STALE_SAMPLES:
@@ -71,16 +72,21 @@ class Schedule:
         if mode == "async" and stale_samples == "wait" and sync_every > max_staleness + 1:
             raise ValueError(f"sync_every={sync_every} with max_staleness={max_staleness} and stale_samples='wait' "
                              f"leaves the rollout waiting for weights it never gets (use at most {max_staleness + 1})")
+        return cls._settled(mode, total_steps, max_staleness, sync_every, stale_samples)
+
+    @classmethod
+    def of(cls, t) -> "Schedule":
+        """From the trainer's section (`config.schema.TrainerConfig`), whose rules config/validate.py checked."""
+        return cls._settled(t.off_policy, t.total_steps, t.max_staleness, t.sync_every, t.stale_samples)
+
+    @classmethod
+    def _settled(cls, mode: str, total_steps: int, max_staleness: int, sync_every: int,
+                 stale_samples: str) -> "Schedule":
         if mode == "sync":
             return cls(mode, 0, 1, False, total_steps)
         if mode == "one_step":
             return cls(mode, 1, 1, False, total_steps)
         return cls(mode, max_staleness, sync_every, stale_samples == "drop", total_steps)
-
-    @classmethod
-    def of(cls, t) -> "Schedule":
-        """From the trainer's section (`config.schema.TrainerConfig`, validated)."""
-        return cls.make(t.off_policy, t.total_steps, t.max_staleness, t.sync_every, t.stale_samples)
 
     def limit(self, step: int, pushed: int) -> int:
         """The last step whose batch may be submitted at the start of `step`, the rollout holding

@@ -79,14 +79,13 @@ class Workload:
                    response_len=float(response_len if response_len is not None else d.max_response_length),
                    max_len=d.max_prompt_length + d.max_response_length, dtype_bytes=DTYPE_BYTES[cfg.model.dtype],
                    divisible_by=cfg.model.make_vocab_size_divisible_by, actor_micro=cfg.actor.ppo_micro_batch_size,
-                   critic_micro=cfg.critic.ppo_micro_batch_size, forward_micro=cfg.rollout.log_prob_micro_batch_size,
+                   critic_micro=cfg.critic.ppo_micro_batch_size, forward_micro=cfg.actor.log_prob_micro_batch_size,
                    mini_batch_rows=cfg.actor.ppo_mini_batch_size * cfg.rollout.n, actor_epochs=cfg.actor.ppo_epochs,
                    critic_epochs=cfg.critic.ppo_epochs,
                    needs_reference=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss,
                    needs_old_log_probs=needs_old_log_probs(cfg), uses_critic=cfg.algorithm.adv_estimator == "gae",
                    distributed_optimizer=cfg.actor.parallel.distributed_optimizer, reward_model=reward_model,
-                   packed_rows=any(getattr(getattr(cfg, section), dynamic) or getattr(getattr(cfg, section), share)
-                                   for section, dynamic, _, share, _ in row_layouts(cfg)),
+                   packed_rows=any(rows.packed or rows.shared for rows in row_layouts(cfg)),
                    off_policy=t.off_policy, max_staleness=t.max_staleness, sync_every=t.sync_every)
 
 

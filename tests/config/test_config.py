@@ -74,6 +74,22 @@ def test_unknown_key_in_yaml_file(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize("key, value", [("log_prob_micro_batch_size", 1), ("log_prob_use_dynamic_bsz", True),
+                                        ("log_prob_max_token_len_per_gpu", 1), ("log_prob_share_prompts", True)])
+def test_the_old_log_prob_keys_under_rollout_point_to_the_actor_that_reads_them(tmp_path, key, value):
+    """The old log-probs' micro-batching is the actor's pass: its keys left rollout for actor."""
+    hint = rf"rollout.{key}: unknown key \(did you mean 'actor.{key}'\? it moved to the role that reads it\)"
+    with pytest.raises(ConfigError, match=hint):
+        load_config(None, BASE + [f"rollout.{key}={value}"])
+    with pytest.raises(ConfigError, match=hint):
+        load_config(_write(tmp_path, f"""
+            model: {{path: /m}}
+            rollout:
+              {key}: {value}
+        """))
+    assert load_config(None, BASE + [f"actor.{key}={value}"]).actor == ActorConfig(**{key: value})
+
+
 @pytest.mark.parametrize("overrides, path, fragment", [
     ([], "model.path", "is required"),
     (BASE + ["actor.parallel.tp=2"], "actor.parallel", "does not divide the 1 device"),

@@ -134,7 +134,7 @@ def test_a_long_context_job_is_planned_with_context_parallelism(tmp_path, capsys
     unfused attention's probabilities grow with S^2), layouts with cp > 1 do; the best plan is written with its cp
     and loads as `hybridflow train` reads it. With packed rows no cp layout is offered (the engine runs
     them at cp = 1)."""
-    long = ["data.max_response_length=16384", "rollout.log_prob_micro_batch_size=1", "actor.ppo_micro_batch_size=1"]
+    long = ["data.max_response_length=16384", "actor.log_prob_micro_batch_size=1", "actor.ppo_micro_batch_size=1"]
     out = tmp_path / "long.yaml"
     assert cli.main(["configs/qwen2.5-0.5b-grpo-gsm8k.yaml", *long, "--gpus", "8", "--device", "h100",
                      "--out", str(out), "--no-dry-run"]) == 0

@@ -95,8 +95,8 @@ def test_grpo_scores_the_sampled_tokens_between_tool_turns(agent_run, tmp_path, 
     sequence the sampler saw, tool tokens attended to), and the environment's reward is the score. Packed:
     the log-prob pass packs each row's real tokens (ATTENTION_MASK) back to back."""
     trainer = RLTrainer(agent_config(agent_run, tmp_path, "tiny-grpo.yaml", "actor.skip_old_log_probs=false",
-                                     "trainer.launcher=local", f"rollout.log_prob_use_dynamic_bsz={packed}",
-                                     "rollout.log_prob_max_token_len_per_gpu=512"))
+                                     "trainer.launcher=local", f"actor.log_prob_use_dynamic_bsz={packed}",
+                                     "actor.log_prob_max_token_len_per_gpu=512"))
     try:
         batch, metrics, _ = trainer.prepare(1)
         mask = batch[F.RESPONSE_MASK].bool()

@@ -446,9 +446,9 @@ def test_skipping_old_log_probs_gives_the_same_update(tmp_path, correction):
 
 LAYOUTS = {
     "packed": ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=40",
-               "rollout.log_prob_use_dynamic_bsz=true", "rollout.log_prob_max_token_len_per_gpu=64",
+               "actor.log_prob_use_dynamic_bsz=true", "actor.log_prob_max_token_len_per_gpu=64",
                "reference.log_prob_use_dynamic_bsz=true", "reference.log_prob_max_token_len_per_gpu=64"],
-    "shared-prompt": ["actor.share_prompts=true", "rollout.log_prob_share_prompts=true",
+    "shared-prompt": ["actor.share_prompts=true", "actor.log_prob_share_prompts=true",
                       "reference.log_prob_share_prompts=true"],
 }
 
