@@ -237,10 +237,27 @@ class MoE(nn.Module):
                 y = expert.partial(x[rows[start:start + count]])
                 out.index_add_(0, rows[start:start + count], y * weights.reshape(-1)[pairs, None])
             start += count
-        if self.shared is not None:
-            y = self.shared.partial(x)
-            out = out + (y * torch.sigmoid(self.shared_gate(x)) if self.shared_gate is not None else y)
-        return self.parallel.all_reduce(out).reshape(shape)
+        return self.parallel.all_reduce(self._add_shared(x, out)).reshape(shape)
+
+    def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` with every expert run on every token and unchosen ones weighted 0: shapes do not
+        depend on the routes (no host sync), as a captured CUDA graph needs. The sum runs in the same
+        expert order, so a token's output differs from `forward`'s only by the matmul's rounding."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts = self.route(x)
+        combine = torch.zeros(x.shape[0], self.cfg.num_experts, dtype=x.dtype, device=x.device)
+        combine.scatter_(1, experts, weights)
+        out = torch.zeros_like(x)
+        for j, expert in enumerate(self.experts):
+            out = out + expert.partial(x) * combine[:, j:j + 1]
+        return self.parallel.all_reduce(self._add_shared(x, out)).reshape(shape)
+
+    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.shared is None:
+            return out
+        y = self.shared.partial(x)
+        return out + (y * torch.sigmoid(self.shared_gate(x)) if self.shared_gate is not None else y)
 
 
 class Block(nn.Module):

@@ -215,6 +215,8 @@ class Generator:
             why = "it runs float32 models on the CPU"
         elif model.parallel.size > 1 or any(w is not None for w in model.cfg.layer_windows):
             why = "it runs tensor-parallel size 1 with full attention"
+        elif model.cfg.qk_norm or model.cfg.is_moe:
+            why = "it runs dense models without QK-norm (Llama, Qwen2, Mistral)"
         elif params.stop or params.top_k > 0 or params.top_p < 1:
             why = "it has no stop strings, top-k or top-p"
         elif not params.greedy and not keyed:

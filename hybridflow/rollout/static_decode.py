@@ -51,7 +51,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hybridflow.models.decoder import Decoder, apply_rope, rope_cos_sin
+from hybridflow.models.decoder import Decoder, MoE, rope_cos_sin
 from hybridflow.models.kv_cache import KVCache
 from hybridflow.rollout.sampling import SamplingParams, keyed_choice, sample
 
@@ -156,14 +156,15 @@ def forward_step(model: Decoder, st: DecodeState) -> torch.Tensor:
     for layer, window in zip(model.layers, cfg.layer_windows):
         attn = layer.attn
         qkv = attn.qkv(layer.attn_norm(x)).view(b, 1, -1, hpg + 2, hd)
-        qk = apply_rope(qkv[:, :, :, :hpg + 1], cos, sin)
+        qk = attn.rotate_qk(qkv, cos, sin)
         st.k[attn.layer].index_copy_(2, st.pos, qk[:, :, :, hpg].transpose(1, 2))
         st.v[attn.layer].index_copy_(2, st.pos, qkv[:, :, :, hpg + 1].transpose(1, 2))
         # A group's heads are the query rows of its one kv head: [b, groups, hpg, hd] against [b, groups, C, hd].
         out = F.scaled_dot_product_attention(qk[:, 0, :, :hpg], st.k[attn.layer], st.v[attn.layer],
                                              attn_mask=masks[window])
         x = x + attn.parallel.all_reduce(attn.proj(out.reshape(b, 1, -1)))
-        x = x + layer.mlp(layer.mlp_norm(x))
+        h = layer.mlp_norm(x)
+        x = x + (layer.mlp.forward_dense(h) if isinstance(layer.mlp, MoE) else layer.mlp(h))
     st.seen.add_(1)
     st.pos.add_(1)
     return model.logits(model.norm(x))[:, -1]

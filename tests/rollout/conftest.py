@@ -6,13 +6,17 @@ from hybridflow.models import Decoder, DecoderConfig, save_decoder
 
 PAD = 0
 # One switch each: grouped-query attention; QKV bias + tied embeddings + a
-# single kv head; a sliding window shorter than the sequences.
+# single kv head; a sliding window shorter than the sequences; QK-norm with a
+# head_dim other than hidden / heads; experts (top-2 of 4).
 FAMILIES = {
     "llama-gqa": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2),
     "qwen2-bias-tied": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=1,
                             tie_word_embeddings=True),
     "mistral-window": dict(model_type="mistral", num_attention_heads=8, num_key_value_heads=2,
                            head_dim=8, sliding_window=5),
+    "qwen3-qknorm": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=24),
+    "qwen3moe-top2": dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
 }
 
 

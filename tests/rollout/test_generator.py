@@ -170,7 +170,8 @@ def test_weights_are_read_at_call_time(decode):
 def test_cpu_decode_loop_equals_the_python_loop(family, greedy):
     """The C++ decode loop (one call for every step after the prefill) gives the Python loop's tokens,
     masks and log-probs, with rows ending at uneven lengths; a model it does not run (the sliding
-    window) is decoded by the Python loop under decode="auto" and refused by name under decode="cpu"."""
+    window, QK-norm, experts) is decoded by the Python loop under decode="auto" and refused by name under
+    decode="cpu"."""
     model = tiny_decoder(family)
     ids, mask = left_padded_prompts(model.cfg.vocab_size)
     keys = torch.tensor([5, 6, 7, 8])
@@ -182,8 +183,10 @@ def test_cpu_decode_loop_equals_the_python_loop(family, greedy):
     assert lengths.min() < lengths.max()  # rows end unevenly: the loop drops them as they end
     assert torch.equal(got.responses, want.responses) and torch.equal(got.response_mask, want.response_mask)
     torch.testing.assert_close(got.log_probs, want.log_probs, atol=1e-5, rtol=0)
-    if family == "mistral-window":
-        with pytest.raises(ValueError, match="decode='cpu' cannot run this call: .*full attention"):
+    declines = {"mistral-window": "full attention", "qwen3-qknorm": "without QK-norm",
+                "qwen3moe-top2": "dense models"}
+    if family in declines:
+        with pytest.raises(ValueError, match=f"decode='cpu' cannot run this call: .*{declines[family]}"):
             Generator(model, PAD, decode="cpu").generate(ids, mask, params, row_keys=keys)
     else:
         cpu = Generator(model, PAD, decode="cpu").generate(ids, mask, params, row_keys=keys)
