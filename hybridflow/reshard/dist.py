@@ -3,7 +3,8 @@
 Such a checkpoint stores every tensor whole (global shapes; each rank of a
 saving job wrote its slices), under the keys GPTModel's own
 `sharded_state_dict()` gives: layers stacked on a leading axis
-(`decoder.layers.mlp.linear_fc2.weight` is [L, H, F]), the norms under
+(`decoder.layers.mlp.linear_fc2.weight` is [L, H, F]; an MoE layer's experts
+on a second axis, [L, E, H, F]), the norms under
 Transformer Engine's names, `[gate; up]` as two halves. Rather than copy
 those rules, this module asks megatron-core: it builds the model once on the
 `meta` device (no memory) at tp = pp = 1 in a world of one process, and fills
@@ -35,6 +36,14 @@ from hybridflow.reshard.base import (EMBEDDING, Format, Item, MegatronReader, Pl
 
 FILE = "(dist_checkpointing)"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _stacked_indices(megatron_name: str) -> tuple[int, ...]:
+    """Where a parameter sits in its stacked key: its layer, and an expert's index among the layer's experts
+    (megatron-core stacks a layer's experts on a second leading axis)."""
+    layer, expert = _LAYER.match(megatron_name), _EXPERT.search(megatron_name)
+    return tuple(int(m[1]) for m in (layer, expert) if m is not None)
 
 
 def holds(path: Path) -> bool:
@@ -126,16 +135,15 @@ class DistReader(MegatronReader):
         if key not in self.meta.state_dict_metadata:
             raise KeyError(f"{self.path} holds no {key!r} (for {megatron_name})")
         stored = self.meta.state_dict_metadata[key]
-        layer = _LAYER.match(megatron_name)
-        stacked = layer is not None and key != megatron_name
-        out = torch.empty(tuple(stored.size)[1:] if stacked else tuple(stored.size), dtype=stored.properties.dtype)
+        lead = _stacked_indices(megatron_name) if key != megatron_name else ()
+        out = torch.empty(tuple(stored.size)[len(lead):], dtype=stored.properties.dtype)
         for index, chunk in enumerate(stored.chunks):
             offsets, sizes = list(chunk.offsets), list(chunk.sizes)
-            if stacked:
-                i = int(layer[1]) - offsets[0]
-                if not 0 <= i < sizes[0]:
+            if lead:
+                at = tuple(i - o for i, o in zip(lead, offsets))
+                if not all(0 <= i < n for i, n in zip(at, sizes)):
                     continue
-                piece, offsets, sizes = self._chunk(key, chunk.offsets, index)[i], offsets[1:], sizes[1:]
+                piece, offsets, sizes = self._chunk(key, chunk.offsets, index)[at], offsets[len(lead):], sizes[len(lead):]
             else:
                 piece = self._chunk(key, chunk.offsets, index)
             out[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = piece

@@ -1,4 +1,4 @@
-"""Tiny random HF checkpoints of the three families the reshard tool converts."""
+"""Tiny random HF checkpoints of the families the reshard tool converts."""
 import pytest
 import torch
 
@@ -14,6 +14,10 @@ FAMILIES = {
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
     "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8),
     "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False),
+    # Qwen3: QK-norm; Qwen3-MoE: 4 experts (top 2) in every layer, each split like an MLP over TP.
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=24),
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
 }
 
 

@@ -34,7 +34,7 @@ def assert_same_shards(a, b) -> None:
             assert torch.equal(x[file][name], y[file][name]), (file, name)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama", "qwen3", "qwen3_moe"])
 def test_hf_to_tp2pp2_to_tp1pp1_to_hf_is_bit_exact(tmp_path, family):
     write_model(tmp_path / "hf", family)
     assert reshard(tmp_path / "hf", tmp_path / "t2p2", "--to", "hybridflow", "--tp", 2, "--pp", 2) == 0

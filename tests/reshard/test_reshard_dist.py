@@ -36,3 +36,15 @@ def test_megatron_core_loads_the_tools_output_at_tp2_with_the_hf_logits(two_proc
     # from both ranks) reads back to the same HF model: the tool's writing and its reading, both checked.
     tool(launch["dist_resaved"], tmp_path / "from_megatron", "--to", "hf", "--config", hf)
     assert_same_hf(hf, tmp_path / "from_megatron")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_hf_to_dist_to_hf_is_bit_exact_for_qwen3_and_its_experts(tmp_path, family):
+    """megatron-core stacks a layer's experts on a second leading axis of one key ([L, E, ...]); each expert's
+    tensors are read back from their own slot, and QK-norm's weights from theirs."""
+    from tests.reshard.conftest import write_model
+
+    write_model(tmp_path / "hf", family)
+    tool(tmp_path / "hf", tmp_path / "dist", "--to", "dist")
+    tool(tmp_path / "dist", tmp_path / "out", "--to", "hf", "--config", tmp_path / "hf")
+    assert_same_hf(tmp_path / "hf", tmp_path / "out")

@@ -133,10 +133,11 @@ def test_fsdp_refusals_name_the_directory(saved, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "qwen3_moe"])
 def test_hf_to_fsdp_to_hf_is_bit_exact_with_qkv_bias_tied_and_bf16(tmp_path, family):
-    """In one process: Qwen2 (QKV bias, tied embeddings: no lm_head in the engine) and Mistral in bfloat16
-    (the checkpoint keeps the dtype it is given; the engine casts on load)."""
+    """In one process: Qwen2 (QKV bias, tied embeddings: no lm_head in the engine), Mistral in bfloat16
+    (the checkpoint keeps the dtype it is given; the engine casts on load) and Qwen3-MoE (QK-norm, a
+    router and each expert's tensors)."""
     from tests.reshard.conftest import assert_same_hf, write_model
 
     write_model(tmp_path / "hf", family, dtype=torch.bfloat16 if family == "mistral" else torch.float32)
