@@ -25,8 +25,16 @@ def test_left_align_roundtrip():
     assert torch.equal(unalign(aligned[..., None].float(), idx)[..., 0], x.float())
 
 
+QWEN3 = {"model_type": "qwen3", "head_dim": 24}
+QWEN3_MOE = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "norm_topk_prob": True}
+QWEN2_MOE = {"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 48}
+
+
 @pytest.mark.parametrize("overrides", [{}, {"model_type": "qwen2", "attention_bias": True,
-                                           "tie_word_embeddings": True, "num_key_value_heads": 1}])
+                                           "tie_word_embeddings": True, "num_key_value_heads": 1},
+                                       QWEN3, QWEN3_MOE, QWEN2_MOE])
 def test_engine_logits_and_log_probs_equal_decoder(overrides):
     cfg, dec, hf = tiny_model(**overrides)
     if overrides:
@@ -78,14 +86,18 @@ def _plain_actor_step(dec: Decoder, batch, old_logp, adv, optim: OptimConfig):
     return model, grad_norm.item()
 
 
-@pytest.mark.parametrize("micro,fused,tied,packed,shared", [
-    (4, False, False, 0, False), (2, False, False, 0, False), (2, True, False, 0, False), (2, True, True, 0, False),
-    (4, True, False, 10, False), (4, False, False, 10, False), (8, True, False, 0, True), (5, False, True, 0, True)])
-def test_one_actor_step_matches_plain_pytorch(micro, fused, tied, packed, shared):
+@pytest.mark.parametrize("micro,fused,tied,packed,shared,overrides", [
+    (4, False, False, 0, False, {}), (2, False, False, 0, False, {}), (2, True, False, 0, False, {}),
+    (2, True, True, 0, False, {}), (4, True, False, 10, False, {}), (4, False, False, 10, False, {}),
+    (8, True, False, 0, True, {}), (5, False, True, 0, True, {}), (2, True, False, 0, False, QWEN3),
+    (2, True, False, 0, False, QWEN3_MOE), (4, False, False, 10, False, QWEN2_MOE)])
+def test_one_actor_step_matches_plain_pytorch(micro, fused, tied, packed, shared, overrides):
     """packed: token-budgeted micro-batches of <= 10 real tokens (the rows hold 9, 5, 5 and 4), each run as
     one row with a block-diagonal mask: [9], [5, 5], [4]. shared: 8 rows of 4 prompts (GRPO's groups),
-    each micro-batch's rows with one prompt run as one row, the prompt computed once."""
-    cfg, dec, hf = tiny_model(tie_word_embeddings=tied)
+    each micro-batch's rows with one prompt run as one row, the prompt computed once. overrides: Qwen3's
+    QK-norm, and experts (the router's gradient included; no load-balancing loss, as the plain step has
+    none)."""
+    cfg, dec, hf = tiny_model(tie_word_embeddings=tied, **overrides)
     # Adam's first step is lr * g / (|g| + eps): with eps 1e-8 a gradient of ~1e-9, which is summation noise
     # (the engine's one-pass kernels and torch's ops round differently), moved a weight by 0.07 lr. eps 1e-6
     # keeps such noise out of the comparison; the step's math is the same.
