@@ -484,7 +484,8 @@ def _check_packing(cfg: Config, model: "DecoderConfig") -> None:
 
 
 def check_model_split(dims: ParallelDims, key: str, *, num_heads: int, num_kv_heads: int, num_layers: int,
-                      ffn_size: Optional[int] = None, virtual_pp: Optional[int] = None) -> None:
+                      ffn_size: Optional[int] = None, virtual_pp: Optional[int] = None,
+                      mlp_splits: tuple[tuple[str, int], ...] = ()) -> None:
     """ConfigError naming `key`.tp / .pp where the model cannot be split at the degrees of `dims`.
 
     TP splits whole attention heads and whole KV-head groups (Megatron's
@@ -498,8 +499,9 @@ def check_model_split(dims: ParallelDims, key: str, *, num_heads: int, num_kv_he
     if num_kv_heads % dims.tp:
         raise ConfigError(f"{key}.tp", f"{dims.tp} does not divide the model's {num_kv_heads} KV heads "
                           "(each rank holds whole query groups)")
-    if ffn_size is not None and ffn_size % dims.tp:
-        raise ConfigError(f"{key}.tp", f"{dims.tp} does not divide the model's {ffn_size} MLP features")
+    for what, size in ((("MLP features", ffn_size),) if ffn_size is not None else ()) + tuple(mlp_splits):
+        if size % dims.tp:
+            raise ConfigError(f"{key}.tp", f"{dims.tp} does not divide the model's {size} {what}")
     chunks = dims.pp * (virtual_pp or 1)
     if num_layers % chunks:
         what = f"pp*virtual_pp = {dims.pp}*{virtual_pp}" if virtual_pp else f"pp = {dims.pp}"
@@ -547,10 +549,14 @@ def check_plan(cfg: Config, plan: RunPlan, model: "DecoderConfig",
                               f"(e.g. Qwen2's max_window_layers): megatron-core's layer spec takes one window for "
                               f"every layer; {path.split('.')[0]}.engine=fsdp runs it")
         check_model_split(plan.layouts[role], path, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
-                          num_layers=shape.num_layers, ffn_size=shape.intermediate_size, virtual_pp=par.virtual_pp)
+                          num_layers=shape.num_layers, virtual_pp=par.virtual_pp, mlp_splits=tuple(shape.mlp_splits))
+        if (shape.is_moe and plan.engines[role] == "megatron" and role != "reference"
+                and plan.layouts[role].tp > 1 and not par.sequence_parallel):
+            raise ConfigError(f"{path}.sequence_parallel", "megatron-core trains a mixture-of-experts model at "
+                              f"tp > 1 only with sequence parallelism: set {path}.sequence_parallel=true")
     if plan.rollout_apart:  # its tg-way generator splits heads, KV groups and MLP features like TP does
         for what, size in (("attention heads", model.num_heads), ("KV heads", model.num_kv_heads),
-                           ("MLP features", model.intermediate_size)):
+                           *model.mlp_splits):
             if size % cfg.rollout.tg:
                 raise ConfigError("rollout.tg", f"{cfg.rollout.tg} does not divide the model's {size} {what}")
     _check_one_process_layout(cfg, plan)

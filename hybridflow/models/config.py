@@ -93,6 +93,16 @@ class DecoderConfig:
         return self.num_experts > 0
 
     @property
+    def mlp_splits(self) -> list[tuple[str, int]]:
+        """(what, features) of each MLP a tensor-parallel split must divide: the dense MLP's, or every
+        expert's and the shared expert's."""
+        if not self.is_moe:
+            return [("MLP features", self.intermediate_size)]
+        return [("expert MLP features", self.moe_intermediate_size)] + (
+            [("shared-expert MLP features", self.shared_expert_intermediate_size)]
+            if self.shared_expert_intermediate_size else [])
+
+    @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
 

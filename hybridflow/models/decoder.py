@@ -69,11 +69,7 @@ def local_config(cfg: DecoderConfig, size: int) -> DecoderConfig:
         return cfg
     import dataclasses
 
-    splits = [("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads)]
-    splits += ([("expert MLP features", cfg.moe_intermediate_size),
-                ("shared-expert MLP features", cfg.shared_expert_intermediate_size)] if cfg.is_moe
-               else [("MLP features", cfg.intermediate_size)])
-    for what, n in splits:
+    for what, n in [("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads), *cfg.mlp_splits]:
         if n % size:
             raise ValueError(f"a {size}-way tensor-parallel group cannot split {n} {what}")
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=cfg.num_kv_heads // size,

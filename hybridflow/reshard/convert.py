@@ -85,7 +85,7 @@ def check_layout(source: Source, req: Request) -> None:
     try:
         check_model_split(ParallelDims(tp=req.tp, pp=req.pp, dp=req.dp), "reshard", num_heads=cfg.num_heads,
                           num_kv_heads=cfg.num_kv_heads, num_layers=cfg.num_layers,
-                          ffn_size=cfg.intermediate_size, virtual_pp=req.virtual_pp if req.virtual_pp > 1 else None)
+                          mlp_splits=tuple(cfg.mlp_splits), virtual_pp=req.virtual_pp if req.virtual_pp > 1 else None)
     except ConfigError as exc:
         option = "--" + exc.path.rsplit(".", 1)[-1]
         raise ConfigError(option, str(exc).removeprefix(f"{exc.path}: ")) from None
