@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from hybridflow.dataflow.node import Node
 from hybridflow.dataflow.off_policy import RolloutStream, Schedule
+from hybridflow.hybrid_engine.rollout_weights import LockStep, Streamed
 from hybridflow.dataflow.plan import DataFlowError, Plan
 from hybridflow.common import nearest_name
 
@@ -180,7 +181,8 @@ class DataFlow:
                   stale_samples: str = "wait", async_execution: bool = False, min_batch: int = 0) -> list[StepResult]:
         """Train on the flow: step t runs the flow on `batches[t - 1]`, then `update(result, t)`.
 
-        The modes are the trainer's (`trainer.off_policy`, `hybridflow/dataflow/off_policy.py`): "sync"
+        The modes are the trainer's (`trainer.off_policy`, `hybridflow/dataflow/off_policy.py`), driven
+        through the same weight strategies as the trainer's (`hybrid_engine/rollout_weights.py`): "sync"
         runs flow and update in lock step; "one_step" runs the flow of step t + 1 on a thread of its own
         while update t runs, from the weights of before it; "async" lets the flow run up to
         `max_staleness` weight versions ahead, weights pushed every `sync_every` updates (and
@@ -197,18 +199,21 @@ class DataFlow:
             raise ValueError(f"off_policy={off_policy!r} generates while update runs: give {missing} (the "
                              "trained weights as a snapshot, and loading one into the generating model)")
         run = lambda items, version: self.run(items, async_execution, min_batch)  # noqa: E731
+        inputs = lambda step: batches[step - 1]  # noqa: E731
         if off_policy == "sync":
-            return _lock_step(run, batches, update, publish, load)
-        stream = RolloutStream(schedule, run, load, publish, lambda step: batches[step - 1])
+            refresh = (lambda: load(publish())) if publish is not None and load is not None else None
+            weights = LockStep(inputs, run, refresh=refresh)
+        else:
+            weights = Streamed(RolloutStream(schedule, run, load, publish, inputs))
         out = []
         try:
             for step in range(1, len(batches) + 1):
-                got = stream.next(step, step - 1)
+                got = weights.take(step, step - 1)
                 out.append(StepResult(step, got.version, step - 1 - got.version, got.output,
                                       update(got.output, step), got.dropped))
-                stream.updated(step)
+                weights.updated(step)
         finally:
-            stream.close()
+            weights.close()
         return out
 
     def __repr__(self) -> str:
@@ -226,16 +231,6 @@ class StepResult:
     flow: Any  # the FlowResult of the step's inputs
     update: Any  # what update(flow, step) returned
     dropped: int = 0  # results of this step dropped as too stale (stale_samples="drop")
-
-
-def _lock_step(run, batches, update, publish, load) -> list[StepResult]:
-    out = []
-    for step, items in enumerate(batches, start=1):
-        result = run(items, step - 1)
-        out.append(StepResult(step, step - 1, 0, result, update(result, step)))
-        if publish is not None and load is not None:
-            load(publish())
-    return out
 
 
 def _label(ref: Any) -> str:

@@ -6,7 +6,8 @@ computed for it: its layout, its LR schedule's length. Which groups exist,
 and which share processes, the plan says too: a critic only for GAE, a
 reward-model group only with `reward.model_path`, a rollout group only when
 rollout is placed apart from training under Ray. Nothing here derives
-them again. Checks of the config itself live in `config/validate.py` and
+them again. The route the actor's weights take to the rollout is chosen
+here too, once (`rollout_weights`). Checks of the config itself live in `config/validate.py` and
 have run before this.
 """
 from __future__ import annotations
@@ -15,19 +16,22 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from hybridflow.checkpoint.format import model_table
 from hybridflow.config.plan import RunPlan, reference_parallel, uses_ray
 from hybridflow.config.schema import Config
 from hybridflow.controller.local_group import LocalWorkerGroup
 from hybridflow.controller.resource_pool import ResourcePool, pools_from_placement
+from hybridflow.controller.transfer import fetch_remote_rows
+from hybridflow.dataflow.off_policy import RolloutStream, Schedule
+from hybridflow.hybrid_engine.apart_sync import ApartWeightSync
+from hybridflow.hybrid_engine.rollout_weights import Apart, LockStep, StreamedApart
 from hybridflow.models.config import DecoderConfig
 from hybridflow.parallel.stages import layout_label
 from hybridflow.workers.rl_workers import (ActorGroup, ActorRolloutRefWorker, CriticGroup, CriticWorker,
                                            ReferenceGroup, ReferenceWorker, RewardModelGroup, RewardModelWorker,
                                            RolloutGroup, RolloutWorker)
-from hybridflow.workers.apart_sync import ApartWeightSync
 from hybridflow.workers.specs import (ActorWorkerSpec, CriticWorkerSpec, ReferenceWorkerSpec, RolloutWorkerSpec,
                                       RuleReward, Run)
 
@@ -118,7 +122,6 @@ class Groups:
     critic: Optional[CriticGroup] = None
     reward_model: Optional[RewardModelGroup] = None
     rollout: Optional[RolloutGroup] = None         # rollout on devices apart from training
-    weight_sync: Optional[ApartWeightSync] = None  # the actor's weights into `rollout`, by collectives
     reference: Optional[ReferenceGroup] = None     # the reference on devices of its own (under FSDP)
 
     @property
@@ -175,7 +178,24 @@ def build_groups(cfg: Config, plan: RunPlan) -> Groups:
         RolloutGroup(RayWorkerGroup(RolloutWorker, pools["rollout"], rollout_spec(cfg, plan))) if plan.rollout_apart else None,
         reference=ReferenceGroup(RayWorkerGroup(ReferenceWorker, pools["reference"], reference_spec(cfg, plan)))
         if plan.reference_apart else None)
-    if groups.rollout is not None:
-        groups.weight_sync = ApartWeightSync(groups.actor, groups.rollout, plan.layouts["training"], cfg.rollout.tg,
-                                             cfg.rollout.weight_bucket_mb * 2**20, cfg.actor.parallel.virtual_pp or 1)
     return groups
+
+
+def rollout_weights(cfg: Config, plan: RunPlan, groups: Groups, inputs: Callable[[int], Any],
+                    generate: Callable[[Any, int], Any], ready: Callable[[Any], Any]):
+    """The one owner of the rollout's weights for this run (`hybrid_engine/rollout_weights.py`), chosen here
+    once: the actor's processes generate (lock step, refreshed after each update), or a rollout group apart
+    is fed by collectives in lock step (`trainer.off_policy: sync`) or generates ahead from staged versions.
+
+    `inputs(step)`: the step's prompt chunks; `generate(chunks, version)`: a rollout group's batches of them
+    (off-policy, on the stream's thread); `ready(batches)`: batches restored from a checkpoint made ready.
+    """
+    if groups.rollout is None:
+        return LockStep(inputs, refresh=groups.actor.refresh_generation, release=groups.actor.release_generation)
+    sync = ApartWeightSync(groups.actor, groups.rollout, plan.layouts["training"], cfg.rollout.tg,
+                           cfg.rollout.weight_bucket_mb * 2**20, cfg.actor.parallel.virtual_pp or 1)
+    if cfg.trainer.off_policy == "sync":
+        return Apart(sync, inputs)
+    schedule = Schedule.of(cfg.trainer)
+    return StreamedApart(sync, lambda publish, load: RolloutStream(schedule, generate, load, publish, inputs,
+                                                                  portable=fetch_remote_rows), ready)

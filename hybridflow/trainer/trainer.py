@@ -14,9 +14,10 @@ a group of its own (placement.rollout != placement.training): it then
 generates from its own generation shards (any rollout.tg), which the actor's
 ranks broadcast into it over a process group spanning both groups (no weights
 through the driver); `trainer.off_policy` lets it generate ahead of the update
-(one_step, async within max_staleness; `dataflow/off_policy.py`), each row
-stamped with the weight version that generated it: the actor's ranks keep a
-snapshot of each published version until the rollout has taken it.
+(one_step, async within max_staleness), each row stamped with the weight
+version that generated it. Which of these routes the weights take is one
+object chosen when the trainer is built (`self.weights`,
+`hybrid_engine/rollout_weights.py`); the loop drives it the same way for all.
 Under Ray (trainer.data_plane=object_store) nothing a worker makes, token
 tensors ([B, R] and wider) or texts, passes through this process (only the
 prompts the data loader reads go out from it): each worker leaves those it
@@ -52,9 +53,8 @@ from hybridflow.config.schema import Config
 from hybridflow.config.validate import needs_decoder
 from hybridflow.controller.dispatch import PerReplica, concat_batches, method_reads
 from hybridflow.controller.worker import DIED, WorkerError
-from hybridflow.controller.transfer import fetch_remote_rows
 from hybridflow.dataflow import DataFlow, Node, NodeError
-from hybridflow.dataflow.off_policy import RolloutStream, Schedule, staleness_metrics
+from hybridflow.dataflow.off_policy import staleness_metrics
 from hybridflow.data import fields as F
 from hybridflow.data.batch import chunk_rows, rows_for_plan, select_fields, take_rows
 from hybridflow.data.dataset import PromptDataset
@@ -68,7 +68,7 @@ from hybridflow.roles.rollout import BASELINE, TRAIN, VALIDATION, row_figures
 from hybridflow.trainer import rl_steps as S
 from hybridflow.checkpoint.format import trainer_state
 from hybridflow.checkpoint.manager import CheckpointManager
-from hybridflow.trainer.build import build_groups, checkpoint_layouts, model_tensors, weights_bytes
+from hybridflow.trainer.build import build_groups, checkpoint_layouts, model_tensors, rollout_weights, weights_bytes
 from hybridflow.trainer.checkpointing import load_latest, save_step
 from hybridflow.trainer.interrupt import GracefulInterrupt
 from hybridflow.trainer.plot import plot_run
@@ -155,25 +155,12 @@ class RLTrainer:
         groups = build_groups(cfg, plan)
         self.actor, self.critic, self.reward_model = groups.actor, groups.critic, groups.reward_model
         self.separate_reference = groups.reference  # the reference on devices of its own (under FSDP), or None
-        # Rollout apart from training (groups.rollout) holds no weights of its own: the actor's are
-        # broadcast into it (groups.weight_sync) before the first rollout, and after each update.
-        self.separate_rollout = groups.rollout
+        self.separate_rollout = groups.rollout  # rollout apart from training: fed the actor's weights
         self.rollout_group = groups.generation
-        self.weight_sync = groups.weight_sync
-        self.rollout_weights_stale = self.separate_rollout is not None
-        self.sync_metrics: Metrics = {}  # the last sync's figures, reported with the step that used it
         self.version = 0  # the actor's weight version: the updates (steps) it has taken
-        # Off-policy (trainer.off_policy; validated to have a rollout group apart): that group generates
-        # ahead, driven by a stream; sync keeps the rollout in the flow. The stream's publish stages a
-        # snapshot of the actor's weights on its ranks, its load broadcasts that snapshot into the rollout
-        # group (on the stream's thread, in order with the rollouts), so a batch generates from exactly the
-        # version the schedule gave it while the actor trains on.
-        self.stream = None
-        if t.off_policy != "sync":
-            self.sync_metrics = self.weight_sync.push()  # version 0, before the stream's first rollout
-            self.rollout_weights_stale = False
-            self.stream = RolloutStream(Schedule.of(t), self._generate_chunks, self._load_staged,
-                                        self._stage_weights, self._prompt_chunks, portable=fetch_remote_rows)
+        # The one owner of the rollout's weights (colocated, apart, or off-policy ahead of the update).
+        self.weights = rollout_weights(cfg, plan, groups, self._prompt_chunks, self._generate_chunks,
+                                       self._restored_chunks)
         # Launched by torchrun: every rank runs this loop over its LocalWorkerGroup share.
         self.spmd_driver = not plan.uses_ray and plan.job_world > 1
         self.is_main = not self.spmd_driver or int(os.environ.get("RANK", "0")) == 0
@@ -192,10 +179,10 @@ class RLTrainer:
         execution and the number of ranks do not change the samples. ReMax
         (plan.needs_greedy_baseline) first generates one greedy response per
         prompt on the same rollout engine and scores it with the same reward.
-        Off-policy, the stream has generated the chunks: the flow starts at the
-        reward.
+        When the rollout generates ahead (`self.weights.ahead`, off-policy) the
+        chunks come generated: the flow starts at the reward.
         """
-        stages = [] if self.stream is not None else [("rollout", self.actor, self._rollout_chunk)]
+        stages = [] if self.weights.ahead else [("rollout", self.actor, self._rollout_chunk)]
         stages.append(("reward", self.reward_fn, self._score))
         if self.needs_baseline:  # sync only (the config refuses remax off-policy)
             stages.insert(0, ("baseline", self.actor, self._baseline))
@@ -244,16 +231,6 @@ class RLTrainer:
         seed = mix_seed(self.cfg.trainer.seed, step)
         return [PromptChunk(seed, chunk) for chunk in chunk_rows(self.prompts(step), self.chunk_prompts)]
 
-    def _stage_weights(self) -> int:
-        """The stream's publish: the actor's ranks keep a snapshot of their weights as version `self.version`
-        (the handle the stream passes back to `_load_staged`)."""
-        self.weight_sync.stage(self.version)
-        return self.version
-
-    def _load_staged(self, version: int) -> None:
-        """The stream's load (on its thread): the snapshot of `version` broadcast into the rollout group."""
-        self.sync_metrics = self.weight_sync.push(version)
-
     def _generate_chunks(self, items: list[PromptChunk], version: int) -> list[dict[str, Any]]:
         """The rollout group's batches of a step's chunks, generated by weight `version` (the stream's
         thread calls this)."""
@@ -270,30 +247,25 @@ class RLTrainer:
             raise
 
     def rollout(self, prompts: dict[str, Any], seed: int, mode: str = TRAIN, pad: bool = False) -> dict[str, Any]:
-        """The rollout batch of `prompts`; mode: TRAIN, VALIDATION or BASELINE (`roles.rollout.MODES`)."""
-        if self.stream is not None:  # the stream's thread alone calls the rollout group, with these weights
-            return self.stream.run_now(self.version, lambda: self._generate(prompts, seed, mode, pad))
-        if self.rollout_weights_stale:  # actor group -> rollout group by collectives; no weight via here
-            self.sync_metrics = self.weight_sync.push()
-            self.rollout_weights_stale = False
-        return self._generate(prompts, seed, mode, pad)
+        """The rollout batch of `prompts` from the trainer's weights; mode: TRAIN, VALIDATION or BASELINE
+        (`roles.rollout.MODES`)."""
+        return self.weights.rollout(self.version, lambda: self._generate(prompts, seed, mode, pad))
 
     def prepare(self, step: int) -> tuple[dict[str, Any], Metrics, Any]:
         """Prompts of `step` through the flow, chunk by chunk, then the whole-batch stages.
 
         Returns the batch, its metrics and the flow's result (timings).
         """
-        taken: Metrics = {}
-        items = self._prompt_chunks(step) if self.stream is None else self._take_generated(step, taken)
+        taken = self.weights.take(step, self.version)  # prompt chunks, or (off-policy) chunks generated ahead
         try:
-            result = self.flow.run(items, async_execution=self.cfg.dataflow.async_execution, min_batch=1)
+            result = self.flow.run(taken.output, async_execution=self.cfg.dataflow.async_execution, min_batch=1)
         except NodeError as exc:  # a worker (or the reward function) failed inside a stage: report that error
             if isinstance(exc.__cause__, (WorkerError, TrainingError)):
                 raise exc.__cause__ from None
             raise
         batch = concat_batches(result.final) if len(result.final) > 1 else result.final[0]
         metrics = self._rollout_metrics(batch)
-        metrics.update(taken)
+        metrics.update(taken.metrics)
         for stage in self.batch_stages:
             batch = stage(batch, metrics)
         return batch, metrics, result
@@ -304,7 +276,7 @@ class RLTrainer:
         rows = len(batch[F.INPUT_IDS])
         if rows == 0:
             return {"actor/skipped": 1.0}
-        self.actor.release_generation()  # switch back to training: the generation weights are freed
+        self.weights.release()  # switch back to training: the generation weights are freed
         stats, cfg, seed, layouts = {}, self.cfg, self.cfg.trainer.seed, self.plan.layouts
         if self.critic is not None:
             minis = critic_update_plan(cfg.critic, self.plan.mini_batch_responses, seed, step, rows,
@@ -316,16 +288,12 @@ class RLTrainer:
             # without the old pass the update measures it against its own log-probs
             batch = {k: v for k, v in batch.items() if k != F.ROLLOUT_LOG_PROBS}
         stats.update(mean_of_ranks(self.actor.update_actor(*shares(batch, minis, ActorRolloutRefWorker.update_actor))))
-        stats.update(self.transition())
         return stats
 
-    def _take_generated(self, step: int, metrics: Metrics) -> list[dict[str, Any]]:
-        """Off-policy: step `step`'s generated chunks from the stream (under stale_samples=drop, generated
-        again from the trainer's weights where they were staler than max_staleness)."""
-        got = self.stream.next(step, self.version)
-        metrics.update({"timing/rollout_s": got.seconds, "timing/rollout_wait_s": got.wait_s,
-                        "offpolicy/dropped_batches": float(got.dropped)})
-        return [chunk if F.RULE_SCORES in chunk else self._scored_here(chunk) for chunk in got.output]
+    def _restored_chunks(self, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Generated chunks as the flow takes them: one restored from a checkpoint's rollout buffer saved before
+        the rollout scored its rows is scored here (`_scored_here`)."""
+        return [chunk if F.RULE_SCORES in chunk else self._scored_here(chunk) for chunk in chunks]
 
     def _scored_here(self, batch: dict[str, Any]) -> dict[str, Any]:
         """A batch from a checkpoint's rollout buffer saved before the rollout scored its rows (it holds its
@@ -335,12 +303,6 @@ class RLTrainer:
         except RewardError as exc:
             raise TrainingError(str(exc)) from None
         return row_figures(batch)
-
-    def transition(self) -> Metrics:
-        """Bring generation up to the trained actor: its own weights, and a separate rollout group's."""
-        stats = self.actor.refresh_generation()
-        self.rollout_weights_stale = self.separate_rollout is not None
-        return stats
 
     # -- preparation stages (per chunk) ------------------------------------------
     def _rollout_chunk(self, item: PromptChunk) -> dict[str, Any]:
@@ -491,13 +453,13 @@ class RLTrainer:
         state = trainer_state(step, self.model_tensors, checkpoint_layouts(self.plan, self.cfg), self.kl_ctrl.value,
                               self.sampler.state_dict() if self.sampler.adaptive else None)
         floor = weights_bytes(self.cfg, self.model_tensors)  # the free space a save needs at least
-        if self.stream is not None and self.stream.pushed[0] != self.version:
-            self.stream.push(self.version)  # a resume can push only the saved weights: so does the run going on
+        self.weights.saving(self.version)
         return save_step(self.ckpt, step, self._saved(), state, floor, self.spmd_driver)
 
     def _saved(self) -> list:
-        """What a checkpoint holds: every group's shards, and the stream's batches generated ahead."""
-        return self._groups() + ([self.stream] if self.stream is not None else [])
+        """What a checkpoint holds: every group's shards, and what the weights' owner keeps (batches generated
+        ahead)."""
+        return self._groups() + self.weights.checkpointed()
 
     def restore(self) -> int:
         """Load the newest checkpoint when trainer.resume=auto; returns the step to continue after."""
@@ -510,9 +472,7 @@ class RLTrainer:
             return 0
         step, directory, state = found
         self.version = step
-        self.transition()
-        if self.stream is not None:
-            self.stream.resume(step)
+        self.weights.resume(step)  # the restored weights on their way to the rollout
         if "kl_coef" in state:  # absent where `hybridflow reshard` made the step from an HF model (step 0)
             self.kl_ctrl.value = state["kl_coef"]
         log.info("resumed from %s (step %d)", directory, step)
@@ -522,8 +482,7 @@ class RLTrainer:
         return Path(self.actor.export_hf(str(self.run_dir / "hf_actor")))
 
     def shutdown(self) -> None:
-        if self.stream is not None:
-            self.stream.close()
+        self.weights.close()
         for group in self._every_group():
             group.shutdown()
 
@@ -543,35 +502,32 @@ class RLTrainer:
             # Off-policy, a rollout rank that died fails the stream's weight push too, and its peers on the
             # actor's side tear their group down: the call this thread made then fails second-hand. The
             # stream's own failure names the rank that died.
-            cause = self.stream.failure() if self.stream is not None else None
+            cause = self.weights.failure()
             if getattr(cause, "reason", None) == DIED:
                 raise cause from None
             raise
 
     def _train_step(self, step: int) -> dict[str, float]:
         start, shipped, received = time.perf_counter(), self.shipped_bytes(), self.received_bytes()
-        busy = self.stream.busy_s if self.stream is not None else 0.0
+        busy = self.weights.busy_s
         batch, metrics, flow = self.prepare(step)
         prepared = time.perf_counter()
         metrics.update(self.update(batch, step))
         self.version = step
-        if self.stream is not None:
-            self.stream.updated(step)
+        metrics.update(self.weights.updated(step))  # e.g. the reshard/* figures of the switch to generation
         metrics.update({f"timing/{name}_s": seconds for name, seconds in flow.timings.items()})
         metrics["timing/prepare_wall_s"] = prepared - start
         metrics["timing/overlap_s"] = flow.overlap_s
         metrics["timing/update_s"] = time.perf_counter() - prepared
         metrics["timing/step_s"] = time.perf_counter() - start
-        # The rollout group's seconds generating in this step's span (a group apart: busy while training too).
-        metrics["timing/rollout_busy_s"] = (self.stream.busy_s - busy if self.stream is not None
-                                            else flow.timings.get("rollout", 0.0))
+        # The rollout's seconds generating in this step's span (generating ahead: busy while training too).
+        metrics["timing/rollout_busy_s"] = self.weights.busy_s - busy
         metrics["perf/tokens_per_s"] = metrics["batch/tokens"] / metrics["timing/step_s"]
         metrics["controller/shipped_bytes"] = float(self.shipped_bytes() - shipped)
         metrics["controller/received_bytes"] = float(self.received_bytes() - received)
         # every tensor byte that passed through the driver this step, out to the groups and back
         metrics["controller/driver_bytes"] = metrics["controller/shipped_bytes"] + metrics["controller/received_bytes"]
-        metrics.update(self.sync_metrics)
-        self.sync_metrics = {}
+        metrics.update(self.weights.metrics())  # the sync/* figures of the weight moves this step used
         return metrics
 
     def _loop(self, start: int, stop_after: Optional[int], tracker: Tracker, summary: dict[str, Any],

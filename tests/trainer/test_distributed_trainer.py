@@ -109,10 +109,10 @@ def test_grpo_rollout_apart_from_training_matches_the_single_process_run(tmp_pat
     trainer = RLTrainer(cfg)
     try:
         summary = trainer.fit()
-        assert trainer.rollout_weights_stale  # the last update has not reached the rollout group yet
+        assert trainer.weights.stale  # the last update has not reached the rollout group yet
         behind = trainer.separate_rollout.hf_weights()
         shipped = trainer.shipped_bytes()
-        again = trainer.weight_sync.push()
+        again = trainer.weights.sync.push()
         assert trainer.shipped_bytes() == shipped  # the driver passed no tensor to either group
         assert again["sync/bytes_received"] == again["sync/formula_bytes_received"]
         synced = trainer.separate_rollout.hf_weights()

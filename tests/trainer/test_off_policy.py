@@ -119,12 +119,12 @@ def _delayed_push_schedule(name: str, out: Path, steps: int, *overrides: str) ->
     try:
         for step in range(1, steps + 1):
             if step == 1:
-                trainer.weight_sync.push()  # version 0, the actor's weights now
+                trainer.weights.sync.push()  # version 0, the actor's weights now
             elif step >= 3:
-                trainer.weight_sync.push(step - 2)  # the copy staged after update t - 2
-            trainer.rollout_weights_stale = False  # keep what was pushed: the push is delayed, by hand
+                trainer.weights.sync.push(step - 2)  # the copy staged after update t - 2
+            trainer.weights.stale = False  # keep what was pushed: the push is delayed, by hand
             records[step] = trainer.train_step(step)
-            trainer.weight_sync.stage(step)
+            trainer.weights.sync.stage(step)
         return records, trainer.export_hf()
     finally:
         trainer.shutdown()

@@ -1,4 +1,5 @@
-"""The actor's weights into a rollout group apart, by collectives: the driver's side of it.
+"""The actor's weights into a rollout group apart, by collectives: the driver's side of it (the strategies of
+`rollout_weights.py` call it; the ranks' side is `worker_weights.py`).
 
     sync = ApartWeightSync(actor_group, rollout_group, train_layout, tg, bucket_bytes)   # once
     metrics = sync.push()                                                                # after each update
