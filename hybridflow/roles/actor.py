@@ -13,13 +13,22 @@ from hybridflow.roles.batching import (forward_only, mean_metrics, planned_mini_
                                        one_replica_steps, train_mini_batch, update_plan)
 from hybridflow.common import mix_seed
 
-# What an update reads (OLD_LOG_PROBS when the batch has them, REF_LOG_PROBS with the KL loss,
-# ROLLOUT_LOG_PROBS with an off-policy correction, or to measure the sampler-trainer gap when no old
-# log-prob pass ran: the trainer ships them only then).
+# The most an update reads; `update_fields` names what one reads.
 UPDATE_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.OLD_LOG_PROBS, F.ADVANTAGES,
                  F.REF_LOG_PROBS, F.ROLLOUT_LOG_PROBS)
 # What a log-prob pass reads.
 LOG_PROB_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK)
+
+
+def update_fields(cfg: ActorConfig, old_log_probs: bool) -> tuple[str, ...]:
+    """The fields an update reads, by what the stages before it did. `old_log_probs`: an old log-prob pass
+    ran (`config.plan.needs_old_log_probs`), so OLD_LOG_PROBS is the proximal policy and the token stage
+    measured the sampler-trainer gap; without it the loss takes its own log-probs, detached, and measures
+    the gap against ROLLOUT_LOG_PROBS. REF_LOG_PROBS with the KL loss; ROLLOUT_LOG_PROBS with an off-policy
+    correction too."""
+    wanted = {F.REF_LOG_PROBS: cfg.use_kl_loss, F.OLD_LOG_PROBS: old_log_probs,
+              F.ROLLOUT_LOG_PROBS: cfg.off_policy_correction != "none" or not old_log_probs}
+    return tuple(k for k in UPDATE_FIELDS if wanted.get(k, True))
 
 
 def actor_update_plan(cfg: ActorConfig, samples_per_prompt: int, seed: int, step: int, rows: int,
@@ -34,8 +43,9 @@ class Actor:
     """Policy log-probs and updates on a training engine; the loss is chosen by name."""
 
     def __init__(self, cfg: ActorConfig, engine, *, samples_per_prompt: int = 1, temperature: float = 1.0,
-                 seed: int = 0):
+                 seed: int = 0, old_log_probs: bool = True):
         self.cfg, self.engine = cfg, engine
+        self.old_log_probs = old_log_probs  # whether an old log-prob pass runs before each update (`update_fields`)
         self.policy_loss = get_policy_loss(cfg.policy_loss)
         self.samples_per_prompt = samples_per_prompt
         self.temperature, self.seed = temperature, seed
@@ -64,12 +74,13 @@ class Actor:
         """One optimizer step per entry of `steps`, on this replica's share of that global mini-batch
         (`steps[k]` indexes `batch`'s rows; -1 is a padding row, masked). The loss is normalised over the
         global mini-batch, so the replicas together take the one-process step."""
-        cfg = self.cfg
-        unused = {F.REF_LOG_PROBS} if not cfg.use_kl_loss else set()
-        if cfg.off_policy_correction == "none" and F.OLD_LOG_PROBS in batch:  # the driver measured the gap
-            unused.add(F.ROLLOUT_LOG_PROBS)
-        # Without OLD_LOG_PROBS (skipped: one optimizer step) the loss takes its own log-probs, detached.
-        data = {k: batch[k] for k in UPDATE_FIELDS if k not in unused and (k != F.OLD_LOG_PROBS or k in batch)}
+        cfg, reads = self.cfg, update_fields(self.cfg, self.old_log_probs)
+        missing = [k for k in reads if k not in batch]
+        if missing:
+            raise KeyError(f"the actor's update (old_log_probs={self.old_log_probs}, off_policy_correction="
+                           f"{cfg.off_policy_correction!r}, use_kl_loss={cfg.use_kl_loss}) reads {missing}, "
+                           "which the batch does not hold")
+        data = {k: batch[k] for k in reads}
         reports = [train_mini_batch(self.engine, mini, cfg.ppo_micro_batch_size, cfg.loss_agg_mode, self._loss,
                                     "actor", summed=("actor/pg_loss", "actor/kl_loss"),
                                     max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else 0,
@@ -81,12 +92,12 @@ class Actor:
         """One micro-batch's share of the mini-batch loss: policy loss, - entropy bonus, + KL loss."""
         cfg, mask = self.cfg, mb[F.RESPONSE_MASK]
         logp, ent = self.log_probs(out, mb)
-        old = mb[F.OLD_LOG_PROBS] if F.OLD_LOG_PROBS in mb else logp.detach()
+        old = mb[F.OLD_LOG_PROBS] if self.old_log_probs else logp.detach()
         extra, metrics = {}, {}  # a user's registered loss without token_weights still runs uncorrected
         correction = (cfg.off_policy_correction, cfg.off_policy_correction_level, cfg.off_policy_correction_threshold)
         # No proximal pass ran (one optimizer step: `config.plan.needs_old_log_probs`): the sampler-trainer gap
         # is measured here, against this pass's log-probs, which are the proximal policy's.
-        gap = F.OLD_LOG_PROBS not in mb and F.ROLLOUT_LOG_PROBS in mb
+        gap = not self.old_log_probs
         if cfg.off_policy_correction != "none" or gap:
             w = behaviour_weights(old, mb[F.ROLLOUT_LOG_PROBS], mask, *correction)
             if cfg.off_policy_correction != "none":  # the clip around the proximal policy (old), weighted to behaviour

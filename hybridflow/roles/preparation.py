@@ -84,15 +84,14 @@ def prepare_tokens(batch: Batch, stage: TokenStage, kl_coef: float = 0.0) -> tup
 
 def token_metrics(batch: Batch, stage: TokenStage) -> dict[str, float]:
     """`batch/tokens` (real tokens, prompts and responses); after an old log-prob pass the policy's entropy,
-    its KL to the reference and, where the sampler's log-probs came along, the sampler-trainer gap and the
+    its KL to the reference, the sampler-trainer gap (ROLLOUT_LOG_PROBS, which every rollout makes) and the
     correction's weights (`algos.behaviour_metrics`). Without that pass the update reports them."""
     metrics = {"batch/tokens": float(int(batch[F.ATTENTION_MASK].sum()))}
     if not stage.old:
         return metrics
     mask = batch[F.RESPONSE_MASK].bool()
-    if F.ROLLOUT_LOG_PROBS in batch:
-        metrics.update(behaviour_metrics(batch[F.OLD_LOG_PROBS], batch[F.ROLLOUT_LOG_PROBS], mask, stage.correction,
-                                         stage.correction_level, stage.correction_threshold))
+    metrics.update(behaviour_metrics(batch[F.OLD_LOG_PROBS], batch[F.ROLLOUT_LOG_PROBS], mask, stage.correction,
+                                     stage.correction_level, stage.correction_threshold))
     metrics["actor/entropy"] = batch[F.ENTROPY][mask].mean().item()
     if stage.reference:
         metrics["actor/kl"] = (batch[F.OLD_LOG_PROBS] - batch[F.REF_LOG_PROBS])[mask].mean().item()

@@ -62,7 +62,8 @@ def actor_spec(cfg: Config, plan: RunPlan) -> ActorWorkerSpec:
                            reference=reference if plan.needs_reference and not plan.reference_apart else None,
                            max_response_length=cfg.data.max_response_length,
                            optimizer_steps=plan.optimizer_steps["actor"], layout=plan.layouts["training"],
-                           generates=not plan.rollout_apart, env=cfg.env, reward=_rule_reward(cfg))
+                           generates=not plan.rollout_apart, old_log_probs=plan.needs_old_log_probs, env=cfg.env,
+                           reward=_rule_reward(cfg))
 
 
 def rollout_spec(cfg: Config, plan: RunPlan) -> RolloutWorkerSpec:

@@ -59,7 +59,7 @@ from hybridflow.data import fields as F
 from hybridflow.data.batch import chunk_rows, rows_for_plan, select_fields, take_rows
 from hybridflow.data.dataset import PromptDataset
 from hybridflow.data.sampler import PromptSampler
-from hybridflow.roles.actor import actor_update_plan
+from hybridflow.roles.actor import actor_update_plan, update_fields
 from hybridflow.roles.critic import critic_update_plan
 from hybridflow.roles.preparation import READS as PREPARATION_READS
 from hybridflow.roles.preparation import TokenStage
@@ -74,7 +74,7 @@ from hybridflow.trainer.interrupt import GracefulInterrupt
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.common import mix_seed
-from hybridflow.workers.rl_workers import ActorRolloutRefWorker, CriticWorker
+from hybridflow.workers.rl_workers import CriticWorker
 
 Metrics = dict[str, float]
 
@@ -95,10 +95,10 @@ def mean_of_ranks(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: sum(v) / len(v) if isinstance(v, list) else float(v) for k, v in metrics.items()}
 
 
-def shares(batch: dict[str, Any], plan: list[list[torch.Tensor]], method) -> tuple[PerReplica, PerReplica]:
+def shares(batch: dict[str, Any], plan: list[list[torch.Tensor]], reads) -> tuple[PerReplica, PerReplica]:
     """Each replica's rows of `batch` (each row once; with several epochs, the rows any of its shares use)
-    and its steps renumbered into them: the two arguments of the update `method`, cut to what it reads."""
-    parts = [rows_for_plan(select_fields(batch, method_reads(method)), steps) for steps in plan]
+    and its steps renumbered into them: the two arguments of an update, cut to the fields it `reads`."""
+    parts = [rows_for_plan(select_fields(batch, reads), steps) for steps in plan]
     return PerReplica(rows for rows, _ in parts), PerReplica(steps for _, steps in parts)
 
 
@@ -281,13 +281,11 @@ class RLTrainer:
         if self.critic is not None:
             minis = critic_update_plan(cfg.critic, self.plan.mini_batch_responses, seed, step, rows,
                                        layouts["critic"].dp)
-            stats.update(mean_of_ranks(self.critic.update_critic(*shares(batch, minis, CriticWorker.update_critic))))
+            reads = method_reads(CriticWorker.update_critic)
+            stats.update(mean_of_ranks(self.critic.update_critic(*shares(batch, minis, reads))))
         minis = actor_update_plan(cfg.actor, cfg.rollout.n, seed, step, rows, layouts["training"].dp)
-        if cfg.actor.off_policy_correction == "none" and self.needs_old:
-            # the loss has no use for the sampler's log-probs and the gap was measured here (_rollout_metrics);
-            # without the old pass the update measures it against its own log-probs
-            batch = {k: v for k, v in batch.items() if k != F.ROLLOUT_LOG_PROBS}
-        stats.update(mean_of_ranks(self.actor.update_actor(*shares(batch, minis, ActorRolloutRefWorker.update_actor))))
+        reads = update_fields(cfg.actor, self.needs_old)  # named by whether the old log-prob pass ran
+        stats.update(mean_of_ranks(self.actor.update_actor(*shares(batch, minis, reads))))
         return stats
 
     def _restored_chunks(self, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -157,7 +157,7 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
                                    spec.layout, spec.optimizer_steps, kind=spec.actor.engine, fsdp=spec.actor.fsdp)
         self.register_mesh("actor", spec.layout)
         self.actor = Actor(spec.actor, self.engine, samples_per_prompt=spec.rollout.n,
-                           temperature=spec.rollout.temperature, seed=spec.run.seed)
+                           temperature=spec.rollout.temperature, seed=spec.run.seed, old_log_probs=spec.old_log_probs)
         self.reference = None
         if spec.reference is not None:
             ref = spec.reference

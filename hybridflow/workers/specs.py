@@ -61,6 +61,7 @@ class ActorWorkerSpec:
     optimizer_steps: int  # the LR schedule's length
     layout: ParallelDims  # the actor's (and reference's) p-t-d layout over the group: the engines' own
     generates: bool = True  # False when a rollout group apart generates: no generation weights here
+    old_log_probs: bool = True  # an old log-prob pass runs before each update (`roles.actor.update_fields`)
     env: EnvConfig = field(default_factory=EnvConfig)  # a multi-turn rollout's environment (none: single-turn)
     reward: RuleReward = field(default_factory=RuleReward)  # the rule reward, scored where a rollout is made
 
