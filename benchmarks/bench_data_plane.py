@@ -9,7 +9,7 @@ both data planes (`trainer.data_plane`), in turns in one process, `--repeat`
 times each: "object_store" (every token tensor a worker returns, [B, R] and
 wider, and the texts stay in the object store: the rollout's, the log-prob
 and value passes', the advantages the actor's rank 0 makes from them; the
-driver passes references and reads one number a row, `rl_workers.token_rows`)
+driver passes references and reads one number a row, `driver_rows.token_rows`)
 and "driver" (they go through the driver, the data plane before). Layouts:
 `apart`, the actor at DP2 on devices 0-1 and a rollout group apart on devices
 2-3 at tg = 2 (4 processes); `colocated`, the actor (and its rollout) at DP2

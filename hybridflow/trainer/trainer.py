@@ -8,31 +8,22 @@
         stats = update(batch, step)            # critic, then actor PPO epochs
 
 The models live in worker groups (`hybridflow.workers.rl_workers`, built by
-`trainer/build.py`): the actor, its rollout and the reference share one
-group (the hybrid layout); the critic has its own. Rollout may instead have
-a group of its own (placement.rollout != placement.training): it then
-generates from its own generation shards (any rollout.tg), which the actor's
-ranks broadcast into it over a process group spanning both groups (no weights
-through the driver); `trainer.off_policy` lets it generate ahead of the update
-(one_step, async within max_staleness), each row stamped with the weight
-version that generated it. Which of these routes the weights take is one
-object chosen when the trainer is built (`self.weights`,
-`hybrid_engine/rollout_weights.py`); the loop drives it the same way for all.
-Under Ray (trainer.data_plane=object_store) nothing a worker makes, token
-tensors ([B, R] and wider) or texts, passes through this process (only the
-prompts the data loader reads go out from it): each worker leaves those it
-returns in the object store, the driver
-holds references and one number a row (lengths, scores, weight versions, group
-ids), and the workers that read the rows next fetch them
-(`rl_workers.token_rows`). The rollout scores its responses with the rule
-reward where it makes them (`roles.scoring`); the token-level preparation runs
-in the actor's rank 0 (`roles.preparation`).
-A group is Ray actors on the devices
-`placement` gives the role, or in-process (`trainer.launcher`). Which
-preparation stages run is decided once, when the trainer is built.
-Checkpoints hold each engine's shard (weights, Adam state, LR schedule) and
-the step; data order and sampling seeds are functions of (seed, step), so a
-resumed run repeats an uninterrupted one exactly.
+`trainer/build.py`, in-process or as Ray actors on the devices `placement`
+gives each role): the actor, its rollout and the reference share one group
+(the hybrid layout); the critic has its own. Rollout may have a group of its
+own (placement.rollout != placement.training), fed the actor's shards by
+collectives, and with `trainer.off_policy` generating ahead of the update.
+Which route the weights take is one object chosen when the trainer is built
+(`self.weights`, `hybrid_engine/rollout_weights.py`); the loop drives it the
+same way for all. Under Ray (trainer.data_plane=object_store) no token tensor
+([B, R] and wider) or text a worker makes passes through this process: the
+driver holds placeholders and one number a row, and its own stages are held
+to that in-process too (`workers/driver_rows.py`). The rule reward scores
+where the rows are made (`roles.scoring`); the token-level preparation runs
+in the actor's rank 0 (`roles.preparation`). Which stages run is decided once,
+when the trainer is built. Checkpoints hold each engine's shard and the step;
+data order and sampling seeds are functions of (seed, step), so a resumed run
+repeats an uninterrupted one exactly.
 """
 from __future__ import annotations
 
@@ -74,6 +65,7 @@ from hybridflow.trainer.interrupt import GracefulInterrupt
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
 from hybridflow.common import mix_seed
+from hybridflow.workers.driver_rows import DriverBatch, hand_on
 from hybridflow.workers.rl_workers import CriticWorker
 
 Metrics = dict[str, float]
@@ -263,12 +255,13 @@ class RLTrainer:
             if isinstance(exc.__cause__, (WorkerError, TrainingError)):
                 raise exc.__cause__ from None
             raise
-        batch = concat_batches(result.final) if len(result.final) > 1 else result.final[0]
+        # The driver's stages read one number a row, never token rows: held to that here as under Ray.
+        batch = DriverBatch(concat_batches(result.final) if len(result.final) > 1 else result.final[0])
         metrics = self._rollout_metrics(batch)
         metrics.update(taken.metrics)
         for stage in self.batch_stages:
-            batch = stage(batch, metrics)
-        return batch, metrics, result
+            batch = DriverBatch(stage(batch, metrics))
+        return dict(batch), metrics, result
 
     def update(self, batch: dict[str, Any], step: int) -> dict[str, float]:
         """Critic, then actor: each replica trains on its share of mini-batches drawn once for the whole
@@ -322,7 +315,7 @@ class RLTrainer:
         r = self.cfg.reward
         outcome = r.rule_weight * batch[F.RULE_SCORES]
         if self.reward_model is not None:
-            pairs = {F.PROMPT_TEXT: batch[F.PROMPT_TEXT], F.RESPONSE_TEXT: batch[F.RESPONSE_TEXT]}
+            pairs = hand_on(batch, (F.PROMPT_TEXT, F.RESPONSE_TEXT))
             outcome = outcome + r.model_weight * self._reward_model_scores(pairs)
         return outcome
 
@@ -330,9 +323,10 @@ class RLTrainer:
         """SCORES: rule_weight * rule score (+ model_weight * reward-model score) (+ the environment's rewards
         of a multi-turn rollout); OUTCOME_SCORES: the first two, which `_prepare_tokens` places on the last
         response token (each environment reward on the turn it answers)."""
+        batch = DriverBatch(batch)
         batch[F.OUTCOME_SCORES] = self._outcome(batch)
         batch[F.SCORES] = batch[F.OUTCOME_SCORES] + S.env_scores(batch)
-        return batch
+        return dict(batch)
 
     def _reward_model_scores(self, pairs: dict[str, list]) -> torch.Tensor:
         return self.reward_model.score(pairs)[F.SCORES]  # DP_SPLIT pads for equal shares and strips the answer
@@ -363,7 +357,7 @@ class RLTrainer:
         object store (`roles.preparation`); with a KL penalty in the reward, the controller adapts its
         coefficient to the KL that came back."""
         coef = self.kl_ctrl.value
-        fields, figures = self.actor.prepare_tokens(select_fields(batch, PREPARATION_READS), self.token_stage, coef)
+        fields, figures = self.actor.prepare_tokens(hand_on(batch, PREPARATION_READS), self.token_stage, coef)
         batch.update(fields)
         metrics.update(figures)
         if self.token_stage.kl_penalty is not None:

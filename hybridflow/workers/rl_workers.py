@@ -32,7 +32,6 @@ import torch
 from hybridflow.config.schema import ModelConfig, ParallelConfig, RewardConfig
 from hybridflow.controller.dispatch import Dispatch, register
 from hybridflow.controller.group import RoleGroup, remote
-from hybridflow.controller.transfer import remote_fields
 from hybridflow.controller.worker import Worker
 from hybridflow.data import fields as F
 from hybridflow.data.tokenizer import Tokenizer
@@ -50,27 +49,11 @@ from hybridflow.roles.scoring import score_rule
 from hybridflow.roles.rollout import TRAIN
 from hybridflow.rollout import RolloutBackend
 from hybridflow.rollout.factory import build_backend
+from hybridflow.workers.driver_rows import token_rows
 from hybridflow.workers.engines import build_engine, model_config
 from hybridflow.workers.specs import ActorWorkerSpec, CriticWorkerSpec, ReferenceWorkerSpec, RolloutWorkerSpec, Run
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
-
-
-# The per-row lists of a rollout the driver does not read once the rollout has scored them: the texts (a reward
-# model's group fetches them from the store) and what the rule reward read beside them.
-TEXT_FIELDS = (F.PROMPT_TEXT, F.RESPONSE_TEXT, F.DATA_SOURCE, F.GROUND_TRUTH, F.EXTRA_INFO)
-
-
-def token_rows(out: dict[str, Any], run: Run, answers: bool = True) -> dict[str, Any]:
-    """`out` (a worker's per-row answer) with its token tensors ([B, R] and wider) and its texts
-    (`TEXT_FIELDS`) left in the object store, one object for them all (each a `RowsElsewhere`), when the run
-    keeps them there (`Run.rows_in_object_store`) and this rank's answer is the one the caller gets; the
-    driver reads only what is one number a row (lengths, scores, versions) and the group ids. Without Ray
-    they stay as they are."""
-    if not (run.rows_in_object_store and answers):
-        return out
-    left = {k: v for k, v in out.items() if (isinstance(v, torch.Tensor) and v.dim() >= 2) or k in TEXT_FIELDS}
-    return {**out, **remote_fields(left)}  # the fields' order kept
 
 
 def read_tokenizer(model: ModelConfig) -> Tokenizer:

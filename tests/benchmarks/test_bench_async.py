@@ -34,6 +34,6 @@ def test_bench_async_quick_prints_the_planners_prediction_beside_each_measured_m
     # an off-policy run's weight syncs are measured (the stages model takes them out of the rollout's time);
     # one optimizer step a batch: no proximal log-prob pass (the update's own log-probs are the proximal ones)
     assert r["sync_s"] > 0 and r["stages_s"].get("log_probs_s", 0.0) == 0.0
-    # ... and the update, which fetches the sampler's log-probs from the object store (`rl_workers.token_rows`),
+    # ... and the update, which fetches the sampler's log-probs from the object store (`driver_rows.token_rows`),
     # reports the sampler-trainer gap
     assert math.isfinite(r["k3_kl"]) and r["driver_received_bytes"] > 0
