@@ -1,18 +1,19 @@
-"""The SPMD workers of a PPO/GRPO job, one class per process role.
+"""The SPMD workers of a PPO/GRPO job, one class per process role: each hosts role objects and nothing else.
 
 - `ActorRolloutRefWorker`: the hybrid layout (the default). The actor's
   engine, the generator and (optionally) the frozen reference live in one
-  process; the generator's weights are views of the engine's at tp = pp = 1,
-  else the generation shard the 3D-HybridEngine refills after each update.
-  The rollout engine is the one `rollout.engine` names, built by
-  `rollout.factory.build_backend` (the worker never chooses); an engine with its own
-  copy of the weights (vLLM) takes them by a push after each refill.
+  process. How the actor's weights reach the generator is the worker half of
+  the run's weight route (`hybrid_engine/worker_weights.py`): its own
+  generation weights (`ColocatedGeneration`), or, with a rollout group apart,
+  its shards sent there (`ShardSender`). The rollout engine is the one
+  `rollout.engine` names, built by `rollout.factory.build_backend`.
 - `RolloutWorker`: rollout on devices apart from training, at any `rollout.tg`,
-  on its own generation shard of the actor's weights, which the actor's ranks
-  broadcast into it after each update over a process group spanning both
-  groups (`hybrid_engine/weight_sync.py`; the driver passes no weights, only
-  the store's address).
-- `CriticWorker`: the value model, colocated with the actor or on its own devices.
+  on a generation shard the actor's ranks broadcast into (`ShardReceiver`).
+- `CriticWorker`, `ReferenceWorker`, `RewardModelWorker`: the value model, a
+  reference on devices of its own, a reward model.
+
+Engines come from the table of engine kinds (`workers/engines.py`); what a
+worker's answer leaves in the object store is `workers/driver_rows.py`'s rule.
 
 Each runs inside a worker group (`hybridflow.controller`): a Ray actor per
 device, or in-process (`LocalWorkerGroup`), and is handed only its spec
@@ -125,7 +126,7 @@ class _Generates(Worker):
 
 
 class ActorRolloutRefWorker(EngineWorker, _Generates):
-    """Actor training, rollout from views of its weights, and the reference policy: one process."""
+    """Actor training, its rollout (or its shards' sends to a rollout apart), and the reference: one process."""
 
     CHECKPOINT_NAME = "actor"
 
