@@ -91,6 +91,17 @@ class FSDPConfig:
 
 
 @dataclass
+class MoELossConfig:
+    """A mixture-of-experts model's router losses (megatron-core engine; a dense model takes none): the
+    load-balancing loss (Switch Transformer's, per micro-batch) and the router z-loss, each weighted by its
+    coefficient and added to the role's loss (0: off). `moe/...` metrics report both and each layer's
+    most and least loaded expert every step."""
+
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+
+
+@dataclass
 class OptimConfig:
     lr: float = 1e-6
     min_lr: float = 0.0
@@ -137,6 +148,7 @@ class TrainedRoleConfig:
     engine: TrainEngineName = "megatron"  # "fsdp": parallel must stay at tp = pp = cp = 1
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    moe: MoELossConfig = field(default_factory=MoELossConfig)
     ppo_micro_batch_size: int = 8  # in sequences, per device
     # Sequence packing (verl's dynamic batch size): micro-batches (the update's, and the critic's values pass)
     # hold up to this many real tokens each, packed into one row with no padding computed, instead of a fixed

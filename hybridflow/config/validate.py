@@ -530,6 +530,22 @@ def needs_decoder(cfg: Config, plan: RunPlan, critic_model: bool = False) -> Opt
     return None
 
 
+def _check_moe_losses(cfg: Config, plan: RunPlan, model: "DecoderConfig", critic_model: "DecoderConfig") -> None:
+    """Router-loss coefficients only where megatron-core trains a model with experts, and never negative."""
+    roles = [("actor", "training", cfg.actor, model)] + (
+        [("critic", "critic", cfg.critic, critic_model)] if plan.uses_critic else [])
+    for role, engine, section, shape in roles:
+        for name, value in (("aux_loss_coeff", section.moe.aux_loss_coeff), ("z_loss_coeff", section.moe.z_loss_coeff)):
+            key = f"{role}.moe.{name}"
+            if value < 0:
+                raise ConfigError(key, f"{value} is negative")
+            if value and not shape.is_moe:
+                raise ConfigError(key, f"{value}: the {role}'s model has no experts (a dense {shape.model_type})")
+            if value and plan.engines[engine] != "megatron":
+                raise ConfigError(key, f"{value}: only the megatron engine adds router losses; {role}.engine is "
+                                       f"{plan.engines[engine]!r}")
+
+
 def check_plan(cfg: Config, plan: RunPlan, model: "DecoderConfig",
                critic_model: Optional["DecoderConfig"] = None) -> None:
     """ConfigError for what the config, its run plan and the models' own config.json cannot run together.
@@ -567,6 +583,7 @@ def check_plan(cfg: Config, plan: RunPlan, model: "DecoderConfig",
                           f"{longest} exceeds the model's max_position_embeddings ({model.max_position_embeddings})")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files", "is empty: give at least one .parquet or .jsonl file of prompts")
+    _check_moe_losses(cfg, plan, model, critic_model or model)
     _check_shares(cfg, plan)
     _check_mini_batches(cfg, plan)
     _check_packing(cfg, model)

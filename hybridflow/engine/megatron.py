@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
@@ -29,8 +29,9 @@ from hybridflow.engine.build import (HiddenOutput, RopePositions, build_model, l
                                      use_fused_adam)
 from hybridflow.engine.cp_attention import gather_output
 from hybridflow.engine.distributed import init_model_parallel
+from hybridflow.engine.moe import RouterStats, forward_with_padding
 from hybridflow.engine.packing import (left_align_index, pack_rows, pad_columns, padded_width, share_prompt_rows,
-                                       to_cpu, unalign, unpack_sequences, unshare_rows)
+                                       shared_lengths, to_cpu, unalign, unpack_sequences, unshare_rows)
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.checkpoint import resolve_dtype
 from hybridflow.models.config import DecoderConfig
@@ -59,6 +60,7 @@ class UnsafeCheckpointError(ValueError):
 class StepStats:
     grad_norm: float  # NaN when the optimizer skipped the step
     lr: float
+    router: dict[str, float] = field(default_factory=dict)  # an MoE model's `RouterStats.read()`
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -77,17 +79,17 @@ class _ScaleGrad(torch.autograd.Function):
 class MegatronEngine:
     """One rank's shard of a megatron-core GPTModel, its DDP wrapper and optimizer.
 
-    optim=None builds a frozen, forward-only engine (the reference policy); value_head=True replaces
-    the vocabulary output layer by a scalar head (the critic). fused_output=True (tp = 1 only; see
-    `self.fused_output`) makes the model return its final hidden states [b, s, H] and leaves
-    `output_weight` to the loss, which applies it on the response positions only
-    (`kernels.fused_linear`), so no [tokens, vocab] logits are held. layer_kernels=True (CPU) runs the
-    norms, SwiGLU and RoPE as C++ kernels (engine/cpu_layers.py).
-    layout: the run plan's `ParallelDims` for this role (checked against the process group; default:
-    the world at `parallel`'s degrees), kept as `self.layout`, with this rank's `self.coord`.
-    virtual_pp = v > 1: the rank holds v model chunks (`self.chunks`; `self.models` their DDP wrappers,
-    one optimizer over all), chunk c of stage s holding `parallel.stages.chunk_layers(s, c, ...)`.
-    `self.module` and `self.model` are the first chunk and its wrapper.
+    optim=None builds a frozen, forward-only engine (the reference policy); value_head=True replaces the vocabulary
+    output layer by a scalar head (the critic). fused_output=True (tp = 1 only; see `self.fused_output`) makes the
+    model return its final hidden states [b, s, H] and leaves `output_weight` to the loss, which applies it on the
+    response positions only (`kernels.fused_linear`), so no [tokens, vocab] logits are held. layer_kernels=True
+    (CPU) runs the norms, SwiGLU and RoPE as C++ kernels (engine/cpu_layers.py). aux_loss_coeff, z_loss_coeff: an
+    MoE model's load-balancing and z losses (0: off); `step` reports its routers (`moe.RouterStats`). layout:
+    the run plan's `ParallelDims` for this role (checked against the process group; default: the world at
+    `parallel`'s degrees), kept as `self.layout`, with this rank's `self.coord`. virtual_pp = v > 1: the rank holds
+    v model chunks (`self.chunks`; `self.models` their DDP wrappers, one optimizer over all), chunk c of stage s
+    holding `parallel.stages.chunk_layers(s, c, ...)`. `self.module` and `self.model` are the first chunk and its
+    wrapper.
     """
 
     kind = "megatron"
@@ -96,7 +98,7 @@ class MegatronEngine:
                  optim: Optional[OptimConfig] = None, *, device: str = "cpu", dtype: str = "float32",
                  make_vocab_size_divisible_by: int = 128, value_head: bool = False,
                  total_steps: int = 1, seed: int = 0, fused_output: bool = False, layer_kernels: bool = True,
-                 layout: Optional[ParallelDims] = None):
+                 layout: Optional[ParallelDims] = None, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0):
         if device == "cpu":
             from hybridflow.engine import cpu_compat
             cpu_compat.apply()
@@ -111,7 +113,8 @@ class MegatronEngine:
         from megatron.core import tensor_parallel
         tensor_parallel.model_parallel_cuda_manual_seed(seed)  # Megatron's named RNG streams
         self.bridge = get_bridge(model_cfg, make_vocab_size_divisible_by, self.layout.tp)
-        self.tconfig = transformer_config(model_cfg, parallel, self.dtype, device, layer_kernels)
+        self.tconfig = transformer_config(model_cfg, parallel, self.dtype, device, layer_kernels, aux_loss_coeff,
+                                          z_loss_coeff)
         self.rope = RopePositions()  # per-row positions for shared-prompt rows (`_forward_step`)
         self.virtual_pp = parallel.virtual_pp or 1
         self.chunks: list[nn.Module] = [
@@ -119,6 +122,7 @@ class MegatronEngine:
                         self.rope, value_head=value_head, fused_output=self.fused_output,
                         vp_stage=c if self.virtual_pp > 1 else None) for c in range(self.virtual_pp)]
         self._check_chunk_layers()
+        self.router_stats = RouterStats(self.chunks, model_cfg)
         self.module = self.chunks[0]
         self.optimizer = self.scheduler = None
         self.models: list[nn.Module] = list(self.chunks)
@@ -185,7 +189,8 @@ class MegatronEngine:
 
     # -- weights --------------------------------------------------------------
     def _inner(self, chunk: int = 0) -> nn.Module:
-        return _unwrapped(self.chunks[chunk])
+        from megatron.core.utils import unwrap_model  # the GPTModel inside Float16Module below float32
+        return unwrap_model(self.chunks[chunk])
 
     def _check_chunk_layers(self) -> None:
         """Each chunk's layers are where `parallel.stages` (the plans, the reshard tool) says they are."""
@@ -358,25 +363,29 @@ class MegatronEngine:
             lengths = batch[F.ATTENTION_MASK].sum(-1).to(ids.device)
             packed_ids, positions, mask = pack_rows(ids, lengths)
             n = packed_ids.shape[1]
-            output = model(*pad_columns(packed_ids, positions, mask, split))[:, :n]
+            inputs = pad_columns(packed_ids, positions, mask, split)
+            output = forward_with_padding(model, inputs, lengths.sum()[None], self.tconfig)[:, :n]
             output = unpack_sequences(output, lengths, s)
         elif share_prompts:  # each distinct prompt computed once, its rows' responses after it
             mask = batch[F.ATTENTION_MASK].to(ids.device)
             prompt_width = s - batch[F.RESPONSES].shape[1]
             shared_ids, positions, shared_mask, index = share_prompt_rows(
                 ids, mask.sum(-1), mask[:, :prompt_width].sum(-1))
-            n = shared_ids.shape[1]
+            n, real = shared_ids.shape[1], shared_lengths(index, *shared_ids.shape)
             shared_ids, positions, shared_mask = pad_columns(shared_ids, positions, shared_mask, split)
             with self.rope.at(positions):
-                output = unshare_rows(model(shared_ids, positions, shared_mask)[:, :n], index)
+                output = forward_with_padding(model, (shared_ids, positions, shared_mask), real, self.tconfig)
+            output = unshare_rows(output[:, :n], index)
         elif self.layout.cp > 1:
             output = self._context_parallel_forward(model, ids)
         else:
             positions = torch.arange(s, device=ids.device)[None].expand_as(ids)
             causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
             # At pp > 1 the output is this stage's activations, so the padding is cut in `_loss`.
-            output = model(*pad_columns(ids, positions, causal, split))
+            output = forward_with_padding(model, pad_columns(ids, positions, causal, split),
+                                          batch[F.ATTENTION_MASK].sum(-1), self.tconfig)
         return output, functools.partial(self._loss, step_fn, batch, idx, rows, scale)
+
 
     def _context_parallel_forward(self, model, ids: Tensor) -> Tensor:
         """The output [b, s, ...] of left-aligned rows `ids` [b, s] at cp > 1, on every CP rank.
@@ -396,7 +405,8 @@ class MegatronEngine:
         output = model(local, positions[None].expand_as(local), causal)
         # A chunk that is not the model's last (at virtual_pp > 1 every chunk but the last pipeline rank's
         # last one, though that rank is "the last stage") sends its activations of its chunks onwards.
-        if not _unwrapped(model).post_process:
+        from megatron.core.utils import get_attr_wrapped_model
+        if not get_attr_wrapped_model(model, "post_process"):
             return output
         return gather_output(output, ps.get_context_parallel_group())[:, :s]
 
@@ -497,7 +507,8 @@ class MegatronEngine:
         _, grad_norm, _ = self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step(increment=1)
-        return StepStats(grad_norm=float("nan") if grad_norm is None else float(grad_norm), lr=lr)
+        return StepStats(grad_norm=float("nan") if grad_norm is None else float(grad_norm), lr=lr,
+                         router=self.router_stats.read())
 
     # -- checkpoints (this rank's shard) --------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -586,9 +597,3 @@ def _param_state(opt) -> Optional[dict]:
                         elem.setdefault("padding", False)  # the loader filters on this key
     return state
 
-
-def _unwrapped(module: nn.Module) -> nn.Module:
-    """The GPTModel inside megatron-core's wrappers (DDP, and Float16Module below float32)."""
-    while hasattr(module, "module"):
-        module = module.module
-    return module

@@ -136,6 +136,14 @@ def pad_columns(ids: Tensor, positions: Tensor, mask: Tensor, multiple: int) -> 
     return pad(ids, (0, extra)), pad(positions, (0, extra)), mask
 
 
+def shared_lengths(index: Tensor, rows: int, width: int) -> Tensor:
+    """The real columns of each of `share_prompt_rows`' rows [rows, width] (its prompt and its responses, from
+    column 0), from its `index`."""
+    used = torch.zeros(rows * width, dtype=torch.bool, device=index.device)
+    used[index[index >= 0]] = True
+    return used.view(rows, width).sum(-1)
+
+
 def unshare_rows(output: Tensor, index: Tensor) -> Tensor:
     """Inverse of `share_prompt_rows` for a model output [U, L, ...] -> [b, S, ...], zeros past each length.
     A prompt's outputs go to each of its rows (the gather's backward sums their gradients)."""

@@ -131,6 +131,8 @@ def train_mini_batch(engine, mini: dict[str, Tensor], micro_batch_size: int, los
     check_finite(f"{prefix}/grad_norm", stats.grad_norm)
     out = global_metrics(reports, summed, group)
     out.update({f"{prefix}/grad_norm": stats.grad_norm, f"{prefix}/lr": stats.lr})
+    # An MoE model's routers: the actor's as moe/..., another role's as moe/<role>/...
+    out.update({f"moe/{k}" if prefix == "actor" else f"moe/{prefix}/{k}": v for k, v in stats.router.items()})
     return out
 
 

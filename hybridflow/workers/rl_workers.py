@@ -138,7 +138,8 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         self.model_cfg = model_config(spec.model.path, spec.actor.engine, spec.actor.fsdp)
         self.tokenizer = read_tokenizer(spec.model)
         self.engine = build_engine(spec.run, spec.model, spec.model.path, spec.actor.optim, spec.actor.parallel,
-                                   spec.layout, spec.optimizer_steps, kind=spec.actor.engine, fsdp=spec.actor.fsdp)
+                                   spec.layout, spec.optimizer_steps, kind=spec.actor.engine, fsdp=spec.actor.fsdp,
+                                   moe=spec.actor.moe)
         self.register_mesh("actor", spec.layout)
         self.actor = Actor(spec.actor, self.engine, samples_per_prompt=spec.rollout.n,
                            temperature=spec.rollout.temperature, seed=spec.run.seed, old_log_probs=spec.old_log_probs)
@@ -312,7 +313,7 @@ class CriticWorker(EngineWorker):
         torch.manual_seed(spec.run.seed)
         self.engine = build_engine(spec.run, spec.model, spec.path, spec.critic.optim, spec.critic.parallel,
                                    spec.layout, spec.optimizer_steps, value_head=True, kind=spec.critic.engine,
-                                   fsdp=spec.critic.fsdp)
+                                   fsdp=spec.critic.fsdp, moe=spec.critic.moe)
         self.register_mesh("critic", spec.layout)
         self.run = spec.run
         self.critic = Critic(spec.critic, self.engine, mini_batch_size=spec.mini_batch_size, seed=spec.run.seed)

@@ -67,8 +67,9 @@ def test_engine_logits_and_log_probs_equal_decoder(overrides):
     assert not fused_lp[F.REF_LOG_PROBS][~mask].any()  # padded response columns are not computed at all
 
 
-def _plain_actor_step(dec: Decoder, batch, old_logp, adv, optim: OptimConfig):
-    """The same PPO step written with the plain decoder and torch.optim.AdamW."""
+def _plain_actor_step(dec: Decoder, batch, old_logp, adv, optim: OptimConfig, extra_loss=None):
+    """The same PPO step written with the plain decoder and torch.optim.AdamW; `extra_loss(model)`: a term
+    added to the loss."""
     from hybridflow.algos import ppo_clip_loss
     model = copy.deepcopy(dec)
     # Megatron exempts 1-D parameters (norms, biases) from weight decay.
@@ -80,6 +81,8 @@ def _plain_actor_step(dec: Decoder, batch, old_logp, adv, optim: OptimConfig):
     r = batch["responses"].shape[1]
     logp, _ = logprob_entropy_reference(logits[:, -r - 1:-1], batch["responses"])
     loss = ppo_clip_loss(logp, old_logp, adv, batch["response_mask"]).loss
+    if extra_loss is not None:
+        loss = loss + extra_loss(model)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
     opt.step()
@@ -125,6 +128,65 @@ def test_one_actor_step_matches_plain_pytorch(micro, fused, tied, packed, shared
     assert_one_adam_step_close(got, want, hf, optim.lr)
     moved = sum((got[n] - hf[n]).abs().max().item() > 1e-4 for n in hf)
     assert moved == len(hf)
+
+
+def _router_losses(model: Decoder, ids, real, aux: float, z: float):
+    """aux * Switch's load-balancing loss + z * the router z-loss, summed over the MoE layers, as megatron-core
+    defines them over the real tokens of `ids` [b, s] (`real` [b, s]: not padding). Per layer, E * sum_i f_i
+    * P_i with f_i the share of the T * k routed pairs expert i took and P_i its mean softmax probability;
+    and the mean of logsumexp(router logits)^2."""
+    logits = []
+    hooks = [layer.mlp.router.register_forward_hook(lambda m, a, out: logits.append(out)) for layer in model.layers]
+    model(ids)
+    for hook in hooks:
+        hook.remove()
+    cfg, total = model.cfg, 0.0
+    for layer_logits in logits:
+        layer_logits = layer_logits.reshape(*real.shape, -1)[real].float()
+        probs = layer_logits.softmax(-1)
+        chosen = probs.topk(cfg.moe_top_k, dim=-1).indices
+        share = torch.nn.functional.one_hot(chosen, cfg.num_experts).sum((0, 1)) / chosen.numel()
+        total = total + aux * cfg.num_experts * (share * probs.mean(0)).sum()
+        total = total + z * (torch.logsumexp(layer_logits, -1) ** 2).mean()
+    return total
+
+
+def test_router_losses_add_their_gradients_and_are_reported():
+    """actor.moe's coefficients: megatron-core adds the load-balancing and z losses of every MoE layer (over
+    the micro-batch's real tokens: the engine marks its padding columns) to the update's gradient. One step's
+    weights equal the plain decoder's step on the PPO loss + those terms (autograd), which differs from the
+    step without them; the update reports both losses (unscaled) and each layer's loads."""
+    from hybridflow.engine.packing import left_align_index
+
+    cfg, dec, hf = tiny_model(**QWEN3_MOE)
+    optim = OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=0.5, eps=1e-6)
+    aux, z = 0.5, 0.05
+    engine = MegatronEngine(cfg, ParallelConfig(), optim, total_steps=10, aux_loss_coeff=aux, z_loss_coeff=z)
+    engine.load_hf_state_dict(hf)
+    batch = rl_batch(cfg.vocab_size)
+    actor = Actor(ActorConfig(optim=optim, ppo_mini_batch_size=4, ppo_micro_batch_size=4), engine)
+    g = torch.Generator().manual_seed(3)
+    adv = torch.randn(batch["responses"].shape, generator=g) * batch["response_mask"]
+    old_logp = -2.0 + 0.3 * torch.randn(adv.shape, generator=g)
+    metrics = actor.update({**batch, F.OLD_LOG_PROBS: old_logp, F.ADVANTAGES: adv}, step=0)
+
+    aligned = batch["input_ids"].gather(1, left_align_index(batch["attention_mask"]))
+    real = torch.arange(aligned.shape[1])[None] < batch["attention_mask"].sum(-1)[:, None]
+    with torch.no_grad():
+        want_losses = _router_losses(dec, aligned, real, 1.0, 0.0), _router_losses(dec, aligned, real, 0.0, 1.0)
+    layers = cfg.num_layers
+    assert metrics["moe/aux_loss"] == pytest.approx(float(want_losses[0]) / layers, rel=1e-5)
+    assert metrics["moe/z_loss"] == pytest.approx(float(want_losses[1]) / layers, rel=1e-5)
+    assert all(1 / cfg.num_experts <= metrics[f"moe/layer{i}/max_load"] <= 1 for i in range(layers))
+    assert all(0 <= metrics[f"moe/layer{i}/min_load"] <= 1 / cfg.num_experts for i in range(layers))
+
+    expected, grad_norm = _plain_actor_step(dec, batch, old_logp, adv, optim,
+                                            extra_loss=lambda model: _router_losses(model, aligned, real, aux, z))
+    _, without = _plain_actor_step(dec, batch, old_logp, adv, optim)
+    assert metrics["actor/grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+    assert abs(grad_norm - without) > 1e-3 * without  # the router losses moved the gradient
+    assert_one_adam_step_close(engine.hf_state_dict(), get_bridge(cfg).generation_to_hf(dict(expected.state_dict())),
+                               hf, optim.lr)
 
 
 def test_generation_state_is_a_view_of_training_params():

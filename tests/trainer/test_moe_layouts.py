@@ -44,15 +44,21 @@ def _steps(path) -> list[str]:
             "actor.ppo_mini_batch_size=8", f"reward.model_path={rm}", "reward.model_weight=0.5"]
 
 
+ROUTER_LOSSES = {"aux+z": ["actor.moe.aux_loss_coeff=0.01", "actor.moe.z_loss_coeff=0.001"],
+                 "aux": ["actor.moe.aux_loss_coeff=0.01"], "": []}
+
+
 @pytest.fixture(scope="module")
 def qwen3_moe(tmp_path_factory):
-    """The model's path, and each config's three steps on one process (run once per config)."""
+    """The model's path, and each config's three steps on one process, with or without the router losses
+    (run once each)."""
     path, runs = qwen3_moe_shaped_model(tmp_path_factory.mktemp("qwen3moe")), {}
 
-    def one_process(name: str):
-        if name not in runs:
-            runs[name] = run(name, tmp_path_factory.mktemp("one"), *_steps(path))
-        return runs[name]
+    def one_process(name: str, router_losses: str = ""):
+        if (name, router_losses) not in runs:
+            runs[name, router_losses] = run(name, tmp_path_factory.mktemp("one"), *_steps(path),
+                                            *ROUTER_LOSSES[router_losses])
+        return runs[name, router_losses]
 
     return path, one_process
 
@@ -63,24 +69,36 @@ LAYOUTS = {"tp2sp": ["trainer.n_devices=2", "actor.parallel.tp=2", "actor.parall
            "dp2": ["trainer.n_devices=2"]}
 
 
-@pytest.mark.parametrize("name,layout", [*(("tiny-grpo.yaml", k) for k in LAYOUTS),
-                                         *(("tiny-ppo.yaml", k) for k in LAYOUTS)])
-def test_grpo_and_ppo_on_a_tiny_qwen3_moe_at_each_layout_match_one_process(tmp_path, qwen3_moe, name, layout):
+@pytest.mark.parametrize("name,layout,router_losses", [
+    ("tiny-grpo.yaml", "tp2sp", "aux"), ("tiny-grpo.yaml", "pp2", "aux+z"), ("tiny-grpo.yaml", "dp2", ""),
+    *(("tiny-ppo.yaml", k, "") for k in LAYOUTS)])
+def test_grpo_and_ppo_on_a_tiny_qwen3_moe_at_each_layout_match_one_process(tmp_path, qwen3_moe, name, layout,
+                                                                           router_losses: str):
     """Experts replicated on every rank (no expert parallelism yet), split over TP like an MLP (with sequence
-    parallelism, the tokens gathered over TP before the dispatch), each layer's
-    router and experts in the stage that holds the layer at PP2, megatron-core's allgather dispatcher over
-    gloo; the 3D-HybridEngine gathers the experts into the generation layout. Three steps' learned metrics
-    equal one process's within 1e-5 relative (1e-6 absolute for small values). PPO's critic is the same MoE
-    decoder with a value head, at the actor's layout. PPO at tp2 with sequence parallelism: the KL metrics
-    within 3e-6 absolute (9e-5 relative, measured): each is a mean difference of two log-probs near -2, so the
-    last-bit differences of the experts' TP-split matmuls (each rank's rows of a different token batch)
+    parallelism, the tokens gathered over TP before the dispatch), each layer's router and experts in the
+    stage that holds the layer at PP2, megatron-core's allgather dispatcher over gloo; the 3D-HybridEngine
+    gathers the experts into the generation layout. Three steps' learned metrics equal one process's within
+    1e-5 relative (1e-6 absolute for small values). GRPO with router losses: megatron-core counts the
+    load-balancing loss's tokens over TP (and CP) and the engine marks the padding columns, so at tp2+SP it,
+    and at pp2 it and the z-loss, are one process's, as are the reported `moe/...` figures. Not at tp2+SP for
+    the z-loss: megatron-core adds each TP rank's own mean over its real tokens (coefficient / tp), which is
+    not the micro-batch's mean when padding is split unevenly over the ranks (measured: step 1's grad_norm
+    4e-6 relative apart, then sampling diverges). At dp2 a rank's micro-batch holds other rows than one
+    process's, and a loss over a micro-batch's loads differs by definition: that run has them off. PPO's
+    critic is the same MoE decoder with a value head, at the actor's layout. PPO at tp2+SP: the KL metrics
+    within 3e-6 absolute (9e-5 relative, measured): each is a mean difference of two log-probs near -2, so
+    the last-bit differences of the experts' TP-split matmuls (each rank's rows of a different token batch)
     show 100 times larger relative to it; the router's weights after three steps agree to 6e-8."""
     path, one_process = qwen3_moe
     _, records = run(name, tmp_path / "layout", "trainer.launcher=ray", *critic_too(LAYOUTS[layout]), *_steps(path),
-                     before_fit=critic_at_the_actors_layout)
-    compare_with_one_process(f"{name} on the tiny qwen3-moe at {layout}", records, one_process(name)[1],
-                             steps=(1, 2, 3), rel=1e-5, abs_=3e-6 if name == "tiny-ppo.yaml" and layout == "tp2sp"
-                             else 1e-6)
+                     *ROUTER_LOSSES[router_losses], before_fit=critic_at_the_actors_layout)
+    single = one_process(name, router_losses)[1]
+    compare_with_one_process(f"{name} on the tiny qwen3-moe at {layout}", records, single, steps=(1, 2, 3),
+                             rel=1e-5, abs_=3e-6 if name == "tiny-ppo.yaml" and layout == "tp2sp" else 1e-6)
+    for many, one in zip(records[1:], single[1:]):
+        for key in ("moe/layer0/max_load", "moe/layer3/min_load", *(f"moe/{k}_loss" for k in ("aux", "z")
+                                                                    if f"moe/{k}_loss" in one)):
+            assert many[key] == pytest.approx(one[key], rel=1e-5), key
 
 
 def test_the_moe_export_loads_in_transformers_with_the_trained_logits(qwen3_moe):
