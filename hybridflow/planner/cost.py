@@ -40,11 +40,24 @@ FP32 = 4
 
 # --------------------------------------------------------------------------- parameters
 
+def mlp_params(cfg: DecoderConfig, active: bool = False) -> int:
+    """Matrix parameters of one layer's MLP: the dense SwiGLU, or every expert (active: the top-k a token
+    runs) and the shared expert; the router and the shared expert's gate apart."""
+    h = cfg.hidden_size
+    if not cfg.is_moe:
+        return 3 * cfg.intermediate_size * h
+    experts = cfg.moe_top_k if active else cfg.num_experts
+    return 3 * h * (experts * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size)
+
+
 def layer_params(cfg: DecoderConfig, tp: int = 1) -> int:
-    """Parameters of one decoder layer on one of `tp` ranks (norms replicated, the rest split)."""
+    """Parameters of one decoder layer on one of `tp` ranks (norms, QK-norms, the router and the shared
+    expert's gate replicated, the rest split; experts replicated over ranks, each split like an MLP)."""
     h, hq = cfg.hidden_size, cfg.num_heads * cfg.head_dim
-    split = cfg.qkv_size * h + (cfg.qkv_size if cfg.qkv_bias else 0) + hq * h + 3 * cfg.intermediate_size * h
-    return split // tp + 2 * h
+    split = cfg.qkv_size * h + (cfg.qkv_size if cfg.qkv_bias else 0) + hq * h + mlp_params(cfg)
+    replicated = 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0) + cfg.num_experts * h \
+        + (h if cfg.shared_expert_gate else 0)
+    return split // tp + replicated
 
 
 def stage_params(cfg: DecoderConfig, stage: int, tp: int = 1, pp: int = 1, divisible_by: int = 128,
@@ -81,9 +94,11 @@ def total_params(cfg: DecoderConfig, divisible_by: int = 128, value_head: bool =
 
 
 def matmul_params(cfg: DecoderConfig, value_head: bool = False) -> int:
-    """Parameters that take part in a matrix product per token (all but the embedding lookup and norms)."""
-    h = cfg.hidden_size
-    per_layer = layer_params(cfg) - 2 * h - (cfg.qkv_size if cfg.qkv_bias else 0)
+    """Parameters that take part in a matrix product per token (all but the embedding lookup and norms): for
+    a mixture of experts, its active parameters (the router, the top-k experts, the shared expert)."""
+    h, hq = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    per_layer = cfg.qkv_size * h + hq * h + mlp_params(cfg, active=True) + cfg.num_experts * h \
+        + (h if cfg.shared_expert_gate else 0)
     return cfg.num_layers * per_layer + (h if value_head else cfg.vocab_size * h)
 
 
@@ -111,7 +126,8 @@ def activation_bytes_per_token(cfg: DecoderConfig, seq: int, tp: int, dtype_byte
     """Bytes one layer keeps per token of a micro-batch for its backward pass, on one of `tp` ranks."""
     if recompute:
         return cfg.hidden_size * dtype_bytes
-    h, hq, ffn = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size
+    h, hq = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    ffn = mlp_params(cfg, active=True) // (3 * h)  # the features a token's MLP computes (its experts')
     stored = 4 * h + (cfg.qkv_size + hq) / tp + 3 * ffn / tp  # norm and matmul inputs, QKV, gate/up, SwiGLU out
     softmax = cfg.num_heads / tp * seq  # unfused attention keeps its probabilities
     return (stored + softmax) * dtype_bytes

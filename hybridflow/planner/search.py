@@ -87,7 +87,7 @@ def layouts(world: int, model: DecoderConfig, device: DeviceSpec, wl: Workload) 
     out = []
     for tp in (1, 2, 4, 8, 16):
         if tp > device.devices_per_node or model.num_heads % tp or model.num_kv_heads % tp \
-                or model.intermediate_size % tp:
+                or any(features % tp for _, features in model.mlp_splits):
             continue
         for pp in (1, 2, 4, 8, 16):
             cps = (1, 2, 4, 8) if not wl.packed_rows else (1,)

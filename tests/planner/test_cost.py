@@ -31,6 +31,16 @@ def test_parameter_counts_equal_the_real_models():
         model = meta_decoder(cfg, tp)
         for stage in range(pp):
             assert cost.stage_params(cfg, stage, tp, pp) == stage_numel(model, stage, pp), (cfg.hidden_size, stage)
+    # Qwen3 (QK-norm) and Qwen3-MoE: memory from all parameters, FLOPs from the active ones. Qwen's published
+    # figures: 8.2B; 30.5B in all with 3.3B activated (the matrix products plus the embedding row looked up).
+    for name, total in (("Qwen3-8B", 8_190_735_360), ("Qwen3-30B-A3B", 30_532_122_624)):
+        cfg = DecoderConfig.from_hf_dict(KNOWN[name])
+        assert cost.total_params(cfg) == sum(p.numel() for p in meta_decoder(cfg).parameters()) == total
+        model = meta_decoder(cfg, 4)
+        for stage in range(4):
+            assert cost.stage_params(cfg, stage, 4, 4) == stage_numel(model, stage, 4), (name, stage)
+    moe = DecoderConfig.from_hf_dict(KNOWN["Qwen3-30B-A3B"])
+    assert 3.3e9 < cost.matmul_params(moe) + moe.vocab_size * moe.hidden_size < 3.4e9
     # The critic's value head is one replicated row instead of the vocabulary.
     h = QWEN7B.hidden_size
     assert cost.total_params(QWEN7B, value_head=True) == cost.total_params(QWEN7B) - 152064 * h + h
