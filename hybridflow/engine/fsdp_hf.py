@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from hybridflow.engine.fsdp import FSDPEngine
 from hybridflow.engine.fsdp_frozen import init_buffers, load_rows
 from hybridflow.models.config import DecoderConfig
+from hybridflow.models.hf_experts import InMemoryNames, to_checkpoint_names
 
 __all__ = ["TransformersFSDPEngine", "TransformersModel", "transformers_units"]
 
@@ -148,7 +149,14 @@ class TransformersFSDPEngine(FSDPEngine):
         # a value model has no output layer; some tied checkpoints store the embedding again as lm_head
         tied = self.hf_config.tie_word_embeddings
         unused = frozenset({"lm_head.weight"}) if self.value_head or tied else frozenset()
+        if self.cfg.native and self.cfg.is_moe:  # per-expert tensors on disk, fused in the model
+            read = InMemoryNames(read, self.cfg)
         load_rows(self.module.model, read, str(source), self._prefix, unused)
 
+    def to_checkpoint_names(self, named):
+        """(in-memory name, tensor) pairs of this model -> the tensors its checkpoint stores (an MoE layer's
+        fused experts, one per expert)."""
+        return to_checkpoint_names(named, self.cfg) if self.cfg.native and self.cfg.is_moe else named
+
     def _generation_to_hf(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
-        return state  # this engine's generation layout is HF names already
+        return dict(self.to_checkpoint_names(state.items()))  # HF names already

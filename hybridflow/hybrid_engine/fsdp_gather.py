@@ -74,7 +74,8 @@ class FSDPGatheredWeights:
         self.shapes = {name: tuple(p.shape) for name, p in self.params.items()}
         native, hf_names = engine.cfg.native, engine.modeling == "transformers"
         bridge = get_bridge(engine.cfg) if native and hf_names else None
-        self.fuse = bridge.fuse_stream if bridge is not None else None
+        # (`transformers` fuses an MoE layer's experts in memory: the engine names them as its checkpoint does)
+        self.fuse = (lambda named: bridge.fuse_stream(engine.to_checkpoint_names(named))) if bridge else None
         if native:
             model = Decoder(engine.cfg).to(device=engine.torch_device, dtype=engine.dtype).eval()
             model.inv_freq = rope_inv_freq(engine.cfg).to(engine.torch_device)
