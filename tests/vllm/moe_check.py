@@ -1,0 +1,39 @@
+"""Run by test_moe.py in a process of its own (vLLM's parallel state is one per process, and an engine built
+after a dense one finds no expert-parallel group): a random Qwen3-MoE (4 experts, top 2) greedy on vLLM,
+loaded from its checkpoint on disk and then with the same weights pushed, each against the built-in engine.
+Prints one line `MOE {"disk": bool, "pushed": bool}`: whether each gave the built-in engine's tokens."""
+import json
+import sys
+import tempfile
+
+import torch
+
+
+def main() -> None:
+    import vllm
+
+    from hybridflow.models import save_decoder
+    from hybridflow.rollout import Generator, SamplingParams, hf_named
+    from hybridflow.rollout.vllm_backend import VLLMBackend
+    from tests.rollout.conftest import left_padded_prompts
+    from tests.vllm.test_engine import MOE, PAD, VOCAB, _Tok, random_decoder
+
+    model = random_decoder("llama", **MOE)
+    path = save_decoder(model, tempfile.mkdtemp() + "/model")
+    ids, mask = left_padded_prompts(VOCAB, lengths=(9, 4, 1, 7, 30))
+    greedy = SamplingParams(max_new_tokens=12, do_sample=False)
+    want = Generator(model, PAD).generate(ids, mask, greedy).responses
+    llm = vllm.LLM(model=str(path), load_format="auto", dtype="float32", enforce_eager=True,
+                   skip_tokenizer_init=True, max_model_len=128)
+    prompts = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids, mask)]
+    outs = llm.generate(prompts, vllm.SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+    disk = all(list(o.outputs[0].token_ids) == w[:len(o.outputs[0].token_ids)].tolist() for o, w in zip(outs, want))
+    del llm
+    backend = VLLMBackend(str(path), _Tok(), dtype="float32", max_model_len=128, bucket_bytes=2**20)
+    backend.load_weights(hf_named(model))
+    pushed = torch.equal(backend.generate(ids, mask, greedy).responses, want)
+    print("MOE " + json.dumps({"disk": disk, "pushed": pushed}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

