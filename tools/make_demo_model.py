@@ -61,7 +61,7 @@ from hybridflow.models.decoder import Decoder
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "hybridflow" / "assets"
-DATA_DIR, MODEL_DIR = "arithmetic", "demo_model"
+DATA_DIR, MODEL_DIR, MOE_MODEL_DIR = "arithmetic", "demo_model", "demo_moe_model"
 CHARS = "0123456789+="
 DIGITS = 3
 MAX_PROMPT_LENGTH = 16  # what the demo's data config uses; prompts are 9 tokens
@@ -75,6 +75,12 @@ MODEL_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
     "tie_word_embeddings": False, "hidden_act": "silu",
     "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "torch_dtype": "float32",
+}
+# `--moe`: the mixture-of-experts sibling (Qwen3-MoE: QK-norm; 8 experts of 192 features, 2 per token, so
+# each token's MLP computes what the dense model's 384 features do).
+MOE_MODEL_CONFIG: dict[str, Any] = {
+    **MODEL_CONFIG, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "head_dim": 32,
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 192, "norm_topk_prob": True,
 }
 
 
@@ -162,8 +168,9 @@ def problems_from_rows(tokenizer: Tokenizer, rows: list[dict[str, Any]]) -> Prob
 
 # -- model, loss and evaluation --------------------------------------------------
 
-def build_model(seed: int) -> Decoder:
-    return Decoder(DecoderConfig.from_hf_dict(MODEL_CONFIG)).init_weights(std=0.02, seed=seed)
+def build_model(seed: int, moe: bool = False) -> Decoder:
+    config = MOE_MODEL_CONFIG if moe else MODEL_CONFIG
+    return Decoder(DecoderConfig.from_hf_dict(config)).init_weights(std=0.02, seed=seed)
 
 
 def response_logits(model: Decoder, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -319,16 +326,21 @@ def check_with_transformers(model_dir: Path, model: Decoder, problems: Problems,
 
 
 def model_readme(command: str, recipe: Recipe, sel: Selection, test_acc: float,
-                 sizes: dict[str, int], n_params: int) -> str:
+                 sizes: dict[str, int], n_params: int, moe: bool = False) -> str:
     band = f"{recipe.band[0]:.0%}-{recipe.band[1]:.0%}"
     reached = "was" if sel.in_band else "was NOT reached; the closest checkpoint was kept, at"
-    return f"""# demo_model
+    what = ("Qwen3-MoE-style model (4 layers, hidden 128, 4 heads with QK-norm, 8 SwiGLU experts of 192 "
+            "features and 2 per token, 16-token character vocabulary) for `make demo-moe`" if moe else
+            "Llama-style model (4 layers, hidden 128, 4 heads,\nSwiGLU 384, 16-token character vocabulary) for "
+            "`make demo`")
+    made = ("with the same `../arithmetic/*.parquet` as `../demo_model`" if moe
+            else "together with `../arithmetic/*.parquet`")
+    return f"""# {MOE_MODEL_DIR if moe else MODEL_DIR}
 
-A {n_params:,}-parameter Llama-style model (4 layers, hidden 128, 4 heads,
-SwiGLU 384, 16-token character vocabulary) for `make demo`: GRPO on the
+A {n_params:,}-parameter {what}: GRPO on the
 built-in 3-digit addition task (`hybridflow/data/arithmetic.py`).
 
-Made, together with `../arithmetic/*.parquet`, by `tools/make_demo_model.py`:
+Made, {made}, by `tools/make_demo_model.py`:
 
     {command}
 
@@ -368,6 +380,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Recipe]:
     p.add_argument("--band-low", type=float, default=d.band[0], help="target validation accuracy, lower end")
     p.add_argument("--band-high", type=float, default=d.band[1], help="target validation accuracy, upper end")
     p.add_argument("--skip-hf-check", action="store_true", help="do not load the result with transformers")
+    p.add_argument("--moe", action="store_true", help=f"the mixture-of-experts sibling, written to "
+                   f"OUT/{MOE_MODEL_DIR} (the data files are the dense model's: regenerated into a temporary "
+                   "directory, not rewritten)")
     args = p.parse_args(argv)
     if not 0 <= args.band_low <= args.band_high <= 1:
         p.error("need 0 <= --band-low <= --band-high <= 1")
@@ -384,12 +399,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tok_dir = build_char_tokenizer(CHARS, Path(tmp) / "tokenizer", add_bos_token=True)
         tokenizer = Tokenizer.from_path(tok_dir)
-        paths, val_rows = write_data(out / DATA_DIR, args.rl, args.sft, args.val, args.test, recipe.seed)
+        data_dir = Path(tmp) / DATA_DIR if args.moe else out / DATA_DIR
+        paths, val_rows = write_data(data_dir, args.rl, args.sft, args.val, args.test, recipe.seed)
         for name, path in paths.items():
             print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
         sft, test = load_problems(tokenizer, paths["sft"]), load_problems(tokenizer, paths["test"])
         val = problems_from_rows(tokenizer, val_rows)
-        model = build_model(recipe.seed)
+        model = build_model(recipe.seed, args.moe)
         n_params = sum(p.numel() for p in model.parameters())
         print(f"model: {n_params:,} parameters; SFT on {len(sft)} problems, band {recipe.band}")
         sel = train_until_band(model, sft, val, recipe)
@@ -400,9 +416,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = " ".join(["python tools/make_demo_model.py", *(argv if argv is not None else sys.argv[1:])])
         readme = Path(tmp) / "README.md"
         sizes = {"train": args.rl, "sft": len(sft), "val": len(val), "test": len(test)}
-        readme.write_text(model_readme(command.strip(), recipe, sel, test_acc, sizes, n_params))
+        readme.write_text(model_readme(command.strip(), recipe, sel, test_acc, sizes, n_params, args.moe))
         extra = (*sorted(tok_dir.iterdir()), readme)
-        model_dir = save_decoder(model, out / MODEL_DIR, extra_files=extra)
+        model_dir = save_decoder(model, out / (MOE_MODEL_DIR if args.moe else MODEL_DIR), extra_files=extra)
     print(f"wrote {model_dir}")
     if not args.skip_hf_check:
         check_with_transformers(model_dir, model, test)
