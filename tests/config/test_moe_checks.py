@@ -49,5 +49,6 @@ def test_an_moe_model_with_coefficients_passes():
      "router_jitter_noise"),
 ])
 def test_expert_fields_the_decoder_does_not_build_are_named(patch, error, message):
+    """(The trainer turns these into a ConfigError naming model.path before any worker starts.)"""
     with pytest.raises(error, match=message):
         DecoderConfig.from_hf_dict({**MOE, **patch})
