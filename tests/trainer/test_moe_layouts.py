@@ -117,3 +117,25 @@ def test_the_moe_export_loads_in_transformers_with_the_trained_logits(qwen3_moe)
     with torch.no_grad():
         torch.testing.assert_close(load_decoder(export).eval()(ids), reference(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_a_moe_run_resumed_from_its_checkpoint_takes_the_same_third_step(tmp_path, qwen3_moe):
+    """Three GRPO steps with both router losses, saved every step; resumed from step 2's checkpoint (the
+    experts' and router's weights and Adam state), step 3 is the same step again: its learned metrics and
+    router figures equal the uninterrupted run's (the same computation in the same process: rel 1e-6 allows
+    for the resumed optimizer's state read back through its own file format only)."""
+    import shutil
+
+    from tests.trainer.test_trainer import learned
+
+    path, _ = qwen3_moe
+    common = [*_steps(path), "trainer.save_every=1", *ROUTER_LOSSES["aux+z"]]
+    _, records = run("tiny-grpo.yaml", tmp_path / "full", *common)
+    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "tiny-grpo" / "checkpoints" / "step_000003")
+    _, again = run("tiny-grpo.yaml", tmp_path / "resumed", *common, "trainer.resume=auto")
+    assert [r["step"] for r in again] == [r["step"] for r in records]
+    for key, value in learned(records)[3].items():
+        assert learned(again)[3][key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+    for key in ("moe/aux_loss", "moe/z_loss", "moe/layer2/max_load"):
+        assert again[-1][key] == pytest.approx(records[-1][key], rel=1e-6), key
