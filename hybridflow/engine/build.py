@@ -169,8 +169,8 @@ def transformer_config(cfg: DecoderConfig, parallel: ParallelConfig, dtype: torc
         virtual_pipeline_model_parallel_size=virtual_pp if virtual_pp > 1 else None,
         # The interleaved schedule at pp = 2 sends a stage's activation and its gradient to the same peer in
         # one step; batched, both land in one ordered queue and each rank posts them in another order (a
-        # swapped pair: the forward passes agreed, the gradient norm measured 14738 for 0.687). Unbatched,
-        # megatron-core sends the two directions on two groups, as megatron-LM's interleaved default does.
+        # swapped pair: the forward passes agree, the gradients do not). Unbatched, megatron-core sends the
+        # two directions on two groups, as megatron-LM's interleaved default does.
         batch_p2p_comm=virtual_pp == 1,
         use_cpu_initialization=device == "cpu", perform_initialization=False)
 

@@ -168,9 +168,9 @@ def _eager_fusions():
     megatron-core wraps its fused elementwise functions (bias-GeLU, SwiGLU,
     bias-dropout-add, ...) in `torch.compile` as its modules load. On CPU the
     engine never calls them (their fusions are off in `transformer_config`),
-    yet creating the 38 wrappers imports dynamo and inductor: about 3 s of
-    every process's start (measured 4.3-5.0 s -> 1.5-2.0 s for the imports
-    below). Were one called, it would run eagerly: the same math, unfused.
+    yet creating the 38 wrappers imports dynamo and inductor, seconds of
+    every process's start. Were one called, it would run eagerly: the same
+    math, unfused.
     """
     if "megatron.core" in sys.modules:  # imported already: nothing left to spare
         yield
