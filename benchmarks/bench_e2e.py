@@ -111,7 +111,7 @@ def measure(algo: str, steps: int, warmup: int, overrides: list[str]) -> dict:
     batch_time: list[float] = []
     transition: list[float] = []
     trainer.batch_stages = [_timed(stage, batch_time) for stage in trainer.batch_stages]
-    trainer.transition = _timed(trainer.transition, transition)
+    trainer.weights.updated = _timed(trainer.weights.updated, transition)  # the switch to generation
     rows, base = [], None
     try:
         with _count_shipped(shipped):
