@@ -86,3 +86,20 @@ def test_tool_runs_end_to_end_with_tiny_settings(tool, tmp_path, capsys):
         assert (model_dir / name).is_file(), name
     assert "NOT reached" in (model_dir / "README.md").read_text()
     assert load_decoder(model_dir).cfg.vocab_size == 16
+
+
+def test_shipped_moe_sibling_is_warm_but_not_solved_on_the_same_tokenizer(tool):
+    model = load_decoder(ASSETS / "demo_moe_model")
+    assert model.cfg.model_type == "qwen3_moe" and (model.cfg.num_experts, model.cfg.moe_top_k) == (8, 2)
+    assert model.cfg.moe_top_k * model.cfg.moe_intermediate_size == load_decoder(MODEL_DIR).cfg.intermediate_size
+    assert (ASSETS / "demo_moe_model" / "tokenizer.json").read_bytes() == (MODEL_DIR / "tokenizer.json").read_bytes()
+    test = tool.load_problems(Tokenizer.from_path(MODEL_DIR), DATA_DIR / "test.parquet")
+    assert 0.15 <= tool.accuracy(model, test) <= 0.55
+
+
+def test_moe_run_writes_the_sibling_and_leaves_the_data_alone(tool, tmp_path, capsys):
+    assert tool.main(["--moe", "--out", str(tmp_path), "--rl", "64", "--sft", "256", "--val", "64", "--test", "64",
+                      "--batch-size", "32", "--max-steps", "2", "--eval-every", "2"]) == 0
+    assert "transformers check passed" in capsys.readouterr().out
+    assert not (tmp_path / "arithmetic").exists() and not (tmp_path / "demo_model").exists()
+    assert load_decoder(tmp_path / "demo_moe_model").cfg.is_moe
