@@ -189,23 +189,29 @@ def test_router_losses_add_their_gradients_and_are_reported():
                                hf, optim.lr)
 
 
-def test_generation_state_is_a_view_of_training_params():
-    cfg, _, hf = tiny_model()
+@pytest.mark.parametrize("overrides", [{}, QWEN3_MOE])
+def test_generation_state_is_a_view_of_training_params(overrides):
+    """Every generation tensor (an MoE model's router, each expert and the QK-norms too) is a view of its
+    training parameter, and an update is seen through it."""
+    cfg, _, hf = tiny_model(**overrides)
     engine = MegatronEngine(cfg, ParallelConfig(), OptimConfig(lr=1e-2), total_steps=10)
     engine.load_hf_state_dict(hf)
     views = engine.generation_state()
     params = engine.named_params()
     assert views["embed.weight"].data_ptr() == params["embedding.word_embeddings.weight"].data_ptr()
     assert views["embed.weight"].shape[0] == cfg.vocab_size
-    before = views["layers.0.mlp.fc1.weight"].clone()
+    for e in get_bridge(cfg).entries():
+        assert views[e.generation].data_ptr() == params[e.megatron].data_ptr(), e.generation
+    watched = "layers.0.mlp.router.weight" if cfg.is_moe else "layers.0.mlp.fc1.weight"
+    before = views[watched].clone()
     actor = Actor(ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size=4), engine)
     batch = rl_batch(cfg.vocab_size)
     old = actor.compute_log_probs(batch, 4)
     adv = torch.ones(batch["responses"].shape) * batch["response_mask"]
     actor.update({**batch, **old, F.ADVANTAGES: adv}, step=0)
-    after = engine.generation_state()["layers.0.mlp.fc1.weight"]
-    assert not torch.equal(before, views["layers.0.mlp.fc1.weight"])  # the view saw the update
-    assert torch.equal(after, views["layers.0.mlp.fc1.weight"])
+    after = engine.generation_state()[watched]
+    assert not torch.equal(before, views[watched])  # the view saw the update
+    assert torch.equal(after, views[watched])
 
 
 def test_engine_checkpoint_roundtrip_restores_optimizer(tmp_path):
