@@ -194,8 +194,7 @@ class MoE(nn.Module):
 
     The router is a softmax over the experts' logits, the top `moe_top_k` kept per token (their weights
     renormalised when `moe_norm_topk_prob`). Tokens are grouped by expert, and each expert computes its
-    rows in one matmul pair. `route(x)` gives the (weights, experts) pair a caller may record and hand
-    back through `forward(x, routes=...)` to reuse the same experts.
+    rows in one matmul pair.
     """
 
     def __init__(self, cfg: DecoderConfig, parallel: TensorParallel = NO_PARALLEL):
@@ -217,10 +216,10 @@ class MoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return weights.to(x.dtype), experts
 
-    def forward(self, x: torch.Tensor, routes: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, experts = self.route(x) if routes is None else routes
+        weights, experts = self.route(x)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         rows = order // experts.shape[1]  # the token of each (token, slot) pair, grouped by expert
