@@ -484,9 +484,9 @@ def _check_packing(cfg: Config, model: "DecoderConfig") -> None:
 
 
 def check_model_split(dims: ParallelDims, key: str, *, num_heads: int, num_kv_heads: int, num_layers: int,
-                      ffn_size: Optional[int] = None, virtual_pp: Optional[int] = None,
-                      mlp_splits: tuple[tuple[str, int], ...] = ()) -> None:
-    """ConfigError naming `key`.tp / .pp where the model cannot be split at the degrees of `dims`.
+                      virtual_pp: Optional[int] = None, mlp_splits: tuple[tuple[str, int], ...] = ()) -> None:
+    """ConfigError naming `key`.tp / .pp where the model cannot be split at the degrees of `dims`;
+    mlp_splits: (what, features) of each MLP TP splits (`DecoderConfig.mlp_splits`).
 
     TP splits whole attention heads and whole KV-head groups (Megatron's
     grouped QKV keeps each group on one rank), so it divides both; PP
@@ -499,7 +499,7 @@ def check_model_split(dims: ParallelDims, key: str, *, num_heads: int, num_kv_he
     if num_kv_heads % dims.tp:
         raise ConfigError(f"{key}.tp", f"{dims.tp} does not divide the model's {num_kv_heads} KV heads "
                           "(each rank holds whole query groups)")
-    for what, size in ((("MLP features", ffn_size),) if ffn_size is not None else ()) + tuple(mlp_splits):
+    for what, size in mlp_splits:
         if size % dims.tp:
             raise ConfigError(f"{key}.tp", f"{dims.tp} does not divide the model's {size} {what}")
     chunks = dims.pp * (virtual_pp or 1)

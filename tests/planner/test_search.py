@@ -32,7 +32,8 @@ def test_the_best_7b_plan_on_16_a100s_is_written_as_a_config_that_loads(tmp_path
     assert cfg.data.train_batch_size == 1024 and cfg.model.path == "models/Qwen2.5-7B-Instruct"  # the base kept
     plan = RunPlan.from_config(cfg)
     for role in ("training", "critic"):
-        check_model_split(plan.layouts[role], role, num_heads=28, num_kv_heads=4, num_layers=28, ffn_size=18944)
+        check_model_split(plan.layouts[role], role, num_heads=28, num_kv_heads=4, num_layers=28,
+                          mlp_splits=(("MLP features", 18944),))
     assert cfg.data.train_batch_size % plan.prompt_multiple == 0
     assert plan.mini_batch_responses % plan.layouts["training"].dp == 0
     assert not list(tmp_path.glob(".plan.yaml.*"))  # the temporary file was renamed into place
