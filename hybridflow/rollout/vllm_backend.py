@@ -162,6 +162,19 @@ def _end_reload(worker: Any) -> None:
         head = getattr(model, "lm_head", None)
         if getattr(config.hf_config, "tie_word_embeddings", False) and hasattr(head, "quant_method"):
             head.quant_method.process_weights_after_loading(head)
+        _repack_cpu_experts(model)
+
+
+def _repack_cpu_experts(model: Any) -> None:
+    """vLLM's CPU MoE kernel computes from experts' weights prepacked into its grouped-GEMM layout, a step its
+    unquantized method runs on the first load only (a later load "updates" them in place, as the GPU kernels
+    need): the reload leaves every expert's pushed weights unpacked, and the CPU kernel computes garbage from
+    them (0.32: measured, greedy tokens differ from the first one). Pack them here, as the first load did."""
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+            experts.process_weights_after_loading(module)
 
 
 def _unlink_cpu_shm_segment() -> None:

@@ -1,7 +1,8 @@
 """Run by test_moe.py in a process of its own (vLLM's parallel state is one per process, and an engine built
 after a dense one finds no expert-parallel group): a random Qwen3-MoE (4 experts, top 2) greedy on vLLM,
-loaded from its checkpoint on disk and then with the same weights pushed, each against the built-in engine.
-Prints one line `MOE {"disk": bool, "pushed": bool}`: whether each gave the built-in engine's tokens."""
+loaded from its checkpoint on disk, then with the same weights pushed, then with changed weights pushed again
+(a second push must repack the experts anew), each against the built-in engine. Prints one line
+`MOE {"disk": bool, "pushed": bool, "pushed_again": bool}`: whether each gave the built-in engine's tokens."""
 import json
 import sys
 import tempfile
@@ -32,7 +33,14 @@ def main() -> None:
     backend = VLLMBackend(str(path), _Tok(), dtype="float32", max_model_len=128, bucket_bytes=2**20)
     backend.load_weights(hf_named(model))
     pushed = torch.equal(backend.generate(ids, mask, greedy).responses, want)
-    print("MOE " + json.dumps({"disk": disk, "pushed": pushed}), flush=True)
+    with torch.no_grad():  # an update: every expert and router changes
+        for name, p in model.named_parameters():
+            if ".mlp." in name:
+                p.add_(torch.randn_like(p) * 0.5 * p.std())
+    again = Generator(model, PAD).generate(ids, mask, greedy).responses
+    backend.load_weights(hf_named(model))
+    pushed_again = not torch.equal(again, want) and torch.equal(backend.generate(ids, mask, greedy).responses, again)
+    print("MOE " + json.dumps({"disk": disk, "pushed": pushed, "pushed_again": pushed_again}), flush=True)
 
 
 if __name__ == "__main__":
