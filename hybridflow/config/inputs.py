@@ -84,7 +84,7 @@ def load_reward_function(reward: RewardConfig, datasets: Iterable[Any]) -> Calla
         fn = get_reward_fn(reward.function)
     except Exception as exc:
         raise ConfigError("reward.function", f"{reward.function!r}: {type(exc).__name__}: {exc}") from None
-    if fn is default_reward:  # it picks a verifier per row: every data_source needs one now
+    if fn is default_reward and reward.kind == "function":  # it picks a verifier per row: each data_source needs one
         for dataset in datasets:
             unknown = sorted({r.data_source for r in dataset.records} - set(DATA_SOURCE_REWARDS))
             if unknown:

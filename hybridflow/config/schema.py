@@ -225,6 +225,40 @@ class ReferenceConfig(LogProbConfig):
 
 
 @dataclass
+class SandboxConfig:
+    """Limits for each program the `code` reward runs (`rewards/sandbox.py`, `rewards/code.py`).
+
+    Every run has no network, a private tmpfs as its only writable place, a clean environment and no view
+    of the repository, /etc or the home directory (bubblewrap namespaces). Where the kernel refuses the
+    namespaces the reward refuses to start, naming the reason, unless `allow_unisolated` is true (then only
+    the rlimits, the clean environment, the private directory and the process-group kill apply).
+    """
+
+    cpu_s: float = 2.0  # CPU seconds per program run (RLIMIT_CPU)
+    wall_s: float = 4.0  # wall seconds per program run; the whole sandbox is killed past it
+    memory_mb: int = 512  # address space per process (RLIMIT_AS)
+    processes: int = 16  # processes and threads the program may have at once (RLIMIT_NPROC)
+    file_size_mb: int = 16  # the largest file it may write (RLIMIT_FSIZE); also its tmpfs' size
+    output_kb: int = 256  # stdout+stderr kept per run; more is cut and the run fails
+    # "fraction": the score is the share of the row's tests passed; "all": 1.0 only when every test passes.
+    score: Literal["fraction", "all"] = "fraction"
+    allow_unisolated: bool = False  # run without namespaces where the kernel refuses them (not safe)
+
+
+@dataclass
+class HttpRewardConfig:
+    """`reward.kind: http`: batches POSTed to `url` as OpenRLHF's remote reward models take them,
+    {"query": [prompt + response, ...], "prompts": [...], "labels": [...]}, answered {"rewards": [...]}
+    (or "scores"), one number per query (`rewards/remote.py`)."""
+
+    url: Optional[str] = None  # http:// or https://
+    batch_size: int = 32  # queries per request
+    max_in_flight: int = 4  # requests open at once
+    retries: int = 3  # further tries of a request that failed or timed out
+    backoff_s: float = 0.5  # wait before retry k is backoff_s * 2**k
+
+
+@dataclass
 class RewardConfig:
     """Rule-based reward functions and an optional reward model."""
 
@@ -238,6 +272,19 @@ class RewardConfig:
     # "hf": the whole classifier on every rank of placement.reward; "fsdp": sharded over those ranks by FSDP2
     # (engine/fsdp_frozen.py), each holding about 1/N of it.
     engine: Literal["hf", "fsdp"] = "hf"
+    # What scores each response (roles/scoring.py build_scorer): "function" (reward.function, row by row),
+    # "http" (reward.http: batches POSTed to an endpoint).
+    kind: Literal["function", "http"] = "function"
+    # Seconds per reward call (one row) before it scores 0; for http, per request (then retried, reward.http).
+    timeout_s: float = 30.0
+    # Processes scoring rows in parallel; 0: in the scoring process, on a thread (a call past timeout_s is
+    # abandoned there, not stopped). math and code always run in processes (2 when this is 0).
+    workers: int = 0
+    # A row whose reward raised, timed out or returned no number scores 0 and is counted (reward/failures);
+    # more than this fraction of a batch failing stops the run, naming the reward and the first failing row.
+    max_failure_fraction: float = 0.1
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the code reward's limits
+    http: HttpRewardConfig = field(default_factory=HttpRewardConfig)
 
 
 @dataclass

@@ -79,6 +79,11 @@ RULE_REWARD_SECONDS FloatTensor[B]       the seconds the rollout spent in the ru
                                          reward, spread evenly over the rows it
                                          scored (the driver sums and drops it:
                                          timing/rule_reward_s).
+REWARD_FAILED      FloatTensor[B]        1.0 on a row whose reward raised, timed out
+                                         or returned no number (it scored 0; the
+                                         driver sums and drops it: reward/failures).
+REWARD_TIMED_OUT   FloatTensor[B]        1.0 on a row whose reward ran past
+                                         reward.timeout_s (reward/timeouts).
 OUTCOME_SCORES     FloatTensor[B]        the rule (and reward-model) part of SCORES,
                                          which TOKEN_SCORES places on the last token.
 TOKEN_SCORES       FloatTensor[B, R]     OUTCOME_SCORES placed on each sequence's
@@ -130,6 +135,8 @@ ENV_STATS = "env_stats"
 OUTCOME_SCORES = "outcome_scores"
 RULE_SCORES = "rule_scores"
 RULE_REWARD_SECONDS = "rule_reward_seconds"
+REWARD_FAILED = "reward_failed"
+REWARD_TIMED_OUT = "reward_timed_out"
 TOKEN_SCORES = "token_scores"
 TOKEN_REWARDS = "token_rewards"
 ADVANTAGES = "advantages"
@@ -165,6 +172,8 @@ FIELD_SHAPES: Mapping[str, str] = MappingProxyType({
     OUTCOME_SCORES: "FloatTensor[B]",
     RULE_SCORES: "FloatTensor[B]",
     RULE_REWARD_SECONDS: "FloatTensor[B]",
+    REWARD_FAILED: "FloatTensor[B]",
+    REWARD_TIMED_OUT: "FloatTensor[B]",
     TOKEN_SCORES: "FloatTensor[B, R]",
     TOKEN_REWARDS: "FloatTensor[B, R]",
     ADVANTAGES: "FloatTensor[B, R]",

@@ -9,7 +9,7 @@ value), or, as verl allows, a dict with the number under ``"score"``; anything
 else stops the run naming what came back (``roles.scoring.score``).
 
 A config names one as a registered name (``"gsm8k"``, ``"arithmetic"``,
-``"default"``) or as ``"path/to/file.py:function"``, which is loaded with
+``"math"``, ``"code"``, ``"default"``) or as ``"path/to/file.py:function"``, which is loaded with
 importlib so user rewards need no packaging. ``"default"`` dispatches on the
 row's ``data_source``. Signatures are checked when a function is registered or
 loaded, so a wrong one fails at start-up instead of mid-training.
@@ -22,7 +22,9 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from hybridflow.rewards.arithmetic import arithmetic_reward, chat_arithmetic_reward, mentions_answer
+from hybridflow.rewards.code import code_reward
 from hybridflow.rewards.gsm8k import gsm8k_flexible_reward, gsm8k_reward
+from hybridflow.rewards.math import math_reward
 from hybridflow.common import load_source_file, nearest_name
 
 __all__ = ["RewardFn", "register_reward", "get_reward_fn", "registered_rewards", "default_reward",
@@ -135,3 +137,5 @@ register_reward("arithmetic")(arithmetic_reward)
 register_reward("arithmetic_chat")(chat_arithmetic_reward)
 register_reward("arithmetic_chat_lenient")(mentions_answer)
 register_reward("default")(default_reward)
+register_reward("math")(math_reward)  # math-verify equivalence (rewards/math.py); scored in processes
+register_reward("code")(code_reward)  # the program against the row's tests in a sandbox (rewards/code.py)

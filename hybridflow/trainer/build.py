@@ -50,10 +50,10 @@ def _rule_reward(cfg: Config) -> RuleReward:
     spec = cfg.reward.function
     if ":" in spec:  # the path as the driver resolved it (a worker may run in another directory)
         path, _, name = spec.rpartition(":")
-        return RuleReward(spec, resolved=f"{Path(path).expanduser().resolve()}:{name}")
+        return RuleReward(spec, resolved=f"{Path(path).expanduser().resolve()}:{name}", config=cfg.reward)
     from hybridflow.rewards import get_reward_fn
 
-    return RuleReward(spec, get_reward_fn(spec))
+    return RuleReward(spec, get_reward_fn(spec), config=cfg.reward)
 
 
 def actor_spec(cfg: Config, plan: RunPlan) -> ActorWorkerSpec:

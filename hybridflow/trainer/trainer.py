@@ -54,7 +54,7 @@ from hybridflow.roles.actor import actor_update_plan, update_fields
 from hybridflow.roles.critic import critic_update_plan
 from hybridflow.roles.preparation import READS as PREPARATION_READS
 from hybridflow.roles.preparation import TokenStage
-from hybridflow.roles.scoring import RewardError, score_rule
+from hybridflow.roles.scoring import RewardError, reward_counts, score_rule
 from hybridflow.roles.rollout import BASELINE, TRAIN, VALIDATION, row_figures
 from hybridflow.trainer import rl_steps as S
 from hybridflow.checkpoint.format import trainer_state
@@ -350,6 +350,7 @@ class RLTrainer:
         metrics.update(staleness_metrics(self.version - batch[F.WEIGHT_VERSION]))
         if F.RULE_REWARD_SECONDS in batch:  # the rollout's seconds in the rule reward, summed over its replicas
             metrics["timing/rule_reward_s"] = batch.pop(F.RULE_REWARD_SECONDS).sum().item()
+        metrics.update(reward_counts(batch))  # rows that scored 0 because their reward failed
         return metrics
 
     def _prepare_tokens(self, batch, metrics: Metrics):

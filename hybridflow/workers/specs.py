@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from hybridflow.config.schema import (ActorConfig, CriticConfig, EnvConfig, ModelConfig, ReferenceConfig,
-                                      RolloutConfig)
+                                      RewardConfig, RolloutConfig)
 from hybridflow.parallel.layout import ParallelDims
 
 
@@ -41,11 +41,18 @@ class RuleReward:
     function: str = "default"
     fn: Optional[Callable] = None
     resolved: Optional[str] = None
+    config: Optional[RewardConfig] = None  # the reward section: kind, time limit, processes (`build_scorer`)
 
     def load(self) -> Callable:
+        """The function, or with `config` the scorer (`roles.scoring.build_scorer`) that runs it with a time limit."""
         from hybridflow.rewards import get_reward_fn
 
-        return self.fn if self.fn is not None else get_reward_fn(self.resolved or self.function)
+        fn = self.fn if self.fn is not None else get_reward_fn(self.resolved or self.function)
+        if self.config is None:
+            return fn
+        from hybridflow.roles.scoring import build_scorer
+
+        return build_scorer(self.config, fn)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,63 @@
+"""Checks of the `reward` section that need no model or data: each a ConfigError naming the key.
+
+Called from `validate.validate`; what needs the machine (a sandbox that cannot isolate, math-verify missing)
+is checked here too, so the run stops before any worker starts.
+"""
+from __future__ import annotations
+
+import math
+from urllib.parse import urlparse
+
+from hybridflow.config.schema import RewardConfig
+from hybridflow.errors import ConfigError
+
+__all__ = ["check_reward"]
+
+
+def _positive(key: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ConfigError(key, f"must be a finite number > 0, got {value!r}")
+
+
+def _check_limits(reward: RewardConfig) -> None:
+    _positive("reward.timeout_s", reward.timeout_s)
+    if reward.workers < 0:
+        raise ConfigError("reward.workers", f"must be >= 0 (0: score in the scoring process), got {reward.workers}")
+    if not 0.0 <= reward.max_failure_fraction <= 1.0:
+        raise ConfigError("reward.max_failure_fraction", f"must be in [0, 1], got {reward.max_failure_fraction}")
+    box = reward.sandbox
+    for key in ("cpu_s", "wall_s", "memory_mb", "processes", "file_size_mb", "output_kb"):
+        _positive(f"reward.sandbox.{key}", getattr(box, key))
+
+
+def _check_function(reward: RewardConfig) -> None:
+    if reward.function == "math":
+        try:
+            import math_verify  # noqa: F401
+        except ImportError:
+            raise ConfigError("reward.function", "'math' needs the math-verify package: pip install "
+                                                 "'math-verify>=0.9' (in hybridflow's dev extra)") from None
+    if reward.function == "code":
+        from hybridflow.rewards.sandbox import Sandbox, SandboxUnavailable
+
+        try:
+            Sandbox(reward.sandbox)
+        except SandboxUnavailable as exc:
+            raise ConfigError("reward.sandbox.allow_unisolated", str(exc)) from None
+
+
+def _check_http(reward: RewardConfig) -> None:
+    url = reward.http.url
+    if not url or urlparse(url).scheme not in ("http", "https") or not urlparse(url).netloc:
+        raise ConfigError("reward.http.url", f"reward.kind 'http' needs an http:// or https:// URL, got {url!r}")
+    for key in ("batch_size", "max_in_flight"):
+        if getattr(reward.http, key) < 1:
+            raise ConfigError(f"reward.http.{key}", f"must be >= 1, got {getattr(reward.http, key)}")
+    if reward.http.retries < 0 or reward.http.backoff_s < 0:
+        raise ConfigError("reward.http.retries", "retries and backoff_s must be >= 0")
+
+
+def check_reward(reward: RewardConfig) -> None:
+    """ConfigError for the first impossible setting of `reward` (its kind's own section included)."""
+    _check_limits(reward)
+    {"function": _check_function, "http": _check_http}[reward.kind](reward)
