@@ -6,6 +6,7 @@
 - kl.py: k1/k2/k3/abs estimators, KL reward penalty and loss, KL controllers; KL_ESTIMATORS
 - aggregate.py: token-mean / seq-mean-token-sum / seq-mean-token-mean
 - metrics.py: float statistics for logging
+- overlong.py: DAPO's length rules: the soft overlong penalty and which responses the limit cut
 - masked reductions (masked_mean, masked_whiten, ...): re-exported from kernels/masked.py, where
   the GAE kernel's fused whitening finds its reference (kernels are the layer below; docs/design.md)
 """
@@ -20,6 +21,7 @@ from hybridflow.algos.kl import (KL_ESTIMATORS, AdaptiveKLController, FixedKLCon
 from hybridflow.algos.losses import (CORRECTIONS, POLICY_LOSSES, BehaviourWeights, LossOutput,
                                      behaviour_metrics, behaviour_weights, get_policy_loss, gspo_loss,
                                      ppo_clip_loss, register_policy_loss, value_loss)
+from hybridflow.algos.overlong import overlong_penalty, truncated_rows
 from hybridflow.algos.metrics import (advantage_stats, approx_kl, clip_fraction, entropy_mean,
                                       explained_variance, masked_stats)
 from hybridflow.kernels.masked import masked_mean, masked_std, masked_sum, masked_var, masked_whiten
@@ -36,5 +38,5 @@ __all__ = [
     "behaviour_weights",
     "masked_mean", "masked_std", "masked_sum", "masked_var", "masked_whiten",
     "advantage_stats", "approx_kl", "clip_fraction", "entropy_mean", "explained_variance",
-    "masked_stats",
+    "masked_stats", "overlong_penalty", "truncated_rows",
 ]

@@ -259,6 +259,16 @@ class HttpRewardConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (`algos/overlong.py`): a response of L tokens, with L_max =
+    data.max_response_length, scores 0 up to L_max - length, then down linearly to -penalty at L_max, added to
+    its reward before the advantages (validation and `reward/accuracy` read the reward without it)."""
+
+    length: int = 0  # the buffer's tokens before the limit; 0: off
+    penalty: float = 1.0  # what a response of L_max tokens loses
+
+
+@dataclass
 class RewardConfig:
     """Rule-based reward functions and an optional reward model."""
 
@@ -272,6 +282,7 @@ class RewardConfig:
     # "hf": the whole classifier on every rank of placement.reward; "fsdp": sharded over those ranks by FSDP2
     # (engine/fsdp_frozen.py), each holding about 1/N of it.
     engine: Literal["hf", "fsdp"] = "hf"
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO's length penalty
     # What scores each response (roles/scoring.py build_scorer): "function" (reward.function, row by row),
     # "http" (reward.http: batches POSTed to an endpoint).
     kind: Literal["function", "http"] = "function"
@@ -312,6 +323,18 @@ class KLControlConfig:
 
 
 @dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (`trainer/dapo.py`): a step generates batches of data.train_batch_size prompts
+    until it holds that many groups whose scores differ (a GRPO signal), or until it has generated max_batches
+    batches (it then trains on the groups it holds and logs a warning). Extra groups of the last batch are
+    left out. Needs rollout.n >= 2; the group filter reads the reward before reward.overlong_buffer, as the
+    paper filters on accuracy."""
+
+    enabled: bool = False
+    max_batches: int = 10
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"  # name in the algorithms registry
     gamma: float = 1.0
@@ -321,6 +344,10 @@ class AlgorithmConfig:
     kl_penalty: Literal["k1", "k2", "k3", "low_var_kl", "abs", "mse"] = "k1"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     skip_uniform_groups: bool = False  # drop groups whose rewards are all equal
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    # DAPO's overlong filtering: a response cut by data.max_response_length (it used every token and did not end
+    # on a stop token) contributes no loss; it still counts in its group's reward statistics.
+    mask_truncated: bool = False
 
 
 @dataclass

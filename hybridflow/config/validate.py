@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Optional
 from hybridflow.config.plan import (PROCESS_LAYOUT_KEYS, RunPlan, devices_for, engine_parallel, role_world, uses_ray,
                                    rollout_apart)
 from hybridflow.config.schema import Config, LogProbConfig, ParallelConfig, TrainedRoleConfig
+from hybridflow.config.validate_dapo import check_dapo
 from hybridflow.config.validate_rewards import check_reward
 from hybridflow.errors import ConfigError
 from hybridflow.parallel.layout import ParallelDims
@@ -388,6 +389,7 @@ def validate(cfg: Config) -> Config:
     _check_batches(cfg)
     _check_optim(cfg)
     _check_off_policy(cfg)
+    check_dapo(cfg)
     return cfg
 
 

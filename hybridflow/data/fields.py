@@ -49,6 +49,9 @@ RESPONSE_LENGTH    LongTensor[B]         RESPONSE_MASK's 1s per row: what the dr
                                          reads of a response's tokens (its lengths
                                          and figures), the tensors themselves being
                                          left where they were made (Ray runs).
+TRUNCATED          BoolTensor[B]         the response used all data.max_response_length
+                                         tokens without ending on a stop token (cut
+                                         by the limit; single-turn rollouts).
 UID                list[str]  (B)        group id: the n samples of one prompt share
                                          it (GRPO / RLOO baselines).
 ROLLOUT_LOG_PROBS  FloatTensor[B, R]     per-token log-probs reported by the
@@ -120,6 +123,7 @@ RESPONSES = "responses"
 RESPONSE_MASK = "response_mask"
 RESPONSE_TEXT = "response_text"
 RESPONSE_LENGTH = "response_length"
+TRUNCATED = "truncated"
 UID = "uid"
 ROLLOUT_LOG_PROBS = "rollout_log_probs"
 WEIGHT_VERSION = "weight_version"
@@ -157,6 +161,7 @@ FIELD_SHAPES: Mapping[str, str] = MappingProxyType({
     RESPONSE_MASK: "LongTensor[B, R]",
     RESPONSE_TEXT: "list[str]",
     RESPONSE_LENGTH: "LongTensor[B]",
+    TRUNCATED: "BoolTensor[B]",
     UID: "list[str]",
     ROLLOUT_LOG_PROBS: "FloatTensor[B, R]",
     WEIGHT_VERSION: "LongTensor[B]",

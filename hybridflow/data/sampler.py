@@ -14,6 +14,11 @@ difficulty filtering keeps prompts of middling pass rate.) The walk over the
 epochs' permutations goes on past skipped prompts until the batch is full, so
 every step still rolls out ``train_batch_size`` prompts.
 
+With ``refills`` (``algorithm.dynamic_sampling``) a step may draw more than one
+batch: :meth:`PromptSampler.more` walks on from where the step's last batch
+ended, so every prompt is still drawn once an epoch, in the epoch's order, and
+an epoch ends after fewer steps.
+
 The prompts then depend on what the run scored: the sampler's state (where the
 walk stands, which prompts skip how many more passes) is saved in each
 checkpoint's trainer.json and restored on resume, so a resumed run draws the
@@ -33,11 +38,12 @@ __all__ = ["PromptSampler"]
 
 class PromptSampler:
     def __init__(self, dataset: Sequence[PromptRecord], batch_size: int, shuffle: bool, seed: int,
-                 skip_uniform_passes: int = 0):
+                 skip_uniform_passes: int = 0, refills: bool = False):
         if skip_uniform_passes < 0:
             raise ValueError(f"skip_uniform_passes must be >= 0, got {skip_uniform_passes}")
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
         self.skip_passes = skip_uniform_passes
+        self.refills = refills  # a step may draw more batches (`more`): the walk, not the step, says where
         self.steps_per_epoch = batches_per_epoch(len(dataset), batch_size)
         if self.steps_per_epoch == 0:
             raise ValueError(f"batch_size {batch_size} is larger than the {len(dataset)} prompts")
@@ -45,12 +51,15 @@ class PromptSampler:
         # The walk: the next prompt is order[at] of epoch `epoch`; `step` batches were drawn so far.
         self.step, self.epoch, self.at = 0, 0, 0
         self.skips = np.zeros(len(dataset), dtype=np.int64)  # passes each prompt still skips
-        self.skipped = 0  # prompts passed over while drawing the last batch
+        self.skipped = 0  # prompts passed over while drawing the last step's batches
+        self.drawn = 0  # prompts the last step's batches hold
         self._order = None
 
     @property
     def adaptive(self) -> bool:
-        return self.skip_passes > 0
+        """Whether the prompts depend on the steps before (skipping or refills): the walk is then state
+        a checkpoint keeps."""
+        return self.skip_passes > 0 or self.refills
 
     def batch(self, step: int) -> list[PromptRecord]:
         """The prompts of training step `step` (1-based)."""
@@ -59,9 +68,26 @@ class PromptSampler:
             return next(iterate_batches(self.dataset, self.batch_size, self.shuffle, self.seed, epoch,
                                         start_step=index))
         if step != self.step + 1:
-            raise ValueError(f"data.skip_uniform_passes: the sampler stands after step {self.step} and "
-                             f"cannot draw step {step}'s prompts (they depend on the scores of every step before)")
-        out, self.skipped = [], 0
+            raise ValueError(f"the sampler (data.skip_uniform_passes, algorithm.dynamic_sampling) stands after step "
+                             f"{self.step} and cannot draw step {step}'s prompts (they depend on the scores of every "
+                             "step before)")
+        self.skipped, self.drawn = 0, 0
+        out = self._walk()
+        self.step = step
+        return out
+
+    def more(self, step: int) -> list[PromptRecord]:
+        """Another batch of step `step`'s prompts (a refill of `algorithm.dynamic_sampling`), walking on from
+        the step's last batch."""
+        if not self.refills:
+            raise ValueError("a step draws one batch of prompts unless the sampler refills (dynamic sampling)")
+        if step != self.step:
+            raise ValueError(f"the sampler stands in step {self.step} and cannot refill step {step}")
+        return self._walk()
+
+    def _walk(self) -> list[PromptRecord]:
+        """The next `batch_size` prompts of the walk over the epochs' orders, passing over skipped ones."""
+        out = []
         while len(out) < self.batch_size:
             order = self._epoch_order()
             if self.at == len(order):
@@ -74,7 +100,7 @@ class PromptSampler:
                 self.skipped += 1
             else:
                 out.append(self.dataset[i])
-        self.step = step
+        self.drawn += len(out)
         return out
 
     def _epoch_order(self) -> np.ndarray:
@@ -85,7 +111,7 @@ class PromptSampler:
     def observe(self, indices: Sequence[int], skip: torch.Tensor) -> None:
         """After scoring: rows (their prompts' F.INDEX, and `skip` [rows] bool, the same for the rows of
         one prompt) say which prompts skip their next passes; the others skip none."""
-        if not self.adaptive:
+        if not self.skip_passes:
             return
         for index, flag in zip(indices, skip.tolist()):
             self.skips[self.position[index]] = self.skip_passes if flag else 0
@@ -93,8 +119,7 @@ class PromptSampler:
     def metrics(self) -> dict[str, float]:
         if not self.adaptive:
             return {}
-        drawn = self.batch_size + self.skipped
-        return {"data/skipped_fraction": self.skipped / drawn,
+        return {"data/skipped_fraction": self.skipped / (self.drawn + self.skipped),
                 "data/epoch": self.epoch + self.at / len(self.dataset)}
 
     # -- checkpoints -------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from hybridflow.algos.overlong import truncated_rows
 from hybridflow.config.schema import EnvConfig, RolloutConfig
 from hybridflow.data import fields as F
 from hybridflow.data.batch import chunk_rows, repeat_rows
@@ -124,7 +125,10 @@ class Rollout:
             responses=torch.cat([pad_columns(p.responses, width, pad_id) for p in parts]),
             response_mask=torch.cat([pad_columns(p.response_mask, width, 0) for p in parts]),
             log_probs=torch.cat([pad_columns(p.log_probs, width, 0.0) for p in parts]))
-        return row_figures(assemble_rollout(prompts, out, params.n, self.tokenizer))
+        batch = assemble_rollout(prompts, out, params.n, self.tokenizer)
+        batch[F.TRUNCATED] = truncated_rows(out.responses, out.response_mask, params.max_new_tokens,
+                                            params.stop_token_ids)  # DAPO's overlong filter reads it
+        return row_figures(batch)
 
     def _agent_generate(self, prompts: Batch, keys: torch.Tensor, params: SamplingParams, pad: bool) -> Batch:
         """This rank's prompts as multi-turn trajectories (all of them in one loop: its turns are batched)."""

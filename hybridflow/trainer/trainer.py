@@ -61,10 +61,10 @@ from hybridflow.checkpoint.format import trainer_state
 from hybridflow.checkpoint.manager import CheckpointManager
 from hybridflow.trainer.build import build_groups, checkpoint_layouts, model_tensors, rollout_weights, weights_bytes
 from hybridflow.trainer.checkpointing import load_latest, save_step
+from hybridflow.trainer.dapo import dapo_stages, refill_seed, step_collector
 from hybridflow.trainer.interrupt import GracefulInterrupt
 from hybridflow.trainer.plot import plot_run
 from hybridflow.trainer.tracking import Tracker
-from hybridflow.common import mix_seed
 from hybridflow.workers.driver_rows import DriverBatch, hand_on
 from hybridflow.workers.rl_workers import CriticWorker
 
@@ -134,7 +134,8 @@ class RLTrainer:
             min(len(self.val_set), cfg.data.val_max_samples or len(self.val_set))
         check_prompt_count(cfg.data, len(self.train_set))  # checked once the data is read
         d = cfg.data
-        self.sampler = PromptSampler(self.train_set, d.train_batch_size, d.shuffle, d.seed, d.skip_uniform_passes)
+        self.sampler = PromptSampler(self.train_set, d.train_batch_size, d.shuffle, d.seed, d.skip_uniform_passes,
+                                     refills=cfg.algorithm.dynamic_sampling.enabled)
         self.reward_fn = load_reward_function(cfg.reward, filter(None, (self.train_set, self.val_set)))
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                            cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
@@ -142,8 +143,8 @@ class RLTrainer:
         self.needs_old = plan.needs_old_log_probs
         self.needs_baseline = plan.needs_greedy_baseline
         self.chunk_prompts = plan.chunk_prompts
-        # A chunk smaller than the batch pads its prompts to the batch's width (the same shapes every chunk).
-        self.pad_chunks = plan.chunk_prompts < cfg.data.train_batch_size
+        # A chunk smaller than the batch, or a refill, pads its prompts to the batch's width (the same shapes).
+        self.pad_chunks = plan.chunk_prompts < cfg.data.train_batch_size or self.sampler.refills
         groups = build_groups(cfg, plan)
         self.actor, self.critic, self.reward_model = groups.actor, groups.critic, groups.reward_model
         self.separate_reference = groups.reference  # the reference on devices of its own (under FSDP), or None
@@ -159,6 +160,8 @@ class RLTrainer:
         self.token_stage = self._build_token_stage()
         self.flow = self._build_flow()
         self.batch_stages = self._build_batch_stages()
+        self.collect = step_collector(cfg, self.sampler, lambda step, k: self._run_flow(self._prompt_chunks(step, k)),
+                                      self.needs_baseline)  # DAPO's dynamic sampling, or the step's one batch
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", t.keep_last)
 
     def _build_flow(self) -> DataFlow:
@@ -204,24 +207,24 @@ class RLTrainer:
             stages.append(self._note_uniform_prompts)
         if self.needs_baseline:
             stages.append(self._baseline_metrics)
-        stages.append(self._prepare_tokens)
+        stages += dapo_stages(self.cfg, self._prepare_tokens)  # [overlong shaping], tokens, [overlong filter]
         if self.cfg.algorithm.skip_uniform_groups:
             # ReMax compares each sample with its prompt's greedy response, not with the other samples.
             stages.append(self._drop_groups_at_baseline if self.needs_baseline else self._drop_uniform_groups)
         return stages
 
     # -- the iteration --------------------------------------------------------
-    def prompts(self, step: int) -> dict[str, Any]:
-        """The prompts of training step `step` (1-based): a function of (seed, step) only, unless
-        data.skip_uniform_passes makes them depend on the steps before (hybridflow/data/sampler.py)."""
-        items = self.sampler.batch(step)
+    def prompts(self, step: int, refill: int = 0) -> dict[str, Any]:
+        """The prompts of training step `step` (1-based) or of its k-th `refill`: a function of (seed, step) only,
+        unless data.skip_uniform_passes or refills make them depend on the steps before (data/sampler.py)."""
+        items = self.sampler.more(step) if refill else self.sampler.batch(step)
         return self.train_set.collate(items, pad_to=self.cfg.data.max_prompt_length
-                                      if self.cfg.rollout.pad_to_max_length else None)
+                                      if self.cfg.rollout.pad_to_max_length or self.sampler.refills else None)
 
-    def _prompt_chunks(self, step: int) -> list[PromptChunk]:
-        """Step `step`'s prompts as the flow's items (sampling seed, prompt chunk)."""
-        seed = mix_seed(self.cfg.trainer.seed, step)
-        return [PromptChunk(seed, chunk) for chunk in chunk_rows(self.prompts(step), self.chunk_prompts)]
+    def _prompt_chunks(self, step: int, refill: int = 0) -> list[PromptChunk]:
+        """Step `step`'s prompts (or its refill's) as the flow's items (sampling seed, prompt chunk)."""
+        seed = refill_seed(self.cfg.trainer.seed, step, refill)
+        return [PromptChunk(seed, chunk) for chunk in chunk_rows(self.prompts(step, refill), self.chunk_prompts)]
 
     def _generate_chunks(self, items: list[PromptChunk], version: int) -> list[dict[str, Any]]:
         """The rollout group's batches of a step's chunks, generated by weight `version` (the stream's
@@ -244,24 +247,25 @@ class RLTrainer:
         return self.weights.rollout(self.version, lambda: self._generate(prompts, seed, mode, pad))
 
     def prepare(self, step: int) -> tuple[dict[str, Any], Metrics, Any]:
-        """Prompts of `step` through the flow, chunk by chunk, then the whole-batch stages.
-
-        Returns the batch, its metrics and the flow's result (timings).
-        """
+        """Prompts of `step` through the flow, chunk by chunk ([refilled: `trainer/dapo.py`]), then the
+        whole-batch stages. Returns the batch, its metrics and the flow's result (timings)."""
         taken = self.weights.take(step, self.version)  # prompt chunks, or (off-policy) chunks generated ahead
+        got = self.collect(step, self._run_flow(taken.output))  # with dynamic sampling, refilled
+        metrics, batch = {**self._rollout_metrics(got.generated), **taken.metrics, **got.metrics}, got.batch
+        for stage in self.batch_stages:
+            batch = DriverBatch(stage(batch, metrics))
+        return dict(batch), metrics, got.flow
+
+    def _run_flow(self, items: list) -> tuple[DriverBatch, Any]:
+        """The flow over one batch's items: the batch, as the driver's stages see it, and the flow's result."""
         try:
-            result = self.flow.run(taken.output, async_execution=self.cfg.dataflow.async_execution, min_batch=1)
+            result = self.flow.run(items, async_execution=self.cfg.dataflow.async_execution, min_batch=1)
         except NodeError as exc:  # a worker (or the reward function) failed inside a stage: report that error
             if isinstance(exc.__cause__, (WorkerError, TrainingError)):
                 raise exc.__cause__ from None
             raise
         # The driver's stages read one number a row, never token rows: held to that here as under Ray.
-        batch = DriverBatch(concat_batches(result.final) if len(result.final) > 1 else result.final[0])
-        metrics = self._rollout_metrics(batch)
-        metrics.update(taken.metrics)
-        for stage in self.batch_stages:
-            batch = DriverBatch(stage(batch, metrics))
-        return dict(batch), metrics, result
+        return DriverBatch(concat_batches(result.final) if len(result.final) > 1 else result.final[0]), result
 
     def update(self, batch: dict[str, Any], step: int) -> dict[str, float]:
         """Critic, then actor: each replica trains on its share of mini-batches drawn once for the whole
