@@ -47,6 +47,7 @@ SUITE: dict[str, tuple[list[str], list[str], bool]] = {
     "calibrate": ([], ["--rounds", "1"], True),
     "trl": ([], ["--steps", "2", "--warmup", "1"], True),
     "async": ([], ["--steps", "1", "--warmup", "1", "--prompts", "8", "--val", "20"], True),
+    "dapo": ([], ["--prompts", "256", "--every", "128", "--val", "20"], True),
 }
 LEFT_OUT = {"csrc": "compares two builds: hybridflow bench csrc --baseline REV", "all": "this script"}
 
