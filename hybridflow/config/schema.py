@@ -269,6 +269,23 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """`reward.kind: judge`: a generative model reads `template` (with {prompt}, {response} and {ground_truth})
+    and the verdict in its answer is the score (`roles/judge.py`): for "yes_no" 1.0 when the answer's last
+    yes/no word is yes and 0.0 when it is no; for "number" its last number divided by `scale`, clipped to
+    [0, 1]. An answer with no verdict scores 0 and counts as a failed row (reward/failures)."""
+
+    model_path: Optional[str] = None  # HF checkpoint, generated greedily by the built-in engine where rows are scored
+    template: str = ("Question: {prompt}\nReference answer: {ground_truth}\nResponse: {response}\n"
+                     "Is the response correct? Answer yes or no.\nVerdict:")
+    verdict: Literal["yes_no", "number"] = "yes_no"
+    scale: float = 1.0  # "number": the verdict is divided by this (10 for a 0-10 grade)
+    max_new_tokens: int = 16
+    batch_size: int = 8  # prompts per generate call
+    stop: list[str] = field(default_factory=lambda: ["\n"])  # strings that end the judge's answer
+
+
+@dataclass
 class RewardConfig:
     """Rule-based reward functions and an optional reward model."""
 
@@ -284,8 +301,8 @@ class RewardConfig:
     engine: Literal["hf", "fsdp"] = "hf"
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO's length penalty
     # What scores each response (roles/scoring.py build_scorer): "function" (reward.function, row by row),
-    # "http" (reward.http: batches POSTed to an endpoint).
-    kind: Literal["function", "http"] = "function"
+    # "http" (reward.http: batches POSTed to an endpoint), "judge" (reward.judge: a generative model's verdict).
+    kind: Literal["function", "http", "judge"] = "function"
     # Seconds per reward call (one row) before it scores 0; for http, per request (then retried, reward.http).
     timeout_s: float = 30.0
     # Processes scoring rows in parallel; 0: in the scoring process, on a thread (a call past timeout_s is
@@ -296,6 +313,7 @@ class RewardConfig:
     max_failure_fraction: float = 0.1
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the code reward's limits
     http: HttpRewardConfig = field(default_factory=HttpRewardConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass

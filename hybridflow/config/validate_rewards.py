@@ -57,7 +57,24 @@ def _check_http(reward: RewardConfig) -> None:
         raise ConfigError("reward.http.retries", "retries and backoff_s must be >= 0")
 
 
+def _check_judge(reward: RewardConfig) -> None:
+    judge = reward.judge
+    if not judge.model_path:
+        raise ConfigError("reward.judge.model_path", "reward.kind 'judge' needs the judge model's HF checkpoint")
+    if "{response}" not in judge.template:
+        raise ConfigError("reward.judge.template", "must contain {response}")
+    try:
+        judge.template.format(prompt="", response="", ground_truth="")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError("reward.judge.template", f"only {{prompt}}, {{response}} and {{ground_truth}} may be "
+                                                   f"filled in (write a literal brace as {{{{ or }}}}): {exc!r}")
+    _positive("reward.judge.scale", judge.scale)
+    for key in ("max_new_tokens", "batch_size"):
+        if getattr(judge, key) < 1:
+            raise ConfigError(f"reward.judge.{key}", f"must be >= 1, got {getattr(judge, key)}")
+
+
 def check_reward(reward: RewardConfig) -> None:
     """ConfigError for the first impossible setting of `reward` (its kind's own section included)."""
     _check_limits(reward)
-    {"function": _check_function, "http": _check_http}[reward.kind](reward)
+    {"function": _check_function, "http": _check_http, "judge": _check_judge}[reward.kind](reward)

@@ -1,8 +1,8 @@
 """A rollout batch scored where it is made (the rollout's worker), so that no reward can stall or kill a run.
 
 `score_rule(batch, scorer, name)` scores every response with a scorer
-(`rewards/scorer.py`: reward.function row by row with a time limit, or an
-HTTP endpoint) or with a plain reward function (guarded the same
+(`rewards/scorer.py`: reward.function row by row with a time limit, an HTTP
+endpoint, or a judge model, `roles/judge.py`) or with a plain reward function (guarded the same
 way, on a thread). A row whose reward raised, timed out, crashed its process
 or returned no number scores 0, is counted (REWARD_FAILED; REWARD_TIMED_OUT)
 and logged with the first error's text. More than the scorer's
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 class RewardError(RuntimeError):
     """Too many rows of a batch failed to score: the message, one line, names the reward (reward.function,
-    or the http reward) and the first failing row."""
+    or the http or judge reward) and the first failing row."""
 
 
 def batch_rows(batch: dict[str, Any]) -> list[tuple]:
@@ -49,6 +49,10 @@ def build_scorer(reward: Any, fn: Optional[Callable] = None) -> BatchScorer:
         from hybridflow.rewards.remote import HttpReward
 
         return HttpReward(reward.http, reward.timeout_s, reward.max_failure_fraction)
+    if reward.kind == "judge":
+        from hybridflow.roles.judge import JudgeReward
+
+        return JudgeReward(reward.judge, reward.max_failure_fraction)
     if fn is None:
         from hybridflow.rewards.registry import get_reward_fn
 
