@@ -166,3 +166,18 @@ def check_models(saved: Any, here: dict[str, dict[str, list[int]]], directory: P
         if diff is not None:
             raise CheckpointError(step, f"trainer.resume=auto: {directory}: its {name} does not fit this run's "
                                         f"model {paths[name]}: {diff}; {how}")
+
+
+def optimizer_param_state(opt) -> Optional[dict]:
+    """A megatron-core distributed optimizer's own shard of Adam state, in the form its loader reads back
+    (None for a plain optimizer, whose state is in its `state_dict`)."""
+    if not hasattr(opt, "get_parameter_state_dp_reshardable"):
+        return None
+    state = opt.get_parameter_state_dp_reshardable()
+    for gbuf_idx, by_dtype in state.items():
+        if isinstance(gbuf_idx, int):
+            for buckets in by_dtype.values():
+                for bucket in buckets:
+                    for elem in bucket:
+                        elem.setdefault("padding", False)  # the loader filters on this key
+    return state

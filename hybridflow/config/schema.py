@@ -101,6 +101,24 @@ class MoELossConfig:
     z_loss_coeff: float = 0.0
 
 
+# The parallel linears a LoRA adapter may sit on (`engine/lora.py`), by megatron-core's module names.
+LORA_TARGETS: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the actor's parallel linears (megatron-core engine; rank 0: off, every weight
+    trains). Each adapted layer computes W x + (alpha / rank) * B A dropout(x), with A [rank, in] and
+    B [out, rank] (B starts at zero, so step 0 is the base model); the base weights are frozen: no
+    gradient, no optimizer state. `reference.engine: adapters_off` then makes the KL reference the
+    actor's own forward with the adapters switched off."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0  # on the adapters' input; 0 in RL by default, as for the model itself
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+
 @dataclass
 class OptimConfig:
     lr: float = 1e-6
@@ -198,6 +216,7 @@ class ActorConfig(LogProbConfig, TrainedRoleConfig):
     off_policy_correction: Literal["none", "decoupled", "tis", "mis"] = "none"
     off_policy_correction_level: Literal["token", "sequence"] = "token"
     off_policy_correction_threshold: float = 2.0  # tis / mis only; at least 1
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: train adapters only (megatron engine)
 
 
 @dataclass
@@ -219,8 +238,9 @@ class ReferenceConfig(LogProbConfig):
     parallel: Optional[ParallelConfig] = None
     # "fsdp": the frozen model sharded over its processes (each holds 1/N of it): the actor's, whatever their
     # layout, or its own when placement.reference is apart; instead of a megatron-core copy at the actor's
-    # layout. parallel is then not set.
-    engine: TrainEngineName = "megatron"
+    # layout. parallel is then not set. "adapters_off" (with actor.lora): the actor's own engine with its
+    # adapters switched off, the base model; no reference model is built.
+    engine: Literal["megatron", "fsdp", "adapters_off"] = "megatron"
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
 

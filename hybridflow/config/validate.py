@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Optional
 from hybridflow.config.plan import (PROCESS_LAYOUT_KEYS, RunPlan, devices_for, engine_parallel, role_world, uses_ray,
                                    rollout_apart)
 from hybridflow.config.schema import Config, LogProbConfig, ParallelConfig, TrainedRoleConfig
+from hybridflow.config.validate_lora import check_lora, check_lora_model
 from hybridflow.config.validate_dapo import check_dapo
 from hybridflow.config.validate_rewards import check_reward
 from hybridflow.errors import ConfigError
@@ -389,6 +390,7 @@ def validate(cfg: Config) -> Config:
     _check_batches(cfg)
     _check_optim(cfg)
     _check_off_policy(cfg)
+    check_lora(cfg)
     check_dapo(cfg)
     return cfg
 
@@ -591,3 +593,4 @@ def check_plan(cfg: Config, plan: RunPlan, model: "DecoderConfig",
     _check_shares(cfg, plan)
     _check_mini_batches(cfg, plan)
     _check_packing(cfg, model)
+    check_lora_model(cfg, model)

@@ -21,14 +21,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hybridflow.checkpoint.format import shard_file
-from hybridflow.config.schema import OptimConfig, ParallelConfig
+from hybridflow.checkpoint.format import optimizer_param_state, shard_file
+from hybridflow.config.schema import LoRAConfig, OptimConfig, ParallelConfig
 from hybridflow.data import fields as F
 from hybridflow.data.batch import pad_with_empty_rows, slice_rows
 from hybridflow.engine.build import (HiddenOutput, RopePositions, build_model, lr_scheduler, transformer_config,
                                      use_fused_adam)
 from hybridflow.engine.cp_attention import gather_output
 from hybridflow.engine.distributed import init_model_parallel
+from hybridflow.engine.lora import LoRA, attach_lora, trainable
 from hybridflow.engine.moe import RouterStats, forward_with_padding
 from hybridflow.engine.packing import (left_align_index, pack_rows, pad_columns, padded_width, share_prompt_rows,
                                        shared_lengths, to_cpu, unalign, unpack_sequences, unshare_rows)
@@ -89,7 +90,7 @@ class MegatronEngine:
     `parallel`'s degrees), kept as `self.layout`, with this rank's `self.coord`. virtual_pp = v > 1: the rank holds
     v model chunks (`self.chunks`; `self.models` their DDP wrappers, one optimizer over all), chunk c of stage s
     holding `parallel.stages.chunk_layers(s, c, ...)`. `self.module` and `self.model` are the first chunk and its
-    wrapper.
+    wrapper. lora (rank > 0): the base frozen, adapters trained (`self.lora`, `engine/lora.py`).
     """
 
     kind = "megatron"
@@ -98,7 +99,8 @@ class MegatronEngine:
                  optim: Optional[OptimConfig] = None, *, device: str = "cpu", dtype: str = "float32",
                  make_vocab_size_divisible_by: int = 128, value_head: bool = False,
                  total_steps: int = 1, seed: int = 0, fused_output: bool = False, layer_kernels: bool = True,
-                 layout: Optional[ParallelDims] = None, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0):
+                 layout: Optional[ParallelDims] = None, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
+                 lora: Optional[LoRAConfig] = None):
         if device == "cpu":
             from hybridflow.engine import cpu_compat
             cpu_compat.apply()
@@ -123,6 +125,8 @@ class MegatronEngine:
                         vp_stage=c if self.virtual_pp > 1 else None) for c in range(self.virtual_pp)]
         self._check_chunk_layers()
         self.router_stats = RouterStats(self.chunks, model_cfg)
+        self.lora: Optional[LoRA] = (attach_lora(self.chunks, lora, self.layout.tp, self.coord.tp, seed)
+                                     if lora is not None and lora.rank > 0 else None)
         self.module = self.chunks[0]
         self.optimizer = self.scheduler = None
         self.models: list[nn.Module] = list(self.chunks)
@@ -279,10 +283,12 @@ class MegatronEngine:
             self.optimizer.reload_model_params()
 
     def stage_state(self, traffic: Optional[TrafficCounter] = None) -> dict[str, Tensor]:
-        """This stage's tensors, gathered over TP, under global megatron names (each its own copy)."""
+        """This stage's tensors, gathered over TP, under global megatron names (each its own copy); with LoRA
+        the merged W + s * B A (what an export writes)."""
         from megatron.core import parallel_state as ps
 
         params, out = self.named_params(), {}
+        params = self.lora.merged(params) if self.lora is not None else params
         for entry, local in self.stage_entries():
             tensor = params[local].detach()
             if self.layout.tp > 1 and entry.shard.dim is not None:
@@ -512,10 +518,11 @@ class MegatronEngine:
 
     # -- checkpoints (this rank's shard) --------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": {k: v.detach().clone() for k, v in self.named_params().items()}}
+        params = trainable(self.named_params(), self.lora)  # with LoRA the adapters only
+        state: dict[str, Any] = {"model": {k: v.detach().clone() for k, v in params.items()}}
         if self.optimizer is not None and self._has_stepped():
             state["optimizer"] = self.optimizer.state_dict()
-            state["optimizer_params"] = [_param_state(opt) for opt in self.optimizer.chained_optimizers]
+            state["optimizer_params"] = [optimizer_param_state(opt) for opt in self.optimizer.chained_optimizers]
             state["scheduler"] = self.scheduler.state_dict()
         return state
 
@@ -582,18 +589,4 @@ class MegatronEngine:
             raise UnsafeCheckpointError(f"{path}: refusing to load a checkpoint shard that holds more than "
                                         f"tensors and plain data (loading it could run code). {found}") from None
         self.load_state_dict(state)
-
-
-def _param_state(opt) -> Optional[dict]:
-    """A distributed optimizer's own shard of Adam state, in the form its loader reads back."""
-    if not hasattr(opt, "get_parameter_state_dp_reshardable"):
-        return None
-    state = opt.get_parameter_state_dp_reshardable()
-    for gbuf_idx, by_dtype in state.items():
-        if isinstance(gbuf_idx, int):
-            for buckets in by_dtype.values():
-                for bucket in buckets:
-                    for elem in bucket:
-                        elem.setdefault("padding", False)  # the loader filters on this key
-    return state
 

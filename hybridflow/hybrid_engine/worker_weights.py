@@ -25,6 +25,7 @@ import torch
 from hybridflow.config.schema import ModelConfig, RolloutConfig
 from hybridflow.hybrid_engine.apart import plan_apart
 from hybridflow.hybrid_engine.fsdp_gather import FSDPGatheredWeights
+from hybridflow.hybrid_engine.lora_weights import AdapterMerge, MergedWeights, adapters_of
 from hybridflow.hybrid_engine.plan import bridge_params
 from hybridflow.hybrid_engine.reshard import generation_weights, new_groups
 from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel
@@ -37,10 +38,18 @@ from hybridflow.models.decoder import Decoder, rope_inv_freq
 from hybridflow.parallel.layout import ParallelDims
 from hybridflow.rollout import RolloutBackend, hf_named, sync_weights
 
+def megatron_generation(engine, rollout: RolloutConfig):
+    """Views at tp = pp = 1, else the reshard plan's shard at `rollout.tg`; of the merged W + s * B A where the
+    engine trains LoRA adapters (`lora_weights.py`)."""
+    def build(source):
+        return generation_weights(source, rollout.tg, rollout.grouping)
+    return MergedWeights(engine, build) if adapters_of(engine) else build(engine)
+
+
 # Engine kind -> the actor's generation weights (refresh / release / model / mesh). FSDP generates at tg = 1:
 # every rank gathers the whole model (the config checks refuse more).
 GENERATION_WEIGHTS: dict[str, Callable] = {
-    "megatron": lambda engine, rollout: generation_weights(engine, rollout.tg, rollout.grouping),
+    "megatron": megatron_generation,
     "fsdp": lambda engine, rollout: FSDPGatheredWeights(engine, rollout.weight_bucket_mb * 2**20),
 }
 
@@ -89,7 +98,9 @@ class ShardSender:
     """A training rank's side of the sync into a rollout group apart (`weight_sync.py` runs the broadcasts)."""
 
     def __init__(self, engine, rank: int, device: str):
-        self.engine, self.rank, self.device = engine, rank, device
+        # A LoRA actor sends its merged weights (merged afresh before each send or snapshot).
+        self.merge: Optional[AdapterMerge] = AdapterMerge(engine) if adapters_of(engine) else None
+        self.engine, self.rank, self.device = self.merge or engine, rank, device
         self.world: Optional[SyncWorld] = None
         self.staged: dict[int, dict[str, torch.Tensor]] = {}  # weight version -> shard copy (`stage`)
         self._lock = threading.Lock()  # `send_staged` runs aside, on another thread of this process
@@ -103,6 +114,8 @@ class ShardSender:
 
     def training_shard(self) -> dict[str, torch.Tensor]:
         """Megatron global name -> this rank's training shard of it (views of the parameters)."""
+        if self.merge is not None:
+            self.merge.merge()
         params = self.engine.named_params()
         return {e.megatron: params[n].detach() for e, n in self.engine.stage_entries()}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from hybridflow.config.schema import FSDPConfig, ModelConfig, MoELossConfig, OptimConfig, ParallelConfig
+from hybridflow.config.schema import FSDPConfig, LoRAConfig, ModelConfig, MoELossConfig, OptimConfig, ParallelConfig
 from hybridflow.engine import MegatronEngine
 from hybridflow.models.config import DecoderConfig
 from hybridflow.parallel.layout import ParallelDims
@@ -25,25 +25,28 @@ def model_config(path: str, kind: str = "megatron", fsdp: Optional[FSDPConfig] =
 
 def megatron_engine(run: Run, model: ModelConfig, path: str, optim: Optional[OptimConfig], parallel: ParallelConfig,
                     layout: ParallelDims, optimizer_steps: int, value_head: bool, fsdp: Optional[FSDPConfig],
-                    moe: MoELossConfig):
-    """megatron-core at `layout` (any TP/PP/CP/DP), with an MoE model's router losses weighted by `moe`."""
+                    moe: MoELossConfig, lora: Optional[LoRAConfig] = None):
+    """megatron-core at `layout` (any TP/PP/CP/DP), with an MoE model's router losses weighted by `moe`, and
+    with `lora` (rank > 0) its base frozen and adapters trained."""
     return MegatronEngine(
         model_config(path), parallel, optim,
         device=run.device, dtype=model.dtype, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
         value_head=value_head, total_steps=optimizer_steps, seed=run.seed,
         fused_output=model.use_fused_kernels and not value_head, layer_kernels=model.cpu_layer_kernels,
-        layout=layout, aux_loss_coeff=moe.aux_loss_coeff, z_loss_coeff=moe.z_loss_coeff)
+        layout=layout, aux_loss_coeff=moe.aux_loss_coeff, z_loss_coeff=moe.z_loss_coeff, lora=lora)
 
 
 def fsdp_engine(run: Run, model: ModelConfig, path: str, optim: Optional[OptimConfig], parallel: ParallelConfig,
                 layout: ParallelDims, optimizer_steps: int, value_head: bool, fsdp: Optional[FSDPConfig],
-                moe: MoELossConfig):
+                moe: MoELossConfig, lora: Optional[LoRAConfig] = None):
     """FSDP2 over the group's world, on hybridflow's decoder or transformers' code (`fsdp.modeling`); the
     plan's layout must be dp = world, which the config checks made sure of. It adds no router loss (the
     config checks refuse `moe` coefficients for it)."""
     from hybridflow.engine.fsdp import FSDPEngine
     from hybridflow.engine.fsdp_hf import TransformersFSDPEngine
 
+    if lora is not None and lora.rank > 0:
+        raise ValueError("actor.lora: adapters are built on the megatron engine only (the config checks refuse it)")
     fsdp = fsdp or FSDPConfig()
     options = dict(device=run.device, dtype=model.dtype,
                    make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, value_head=value_head,
@@ -61,12 +64,13 @@ ENGINE_KINDS: dict[str, Callable] = {"megatron": megatron_engine, "fsdp": fsdp_e
 
 def build_engine(run: Run, model: ModelConfig, path: str, optim: Optional[OptimConfig], parallel: ParallelConfig,
                  layout: ParallelDims, optimizer_steps: int = 1, value_head: bool = False,
-                 kind: str = "megatron", fsdp: Optional[FSDPConfig] = None, moe: Optional[MoELossConfig] = None):
+                 kind: str = "megatron", fsdp: Optional[FSDPConfig] = None, moe: Optional[MoELossConfig] = None,
+                 lora: Optional[LoRAConfig] = None):
     """An engine of `kind` at the run plan's `layout`, loaded from the HF checkpoint at `path` (checked by the
     trainer; each rank reads only its own slices); its LR schedule spans `optimizer_steps`."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine kind {kind!r}: one of {sorted(ENGINE_KINDS)}")
     engine = ENGINE_KINDS[kind](run, model, path, optim, parallel, layout, optimizer_steps, value_head, fsdp,
-                                moe or MoELossConfig())
+                                moe or MoELossConfig(), lora)
     engine.load_hf_checkpoint(path)
     return engine

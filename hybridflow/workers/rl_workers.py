@@ -36,6 +36,7 @@ from hybridflow.controller.group import RoleGroup, remote
 from hybridflow.controller.worker import Worker
 from hybridflow.data import fields as F
 from hybridflow.data.tokenizer import Tokenizer
+from hybridflow.engine.lora import AdaptersOff
 from hybridflow.hybrid_engine.worker_weights import ColocatedGeneration, ShardReceiver, ShardSender
 from hybridflow.models.checkpoint import save_hf_checkpoint, save_hf_checkpoint_parts
 from hybridflow.parallel.layout import ParallelDims
@@ -139,14 +140,16 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         self.tokenizer = read_tokenizer(spec.model)
         self.engine = build_engine(spec.run, spec.model, spec.model.path, spec.actor.optim, spec.actor.parallel,
                                    spec.layout, spec.optimizer_steps, kind=spec.actor.engine, fsdp=spec.actor.fsdp,
-                                   moe=spec.actor.moe)
+                                   moe=spec.actor.moe, lora=spec.actor.lora)
         self.register_mesh("actor", spec.layout)
         self.actor = Actor(spec.actor, self.engine, samples_per_prompt=spec.rollout.n,
                            temperature=spec.rollout.temperature, seed=spec.run.seed, old_log_probs=spec.old_log_probs)
         self.reference = None
         if spec.reference is not None:
             ref = spec.reference
-            if ref.engine == "fsdp":  # sharded over all of this group's processes, whatever the actor's layout
+            if ref.engine == "adapters_off":  # the actor's own engine, its LoRA adapters left out: the base
+                engine = AdaptersOff(self.engine)
+            elif ref.engine == "fsdp":  # sharded over all of this group's processes, whatever the actor's layout
                 engine = build_engine(spec.run, spec.model, spec.model.path, None, ParallelConfig(),
                                       ParallelDims(dp=self.world_size), kind="fsdp", fsdp=ref.fsdp)
             else:
