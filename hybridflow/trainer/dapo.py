@@ -113,8 +113,8 @@ class DynamicSampling:
         held = min(found, self.groups)
         if held < self.groups:
             log.warning("step %d: dynamic sampling generated %d batches (algorithm.dynamic_sampling.max_batches) "
-                        "and found %d of %d groups whose scores differ; training on those", step, k, held,
-                        self.groups)
+                        "and found %d of %d groups whose scores differ; %s", step, k, held, self.groups,
+                        "training on those" if held else "the step takes no update")
         metrics = {"dapo/kept_groups": float(held), "dapo/generated_batches": float(k),
                    "dapo/informative_fraction": found / total, "dapo/filled": float(held == self.groups)}
         every = concat(generated) if len(generated) > 1 else generated[0]

@@ -83,9 +83,11 @@ def test_stops_at_max_batches_trains_on_what_it_found_and_logs_it(caplog):
            "of 4 groups" in caplog.text
 
 
-def test_no_group_with_a_signal_leaves_an_empty_batch():
+def test_no_group_with_a_signal_leaves_an_empty_batch(caplog):
     flat = [(0, [1.0, 1.0]), (1, [0.0, 0.0])]
-    got = DynamicSampling(2, 1, Refills([flat]), S.nonuniform_rows)(1, (batch_of(flat), flow(1.0)))
+    with caplog.at_level(logging.WARNING, logger="hybridflow.trainer.dapo"):
+        got = DynamicSampling(2, 1, Refills([flat]), S.nonuniform_rows)(1, (batch_of(flat), flow(1.0)))
+    assert "found 0 of 2 groups whose scores differ; the step takes no update" in caplog.text
     assert got.batch[F.INDEX] == [] and got.batch[F.SCORES].shape == (0,)
     assert got.metrics["dapo/kept_groups"] == 0.0 and got.metrics["dapo/informative_fraction"] == 0.0
 
