@@ -25,6 +25,7 @@ EXTRAS = {
         "transformers>=4.45",
         "gguf>=0.10",  # the real-model tests convert SmolLM2's GGUF and check it with transformers,
         "accelerate>=1.0",  # whose GGUF loader needs accelerate
+        "peft>=0.17",  # a LoRA actor's PEFT export is loaded back by peft in the tests
         "tensorboard>=2.14",  # the tracker's tensorboard sink is tested, not skipped
         "wandb>=0.31",  # the wandb and mlflow loggers are tested against the real libraries (offline / file store)
         "mlflow-skinny>=3.0",

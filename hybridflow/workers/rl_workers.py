@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import torch
 
+from hybridflow.checkpoint.peft import export_peft
 from hybridflow.config.schema import ModelConfig, ParallelConfig, RewardConfig
 from hybridflow.controller.dispatch import Dispatch, register
 from hybridflow.controller.group import RoleGroup, remote
@@ -241,21 +242,25 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
 
     @register(Dispatch.RANK_ZERO)
     def export_hf(self, path: str) -> str:
-        """The actor as an HF checkpoint, streamed stage by stage (every rank gathers; rank 0 writes)."""
+        """The actor as an HF checkpoint, streamed stage by stage (every rank gathers; rank 0 writes); a LoRA
+        actor's is the merged model, with its adapters as a PEFT directory in `peft/` beside the weights."""
         parts = self.engine.hf_stage_parts()
+        written = path
         if self.rank != 0:
             for _ in parts:  # take part in each stage's gather
                 pass
-            return path
-        model = self.spec.model
-        tok_dir = Path(model.tokenizer_path or model.path)
-        extra = tuple(tok_dir / f for f in TOKENIZER_FILES if (tok_dir / f).is_file())
-        hf_config = self.model_cfg.to_hf_dict()
-        hf_config["torch_dtype"] = model.dtype
-        stages = self.engine.layout.pp
-        if stages == 1:
-            return str(save_hf_checkpoint(next(parts), hf_config, path, extra_files=extra))
-        return str(save_hf_checkpoint_parts(parts, stages, hf_config, path, extra_files=extra))
+        else:
+            model = self.spec.model
+            tok_dir = Path(model.tokenizer_path or model.path)
+            extra = tuple(tok_dir / f for f in TOKENIZER_FILES if (tok_dir / f).is_file())
+            hf_config = self.model_cfg.to_hf_dict()
+            hf_config["torch_dtype"] = model.dtype
+            stages = self.engine.layout.pp
+            written = str(save_hf_checkpoint(next(parts), hf_config, path, extra_files=extra) if stages == 1
+                          else save_hf_checkpoint_parts(parts, stages, hf_config, path, extra_files=extra))
+        if self.engine.kind == "megatron" and self.engine.lora is not None:  # after: the save replaces `path`
+            export_peft(self.engine, Path(path) / "peft", self.spec.model.path)
+        return written
 
 
 class RolloutWorker(_Generates):

@@ -1,6 +1,9 @@
 """LoRA GRPO through the trainer (issue 62): at tp2, pp2 and dp2 on Ray, equal to one process over three steps,
 with the adapters-off reference's KL in the loss."""
+import json
+
 import pytest
+from safetensors import safe_open
 
 from tests.trainer.test_distributed_trainer import compare_with_one_process, run
 
@@ -26,7 +29,13 @@ def test_lora_grpo_at_each_layout_matches_one_process(tmp_path, one_process, lay
     W + s * B A gathered by the reshard plan), split over two stages (pp2), or replicated with their gradients
     averaged by Megatron DDP (dp2, views of the merged weights): three steps' learned metrics, KL to the
     adapters-off reference included, equal one process's within 1e-5 relative (1e-6 absolute)."""
-    _, records = run("tiny-grpo.yaml", tmp_path / layout, "trainer.launcher=ray", "trainer.n_devices=2",
+    summary, records = run("tiny-grpo.yaml", tmp_path / layout, "trainer.launcher=ray", "trainer.n_devices=2",
                      *LAYOUTS[layout], *LORA_GRPO)
     assert one_process[3]["actor/kl_loss"] > 0 and records[3]["lora/merged_bytes"] > 0  # the policy left the base
     compare_with_one_process(f"LoRA GRPO at {layout}", records, one_process, steps=(1, 2, 3), rel=1e-5, abs_=1e-6)
+    # The export: the merged model, and the adapters (gathered over TP / the stages) as a PEFT directory.
+    adapter = json.loads((summary["hf_actor"] / "peft" / "adapter_config.json").read_text())
+    with safe_open(summary["hf_actor"] / "peft" / "adapter_model.safetensors", "pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    assert adapter["r"] == 8 and len(shapes) == 4 * 7 * 2, sorted(shapes)[:4]  # 4 layers, 7 HF linears, A and B
+    assert shapes["base_model.model.model.layers.3.mlp.down_proj.lora_A.weight"] == (8, 384)

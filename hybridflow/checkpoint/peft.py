@@ -1,0 +1,82 @@
+"""A LoRA actor's adapters as a PEFT directory: `adapter_config.json` + `adapter_model.safetensors`.
+
+`peft.PeftModel.from_pretrained(base, directory)` loads it onto the base HF model and computes the merged
+model hybridflow exports beside it. megatron-core fuses what HF keeps apart (`linear_qkv` is q, k and v;
+`linear_fc1` is [gate; up]), so one fused adapter becomes one PEFT adapter per HF linear: B's rows split
+by the bridge exactly as the fused weight's rows are (the bridge is read with B in the weight's place), and
+A shared, since each part's delta `s * B_part A` is the fused delta's rows.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PREFIX = "base_model.model."  # PEFT's name for the wrapped causal LM
+
+
+@torch.no_grad()
+def adapter_stage_state(engine) -> dict[str, Tensor]:
+    """This stage's adapters, whole (gathered over TP), as `{global module}.lora_A` / `.lora_B` -> tensor."""
+    from megatron.core import parallel_state as ps
+
+    from hybridflow.models.sharding import unshard_tensor
+
+    out = {}
+    for a in engine.lora.adapted:
+        for name, param, spec in (("lora_A", a.module.lora_A, a.a_spec), ("lora_B", a.module.lora_B, a.b_spec)):
+            tensor = param.detach()
+            if engine.layout.tp > 1 and spec.dim is not None:
+                pieces = [torch.empty_like(tensor) for _ in range(engine.layout.tp)]
+                dist.all_gather(pieces, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
+                tensor = unshard_tensor(pieces, spec)
+            out[f"{a.key}.{name}"] = tensor.clone()
+    return out
+
+
+def peft_tensors(bridge, adapters: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Whole adapters (`adapter_stage_state`, every stage) -> PEFT's tensors under HF module names."""
+    out = {}
+    for name, b in adapters.items():
+        if not name.endswith(".lora_B"):
+            continue
+        key = name[:-len(".lora_B")]
+        a = adapters[key + ".lora_A"]
+        for hf_name, part in bridge.megatron_to_hf({key + ".weight": b}, partial=True).items():
+            module = PREFIX + hf_name[:-len(".weight")]
+            out[f"{module}.lora_A.weight"] = a.clone()  # one copy per HF linear (safetensors shares none)
+            out[f"{module}.lora_B.weight"] = part.contiguous()
+    return out
+
+
+def peft_config(lora, hf_modules: list[str], base_path: str) -> dict:
+    """adapter_config.json for `lora` (a `LoRAConfig`) on the HF linears `hf_modules` (e.g. "q_proj")."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
+            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
+            "target_modules": sorted(set(hf_modules)), "fan_in_fan_out": False, "use_rslora": False,
+            "inference_mode": True, "modules_to_save": None}
+
+
+def export_peft(engine, path: str | Path, base_path: str) -> Optional[Path]:
+    """Write the engine's adapters as a PEFT directory at `path` (every rank of the engine calls it: the TP
+    gathers and the stage broadcasts; rank 0 writes). Returns the directory on rank 0, else None."""
+    from safetensors.torch import save_file
+
+    adapters: dict[str, Tensor] = {}
+    for part in engine.each_stage(adapter_stage_state(engine)):
+        adapters.update(part)
+    if engine.rank != 0:
+        return None
+    tensors = peft_tensors(engine.bridge, adapters)
+    modules = [name[len(PREFIX):].split(".")[-3] for name in tensors]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / WEIGHTS_FILE))
+    (path / CONFIG_FILE).write_text(json.dumps(peft_config(engine.lora.cfg, modules, base_path), indent=2))
+    return path
