@@ -1,6 +1,6 @@
 """Run by test_lora_engine.py under torchrun (2 processes): the adapters' gradients at several layouts.
 
-For each layout (tp2, tp2 with sequence parallelism, pp2) the ranks build the LoRA engine from the HF
+For each layout (tp2, and tp2 with sequence parallelism) the ranks build the LoRA engine from the HF
 checkpoint at argv[2], set every adapter to `common.full_adapters` (sharded as the engine shards it), run
 one gradient pass, and rank 0 writes each adapter's whole gradient (its pieces gathered from every rank)
 and the generation weights the 3D-HybridEngine gathers at tg = 1 to argv[1].
@@ -64,7 +64,7 @@ def main(out_path: str, hf_path: str) -> None:
 
     init_process_group("cpu")
     results = {}
-    for name, (tp, pp, sp) in {"tp2": (2, 1, False), "tp2_sp": (2, 1, True), "pp2": (1, 2, False)}.items():
+    for name, (tp, pp, sp) in {"tp2": (2, 1, False), "tp2_sp": (2, 1, True)}.items():
         ps.destroy_model_parallel()  # each layout's engine sets megatron-core's groups up anew
         results[name] = adapter_grads(tp, pp, sp, hf_path)
     if dist.get_rank() == 0:

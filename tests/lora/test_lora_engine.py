@@ -1,7 +1,7 @@
 """LoRA on the megatron-core engine (issue 62): the base stays frozen; zero-initialised B is the base model and
 the adapters-off reference is the base model; the generation weights are the merged W + s * B A; the adapters'
-gradients equal the chain rule through a model whose weights are W + s * B A, at one rank and at tp2, tp2 with
-sequence parallelism and pp2."""
+gradients equal the chain rule through a model whose weights are W + s * B A, at one rank and at tp2 and tp2 with
+sequence parallelism (pp2: `test_lora_layouts.py`)."""
 import pytest
 import torch
 
@@ -64,6 +64,7 @@ def assert_gradients_equal(got: dict, want: dict, what: str) -> None:
             assert error < 1e-4, f"{what} {key} {name}: {error:.2e} relative"
 
 
+@pytest.mark.slow
 def test_one_rank_lora_trains_adapters_only_and_its_adapters_off_reference_is_the_base_model(case):
     """B starts at zero: the log-probs are the base model's (a frozen engine from the same checkpoint). After
     an Adam step only adapters moved, a checkpoint holds only them, the generation weights (views of the
@@ -102,10 +103,10 @@ def test_one_rank_lora_trains_adapters_only_and_its_adapters_off_reference_is_th
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_adapter_gradients_at_one_rank_tp2_tp2_sp_and_pp2_equal_the_merged_models(case, tmp_path):
+def test_adapter_gradients_at_one_rank_tp2_and_tp2_sp_equal_the_merged_models(case, tmp_path):
     """At one rank, and with the adapters sharded with TP as their layer's weight (column-parallel: B split, A replicated; row-
-    parallel: A split, B replicated), with sequence parallelism (h gathered / reduce-scattered over the
-    sequence, the replicated adapter's gradient summed over TP), and split over two pipeline stages: each
+    parallel: A split, B replicated), and with sequence parallelism (h gathered / reduce-scattered over the
+    sequence, the replicated adapter's gradient summed over TP): each
     adapter's gradient, its pieces joined, equals the chain rule's through the one-rank merged model; and the
     generation weights the 3D-HybridEngine gathers from these shards at tg = 1 are that model's W + s * B A
     (each shard merged from its own pieces, then gathered).

@@ -19,8 +19,15 @@ LAYOUTS = {"tp2": ["actor.parallel.tp=2"], "pp2": ["actor.parallel.pp=2"], "dp2"
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    return run("tiny-grpo.yaml", tmp_path_factory.mktemp("one"), *LORA_GRPO)[1]
+def one_process_run(tmp_path_factory):
+    """The one-process run (saved every step, for the resume test): its output directory and its records."""
+    out = tmp_path_factory.mktemp("one")
+    return out, run("tiny-grpo.yaml", out, *LORA_GRPO, "trainer.save_every=1")[1]
+
+
+@pytest.fixture(scope="module")
+def one_process(one_process_run):
+    return one_process_run[1]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -39,3 +46,23 @@ def test_lora_grpo_at_each_layout_matches_one_process(tmp_path, one_process, lay
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     assert adapter["r"] == 8 and len(shapes) == 4 * 7 * 2, sorted(shapes)[:4]  # 4 layers, 7 HF linears, A and B
     assert shapes["base_model.model.model.layers.3.mlp.down_proj.lora_A.weight"] == (8, 384)
+
+
+def test_a_lora_run_resumed_from_its_checkpoint_takes_the_same_third_step(tmp_path, one_process_run):
+    """Saved every step (each shard the adapters and their Adam state, no base weight), resumed from step 2's
+    checkpoint with the base read again from model.path: step 3 equals the uninterrupted run's."""
+    import shutil
+
+    import torch
+
+    from tests.trainer.test_trainer import learned
+
+    full, records = one_process_run
+    common = [*LORA_GRPO, "trainer.save_every=1"]
+    shard = torch.load(next((full / "tiny-grpo" / "checkpoints" / "step_000002" / "actor").glob("*.pt")))
+    assert shard["model"] and all(".lora_" in name for name in shard["model"]) and "optimizer" in shard
+    shutil.copytree(full, tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "tiny-grpo" / "checkpoints" / "step_000003")
+    _, again = run("tiny-grpo.yaml", tmp_path / "resumed", *common, "trainer.resume=auto")
+    for key, value in learned(records)[3].items():
+        assert learned(again)[3][key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
