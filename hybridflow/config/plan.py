@@ -210,6 +210,8 @@ def needs_old_log_probs(cfg: Config) -> bool:
     """
     a = cfg.actor
     one_step = a.ppo_epochs == 1 and cfg.data.train_batch_size <= a.ppo_mini_batch_size
+    if a.moe.routing_replay == "old":  # the update replays the routes that pass records
+        return True
     return not (a.skip_old_log_probs and one_step and not cfg.algorithm.use_kl_in_reward)
 
 

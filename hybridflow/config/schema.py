@@ -99,6 +99,11 @@ class MoELossConfig:
 
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
+    # Routing replay (actor only; megatron-core engine, engine/routes.py): "rollout" routes the old-log-prob pass
+    # and the update by the experts the rollout chose (ROUTES, recorded by the built-in engine); "old" records
+    # the old-log-prob pass's choices and routes the update by them; "off" lets the trainer route. Either way
+    # moe/route_mismatch reports how often the trainer's own choice differs from the sampler's.
+    routing_replay: Literal["off", "rollout", "old"] = "off"
 
 
 # The parallel linears a LoRA adapter may sit on (`engine/lora.py`), by megatron-core's module names.
@@ -153,6 +158,10 @@ class RolloutConfig:
     batch_size_per_device: Optional[int] = None
     pad_to_max_length: bool = False
     val_temperature: float = 0.0  # greedy validation
+    # An MoE model's experts per token and layer, recorded by the built-in engine (ROUTES): what the trainer
+    # measures its route mismatch against, and replays (actor.moe.routing_replay=rollout). It generates on the
+    # Python loop then (the C++ and CUDA-graph loops keep no routes).
+    record_routes: bool = True
 
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]

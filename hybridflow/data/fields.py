@@ -56,6 +56,14 @@ UID                list[str]  (B)        group id: the n samples of one prompt s
                                          it (GRPO / RLOO baselines).
 ROLLOUT_LOG_PROBS  FloatTensor[B, R]     per-token log-probs reported by the
                                          inference engine while sampling.
+ROUTES             ShortTensor[B, T+R, L, k] an MoE model's experts chosen per
+                                         column of INPUT_IDS and layer while
+                                         sampling (built-in engine), -1 where none.
+OLD_ROUTES         ShortTensor[B, T+R, L, k] the same, chosen by the old-log-prob
+                                         pass (actor.moe.routing_replay=old).
+ROUTE_MISMATCH     FloatTensor[B, T+R]   per column, the share of layers where the
+                                         trainer's experts differed from ROUTES in
+                                         the old pass; -1 where not measured.
 WEIGHT_VERSION     LongTensor[B]         the actor's weight version that generated
                                          the row: the number of updates those weights
                                          had taken (trainer.off_policy may lag it).
@@ -126,6 +134,9 @@ RESPONSE_LENGTH = "response_length"
 TRUNCATED = "truncated"
 UID = "uid"
 ROLLOUT_LOG_PROBS = "rollout_log_probs"
+ROUTES = "routes"
+OLD_ROUTES = "old_routes"
+ROUTE_MISMATCH = "route_mismatch"
 WEIGHT_VERSION = "weight_version"
 OLD_LOG_PROBS = "old_log_probs"
 REF_LOG_PROBS = "ref_log_probs"
@@ -164,6 +175,9 @@ FIELD_SHAPES: Mapping[str, str] = MappingProxyType({
     TRUNCATED: "BoolTensor[B]",
     UID: "list[str]",
     ROLLOUT_LOG_PROBS: "FloatTensor[B, R]",
+    ROUTES: "ShortTensor[B, T+R, L, k]",
+    OLD_ROUTES: "ShortTensor[B, T+R, L, k]",
+    ROUTE_MISMATCH: "FloatTensor[B, T+R]",
     WEIGHT_VERSION: "LongTensor[B]",
     OLD_LOG_PROBS: "FloatTensor[B, R]",
     REF_LOG_PROBS: "FloatTensor[B, R]",

@@ -31,6 +31,7 @@ from hybridflow.engine.cp_attention import gather_output
 from hybridflow.engine.distributed import init_model_parallel
 from hybridflow.engine.lora import LoRA, attach_lora, trainable
 from hybridflow.engine.moe import RouterStats, forward_with_padding
+from hybridflow.engine.routes import RouteReplay, input_tags
 from hybridflow.engine.packing import (left_align_index, pack_rows, pad_columns, padded_width, share_prompt_rows,
                                        shared_lengths, to_cpu, unalign, unpack_sequences, unshare_rows)
 from hybridflow.models.bridge import get_bridge
@@ -125,6 +126,7 @@ class MegatronEngine:
                         vp_stage=c if self.virtual_pp > 1 else None) for c in range(self.virtual_pp)]
         self._check_chunk_layers()
         self.router_stats = RouterStats(self.chunks, model_cfg)
+        self.routes = RouteReplay(self.chunks, model_cfg.num_layers, model_cfg.moe_top_k)  # engine/routes.py
         self.lora: Optional[LoRA] = (attach_lora(self.chunks, lora, self.layout.tp, self.coord.tp, seed)
                                      if lora is not None and lora.rank > 0 else None)
         self.module = self.chunks[0]
@@ -369,6 +371,7 @@ class MegatronEngine:
             lengths = batch[F.ATTENTION_MASK].sum(-1).to(ids.device)
             packed_ids, positions, mask = pack_rows(ids, lengths)
             n = packed_ids.shape[1]
+            self.routes.begin(batch, rows, input_tags(batch, idx, split, lengths=lengths), split)
             inputs = pad_columns(packed_ids, positions, mask, split)
             output = forward_with_padding(model, inputs, lengths.sum()[None], self.tconfig)[:, :n]
             output = unpack_sequences(output, lengths, s)
@@ -378,20 +381,24 @@ class MegatronEngine:
             shared_ids, positions, shared_mask, index = share_prompt_rows(
                 ids, mask.sum(-1), mask[:, :prompt_width].sum(-1))
             n, real = shared_ids.shape[1], shared_lengths(index, *shared_ids.shape)
+            self.routes.begin(batch, rows, input_tags(batch, idx, split, shared=(index, *shared_ids.shape)), split)
             shared_ids, positions, shared_mask = pad_columns(shared_ids, positions, shared_mask, split)
             with self.rope.at(positions):
                 output = forward_with_padding(model, (shared_ids, positions, shared_mask), real, self.tconfig)
             output = unshare_rows(output[:, :n], index)
         elif self.layout.cp > 1:
+            cp = (self.layout.cp, self.coord.cp, self._pipeline_width(s))
+            self.routes.begin(batch, rows, input_tags(batch, idx, cp=cp), split)
             output = self._context_parallel_forward(model, ids)
         else:
             positions = torch.arange(s, device=ids.device)[None].expand_as(ids)
             causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
             # At pp > 1 the output is this stage's activations, so the padding is cut in `_loss`.
+            self.routes.begin(batch, rows, input_tags(batch, idx, split), split)
             output = forward_with_padding(model, pad_columns(ids, positions, causal, split),
                                           batch[F.ATTENTION_MASK].sum(-1), self.tconfig)
+        self.routes.end()
         return output, functools.partial(self._loss, step_fn, batch, idx, rows, scale)
-
 
     def _context_parallel_forward(self, model, ids: Tensor) -> Tensor:
         """The output [b, s, ...] of left-aligned rows `ids` [b, s] at cp > 1, on every CP rank.
@@ -480,6 +487,7 @@ class MegatronEngine:
             # of step_fn's losses / len(micro_batches).
             data += [(pad_with_empty_rows(slice_rows(micro_batches[0], 0, 0), size), 0)] * (-real % self.layout.pp)
         scale = len(data) / real
+        self.routes.reset()
         for model in self.models:
             model.train(not forward_only)
         with torch.set_grad_enabled(not forward_only):

@@ -194,7 +194,9 @@ class MoE(nn.Module):
 
     The router is a softmax over the experts' logits, the top `moe_top_k` kept per token (their weights
     renormalised when `moe_norm_topk_prob`). Tokens are grouped by expert, and each expert computes its
-    rows in one matmul pair.
+    rows in one matmul pair. `routes_out`: a list while the generator records routes (`rollout/routes.py`),
+    each routing appending its own choice [tokens, k]; `routes_in` [tokens, k]: experts to route by instead
+    (a row of -1: its own), weighted by the router's probabilities at them (routing replay's reference).
     """
 
     def __init__(self, cfg: DecoderConfig, parallel: TensorParallel = NO_PARALLEL):
@@ -207,11 +209,19 @@ class MoE(nn.Module):
                        if cfg.shared_expert_intermediate_size else None)
         self.shared_gate = (nn.Linear(cfg.hidden_size, 1, bias=False)
                             if self.shared is not None and cfg.shared_expert_gate else None)
+        self.routes_out: Optional[list[torch.Tensor]] = None
+        self.routes_in: Optional[torch.Tensor] = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (weights [N, k] in x's dtype, experts [N, k] int64)."""
         probs = torch.softmax(self.router(x).float(), dim=-1)
         weights, experts = torch.topk(probs, self.cfg.moe_top_k, dim=-1)
+        if self.routes_out is not None:
+            self.routes_out.append(experts)
+        if self.routes_in is not None:
+            forced = self.routes_in.to(experts.device).long()
+            experts = torch.where((forced >= 0).all(-1, keepdim=True), forced, experts)
+            weights = probs.gather(1, experts)
         if self.cfg.moe_norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights.to(x.dtype), experts

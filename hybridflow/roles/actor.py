@@ -9,15 +9,16 @@ from torch import Tensor
 from hybridflow.algos import aggregate_loss, behaviour_metrics, behaviour_weights, get_policy_loss, kl_loss, masked_mean
 from hybridflow.config.schema import ActorConfig
 from hybridflow.data import fields as F
+from hybridflow.algos.routes import route_metrics
 from hybridflow.roles.batching import (forward_only, mean_metrics, planned_mini_batches, response_log_probs,
                                        one_replica_steps, train_mini_batch, update_plan)
 from hybridflow.common import mix_seed
 
 # The most an update reads; `update_fields` names what one reads.
 UPDATE_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.OLD_LOG_PROBS, F.ADVANTAGES,
-                 F.REF_LOG_PROBS, F.ROLLOUT_LOG_PROBS)
-# What a log-prob pass reads.
-LOG_PROB_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK)
+                 F.REF_LOG_PROBS, F.ROLLOUT_LOG_PROBS, F.ROUTES, F.OLD_ROUTES)
+# What a log-prob pass reads (an MoE rollout's ROUTES where it recorded them: measured, or replayed).
+LOG_PROB_FIELDS = (F.INPUT_IDS, F.ATTENTION_MASK, F.RESPONSES, F.RESPONSE_MASK, F.ROUTES)
 
 
 def update_fields(cfg: ActorConfig, old_log_probs: bool) -> tuple[str, ...]:
@@ -25,9 +26,10 @@ def update_fields(cfg: ActorConfig, old_log_probs: bool) -> tuple[str, ...]:
     ran (`config.plan.needs_old_log_probs`), so OLD_LOG_PROBS is the proximal policy and the token stage
     measured the sampler-trainer gap; without it the loss takes its own log-probs, detached, and measures
     the gap against ROLLOUT_LOG_PROBS. REF_LOG_PROBS with the KL loss; ROLLOUT_LOG_PROBS with an off-policy
-    correction too."""
+    correction too. ROUTES where the rollout recorded them; OLD_ROUTES when the update replays the old pass's."""
     wanted = {F.REF_LOG_PROBS: cfg.use_kl_loss, F.OLD_LOG_PROBS: old_log_probs,
-              F.ROLLOUT_LOG_PROBS: cfg.off_policy_correction != "none" or not old_log_probs}
+              F.ROLLOUT_LOG_PROBS: cfg.off_policy_correction != "none" or not old_log_probs,
+              F.OLD_ROUTES: cfg.moe.routing_replay == "old"}
     return tuple(k for k in UPDATE_FIELDS if wanted.get(k, True))
 
 
@@ -61,7 +63,24 @@ class Actor:
         def collect(out, mb):
             logp, ent = self.log_probs(out, mb)
             return {F.OLD_LOG_PROBS: logp.float(), F.ENTROPY: ent.float()}
-        return forward_only(self.engine, batch, micro_batch_size, collect, max_tokens, share_prompts)
+        routes = self._routes(update=False)
+        out = forward_only(self.engine, batch, micro_batch_size, collect, max_tokens, share_prompts)
+        if routes is not None:  # ROUTE_MISMATCH (ROUTES measured), OLD_ROUTES (recorded)
+            parts = routes.collect()
+            out.update({k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {})
+        return out
+
+    def _routes(self, update: bool):
+        """An MoE model's routing replay (`engine/routes.py`) set up for the old-log-prob pass or the update
+        (actor.moe.routing_replay: "rollout" routes both by ROUTES; "old" records OLD_ROUTES in the old pass
+        and routes the update by them); None without routers to replay (a dense model, the FSDP engine)."""
+        routes = getattr(self.engine, "routes", None)
+        if routes is None or not routes.active:
+            return None
+        mode = self.cfg.moe.routing_replay
+        routes.target = F.ROUTES if mode == "rollout" else F.OLD_ROUTES if mode == "old" and update else None
+        routes.record = mode == "old" and not update
+        return routes
 
     def plan(self, rows: int, step: int, replicas: int = 1) -> list[list[Tensor]]:
         return actor_update_plan(self.cfg, self.samples_per_prompt, self.seed, step, rows, replicas)
@@ -75,17 +94,22 @@ class Actor:
         (`steps[k]` indexes `batch`'s rows; -1 is a padding row, masked). The loss is normalised over the
         global mini-batch, so the replicas together take the one-process step."""
         cfg, reads = self.cfg, update_fields(self.cfg, self.old_log_probs)
-        missing = [k for k in reads if k not in batch]
+        missing = [k for k in reads if k not in batch and k != F.ROUTES]  # ROUTES: where the rollout recorded them
         if missing:
             raise KeyError(f"the actor's update (old_log_probs={self.old_log_probs}, off_policy_correction="
                            f"{cfg.off_policy_correction!r}, use_kl_loss={cfg.use_kl_loss}) reads {missing}, "
                            "which the batch does not hold")
-        data = {k: batch[k] for k in reads}
-        reports = [train_mini_batch(self.engine, mini, cfg.ppo_micro_batch_size, cfg.loss_agg_mode, self._loss,
-                                    "actor", summed=("actor/pg_loss", "actor/kl_loss"),
-                                    max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else 0,
-                                    share_prompts=cfg.share_prompts)
-                   for mini in planned_mini_batches(data, steps)]
+        data = {k: batch[k] for k in reads if k in batch}
+        reports, routes = [], self._routes(update=True)
+        for mini in planned_mini_batches(data, steps):
+            reports.append(train_mini_batch(self.engine, mini, cfg.ppo_micro_batch_size, cfg.loss_agg_mode,
+                                            self._loss, "actor", summed=("actor/pg_loss", "actor/kl_loss"),
+                                            max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else 0,
+                                            share_prompts=cfg.share_prompts))
+            if routes is not None and F.ROUTES in mini:  # the trainer's own experts against the sampler's
+                mismatch = [p[F.ROUTE_MISMATCH] for p in routes.collect()]
+                reports[-1].update({f"moe/{k}": v for k, v in
+                                    route_metrics(torch.cat(mismatch)).items()} if mismatch else {})
         return mean_metrics(reports)
 
     def _loss(self, out: Tensor, mb: dict[str, Tensor], denom: Tensor) -> tuple[Tensor, dict[str, Any]]:

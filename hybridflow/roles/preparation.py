@@ -22,13 +22,14 @@ import torch
 from torch import Tensor
 
 from hybridflow.algos import AdvantageInputs, apply_kl_penalty, behaviour_metrics, compute_advantages
+from hybridflow.algos.routes import log_prob_gaps, route_metrics
 from hybridflow.data import fields as F
 
 Batch = dict[str, Any]
 
 # What the stage reads of a batch (those it holds).
 READS = (F.RESPONSE_MASK, F.ATTENTION_MASK, F.OUTCOME_SCORES, F.SCORES, F.ENV_REWARDS, F.UID, F.BASELINE_SCORES,
-         F.VALUES, F.OLD_LOG_PROBS, F.REF_LOG_PROBS, F.ENTROPY, F.ROLLOUT_LOG_PROBS)
+         F.VALUES, F.OLD_LOG_PROBS, F.REF_LOG_PROBS, F.ENTROPY, F.ROLLOUT_LOG_PROBS, F.ROUTE_MISMATCH)
 
 
 @dataclass(frozen=True)
@@ -95,4 +96,9 @@ def token_metrics(batch: Batch, stage: TokenStage) -> dict[str, float]:
     metrics["actor/entropy"] = batch[F.ENTROPY][mask].mean().item()
     if stage.reference:
         metrics["actor/kl"] = (batch[F.OLD_LOG_PROBS] - batch[F.REF_LOG_PROBS])[mask].mean().item()
+    if F.ROUTE_MISMATCH in batch:  # an MoE rollout's routes, measured in the old pass (engine/routes.py)
+        mismatch = batch[F.ROUTE_MISMATCH]
+        metrics.update({f"moe/old_pass/{k}": v for k, v in route_metrics(mismatch).items()})
+        metrics.update({f"moe/{k}": v for k, v in log_prob_gaps(mismatch, batch[F.OLD_LOG_PROBS],
+                                                                 batch[F.ROLLOUT_LOG_PROBS], mask).items()})
     return metrics

@@ -55,6 +55,11 @@ def pad_columns(t: torch.Tensor, width: int, value) -> torch.Tensor:
     return torch.cat([t, t.new_full((t.shape[0], width - t.shape[1]), value)], dim=1)
 
 
+def pad_routes(routes: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad ROUTES [B, T+R, L, k] with -1 (nothing routed) to [B, width, L, k]."""
+    return torch.nn.functional.pad(routes, (0, 0, 0, 0, 0, width - routes.shape[1]), value=-1)
+
+
 def response_texts(responses: torch.Tensor, mask: torch.Tensor, tokenizer: Tokenizer) -> list[str]:
     """The text of each response's masked-in tokens; rows are read as lists once (indexing each row's
     tensor is far slower)."""
@@ -69,6 +74,7 @@ def assemble_rollout(prompts: Batch, out: GenerationOutput, n: int, tokenizer: T
         F.RESPONSES: out.responses,
         F.RESPONSE_MASK: out.response_mask,
         F.ROLLOUT_LOG_PROBS: out.log_probs,
+        **({} if out.routes is None else {F.ROUTES: out.routes}),  # an MoE model's, where recorded
         F.INPUT_IDS: torch.cat([out.prompts, out.responses], dim=1),
         F.ATTENTION_MASK: torch.cat([out.prompt_mask, out.response_mask], dim=1),
         F.RESPONSE_TEXT: response_texts(out.responses, out.response_mask, tokenizer),
@@ -124,7 +130,9 @@ class Rollout:
             prompts=torch.cat([p.prompts for p in parts]), prompt_mask=torch.cat([p.prompt_mask for p in parts]),
             responses=torch.cat([pad_columns(p.responses, width, pad_id) for p in parts]),
             response_mask=torch.cat([pad_columns(p.response_mask, width, 0) for p in parts]),
-            log_probs=torch.cat([pad_columns(p.log_probs, width, 0.0) for p in parts]))
+            log_probs=torch.cat([pad_columns(p.log_probs, width, 0.0) for p in parts]),
+            routes=None if parts[0].routes is None else torch.cat([pad_routes(p.routes, ids.shape[1] + width)
+                                                                   for p in parts]))
         batch = assemble_rollout(prompts, out, params.n, self.tokenizer)
         batch[F.TRUNCATED] = truncated_rows(out.responses, out.response_mask, params.max_new_tokens,
                                             params.stop_token_ids)  # DAPO's overlong filter reads it

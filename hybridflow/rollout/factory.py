@@ -52,7 +52,9 @@ def build_backend(cfg: RolloutConfig, model: Decoder, tokenizer: Any, model_path
                               f"builds; {type(model).__name__} generates on its own code with 'builtin'")
         return HFGenerator(model, tokenizer.pad_token_id, tokenizer)
     if cfg.engine == "builtin":
-        return Generator(model, tokenizer.pad_token_id, tokenizer)
+        generator = Generator(model, tokenizer.pad_token_id, tokenizer)
+        generator.record_routes = cfg.record_routes and model.cfg.is_moe  # rollout/routes.py
+        return generator
     dtype = str(model.embed.weight.dtype).removeprefix("torch.")
     tg = model.parallel.size
     if tg > 1:
