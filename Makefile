@@ -77,6 +77,8 @@ demo-real: $(STAMP)
 	$(VENV)/bin/hybridflow train configs/smollm2-addition-grpo.yaml trainer.overwrite=true $(ARGS)
 	$(VENV)/bin/hybridflow eval $(REAL_DATA)/test.parquet --model $(REAL_MODEL) --model runs/demo-real/hf_actor $(REAL_EVAL)
 
+demo-code: $(STAMP) ; $(VENV)/bin/hybridflow fetch-model smollm2 && $(VENV)/bin/hybridflow train configs/demo-code.yaml trainer.overwrite=true $(ARGS) && $(VENV)/bin/hybridflow eval hybridflow/assets/code_task/test.parquet --model $(REAL_MODEL) --model runs/demo-code/hf_actor --reward code --max-new-tokens 72 --batch-size 69
+
 # Multi-turn GRPO with a tool on CPU: SmolLM2-135M-Instruct learns to call a calculator for 3-digit x 2-digit
 # products (configs/smollm2-calculator-agent.yaml); then the start and end models on 50 held-out problems:
 # accuracy, the rate of episodes with a well-formed (and a malformed) call, and example episodes.
