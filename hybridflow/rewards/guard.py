@@ -125,7 +125,7 @@ class _ThreadRunner:
 
     def run(self, rows: Sequence[Row], timeout_s: float) -> list[Outcome]:
         outcomes = []
-        for i, row in enumerate(rows):
+        for row in rows:
             self.inbox.put(row)
             try:
                 outcomes.append(self.outbox.get(timeout=timeout_s))
@@ -188,10 +188,9 @@ class _ProcessRunner:
         outcomes: list[Optional[Outcome]] = [None] * len(rows)
         todo = deque(range(len(rows)))
         while todo or any(w.row is not None for w in self.workers):
-            for worker in self.workers:
+            for worker in list(self.workers):
                 if worker.row is None and todo:
-                    worker.row, worker.deadline = todo.popleft(), time.monotonic() + timeout_s
-                    worker.conn.send((worker.row, rows[worker.row]))
+                    self._send(worker, todo, rows, timeout_s)
             busy = [w for w in self.workers if w.row is not None]
             left = max(0.0, min(w.deadline for w in busy) - time.monotonic())
             ready = set(wait([w.conn for w in busy], timeout=left))
@@ -202,6 +201,18 @@ class _ProcessRunner:
                     outcomes[worker.row] = _timed_out(self.name, timeout_s)
                     self._replace(worker)
         return outcomes  # type: ignore[return-value]
+
+    def _send(self, worker: _Worker, todo: deque, rows: Sequence[Row], timeout_s: float) -> None:
+        """Hand `worker` the next row; one that died while idle (the OOM killer) is replaced and the row resent."""
+        row = todo.popleft()
+        try:
+            worker.conn.send((row, rows[row]))
+        except OSError:  # BrokenPipeError: the process is gone
+            index = self.workers.index(worker)
+            self._replace(worker)
+            worker = self.workers[index]
+            worker.conn.send((row, rows[row]))
+        worker.row, worker.deadline = row, time.monotonic() + timeout_s
 
     def _collect(self, worker: _Worker, outcomes: list) -> None:
         row = worker.row

@@ -72,8 +72,11 @@ def test_in_processes_a_hanging_or_crashing_call_is_killed_and_its_process_repla
     assert [o.kind for o in outcomes] == ["timeout", None, "crash", "error", None, "timeout", None, None]
     assert [o.score for o in outcomes] == [0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0]
     assert "exit code 3" in outcomes[2].text
-    pids = [w.process.pid for w in guard._runner.workers]
     assert guard.score_rows(rows[1:2])[0].score == 1.0  # the replaced processes still score
+    os.kill(guard._runner.workers[0].process.pid, 9)  # one dies while idle (as the OOM killer would do it)
+    guard._runner.workers[0].process.join(5)
+    assert [o.score for o in guard.score_rows(rows[1:3] + rows[4:5])] == [1.0, 0.0, 1.0]
+    pids = [w.process.pid for w in guard._runner.workers]
     guard.close()
     for pid in pids:
         with pytest.raises(ProcessLookupError):
