@@ -28,6 +28,19 @@ def check(model: dict, *overrides: str) -> None:
     (MOE, ["actor.moe.z_loss_coeff=-1"], "actor.moe.z_loss_coeff", "negative"),
     (MOE, ["actor.moe.aux_loss_coeff=0.01", "actor.engine=fsdp", "reference.engine=fsdp"],
      "actor.moe.aux_loss_coeff", "only the megatron engine adds router losses"),
+    (DENSE, ["actor.moe.routing_replay=rollout"], "actor.moe.routing_replay", "has no experts"),
+    (MOE, ["actor.moe.routing_replay=old", "actor.engine=fsdp", "reference.engine=fsdp"],
+     "actor.moe.routing_replay", "replayed in megatron-core's routers"),
+    (MOE, ["actor.moe.routing_replay=rollout", "rollout.engine=vllm"], "actor.moe.routing_replay",
+     "rollout.engine=vllm does not record the experts"),
+    (MOE, ["actor.moe.routing_replay=rollout", "rollout.record_routes=false"], "actor.moe.routing_replay",
+     "rollout.record_routes is false"),
+    (MOE, ["actor.moe.routing_replay=rollout", "env.function=calculator"], "actor.moe.routing_replay",
+     "multi-turn rollouts"),
+    (MOE, ["actor.moe.routing_replay=old", "actor.log_prob_share_prompts=true"], "actor.moe.routing_replay",
+     "routes once per shared prompt"),
+    (MOE, ["algorithm.adv_estimator=gae", "critic.moe.routing_replay=rollout"], "critic.moe.routing_replay",
+     "routing replay is the actor's"),
 ])
 def test_what_an_moe_model_cannot_run_is_refused_by_key(model, overrides, key, message):
     with pytest.raises(ConfigError, match=message) as info:
@@ -37,6 +50,18 @@ def test_what_an_moe_model_cannot_run_is_refused_by_key(model, overrides, key, m
 
 def test_an_moe_model_with_coefficients_passes():
     check(MOE, "actor.moe.aux_loss_coeff=0.01", "actor.moe.z_loss_coeff=0.001")
+
+
+@pytest.mark.parametrize("mode", ["rollout", "old"])
+def test_routing_replay_on_an_moe_model_passes_and_old_keeps_the_old_log_prob_pass(mode):
+    from hybridflow.config.plan import needs_old_log_probs
+
+    check(MOE, f"actor.moe.routing_replay={mode}")
+    cfg = load_config(None, ["model.path=/models/tiny", "data.train_files=[a.parquet]",
+                             f"actor.moe.routing_replay={mode}"])
+    plain = load_config(None, ["model.path=/models/tiny", "data.train_files=[a.parquet]"])
+    assert not needs_old_log_probs(plain)  # the default update takes its own log-probs as the old ones
+    assert needs_old_log_probs(cfg) == (mode == "old")  # "old" replays what that pass records
 
 
 @pytest.mark.parametrize("patch, error, message", [
