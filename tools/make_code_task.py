@@ -91,7 +91,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def _problem(family: str, k: Any, rng: random.Random) -> dict[str, Any]:
+def make_problem(family: str, k: Any, rng: random.Random) -> dict[str, Any]:
     _, signature, describe, reference, draw = FAMILIES[family]
     name = signature(k).split("(")[0]
     fn, tests, seen = reference(k), [], set()
@@ -115,7 +115,7 @@ def generate(seed: int, test_share: float = 0.25) -> tuple[list[dict[str, Any]],
         cut = max(1, round(len(order) * test_share))
         for split, part in (("test", order[:cut]), ("train", order[cut:])):
             for k in part:
-                problem = _problem(family, k, rng)
+                problem = make_problem(family, k, rng)
                 splits[split].append({
                     "data_source": "code",
                     "prompt": [{"role": "user", "content": problem["prompt"]}],

@@ -32,7 +32,7 @@ def test_every_problems_tests_hold_for_its_reference_and_fail_for_a_wrong_answer
     tool = _tool()
     for family, (params, signature, _, reference, _) in tool.FAMILIES.items():
         for k in params:
-            problem = tool._problem(family, k, random.Random(0))
+            problem = tool.make_problem(family, k, random.Random(0))
             name = signature(k).split("(")[0]
             assert len(problem["tests"]) == 4 and name in problem["prompt"] and name.isidentifier()
             for test in problem["tests"]:
