@@ -68,6 +68,9 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     virtual_pp: Optional[int] = None  # model chunks per pipeline stage (interleaved schedule); needs pp >= 2
+    # Expert parallelism (an MoE model, megatron-core engine): each layer's experts split over ep of the
+    # data-parallel ranks, tokens reaching them through the allgather dispatcher (engine/experts.py).
+    ep: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = True  # shard Adam state over DP ranks; applies only where dp > 1
 

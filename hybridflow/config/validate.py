@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Optional
 from hybridflow.config.plan import (PROCESS_LAYOUT_KEYS, RunPlan, devices_for, engine_parallel, role_world, uses_ray,
                                    rollout_apart)
 from hybridflow.config.schema import Config, LogProbConfig, ParallelConfig, TrainedRoleConfig
-from hybridflow.config.validate_moe import check_routing_replay
 from hybridflow.config.validate_lora import check_lora, check_lora_model
+from hybridflow.config.validate_moe import check_expert_parallel, check_routing_replay
 from hybridflow.config.validate_dapo import check_dapo
 from hybridflow.config.validate_rewards import check_reward
 from hybridflow.errors import ConfigError
@@ -592,6 +592,7 @@ def check_plan(cfg: Config, plan: RunPlan, model: "DecoderConfig",
         raise ConfigError("data.train_files", "is empty: give at least one .parquet or .jsonl file of prompts")
     _check_moe_losses(cfg, plan, model, critic_model or model)
     check_routing_replay(cfg, plan, model)
+    check_expert_parallel(cfg, plan, model)
     _check_shares(cfg, plan)
     _check_mini_batches(cfg, plan)
     _check_packing(cfg, model)

@@ -1,4 +1,5 @@
-"""Config checks of routing replay (`actor.moe.routing_replay`, engine/routes.py): each refusal a ConfigError
+"""Config checks of routing replay (`actor.moe.routing_replay`, engine/routes.py) and expert parallelism
+(`parallel.ep`, engine/experts.py): each refusal a ConfigError
 naming the key, before any worker starts. Called from `validate.check_plan`."""
 from __future__ import annotations
 
@@ -40,3 +41,36 @@ def check_routing_replay(cfg: Config, plan: RunPlan, model: "DecoderConfig") -> 
     if mode == "old" and cfg.actor.log_prob_share_prompts:
         raise ConfigError(KEY, "'old' records each row's routes in the old-log-prob pass, which "
                                "actor.log_prob_share_prompts=true routes once per shared prompt; turn one off")
+
+
+def check_expert_parallel(cfg: Config, plan: RunPlan, model: "DecoderConfig") -> None:
+    """`parallel.ep` > 1 (actor, and a critic at the actor's processes): an MoE model on megatron-core whose
+    experts ep divides, over data-parallel ranks that ep divides, at tp = pp = cp = 1 (the expert-parallel
+    generation gather is built for that layout only), generating in the actor's processes."""
+    roles = [("actor", "training", cfg.actor)] + ([("critic", "critic", cfg.critic)] if plan.uses_critic else [])
+    for role, engine, section in roles:
+        ep, key = section.parallel.ep, f"{role}.parallel.ep"
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+            raise ConfigError(key, f"must be an int >= 1, got {ep!r}")
+        if ep == 1:
+            continue
+        if not model.is_moe:
+            raise ConfigError(key, f"{ep}: the model has no experts (a dense {model.model_type})")
+        if plan.engines[engine] != "megatron":
+            raise ConfigError(key, f"{ep}: experts are split over ranks by megatron-core; {role}.engine is "
+                                   f"{plan.engines[engine]!r}")
+        if model.num_experts % ep:
+            raise ConfigError(key, f"{ep} does not divide the model's {model.num_experts} experts")
+        layout = plan.layouts[engine]
+        if layout.tp > 1 or layout.pp > 1 or layout.cp > 1:
+            raise ConfigError(key, f"{ep}: expert parallelism is built with data parallelism only (tp = pp = cp "
+                                   f"= 1); {role}.parallel has tp={layout.tp}, pp={layout.pp}, cp={layout.cp}")
+        if layout.dp % ep:
+            raise ConfigError(key, f"{ep} does not divide the {layout.dp} data-parallel ranks of the {role}")
+    if cfg.actor.parallel.ep > 1 and plan.rollout_apart:
+        raise ConfigError("actor.parallel.ep", f"{cfg.actor.parallel.ep}: a rollout apart receives the actor's "
+                          "shards (placement.rollout); with experts split over ranks only colocated generation "
+                          "is built")
+    if plan.uses_critic and plan.colocate_critic and cfg.critic.parallel.ep != cfg.actor.parallel.ep:
+        raise ConfigError("critic.parallel.ep", f"{cfg.critic.parallel.ep}: the critic shares the actor's processes, "
+                          f"which run one megatron-core layout (actor.parallel.ep={cfg.actor.parallel.ep})")

@@ -165,6 +165,7 @@ def transformer_config(cfg: DecoderConfig, parallel: ParallelConfig, dtype: torc
         tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
         pipeline_dtype=dtype,
         context_parallel_size=parallel.cp, sequence_parallel=parallel.sequence_parallel,
+        expert_model_parallel_size=parallel.ep,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         virtual_pipeline_model_parallel_size=virtual_pp if virtual_pp > 1 else None,
         # The interleaved schedule at pp = 2 sends a stage's activation and its gradient to the same peer in

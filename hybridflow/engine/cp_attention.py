@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hybridflow.parallel.cp_split import cp_gather_order, cp_positions, cp_unsplit
+from hybridflow.parallel.cp_split import cp_gather_order, cp_positions, cp_split, cp_unsplit
 
 __all__ = ["CpDotProductAttention", "core_attention_for", "gather_output", "gather_sequence"]
 
@@ -181,3 +181,26 @@ def core_attention_for(tconfig, device: str):
         except ImportError:
             pass
     return CpDotProductAttention
+
+
+def context_parallel_forward(model, ids: Tensor, cp: int, rank: int, width: int) -> Tensor:
+    """The output [b, s, ...] of left-aligned rows `ids` [b, s] at cp > 1, on every CP rank (`rank`: this one).
+
+    Rows are padded at the end to `width` (the engine's pipeline width: a multiple of 2*cp, times tp under
+    sequence parallelism; causal attention keeps the padding out of every real token's view); the rank runs
+    its load-balanced chunks (`cp_split`) against the full causal mask, which its CP attention takes its
+    queries' rows of; the outputs are gathered back in order.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_attr_wrapped_model
+
+    s = ids.shape[1]
+    ids = torch.nn.functional.pad(ids, (0, width - s))
+    causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=ids.device), 1)[None, None]
+    local, positions = cp_split(ids, cp, rank)
+    output = model(local, positions[None].expand_as(local), causal)
+    # A chunk that is not the model's last (at virtual_pp > 1 every chunk but the last pipeline rank's
+    # last one, though that rank is "the last stage") sends its activations of its chunks onwards.
+    if not get_attr_wrapped_model(model, "post_process"):
+        return output
+    return gather_output(output, ps.get_context_parallel_group())[:, :s]

@@ -38,15 +38,16 @@ def init_model_parallel(parallel: ParallelConfig, device: str = "cpu",
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                 ps.get_context_parallel_world_size())
-        have += (ps.get_virtual_pipeline_model_parallel_world_size() or 1,)
-        if have != (parallel.tp, parallel.pp, parallel.cp, parallel.virtual_pp or 1):
-            raise ValueError(f"this process already runs layout tp,pp,cp,virtual_pp={have}; a second engine "
-                             f"asked for {(parallel.tp, parallel.pp, parallel.cp, parallel.virtual_pp or 1)}")
+        have += (ps.get_virtual_pipeline_model_parallel_world_size() or 1, ps.get_expert_model_parallel_world_size())
+        want = (parallel.tp, parallel.pp, parallel.cp, parallel.virtual_pp or 1, parallel.ep)
+        if have != want:
+            raise ValueError(f"this process already runs layout tp,pp,cp,virtual_pp,ep={have}; a second engine "
+                             f"asked for {want}")
     else:
         on_leave(_destroy_megatron_groups)  # a process kept for another job may get another layout
         ps.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
-            context_parallel_size=parallel.cp,
+            context_parallel_size=parallel.cp, expert_model_parallel_size=parallel.ep,
             virtual_pipeline_model_parallel_size=parallel.virtual_pp if (parallel.virtual_pp or 1) > 1 else None)
     here = dims.coord(dist.get_rank())
     megatron = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
@@ -68,3 +69,17 @@ def destroy() -> None:
     """Tear down Megatron's groups and the process group (end of a job or test)."""
     _destroy_megatron_groups()
     leave_process_group()
+
+
+def expert_parallel_rank(ep: int) -> int:
+    """This rank's place in its expert-parallel group (0 at ep = 1)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank() if ep > 1 else 0
+
+
+def expert_group(ep: int):
+    """The expert-parallel group (ranks holding one layer's experts between them); None at ep = 1."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_group() if ep > 1 else None

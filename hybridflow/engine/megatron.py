@@ -27,8 +27,9 @@ from hybridflow.data import fields as F
 from hybridflow.data.batch import pad_with_empty_rows, slice_rows
 from hybridflow.engine.build import (HiddenOutput, RopePositions, build_model, lr_scheduler, transformer_config,
                                      use_fused_adam)
-from hybridflow.engine.cp_attention import gather_output
-from hybridflow.engine.distributed import init_model_parallel
+from hybridflow.engine.cp_attention import context_parallel_forward
+from hybridflow.engine.distributed import expert_group, expert_parallel_rank, init_model_parallel
+from hybridflow.engine.experts import ExpertShard, gather_experts
 from hybridflow.engine.lora import LoRA, attach_lora, trainable
 from hybridflow.engine.moe import RouterStats, forward_with_padding
 from hybridflow.engine.routes import RouteReplay, input_tags
@@ -38,7 +39,6 @@ from hybridflow.models.bridge import get_bridge
 from hybridflow.models.checkpoint import resolve_dtype
 from hybridflow.models.config import DecoderConfig
 from hybridflow.models.sharding import unshard_tensor
-from hybridflow.parallel.cp_split import cp_split
 from hybridflow.parallel.layout import Coord, ParallelDims
 from hybridflow.parallel.stages import chunk_layers, chunk_name, local_name, param_stage
 
@@ -126,6 +126,8 @@ class MegatronEngine:
                         vp_stage=c if self.virtual_pp > 1 else None) for c in range(self.virtual_pp)]
         self._check_chunk_layers()
         self.router_stats = RouterStats(self.chunks, model_cfg)
+        # parallel.ep > 1: this rank's experts of each layer (`engine/experts.py`), named from 0 by megatron-core.
+        self.experts = ExpertShard(model_cfg.num_experts, parallel.ep, expert_parallel_rank(parallel.ep))
         self.routes = RouteReplay(self.chunks, model_cfg.num_layers, model_cfg.moe_top_k)  # engine/routes.py
         self.lora: Optional[LoRA] = (attach_lora(self.chunks, lora, self.layout.tp, self.coord.tp, seed)
                                      if lora is not None and lora.rank > 0 else None)
@@ -227,9 +229,11 @@ class MegatronEngine:
         return {chunk_name(c, name, self.virtual_pp): p for c in range(self.virtual_pp)
                 for name, p in self._inner(c).named_parameters()}
 
-    def local_name(self, megatron_name: str) -> str:
-        """A global megatron name's spelling in `named_params` (on the stage that holds it)."""
-        return local_name(megatron_name, self.cfg.num_layers, self.layout.pp, self.virtual_pp)
+    def local_name(self, megatron_name: str) -> Optional[str]:
+        """A global megatron name's spelling in `named_params` (on the stage that holds it); None for an expert
+        another expert-parallel rank holds."""
+        name = self.experts.local(megatron_name)
+        return None if name is None else local_name(name, self.cfg.num_layers, self.layout.pp, self.virtual_pp)
 
     def stage_entries(self) -> list[tuple[Any, str]]:
         """(bridge entry, local name) of every bridge tensor on this stage.
@@ -245,7 +249,7 @@ class MegatronEngine:
             if param_stage(entry.megatron, self.cfg.num_layers, self.layout.pp, self.virtual_pp) != self.coord.pp:
                 continue
             local = self.local_name(entry.megatron)
-            if local in names:  # not a tied output layer at pp = 1 (the embedding's)
+            if local in names:  # not a tied output layer at pp = 1 (the embedding's), not another rank's expert
                 out.append((entry, local))
         return out
 
@@ -302,7 +306,7 @@ class MegatronEngine:
                 out[entry.megatron] = unshard_tensor(pieces, entry.shard)  # joined anew: a copy already
             else:
                 out[entry.megatron] = tensor.clone()
-        return out
+        return gather_experts(out, expert_group(self.experts.ep), traffic)  # every layer's experts (ep > 1)
 
     def full_state(self, traffic: Optional[TrafficCounter] = None) -> dict[str, Tensor]:
         """The whole model on every rank (global megatron names): TP all-gathers, then one broadcast
@@ -355,7 +359,7 @@ class MegatronEngine:
 
     def generation_state(self) -> dict[str, Tensor]:
         """Generation-layout names -> *views* of this rank's parameters (tp = pp = 1: the whole model)."""
-        if self.layout.tp > 1 or self.layout.pp > 1:
+        if self.layout.tp > 1 or self.layout.pp > 1 or self.experts.ep > 1:
             raise NotImplementedError("a sharded engine has no whole-model views; gather it (full_state)")
         return self.bridge.megatron_to_generation(self.named_params())
 
@@ -389,7 +393,7 @@ class MegatronEngine:
         elif self.layout.cp > 1:
             cp = (self.layout.cp, self.coord.cp, self._pipeline_width(s))
             self.routes.begin(batch, rows, input_tags(batch, idx, cp=cp), split)
-            output = self._context_parallel_forward(model, ids)
+            output = context_parallel_forward(model, ids, self.layout.cp, self.coord.cp, self._pipeline_width(s))
         else:
             positions = torch.arange(s, device=ids.device)[None].expand_as(ids)
             causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
@@ -399,29 +403,6 @@ class MegatronEngine:
                                           batch[F.ATTENTION_MASK].sum(-1), self.tconfig)
         self.routes.end()
         return output, functools.partial(self._loss, step_fn, batch, idx, rows, scale)
-
-    def _context_parallel_forward(self, model, ids: Tensor) -> Tensor:
-        """The output [b, s, ...] of left-aligned rows `ids` [b, s] at cp > 1, on every CP rank.
-
-        Rows are padded at the end to a multiple of 2*cp, times tp under sequence parallelism (causal
-        attention keeps the padding out of every real token's view); the rank runs its load-balanced chunks
-        (`cp_split`) against the full causal mask, which its CP attention takes its queries' rows of; the
-        outputs are gathered back in order.
-        """
-        from megatron.core import parallel_state as ps
-
-        cp, s = self.layout.cp, ids.shape[1]
-        width = self._pipeline_width(s)  # 2*cp chunks; under SP each rank's chunks split over tp
-        ids = torch.nn.functional.pad(ids, (0, width - s))
-        causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=ids.device), 1)[None, None]
-        local, positions = cp_split(ids, cp, self.coord.cp)
-        output = model(local, positions[None].expand_as(local), causal)
-        # A chunk that is not the model's last (at virtual_pp > 1 every chunk but the last pipeline rank's
-        # last one, though that rank is "the last stage") sends its activations of its chunks onwards.
-        from megatron.core.utils import get_attr_wrapped_model
-        if not get_attr_wrapped_model(model, "post_process"):
-            return output
-        return gather_output(output, ps.get_context_parallel_group())[:, :s]
 
     def _pipeline_width(self, s: int) -> int:
         """The row width the forward pass runs at, from which megatron-core's schedule sizes the activations

@@ -193,7 +193,11 @@ def refuse_released(*args, **kwargs):
 
 
 def generation_weights(engine: MegatronEngine, tg: int = 1, grouping: str = "hybridflow"):
-    """The actor's generation weights: views at tp = pp = 1, else a `GroupedWeights` at `tg`."""
+    """The actor's generation weights: views at tp = pp = 1 (the other expert-parallel ranks' experts gathered
+    at ep > 1), else a `GroupedWeights` at `tg`."""
     if engine.layout.tp == 1 and engine.layout.pp == 1:
+        if getattr(engine, "experts", None) is not None and engine.experts.ep > 1:
+            from hybridflow.hybrid_engine.expert_weights import ExpertGatheredWeights
+            return ExpertGatheredWeights(engine)
         return ViewWeights(engine)
     return GroupedWeights(engine, tg, grouping)

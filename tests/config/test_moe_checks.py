@@ -13,6 +13,9 @@ MOE = {**DENSE, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_to
        "norm_topk_prob": True}
 
 
+EP2 = ["trainer.n_devices=2", "trainer.launcher=ray"]
+
+
 def check(model: dict, *overrides: str) -> None:
     cfg = load_config(None, ["model.path=/models/tiny", "data.train_files=[a.parquet]", *overrides])
     check_plan(cfg, RunPlan.from_config(cfg), DecoderConfig.from_hf_dict(model))
@@ -41,6 +44,15 @@ def check(model: dict, *overrides: str) -> None:
      "routes once per shared prompt"),
     (MOE, ["algorithm.adv_estimator=gae", "critic.moe.routing_replay=rollout"], "critic.moe.routing_replay",
      "routing replay is the actor's"),
+    (DENSE, [*EP2, "actor.parallel.ep=2"], "actor.parallel.ep", "has no experts"),
+    (MOE, [*EP2, "actor.parallel.ep=3"], "actor.parallel.ep", "3 does not divide the model's 4 experts"),
+    (MOE, ["trainer.n_devices=2", "trainer.launcher=ray", "actor.parallel.tp=2", "actor.parallel.ep=2",
+           "actor.parallel.sequence_parallel=true"], "actor.parallel.ep", "data parallelism only"),
+    ({**MOE, "num_experts": 8}, [*EP2, "actor.parallel.ep=4"], "actor.parallel.ep", "4 does not divide the 2"),
+    (MOE, [*EP2, "actor.parallel.ep=2", "actor.engine=fsdp", "reference.engine=fsdp"], "actor.parallel.ep",
+     "split over ranks by megatron-core"),
+    (MOE, [*EP2, "actor.parallel.ep=2", "algorithm.adv_estimator=gae"], "critic.parallel.ep",
+     "one megatron-core layout"),
 ])
 def test_what_an_moe_model_cannot_run_is_refused_by_key(model, overrides, key, message):
     with pytest.raises(ConfigError, match=message) as info:

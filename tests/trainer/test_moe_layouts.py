@@ -67,18 +67,21 @@ def qwen3_moe(tmp_path_factory):
 # megatron-core trains an MoE layer at tp > 1 only with sequence parallelism (the config check asks for it).
 LAYOUTS = {"tp2sp": ["trainer.n_devices=2", "actor.parallel.tp=2", "actor.parallel.sequence_parallel=true"],
            "pp2": ["trainer.n_devices=2", "actor.parallel.pp=2"],
-           "dp2": ["trainer.n_devices=2"]}
+           "dp2": ["trainer.n_devices=2"],
+           "dp2ep2": ["trainer.n_devices=2", "actor.parallel.ep=2"]}
 
 
 @pytest.mark.parametrize("name,layout,router_losses", [
     ("tiny-grpo.yaml", "tp2sp", "aux"), ("tiny-grpo.yaml", "pp2", "aux+z"), ("tiny-grpo.yaml", "dp2", ""),
-    *(("tiny-ppo.yaml", k, "replay") for k in LAYOUTS)])
+    *(("tiny-ppo.yaml", k, "replay") for k in ("tp2sp", "pp2", "dp2ep2"))])
 def test_grpo_and_ppo_on_a_tiny_qwen3_moe_at_each_layout_match_one_process(tmp_path, qwen3_moe, name, layout,
                                                                            router_losses: str):
-    """Experts replicated on every rank (no expert parallelism yet), split over TP like an MLP (with sequence
+    """Experts replicated on every rank, split over TP like an MLP (with sequence
     parallelism, the tokens gathered over TP before the dispatch), each layer's router and experts in the
     stage that holds the layer at PP2, megatron-core's allgather dispatcher over gloo; the 3D-HybridEngine
-    gathers the experts into the generation layout. Three steps' learned metrics equal one process's within
+    gathers the experts into the generation layout. dp2ep2 (PPO): each rank trains half of every layer's
+    experts (expert parallelism; the critic and the reference too), the dispatcher gathering both ranks'
+    tokens to them; each rank generates with all experts, the other rank's gathered after every update. Three steps' learned metrics equal one process's within
     1e-5 relative (1e-6 absolute for small values). GRPO with router losses: megatron-core counts the
     load-balancing loss's tokens over TP (and CP) and the engine marks the padding columns, so at tp2+SP it,
     and at pp2 it and the z-loss, are one process's, as are the reported `moe/...` figures. Not at tp2+SP for
@@ -99,6 +102,11 @@ def test_grpo_and_ppo_on_a_tiny_qwen3_moe_at_each_layout_match_one_process(tmp_p
     _, records = run(name, tmp_path / "layout", "trainer.launcher=ray", *critic_too(LAYOUTS[layout]), *_steps(path),
                      *ROUTER_LOSSES[router_losses], before_fit=critic_at_the_actors_layout)
     single = one_process(name, router_losses)[1]
+    if layout == "dp2ep2":  # each rank receives the other's experts, half of all: (ep - 1) / ep of them
+        from hybridflow.models.checkpoint import load_hf_state_dict
+
+        experts = sum(t.numel() * t.element_size() for k, t in load_hf_state_dict(path).items() if ".experts." in k)
+        assert [r["reshard/bytes_received"] for r in records if r.get("step")] == [experts / 2] * 3
     compare_with_one_process(f"{name} on the tiny qwen3-moe at {layout}", records, single, steps=(1, 2, 3),
                              rel=1e-5, abs_=3e-6 if name == "tiny-ppo.yaml" and layout == "tp2sp" else 1e-6)
     for many, one in zip(records[1:], single[1:]):
