@@ -523,6 +523,11 @@ class MegatronEngine:
         if self.optimizer is not None and "optimizer" in state:
             self._check_optimizer_kind(state)
         params = self.named_params()
+        want = set(trainable(params, self.lora))
+        if set(state["model"]) != want:  # another layout's shard: e.g. other experts (parallel.ep), or no adapters
+            missing, unknown = sorted(want - set(state["model"])), sorted(set(state["model"]) - want)
+            raise ValueError(f"this checkpoint shard does not hold this rank's tensors (written at another layout, "
+                             f"e.g. another parallel.ep?): missing {missing[:3]}, unknown {unknown[:3]}")
         with torch.no_grad():
             for name, value in state["model"].items():
                 params[name].copy_(value)

@@ -27,6 +27,7 @@ from hybridflow.errors import ConfigError
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.config import DecoderConfig
 from hybridflow.models.sharding import spec_for, unshard_tensor
+from hybridflow.engine.experts import ExpertShard, expert_of
 from hybridflow.parallel.layout import ParallelDims
 from hybridflow.parallel.stages import chunks_in, layout_label
 from hybridflow.reshard import fsdp
@@ -105,34 +106,42 @@ class ShardsReader(MegatronReader):
                 self._model(r, s)  # every file readable, before anything is written
         # Model chunks per stage (the interleaved schedule's virtual_pp): the shards name them.
         self.virtual_pp = chunks_in(self._model(0, 0).keys())
+        # Expert parallelism (parallel.ep): DP rank r of an expert group holds experts r * n onwards, numbered
+        # from 0 (`engine/experts.py`); n = the experts a shard names, fewer than the model's at ep > 1.
+        local = {expert_of(k) for k in self._model(0, 0)} - {None}
+        self.experts_per_shard = max(local) + 1 if local else 0
         super().__init__(source.cfg, source.value_head, self._gather)
 
-    def _place(self, megatron_name: str) -> tuple[int, str]:
-        """(stage, name in its shard) of a Megatron tensor: `parallel.stages`, as the engine wrote it."""
-        cfg, pp = self.cfg, self.source.layout.pp
+    def _place(self, megatron_name: str) -> tuple[int, str, int]:
+        """(stage, name in its shard, DP rank of the shard) of a Megatron tensor: `parallel.stages`, as the engine
+        wrote it; an expert's from the expert-parallel rank that holds it (DP rank 0 otherwise)."""
+        cfg, pp, dp = self.cfg, self.source.layout.pp, 0
+        j, n = expert_of(megatron_name), self.experts_per_shard
+        if j is not None and n and n < cfg.num_experts:
+            dp, megatron_name = j // n, ExpertShard(cfg.num_experts, cfg.num_experts // n, j // n).local(megatron_name)
         return (stage_of(megatron_name, cfg.num_layers, pp, self.virtual_pp),
-                local_name(megatron_name, cfg.num_layers, pp, self.virtual_pp))
+                local_name(megatron_name, cfg.num_layers, pp, self.virtual_pp), dp)
 
-    def _model(self, tp_rank: int, stage: int) -> dict[str, torch.Tensor]:
+    def _model(self, tp_rank: int, stage: int, dp: int = 0) -> dict[str, torch.Tensor]:
         """A rank's tensors, memory-mapped (read from disk as they are used; unmapped once dropped)."""
-        path = self.source.path / shard_file(tp_rank, stage)
+        path = self.source.path / shard_file(tp_rank, stage, dp)
         state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
             raise ConfigError("SRC", f"{path} is not a hybridflow engine shard (no 'model' table)")
         return state["model"]
 
     def _dtype_of(self, megatron_name: str) -> torch.dtype:
-        stage, name = self._place(megatron_name)
-        return self._model(0, stage)[name].dtype
+        stage, name, dp = self._place(megatron_name)
+        return self._model(0, stage, dp)[name].dtype
 
     def _gather(self, megatron_name: str) -> torch.Tensor:
         cfg, layout = self.cfg, self.source.layout
-        stage, name = self._place(megatron_name)
+        stage, name, dp = self._place(megatron_name)
         pieces = []
         for r in range(layout.tp):
-            model = self._model(r, stage)
+            model = self._model(r, stage, dp)
             if name not in model:
-                raise ConfigError("SRC", f"{self.source.path / shard_file(r, stage)} has no {name!r}: not a "
+                raise ConfigError("SRC", f"{self.source.path / shard_file(r, stage, dp)} has no {name!r}: not a "
                                          f"{cfg.model_type} model of this config, or not its {self.source.role}?")
             pieces.append(model[name].clone())
             del model

@@ -99,14 +99,23 @@ def test_grpo_and_ppo_on_a_tiny_qwen3_moe_at_each_layout_match_one_process(tmp_p
     mismatched tokens: those are differences of a few 1e-6 between the sampler's and the trainer's log-probs,
     rounding's, which each layout rounds otherwise)."""
     path, one_process = qwen3_moe
-    _, records = run(name, tmp_path / "layout", "trainer.launcher=ray", *critic_too(LAYOUTS[layout]), *_steps(path),
-                     *ROUTER_LOSSES[router_losses], before_fit=critic_at_the_actors_layout)
+    save = ["trainer.save_every=3"] if layout == "dp2ep2" else []  # after _steps' save_every=0
+    summary, records = run(name, tmp_path / "layout", "trainer.launcher=ray", *critic_too(LAYOUTS[layout]),
+                           *_steps(path), *save, *ROUTER_LOSSES[router_losses], before_fit=critic_at_the_actors_layout)
     single = one_process(name, router_losses)[1]
     if layout == "dp2ep2":  # each rank receives the other's experts, half of all: (ep - 1) / ep of them
         from hybridflow.models.checkpoint import load_hf_state_dict
 
         experts = sum(t.numel() * t.element_size() for k, t in load_hf_state_dict(path).items() if ".experts." in k)
         assert [r["reshard/bytes_received"] for r in records if r.get("step")] == [experts / 2] * 3
+        # Its checkpoint (each rank's shard holds half the experts) converts to the HF model it exported.
+        from hybridflow.cli import main
+
+        step = summary["run_dir"] / "checkpoints" / "step_000003"
+        assert main(["reshard", str(step), str(tmp_path / "hf"), "--to", "hf", "--config", str(path),
+                     "--no-progress"]) == 0
+        converted, exported = load_hf_state_dict(tmp_path / "hf"), load_hf_state_dict(summary["hf_actor"])
+        assert sorted(converted) == sorted(exported) and all(torch.equal(converted[k], exported[k]) for k in exported)
     compare_with_one_process(f"{name} on the tiny qwen3-moe at {layout}", records, single, steps=(1, 2, 3),
                              rel=1e-5, abs_=3e-6 if name == "tiny-ppo.yaml" and layout == "tp2sp" else 1e-6)
     for many, one in zip(records[1:], single[1:]):
