@@ -48,6 +48,7 @@ SUITE: dict[str, tuple[list[str], list[str], bool]] = {
     "trl": ([], ["--steps", "2", "--warmup", "1"], True),
     "async": ([], ["--steps", "1", "--warmup", "1", "--prompts", "8", "--val", "20"], True),
     "dapo": ([], ["--prompts", "256", "--every", "128", "--val", "20"], True),
+    "moe": ([], ["--tokens", "256", "--steps", "1", "--decode-tokens", "8"], True),
 }
 LEFT_OUT = {"csrc": "compares two builds: hybridflow bench csrc --baseline REV", "all": "this script"}
 
