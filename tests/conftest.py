@@ -57,7 +57,8 @@ def layouts_hf(tmp_path_factory):
 def four_process_launch(tmp_path_factory, layouts_hf):
     """One torchrun launch on 4 gloo processes for every 4-rank engine check: the engine at TP2xPP2, TP2xDP2
     and PP2xDP2 (tests/engine/layouts_check.py), the switch to generation in every grouping
-    (tests/hybrid_engine/reshard_check.py) and the reshard benchmark at its quick size. A launch costs
+    (tests/hybrid_engine/reshard_check.py), the reshard benchmark at its quick size and an MoE model at
+    TP2xEP2 (tests/engine/ep_check.py). A launch costs
     about 20 s of start-up on 2 cores, paid once. Returns the paths the checks wrote."""
     from hybridflow.models.checkpoint import save_hf_checkpoint
     from tests.engine.conftest import tiny_model
@@ -65,14 +66,20 @@ def four_process_launch(tmp_path_factory, layouts_hf):
 
     tmp = tmp_path_factory.mktemp("four_processes")
     paths = {"layouts_hf": layouts_hf, "layouts": tmp / "layouts.pt",
-             "reshard_hf": tmp / "reshard_hf", "reshard": tmp / "reshard.pt", "bench_reshard": tmp / "bench.txt"}
+             "reshard_hf": tmp / "reshard_hf", "reshard": tmp / "reshard.pt", "bench_reshard": tmp / "bench.txt",
+             "experts_hf": tmp / "experts_hf", "experts": tmp / "experts.pt"}
     cfg, _, hf = tiny_model(num_key_value_heads=4, tie_word_embeddings=True)  # 4 KV heads: TP up to 4
     save_hf_checkpoint(hf, cfg.to_hf_dict(), paths["reshard_hf"])
+    from tests.engine.test_megatron_engine import QWEN3_MOE
+
+    cfg, _, hf = tiny_model(**QWEN3_MOE)  # 4 experts, top 2: tp2 x ep2
+    save_hf_checkpoint(hf, cfg.to_hf_dict(), paths["experts_hf"])
     torchrun_scripts(4, [
         {"script": "tests/engine/layouts_check.py", "args": [paths["layouts"], paths["layouts_hf"]]},
         {"script": "tests/hybrid_engine/reshard_check.py", "args": [paths["reshard"], paths["reshard_hf"]]},
         {"script": "benchmarks/bench_reshard.py", "args": ["--quick", "--repeats", "1"],
          "stdout": paths["bench_reshard"]},
+        {"script": "tests/engine/ep_check.py", "args": [paths["experts"], paths["experts_hf"]]},
     ], timeout=600)
     return paths
 

@@ -45,8 +45,8 @@ def check_routing_replay(cfg: Config, plan: RunPlan, model: "DecoderConfig") -> 
 
 def check_expert_parallel(cfg: Config, plan: RunPlan, model: "DecoderConfig") -> None:
     """`parallel.ep` > 1 (actor, and a critic at the actor's processes): an MoE model on megatron-core whose
-    experts ep divides, over data-parallel ranks that ep divides, at tp = pp = cp = 1 (the expert-parallel
-    generation gather is built for that layout only), generating in the actor's processes."""
+    experts ep divides, over data-parallel ranks that ep divides, at pp = cp = 1 (the expert-parallel
+    generation gather is built for those layouts only), generating in the actor's processes."""
     roles = [("actor", "training", cfg.actor)] + ([("critic", "critic", cfg.critic)] if plan.uses_critic else [])
     for role, engine, section in roles:
         ep, key = section.parallel.ep, f"{role}.parallel.ep"
@@ -62,9 +62,9 @@ def check_expert_parallel(cfg: Config, plan: RunPlan, model: "DecoderConfig") ->
         if model.num_experts % ep:
             raise ConfigError(key, f"{ep} does not divide the model's {model.num_experts} experts")
         layout = plan.layouts[engine]
-        if layout.tp > 1 or layout.pp > 1 or layout.cp > 1:
-            raise ConfigError(key, f"{ep}: expert parallelism is built with data parallelism only (tp = pp = cp "
-                                   f"= 1); {role}.parallel has tp={layout.tp}, pp={layout.pp}, cp={layout.cp}")
+        if layout.pp > 1 or layout.cp > 1:
+            raise ConfigError(key, f"{ep}: expert parallelism is built with tensor and data parallelism (pp = cp "
+                                   f"= 1); {role}.parallel has pp={layout.pp}, cp={layout.cp}")
         if layout.dp % ep:
             raise ConfigError(key, f"{ep} does not divide the {layout.dp} data-parallel ranks of the {role}")
     if cfg.actor.parallel.ep > 1 and plan.rollout_apart:

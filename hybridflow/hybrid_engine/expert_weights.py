@@ -1,11 +1,13 @@
-"""The generation weights of an expert-parallel actor (parallel.ep > 1, tp = pp = 1): every rank generates with
+"""The generation weights of an expert-parallel actor (parallel.ep > 1, pp = cp = 1): every rank generates with
 all of a layer's experts, but trains only its own (`engine/experts.py`).
 
-`ExpertGatheredWeights` builds the generation model once: every tensor but the experts, and this rank's own
-experts, are views of the training parameters (an update is seen at once, as `ViewWeights`); the other ranks'
-experts are buffers refilled after each update by one all-gather over the expert-parallel group. A rank then
-receives (ep - 1) / ep of the model's expert bytes and sends its own to each of the ep - 1 peers
-(docs/design.md, "Expert parallelism"; `reshard/bytes_received` counts it).
+`AllExperts` is the engine as if it held every expert: its own tensors as they are, the other expert-parallel
+ranks' experts (at this rank's TP shard: a rank's expert-parallel peers share its TP rank) as buffers refilled
+after each update by one all-gather per expert tensor over the expert-parallel group. `ExpertGatheredWeights`
+runs a route's own generation weights on it: views at tp = 1 (every tensor but the other ranks' experts is
+a view of the training parameters, seen at once after an update), the 3D-HybridEngine's grouped gather at
+tp > 1. A rank receives (ep - 1) / ep of its TP shard of the model's expert bytes before the route's own
+transfer (docs/design.md, "Expert parallelism"; `reshard/bytes_received` counts both).
 """
 from __future__ import annotations
 
@@ -17,10 +19,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hybridflow.engine.distributed import expert_group
-from hybridflow.engine.experts import expert_of
+from hybridflow.engine.experts import ExpertShard, expert_of
 from hybridflow.hybrid_engine.generation import nbytes, transition_metrics
 from hybridflow.hybrid_engine.traffic import Traffic
-from hybridflow.hybrid_engine.views import generation_model
 
 __all__ = ["AllExperts", "ExpertGatheredWeights"]
 
@@ -31,6 +32,7 @@ class AllExperts:
 
     def __init__(self, engine):
         self.engine, self.shard = engine, engine.experts
+        self.experts = ExpertShard(engine.cfg.num_experts, 1, 0)  # holds every expert now (routes treat it so)
         own = engine.named_params()
         self.buffers: dict[str, Tensor] = {}
         for name, p in own.items():
@@ -53,6 +55,12 @@ class AllExperts:
     def generation_state(self) -> dict[str, Tensor]:
         return self.engine.bridge.megatron_to_generation(self.named_params())
 
+    def stage_entries(self) -> list[tuple[Any, str]]:
+        """(bridge entry, name in `named_params`) of every tensor, every expert's included (pp = 1: global names)."""
+        names, value_head = self.named_params().keys(), self.engine.value_head
+        return [(e, e.megatron) for e in self.engine.bridge.entries()
+                if e.megatron in names and not (value_head and e.megatron == "output_layer.weight")]
+
     @torch.no_grad()
     def gather(self, traffic: Traffic) -> None:
         """Every other rank's experts into the buffers: one all-gather per expert tensor over the group."""
@@ -74,20 +82,28 @@ class AllExperts:
 
 
 class ExpertGatheredWeights:
-    """Generation weights of an ep > 1 engine at tp = pp = 1 (module doc); every rank generates its own rows."""
+    """Generation weights of an ep > 1 engine (module doc): `inner(AllExperts(engine))`, the route's own weights
+    (views, or the grouped gather at tp > 1), after the experts' gather on each refresh."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, inner):
+        if engine.layout.pp > 1:
+            raise NotImplementedError("expert parallelism generates at pp = 1 only")
         self.source = AllExperts(engine)
         self.source.gather(Traffic())
-        self.model = generation_model(self.source)
-        self.mesh = (engine.rank, engine.layout.world_size, True)  # (replica, replicas, answers)
+        self.inner = inner(self.source)
+        self.model, self.mesh = self.inner.model, self.inner.mesh
 
     def release(self) -> None:
-        """Nothing to free: the gathered experts stay bound to the generation model."""
+        """The route's own release (nothing for views; the experts' buffers stay, bound to the model)."""
+        self.inner.release()
 
     def refresh(self) -> dict[str, float]:
         start, traffic = time.perf_counter(), Traffic()
         self.source.gather(traffic)
-        metrics = transition_metrics(traffic, self.model, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        metrics = self.inner.refresh()
+        for key, value in transition_metrics(traffic, self.model, seconds).items():
+            if key != "reshard/peak_bytes":
+                metrics[key] = metrics.get(key, 0.0) + value
         metrics["reshard/expert_bytes_gathered"] = float(nbytes(self.source.buffers.values()))
         return metrics

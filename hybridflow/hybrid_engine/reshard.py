@@ -195,9 +195,9 @@ def refuse_released(*args, **kwargs):
 def generation_weights(engine: MegatronEngine, tg: int = 1, grouping: str = "hybridflow"):
     """The actor's generation weights: views at tp = pp = 1 (the other expert-parallel ranks' experts gathered
     at ep > 1), else a `GroupedWeights` at `tg`."""
+    if getattr(engine, "experts", None) is not None and engine.experts.ep > 1:
+        from hybridflow.hybrid_engine.expert_weights import ExpertGatheredWeights
+        return ExpertGatheredWeights(engine, lambda source: generation_weights(source, tg, grouping))
     if engine.layout.tp == 1 and engine.layout.pp == 1:
-        if getattr(engine, "experts", None) is not None and engine.experts.ep > 1:
-            from hybridflow.hybrid_engine.expert_weights import ExpertGatheredWeights
-            return ExpertGatheredWeights(engine)
         return ViewWeights(engine)
     return GroupedWeights(engine, tg, grouping)
