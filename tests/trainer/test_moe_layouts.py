@@ -68,11 +68,14 @@ def qwen3_moe(tmp_path_factory):
 LAYOUTS = {"tp2sp": ["trainer.n_devices=2", "actor.parallel.tp=2", "actor.parallel.sequence_parallel=true"],
            "pp2": ["trainer.n_devices=2", "actor.parallel.pp=2"],
            "dp2": ["trainer.n_devices=2"],
-           "dp2ep2": ["trainer.n_devices=2", "actor.parallel.ep=2"]}
+           "dp2ep2": ["trainer.n_devices=2", "actor.parallel.ep=2"],
+           "tp2sp_ep2": ["trainer.n_devices=4", "actor.parallel.tp=2", "actor.parallel.sequence_parallel=true",
+                         "actor.parallel.ep=2", "rollout.tg=2"]}
 
 
 @pytest.mark.parametrize("name,layout,router_losses", [
     ("tiny-grpo.yaml", "tp2sp", "aux"), ("tiny-grpo.yaml", "pp2", "aux+z"), ("tiny-grpo.yaml", "dp2", ""),
+    ("tiny-grpo.yaml", "tp2sp_ep2", ""),
     *(("tiny-ppo.yaml", k, "replay") for k in ("tp2sp", "pp2", "dp2ep2"))])
 def test_grpo_and_ppo_on_a_tiny_qwen3_moe_at_each_layout_match_one_process(tmp_path, qwen3_moe, name, layout,
                                                                            router_losses: str):
@@ -81,7 +84,9 @@ def test_grpo_and_ppo_on_a_tiny_qwen3_moe_at_each_layout_match_one_process(tmp_p
     stage that holds the layer at PP2, megatron-core's allgather dispatcher over gloo; the 3D-HybridEngine
     gathers the experts into the generation layout. dp2ep2 (PPO): each rank trains half of every layer's
     experts (expert parallelism; the critic and the reference too), the dispatcher gathering both ranks'
-    tokens to them; each rank generates with all experts, the other rank's gathered after every update. Three steps' learned metrics equal one process's within
+    tokens to them; each rank generates with all experts, the other rank's gathered after every update.
+    tp2sp_ep2 (GRPO, 4 processes): experts TP-split and split over the two DP ranks; generation at tg = 2
+    gathers the other rank's experts' TP shards, then regroups as for a dense model. Three steps' learned metrics equal one process's within
     1e-5 relative (1e-6 absolute for small values). GRPO with router losses: megatron-core counts the
     load-balancing loss's tokens over TP (and CP) and the engine marks the padding columns, so at tp2+SP it,
     and at pp2 it and the z-loss, are one process's, as are the reported `moe/...` figures. Not at tp2+SP for
