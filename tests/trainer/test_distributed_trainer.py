@@ -208,8 +208,9 @@ def test_no_token_tensor_or_text_of_a_ray_step_passes_the_driver(tmp_path):
     """The data plane: under Ray every token tensor ([B, R] and wider) and text of a PPO step stays in the
     object store: the rollout's, the old and reference log-probs, the values, and the token rewards and
     advantages the actor's rank 0 makes from them (KL in the reward included). The driver holds references
-    and one number a row: what it received while preparing the step is RESPONSE_LENGTH, RULE_SCORES and
-    RULE_REWARD_SECONDS (16 bytes a row) and the row index of each answer whose fields stayed in the store
+    and one number a row: what it received while preparing the step is RESPONSE_LENGTH, RULE_SCORES,
+    RULE_REWARD_SECONDS, TRUNCATED, REWARD_FAILED and REWARD_TIMED_OUT (25 bytes a row) and the row index of
+    each answer whose fields stayed in the store
     (4 bytes a row, shared by the answer's fields: the rollout's, the log-prob pass's, the values', the token
     stage's).
     Fetched back, the advantages are what the token stage gives on those rows in this process (the same
@@ -217,8 +218,9 @@ def test_no_token_tensor_or_text_of_a_ray_step_passes_the_driver(tmp_path):
 
     The rule reward scores where the rows are made. Here it is a function registered by name in this
     process only (a local function the workers cannot import), which reaches them with the spec and scores
-    exactly as it does here; made to raise (it reads a flag file), it stops the next step with the
-    driver-side line: the function's name, the error and its line, no traceback."""
+    exactly as it does here; made to raise (it reads a flag file) on every row, more than
+    reward.max_failure_fraction of a rank's rows fail, and the next step stops with the driver-side line: the
+    function's name, the error and its line, the first failing row, no traceback."""
     import inspect
     import os
 
@@ -246,7 +248,7 @@ def test_no_token_tensor_or_text_of_a_ray_step_passes_the_driver(tmp_path):
         coef, received = trainer.kl_ctrl.value, trainer.received_bytes()
         batch, metrics, _ = trainer.prepare(1)
         rows = len(batch[F.UID])
-        assert trainer.received_bytes() - received == (8 + 4 + 4) * rows + 4 * (4 * rows)
+        assert trainer.received_bytes() - received == (8 + 4 + 4 + 1 + 4 + 4) * rows + 4 * (4 * rows)
         assert metrics["timing/rule_reward_s"] > 0 and F.RULE_REWARD_SECONDS not in batch
         left = {name for name, value in batch.items() if isinstance(value, RowsElsewhere)}
         assert {F.INPUT_IDS, F.RESPONSES, F.RESPONSE_MASK, F.OLD_LOG_PROBS, F.REF_LOG_PROBS, F.VALUES,
@@ -269,7 +271,8 @@ def test_no_token_tensor_or_text_of_a_ray_step_passes_the_driver(tmp_path):
         trainer.shutdown()
     line = inspect.getsourcelines(reward)[1] + 2
     assert str(caught.value) == (f"reward.function {name!r} raised ZeroDivisionError: float division by zero "
-                                 f"(at {__file__}:{line})")
+                                 f"(at {__file__}:{line}); on row 0 (data_source 'arithmetic'), the first of 8 "
+                                 "failing rows of 8, more than reward.max_failure_fraction=0.1 of the batch")
 
 
 def test_torchrun_over_two_nodes_on_loopback_matches_the_single_process_run(tmp_path, single):
