@@ -27,14 +27,12 @@ import argparse
 import json
 import os
 import resource
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (hybridflow bench runs this by path)
-from figures import peak_since, reset_peak, write_json  # noqa: E402
+from figures import peak_since, reset_peak, torchrun_json, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = 128
@@ -126,21 +124,8 @@ def rank_main(args) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_cp(args, cp: int, argv: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-addr",
-           "127.0.0.1", "--master-port", str(_free_port()), __file__, *argv, "--rank-part"]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("[")]
-    if not lines:
-        raise RuntimeError(f"cp = {cp} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    return torchrun_json(__file__, cp, [*argv, "--rank-part"], ROOT)
 
 
 def predicted_activation_ratio(args, cp: int) -> float:

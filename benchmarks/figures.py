@@ -128,3 +128,23 @@ def peak_tensor_mib(fn: Callable[[], Any]) -> tuple[Any, float]:
         live += event.self_cpu_memory_usage
         peak = max(peak, live)
     return out, peak / 2**20
+
+
+def torchrun_json(script: str, nproc: int, argv: list[str], root) -> list:
+    """Run `script` (a benchmark's rank part) on `nproc` gloo processes of one `torchrun` on this machine (CPU,
+    one thread each) and return the JSON list rank 0 printed last; RuntimeError with the tail of stderr."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(port), script, *argv]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("[")]
+    if not lines:
+        raise RuntimeError(f"{' '.join(cmd[-len(argv) - 1:])} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
