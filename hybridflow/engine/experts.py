@@ -4,7 +4,7 @@ At `parallel.ep` = e, megatron-core gives each rank of an expert-parallel group 
 ranks: megatron-core's rank order) experts / e of every layer's experts, numbered from 0 on each rank
 (`local_experts.J`); tokens reach them through the allgather dispatcher. The bridge, HF checkpoints and the
 generation model number experts globally: rank r of the group holds experts r * (experts / e) onwards.
-`ExpertShard` renames between the two; `gather_experts` gives every rank of the group all of them (an export,
+`ExpertShard` renames between the two; `exchange_experts` gives every rank of the group all of them (an export,
 the generation model), one all-gather of each rank's experts: each rank receives (e - 1) / e of the model's
 expert bytes (docs/design.md, "Expert parallelism").
 """
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["ExpertShard", "expert_of", "gather_experts"]
+__all__ = ["ExpertShard", "exchange_experts", "expert_of"]
 
 _EXPERT = re.compile(r"(\.local_experts\.)(\d+)(\.)")
 
@@ -38,8 +38,9 @@ class ExpertShard:
     def __init__(self, experts: int, ep: int, rank: int):
         if ep > 1 and experts % ep:
             raise ValueError(f"ep={ep} does not divide the model's {experts} experts")
-        self.ep, self.count = ep, (experts // ep if ep > 1 else experts)
-        self.first = rank * self.count if ep > 1 else 0
+        self.experts, self.ep, self.rank = experts, ep, rank if ep > 1 else 0
+        self.count = experts // ep if ep > 1 else experts
+        self.first = self.rank * self.count
 
     def local(self, name: str) -> Optional[str]:
         """A global megatron name as this rank spells it; None for another rank's expert."""
@@ -53,28 +54,25 @@ class ExpertShard:
         j = expert_of(name)
         return name if j is None or self.ep == 1 else _renumbered(name, j + self.first)
 
+    def peer(self, rank: int) -> "ExpertShard":
+        """The shard expert-parallel rank `rank` holds."""
+        return ExpertShard(self.experts, self.ep, rank)
 
-def gather_experts(mine: dict[str, Tensor], group, traffic=None) -> dict[str, Tensor]:
-    """`mine` (global names; this rank's experts and every other tensor) with every expert-parallel peer's
-    experts added: each rank's expert tensors all-gathered over `group` (None: ep = 1, `mine` itself), one
-    object collective. `traffic`
-    (a `TrafficCounter`) counts the bytes received and sent."""
-    if group is None or dist.get_world_size(group) == 1:
-        return mine
-    own = {k: v.detach().cpu() for k, v in mine.items() if expert_of(k) is not None}
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, own, group=group)
-    out = dict(mine)
-    me = dist.get_rank(group)
-    for rank, part in enumerate(everyone):
-        if rank != me:
-            out.update({k: v.to(_device(mine)) for k, v in part.items()})
-            if traffic is not None:
-                traffic.add(sum(t.numel() * t.element_size() for t in part.values()))
-    if traffic is not None:
-        traffic.add(0, sum(t.numel() * t.element_size() for t in own.values()) * (len(everyone) - 1))
+
+def exchange_experts(own: dict[str, Tensor], shard: ExpertShard, group, traffic=None) -> dict[str, Tensor]:
+    """Every other expert-parallel rank's copy of this rank's expert tensors in `own` (global names, `shard`'s
+    experts), under global names: one all-gather per tensor over `group`, in the order of the local names,
+    which every rank of the group holds alike. `traffic` (a `TrafficCounter`) counts the bytes received and
+    sent; `own`'s other tensors are left out."""
+    if shard.ep == 1:
+        return {}
+    local = sorted(((shard.local(k), v) for k, v in own.items() if expert_of(k) is not None), key=lambda kv: kv[0])
+    out: dict[str, Tensor] = {}
+    for name, tensor in local:
+        pieces = [torch.empty_like(tensor) for _ in range(shard.ep)]
+        dist.all_gather(pieces, tensor.detach().contiguous(), group=group)
+        size = tensor.numel() * tensor.element_size() * (shard.ep - 1)
+        if traffic is not None:
+            traffic.add(size, size)
+        out.update({shard.peer(r).global_name(name): piece for r, piece in enumerate(pieces) if r != shard.rank})
     return out
-
-
-def _device(state: dict[str, Tensor]) -> torch.device:
-    return next(iter(state.values())).device if state else torch.device("cpu")

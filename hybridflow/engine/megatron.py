@@ -29,7 +29,7 @@ from hybridflow.engine.build import (HiddenOutput, RopePositions, build_model, l
                                      use_fused_adam)
 from hybridflow.engine.cp_attention import context_parallel_forward
 from hybridflow.engine.distributed import expert_group, expert_parallel_rank, init_model_parallel
-from hybridflow.engine.experts import ExpertShard, gather_experts
+from hybridflow.engine.experts import ExpertShard, exchange_experts
 from hybridflow.engine.lora import LoRA, attach_lora, trainable
 from hybridflow.engine.moe import RouterStats, forward_with_padding
 from hybridflow.engine.routes import RouteReplay, input_tags
@@ -306,7 +306,7 @@ class MegatronEngine:
                 out[entry.megatron] = unshard_tensor(pieces, entry.shard)  # joined anew: a copy already
             else:
                 out[entry.megatron] = tensor.clone()
-        return gather_experts(out, expert_group(self.experts.ep), traffic)  # every layer's experts (ep > 1)
+        return {**out, **exchange_experts(out, self.experts, expert_group(self.experts.ep), traffic)}  # ep > 1
 
     def full_state(self, traffic: Optional[TrafficCounter] = None) -> dict[str, Tensor]:
         """The whole model on every rank (global megatron names): TP all-gathers, then one broadcast

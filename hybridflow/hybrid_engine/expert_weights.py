@@ -15,11 +15,10 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from hybridflow.engine.distributed import expert_group
-from hybridflow.engine.experts import ExpertShard, expert_of
+from hybridflow.engine.experts import ExpertShard, exchange_experts, expert_of
 from hybridflow.hybrid_engine.generation import nbytes, transition_metrics
 from hybridflow.hybrid_engine.traffic import Traffic
 
@@ -33,17 +32,12 @@ class AllExperts:
     def __init__(self, engine):
         self.engine, self.shard = engine, engine.experts
         self.experts = ExpertShard(engine.cfg.num_experts, 1, 0)  # holds every expert now (routes treat it so)
-        own = engine.named_params()
         self.buffers: dict[str, Tensor] = {}
-        for name, p in own.items():
-            j = expert_of(name)
-            if j is None:
-                continue
-            for rank in range(self.shard.ep):
-                if rank != self.shard.first // self.shard.count:
-                    other = self.shard.global_name(name).replace(
-                        f".local_experts.{j + self.shard.first}.", f".local_experts.{j + rank * self.shard.count}.")
-                    self.buffers[other] = torch.empty_like(p).requires_grad_(False)
+        for name, p in engine.named_params().items():
+            if expert_of(name) is not None:  # `name`: this rank's local spelling, the same on every peer
+                for rank in range(self.shard.ep):
+                    if rank != self.shard.rank:
+                        self.buffers[self.shard.peer(rank).global_name(name)] = torch.empty_like(p)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -63,22 +57,11 @@ class AllExperts:
 
     @torch.no_grad()
     def gather(self, traffic: Traffic) -> None:
-        """Every other rank's experts into the buffers: one all-gather per expert tensor over the group."""
+        """Every other rank's experts into the buffers (`engine.experts.exchange_experts`)."""
         group = expert_group(self.shard.ep)
-        ranks = self.shard.ep
-        for name, p in self.engine.named_params().items():
-            j = expert_of(name)
-            if j is None:
-                continue
-            pieces = [torch.empty_like(p) for _ in range(ranks)]
-            dist.all_gather(pieces, p.detach().contiguous(), group=group)
-            size = p.numel() * p.element_size()
-            traffic.add(size * (ranks - 1), size * (ranks - 1))
-            for rank, piece in enumerate(pieces):
-                other = self.shard.global_name(name).replace(
-                    f".local_experts.{j + self.shard.first}.", f".local_experts.{j + rank * self.shard.count}.")
-                if other in self.buffers:
-                    self.buffers[other].copy_(piece)
+        own = {k: v for k, v in self.named_params().items() if k not in self.buffers}
+        for name, piece in exchange_experts(own, self.shard, group, traffic).items():
+            self.buffers[name].copy_(piece)
 
 
 class ExpertGatheredWeights:
