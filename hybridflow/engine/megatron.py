@@ -375,7 +375,7 @@ class MegatronEngine:
             lengths = batch[F.ATTENTION_MASK].sum(-1).to(ids.device)
             packed_ids, positions, mask = pack_rows(ids, lengths)
             n = packed_ids.shape[1]
-            self.routes.begin(batch, rows, input_tags(batch, idx, split, lengths=lengths), split)
+            self.routes.begin(batch, rows, lambda: input_tags(batch, idx, split, lengths=lengths), split)
             inputs = pad_columns(packed_ids, positions, mask, split)
             output = forward_with_padding(model, inputs, lengths.sum()[None], self.tconfig)[:, :n]
             output = unpack_sequences(output, lengths, s)
@@ -385,20 +385,21 @@ class MegatronEngine:
             shared_ids, positions, shared_mask, index = share_prompt_rows(
                 ids, mask.sum(-1), mask[:, :prompt_width].sum(-1))
             n, real = shared_ids.shape[1], shared_lengths(index, *shared_ids.shape)
-            self.routes.begin(batch, rows, input_tags(batch, idx, split, shared=(index, *shared_ids.shape)), split)
+            shared = (index, *shared_ids.shape)
+            self.routes.begin(batch, rows, lambda: input_tags(batch, idx, split, shared=shared), split)
             shared_ids, positions, shared_mask = pad_columns(shared_ids, positions, shared_mask, split)
             with self.rope.at(positions):
                 output = forward_with_padding(model, (shared_ids, positions, shared_mask), real, self.tconfig)
             output = unshare_rows(output[:, :n], index)
         elif self.layout.cp > 1:
             cp = (self.layout.cp, self.coord.cp, self._pipeline_width(s))
-            self.routes.begin(batch, rows, input_tags(batch, idx, cp=cp), split)
+            self.routes.begin(batch, rows, lambda: input_tags(batch, idx, cp=cp), split)
             output = context_parallel_forward(model, ids, self.layout.cp, self.coord.cp, self._pipeline_width(s))
         else:
             positions = torch.arange(s, device=ids.device)[None].expand_as(ids)
             causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
             # At pp > 1 the output is this stage's activations, so the padding is cut in `_loss`.
-            self.routes.begin(batch, rows, input_tags(batch, idx, split), split)
+            self.routes.begin(batch, rows, lambda: input_tags(batch, idx, split), split)
             output = forward_with_padding(model, pad_columns(ids, positions, causal, split),
                                           batch[F.ATTENTION_MASK].sum(-1), self.tconfig)
         self.routes.end()

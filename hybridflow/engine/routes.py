@@ -20,7 +20,7 @@ ids were; this module takes the rank's SP slice of them and the router's [s, b] 
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -101,16 +101,18 @@ class RouteReplay:
         self.current: Optional[_MicroBatch] = None
         self._steps: dict[int, _MicroBatch] = {}  # by id of the micro-batch dict, in the order first seen
 
-    def begin(self, batch: dict[str, Any], rows: int, tags: Tensor, sequence_split: int) -> None:
-        """Before the forward of `batch` (its first `rows` rows real) on this stage: tags [b, w], the model's
-        input columns' batch positions + 1 (module doc); sequence_split: tp under sequence parallelism (each
-        TP rank's routers see its slice of the columns), else 1."""
+    def begin(self, batch: dict[str, Any], rows: int, tags: Callable[[], Tensor], sequence_split: int) -> None:
+        """Before the forward of `batch` (its first `rows` rows real) on this stage: tags() gives [b, w], the
+        model's input columns' batch positions + 1 (module doc; computed only when routes are measured,
+        replayed or recorded, not for a dense model's every micro-batch); sequence_split: tp under sequence
+        parallelism (each TP rank's routers see its slice of the columns), else 1."""
         sampler, target = batch.get(F.ROUTES), batch.get(self.target) if self.target else None
         if not self.active or (sampler is None and target is None and not self.record):
             self.current = None
             return
         if self.target and target is None:
             raise KeyError(f"routing replay routes by {self.target!r}, which the micro-batch does not hold")
+        tags = tags()
         if sequence_split > 1:
             from megatron.core import parallel_state as ps
             tags = tags.chunk(sequence_split, dim=1)[ps.get_tensor_model_parallel_rank()]
@@ -133,9 +135,9 @@ class RouteReplay:
 
     def collect(self) -> list[dict[str, Tensor]]:
         """Per micro-batch since the last pass began: {F.ROUTE_MISMATCH: [rows, S] float32, the share of layers
-        where the trainer's experts differed from ROUTES, -1 where ROUTES has none; F.OLD_ROUTES: [rows, S, layers, k] when
-        recording}, agreed over the ranks holding parts of the model (TP and CP ranks hold other tokens or the
-        same ones, PP ranks other layers): a collective over them."""
+        where the trainer's experts differed from ROUTES, -1 where ROUTES has none; F.OLD_ROUTES:
+        [rows, S, layers, k] when recording}, agreed over the ranks holding parts of the model (TP and CP ranks
+        hold other tokens or the same ones, PP ranks other layers): a collective over them."""
         from megatron.core import parallel_state as ps
 
         tp_cp, pp = ps.get_tensor_and_context_parallel_group(), ps.get_pipeline_model_parallel_group()
