@@ -88,9 +88,7 @@ class LoRA:
     @torch.no_grad()
     def delta(self, a: Adapted) -> Tensor:
         """s * B A of this rank's shard of `a`'s weight, in its layout and dtype (computed in float32)."""
-        module = a.module
-        ba = module.lora_B.float() @ module.lora_A.float()
-        return (ba * self.scale).to(module.weight.dtype)
+        return lora_delta(a.module.lora_A, a.module.lora_B, self.scale, a.module.weight.dtype)
 
     @torch.no_grad()
     def merged(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -122,6 +120,13 @@ class LoRA:
             out, bias = output
             return out + self.forward_term(a, args[0]), bias
         return add_term
+
+
+@torch.no_grad()
+def lora_delta(lora_a: Tensor, lora_b: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
+    """scale * B A (A [r, in], B [out, r]) computed in float32, then cast to `dtype`: the one computation of a
+    merged delta, so a rollout that merges from the same pieces gets the training rank's bits."""
+    return ((lora_b.float() @ lora_a.float()) * scale).to(dtype)
 
 
 def init_a(key: str, rank: int, fan_in: int, seed: int, dtype: torch.dtype) -> Tensor:
