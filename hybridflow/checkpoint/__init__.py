@@ -3,6 +3,8 @@ tool; docs/design.md section 2):
 
 - format.py: the format itself: shard file names, trainer.json (`trainer_state`, `read_trainer_state`), the
   model table (`model_table`), the checks a resume makes (`check_models`, `check_layouts`), CheckpointError
+- base.py: the base model a LoRA actor's adapters were trained on (path and a content fingerprint), recorded in
+  trainer.json and checked on resume (`check_base`: a ConfigError on model.path)
 - manager.py: CheckpointManager (step directories that are complete or absent, manifests, the `latest`
   marker, keep_last pruning, full-disk refusals)
 

@@ -2,7 +2,7 @@
 
     root/latest                          "step_000010": the current step (`manager.py` writes it)
     root/step_000010/manifest.json       every file of the step, its size and (small files) its sha256
-    root/step_000010/trainer.json        TRAINER_STATE: step, kl_coef, [sampler], models, layouts
+    root/step_000010/trainer.json        TRAINER_STATE: step, kl_coef, [sampler], models, layouts, [base]
     root/step_000010/actor/engine_tp{t}_pp{p}_dp{d}.pt   one rank's shard (`shard_file`); critic/ alike
 
 trainer.json's `models` is each checkpointed model's tensor table (`model_table`: Megatron name -> full
@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from hybridflow.checkpoint.base import KEY as BASE
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.checkpoint import foreign_shapes
 from hybridflow.models.config import DecoderConfig
@@ -85,16 +86,19 @@ def model_table(decoder: DecoderConfig, divisible_by: int, value_head: bool) -> 
 
 
 def trainer_state(step: int, models: dict[str, dict[str, list[int]]], layouts: dict[str, str],
-                  kl_coef: Optional[float] = None, sampler: Optional[dict] = None) -> dict[str, Any]:
+                  kl_coef: Optional[float] = None, sampler: Optional[dict] = None,
+                  base: Optional[dict] = None) -> dict[str, Any]:
     """A step's trainer.json. `kl_coef` None: a step made from an HF model (`hybridflow reshard`, step 0),
     which a run starts with its config's KL coefficient; `sampler`: the prompt sampler's state, where it has
-    one (data.skip_uniform_passes)."""
+    one (data.skip_uniform_passes); `base`: the base model of a LoRA actor's adapters (`base.base_record`)."""
     state: dict[str, Any] = {"step": step}
     if kl_coef is not None:
         state["kl_coef"] = kl_coef
     state.update(models=models, layouts=layouts)
     if sampler is not None:
         state["sampler"] = sampler
+    if base is not None:
+        state[BASE] = base
     return state
 
 

@@ -13,6 +13,8 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
+from hybridflow.checkpoint.base import KEY as BASE
+from hybridflow.checkpoint.base import check_base
 from hybridflow.checkpoint.format import (TRAINER_STATE, CheckpointError, check_layouts, check_models,
                                           read_trainer_state)
 from hybridflow.checkpoint.manager import CheckpointManager
@@ -80,17 +82,21 @@ def resume_point(ckpt: CheckpointManager, spmd: bool) -> Optional[tuple[int, Pat
 
 
 def resume_state(directory: Path, step: int, models: dict[str, dict[str, list[int]]], layouts: dict[str, str],
-                 paths: dict[str, str]) -> dict[str, Any]:
+                 paths: dict[str, str], base: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """The step's trainer.json, once it is read and fits this run (its models' tables and layouts, `paths`
-    naming the models): checked before any shard loads, so a bad one fails fast, naming the file."""
+    naming the models, and for a LoRA actor the base model its adapters were trained on, `base`): checked
+    before any shard loads, so a bad one fails fast, naming the file."""
     state = read_trainer_state(directory, step)
     check_models(state.get("models"), models, directory, step, paths)
     check_layouts(state.get("layouts"), layouts, directory, step)
+    if base is not None:
+        check_base(state.get(BASE), base, str(directory))
     return state
 
 
 def load_latest(ckpt: CheckpointManager, spmd: bool, groups: list, sampler, models: dict[str, dict[str, list[int]]],
-                layouts: dict[str, str], paths: dict[str, str]) -> Optional[tuple[int, Path, dict[str, Any]]]:
+                layouts: dict[str, str], paths: dict[str, str],
+                base: Optional[dict[str, str]] = None) -> Optional[tuple[int, Path, dict[str, Any]]]:
     """Resume from the newest intact step: (step, directory, its trainer.json) once trainer.json fits this
     run (checked first), the prompt sampler is restored and every group has loaded its shards; None where
     nothing was saved."""
@@ -98,7 +104,7 @@ def load_latest(ckpt: CheckpointManager, spmd: bool, groups: list, sampler, mode
     if found is None:
         return None
     step, directory = found
-    state = resume_state(directory, step, models, layouts, paths)
+    state = resume_state(directory, step, models, layouts, paths, base)
     restore_sampler(sampler, state, directory / TRAINER_STATE, step)
     for group in groups:
         group.load(str(directory))

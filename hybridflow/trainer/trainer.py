@@ -57,6 +57,7 @@ from hybridflow.roles.preparation import TokenStage
 from hybridflow.roles.scoring import RewardError, reward_counts, score_rule
 from hybridflow.roles.rollout import BASELINE, TRAIN, VALIDATION, row_figures
 from hybridflow.trainer import rl_steps as S
+from hybridflow.checkpoint.base import lora_base
 from hybridflow.checkpoint.format import trainer_state
 from hybridflow.checkpoint.manager import CheckpointManager
 from hybridflow.trainer.build import build_groups, checkpoint_layouts, model_tensors, rollout_weights, weights_bytes
@@ -127,6 +128,7 @@ class RLTrainer:
                       if cfg.critic.model_path else None)
         check_runnable(cfg, plan, self.model_cfg, critic_cfg)  # the last config checks, before any worker starts
         self.model_tensors = model_tensors(cfg, plan, self.model_cfg, critic_cfg)  # recorded in each checkpoint
+        self.lora_base = lora_base(cfg.actor.lora.rank, cfg.model.path)  # adapters' base, checked on resume
         self.tokenizer = load_tokenizer(cfg.model, self.model_cfg)
         self.train_set = PromptDataset(cfg.data, self.tokenizer, cfg.data.train_files)
         self.val_set = PromptDataset(cfg.data, self.tokenizer, cfg.data.val_files) if cfg.data.val_files else None
@@ -448,7 +450,7 @@ class RLTrainer:
     def save_checkpoint(self, step: int) -> Path:
         """Save step `step`: every rank's shard and trainer.json (`trainer/checkpointing.py`)."""
         state = trainer_state(step, self.model_tensors, checkpoint_layouts(self.plan, self.cfg), self.kl_ctrl.value,
-                              self.sampler.state_dict() if self.sampler.adaptive else None)
+                              self.sampler.state_dict() if self.sampler.adaptive else None, self.lora_base)
         floor = weights_bytes(self.cfg, self.model_tensors)  # the free space a save needs at least
         self.weights.saving(self.version)
         return save_step(self.ckpt, step, self._saved(), state, floor, self.spmd_driver)
@@ -464,7 +466,7 @@ class RLTrainer:
             return 0
         paths = {"actor": self.cfg.model.path, "critic": self.cfg.critic.model_path or self.cfg.model.path}
         found = load_latest(self.ckpt, self.spmd_driver, self._saved(), self.sampler, self.model_tensors,
-                            checkpoint_layouts(self.plan, self.cfg), paths)
+                            checkpoint_layouts(self.plan, self.cfg), paths, self.lora_base)
         if found is None:
             return 0
         step, directory, state = found

@@ -48,21 +48,52 @@ def test_lora_grpo_at_each_layout_matches_one_process(tmp_path, one_process, lay
     assert shapes["base_model.model.model.layers.3.mlp.down_proj.lora_A.weight"] == (8, 384)
 
 
-def test_a_lora_run_resumed_from_its_checkpoint_takes_the_same_third_step(tmp_path, one_process_run):
-    """Saved every step (each shard the adapters and their Adam state, no base weight), resumed from step 2's
-    checkpoint with the base read again from model.path: step 3 equals the uninterrupted run's."""
+def resumable(full, where):
+    """A copy at `where` of the one-process run `full` as its step-2 checkpoint left it."""
     import shutil
 
+    shutil.copytree(full, where)
+    shutil.rmtree(where / "tiny-grpo" / "checkpoints" / "step_000003")
+    (where / "tiny-grpo" / "checkpoints" / "latest").write_text("step_000002\n")
+    return where
+
+
+def test_a_lora_run_resumed_from_its_checkpoint_takes_the_same_third_step(tmp_path, one_process_run):
+    """Saved every step (each shard the adapters and their Adam state, no base weight), resumed from step 2's
+    checkpoint with the base read again from model.path, here the same model copied to another path (the
+    checkpoint's base is checked by content, not path): step 3 equals the uninterrupted run's."""
     import torch
 
+    from tests.lora.test_lora_base import copy_of_demo
     from tests.trainer.test_trainer import learned
 
     full, records = one_process_run
     common = [*LORA_GRPO, "trainer.save_every=1"]
-    shard = torch.load(next((full / "tiny-grpo" / "checkpoints" / "step_000002" / "actor").glob("*.pt")))
+    step2 = full / "tiny-grpo" / "checkpoints" / "step_000002"
+    shard = torch.load(next((step2 / "actor").glob("*.pt")))
     assert shard["model"] and all(".lora_" in name for name in shard["model"]) and "optimizer" in shard
-    shutil.copytree(full, tmp_path / "resumed")
-    shutil.rmtree(tmp_path / "resumed" / "tiny-grpo" / "checkpoints" / "step_000003")
-    _, again = run("tiny-grpo.yaml", tmp_path / "resumed", *common, "trainer.resume=auto")
+    assert json.loads((step2 / "trainer.json").read_text())["base"]["path"].endswith("demo_model")
+    moved = copy_of_demo(tmp_path / "moved_base")
+    _, again = run("tiny-grpo.yaml", resumable(full, tmp_path / "resumed"), *common, "trainer.resume=auto",
+                   f"model.path={moved}")
     for key, value in learned(records)[3].items():
         assert learned(again)[3][key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+
+
+def test_resuming_lora_adapters_onto_another_base_model_is_refused_before_a_step(tmp_path, one_process_run):
+    """The step-2 adapters resumed with model.path a fine-tune of their base (one matrix scaled by 1.01): a
+    ConfigError on model.path naming both models, raised before any step runs (no step 3 is saved)."""
+    from hybridflow.errors import ConfigError
+    from tests.lora.test_lora_base import copy_of_demo
+
+    def nudge(state):
+        name = next(n for n in sorted(state) if n.endswith("layers.1.self_attn.o_proj.weight"))
+        state[name].mul_(1.01)
+
+    other = copy_of_demo(tmp_path / "tuned_base", change=nudge)
+    where = resumable(one_process_run[0], tmp_path / "resumed")
+    with pytest.raises(ConfigError) as err:
+        run("tiny-grpo.yaml", where, *LORA_GRPO, "trainer.save_every=1", "trainer.resume=auto",
+            f"model.path={other}")
+    assert err.value.path == "model.path" and str(other) in str(err.value) and "demo_model" in str(err.value)
+    assert not (where / "tiny-grpo" / "checkpoints" / "step_000003").exists()
