@@ -25,7 +25,7 @@ import torch
 from hybridflow.config.schema import ModelConfig, RolloutConfig
 from hybridflow.hybrid_engine.apart import plan_apart
 from hybridflow.hybrid_engine.fsdp_gather import FSDPGatheredWeights
-from hybridflow.hybrid_engine.lora_weights import AdapterMerge, MergedWeights, adapters_of
+from hybridflow.hybrid_engine.lora_weights import AdapterMerge, adapters_of, lora_generation
 from hybridflow.hybrid_engine.plan import bridge_params
 from hybridflow.hybrid_engine.reshard import generation_weights, new_groups
 from hybridflow.hybrid_engine.tensor_parallel import GroupTensorParallel
@@ -39,11 +39,10 @@ from hybridflow.parallel.layout import ParallelDims
 from hybridflow.rollout import RolloutBackend, hf_named, sync_weights
 
 def megatron_generation(engine, rollout: RolloutConfig):
-    """Views at tp = pp = 1, else the reshard plan's shard at `rollout.tg`; of the merged W + s * B A where the
-    engine trains LoRA adapters (`lora_weights.py`)."""
-    def build(source):
-        return generation_weights(source, rollout.tg, rollout.grouping)
-    return MergedWeights(engine, build) if adapters_of(engine) else build(engine)
+    """Views at tp = pp = 1, else the reshard plan's shard at `rollout.tg`; where the engine trains LoRA
+    adapters, `lora_weights.lora_generation` (merged weights, or adapters only after the first sync)."""
+    return lora_generation(engine, rollout) if adapters_of(engine) else generation_weights(engine, rollout.tg,
+                                                                                           rollout.grouping)
 
 
 # Engine kind -> the actor's generation weights (refresh / release / model / mesh). FSDP generates at tg = 1:
