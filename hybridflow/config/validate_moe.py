@@ -45,8 +45,8 @@ def check_routing_replay(cfg: Config, plan: RunPlan, model: "DecoderConfig") -> 
 
 def check_expert_parallel(cfg: Config, plan: RunPlan, model: "DecoderConfig") -> None:
     """`parallel.ep` > 1 (actor, and a critic at the actor's processes): an MoE model on megatron-core whose
-    experts ep divides, over data-parallel ranks that ep divides, at pp = cp = 1 (the expert-parallel
-    generation gather is built for those layouts only), generating in the actor's processes."""
+    experts ep divides, over the data- and context-parallel ranks of a stage (megatron-core carves the
+    expert-parallel groups from them) that ep divides, generating in the actor's processes."""
     roles = [("actor", "training", cfg.actor)] + ([("critic", "critic", cfg.critic)] if plan.uses_critic else [])
     for role, engine, section in roles:
         ep, key = section.parallel.ep, f"{role}.parallel.ep"
@@ -62,11 +62,10 @@ def check_expert_parallel(cfg: Config, plan: RunPlan, model: "DecoderConfig") ->
         if model.num_experts % ep:
             raise ConfigError(key, f"{ep} does not divide the model's {model.num_experts} experts")
         layout = plan.layouts[engine]
-        if layout.pp > 1 or layout.cp > 1:
-            raise ConfigError(key, f"{ep}: expert parallelism is built with tensor and data parallelism (pp = cp "
-                                   f"= 1); {role}.parallel has pp={layout.pp}, cp={layout.cp}")
-        if layout.dp % ep:
-            raise ConfigError(key, f"{ep} does not divide the {layout.dp} data-parallel ranks of the {role}")
+        if (layout.dp * layout.cp) % ep:
+            raise ConfigError(key, f"{ep} does not divide the {layout.dp * layout.cp} data- x context-parallel ranks "
+                                   f"of the {role} (dp={layout.dp}, cp={layout.cp}), which megatron-core splits "
+                                   "into expert-parallel groups")
     if cfg.actor.parallel.ep > 1 and plan.rollout_apart:
         raise ConfigError("actor.parallel.ep", f"{cfg.actor.parallel.ep}: a rollout apart receives the actor's "
                           "shards (placement.rollout); with experts split over ranks only colocated generation "

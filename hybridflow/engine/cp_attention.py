@@ -183,14 +183,17 @@ def core_attention_for(tconfig, device: str):
     return CpDotProductAttention
 
 
-def context_parallel_forward(model, ids: Tensor, cp: int, rank: int, width: int) -> Tensor:
-    """The output [b, s, ...] of left-aligned rows `ids` [b, s] at cp > 1, on every CP rank (`rank`: this one).
+def context_parallel_forward(model, ids: Tensor, cp: int, rank: int, width: int, real: Tensor, tconfig) -> Tensor:
+    """The output [b, s, ...] of left-aligned rows `ids` [b, s] (`real[b]` tokens each) at cp > 1, on every CP
+    rank (`rank`: this one).
 
     Rows are padded at the end to `width` (the engine's pipeline width: a multiple of 2*cp, times tp under
     sequence parallelism; causal attention keeps the padding out of every real token's view); the rank runs
     its load-balanced chunks (`cp_split`) against the full causal mask, which its CP attention takes its
-    queries' rows of; the outputs are gathered back in order.
+    queries' rows of; the outputs are gathered back in order. An MoE model's routers are told which of the
+    chunks' columns are padding (`engine/moe.padding_kwargs`), as at cp = 1.
     """
+    from hybridflow.engine.moe import padding_kwargs
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_attr_wrapped_model
 
@@ -198,7 +201,8 @@ def context_parallel_forward(model, ids: Tensor, cp: int, rank: int, width: int)
     ids = torch.nn.functional.pad(ids, (0, width - s))
     causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=ids.device), 1)[None, None]
     local, positions = cp_split(ids, cp, rank)
-    output = model(local, positions[None].expand_as(local), causal)
+    padding = positions[None].to(ids.device) >= real.to(ids.device)[:, None]
+    output = model(local, positions[None].expand_as(local), causal, **padding_kwargs(model, padding, tconfig))
     # A chunk that is not the model's last (at virtual_pp > 1 every chunk but the last pipeline rank's
     # last one, though that rank is "the last stage") sends its activations of its chunks onwards.
     if not get_attr_wrapped_model(model, "post_process"):

@@ -229,26 +229,27 @@ class MegatronEngine:
         return {chunk_name(c, name, self.virtual_pp): p for c in range(self.virtual_pp)
                 for name, p in self._inner(c).named_parameters()}
 
-    def local_name(self, megatron_name: str) -> Optional[str]:
+    def local_name(self, megatron_name: str, experts: Optional[ExpertShard] = None) -> Optional[str]:
         """A global megatron name's spelling in `named_params` (on the stage that holds it); None for an expert
-        another expert-parallel rank holds."""
-        name = self.experts.local(megatron_name)
+        another expert-parallel rank holds. `experts`: whose expert numbering (this rank's by default)."""
+        name = (experts or self.experts).local(megatron_name)
         return None if name is None else local_name(name, self.cfg.num_layers, self.layout.pp, self.virtual_pp)
 
-    def stage_entries(self) -> list[tuple[Any, str]]:
-        """(bridge entry, local name) of every bridge tensor on this stage.
+    def stage_entries(self, names=None, experts: Optional[ExpertShard] = None) -> list[tuple[Any, str]]:
+        """(bridge entry, local name) of every bridge tensor on this stage, among `names` (`named_params` by
+        default) spelled with `experts`' numbering (this rank's by default).
 
         megatron-core numbers `decoder.layers.N` from 0 on every chunk; the
         bridge and HF checkpoints number layers globally. Which stage and chunk
         holds a tensor is `parallel.stages`' answer, the one the plans use.
         """
-        names, out = self.named_params().keys(), []
+        names, out = names if names is not None else self.named_params().keys(), []
         for entry in self.bridge.entries():
             if self.value_head and entry.megatron == "output_layer.weight":
                 continue
             if param_stage(entry.megatron, self.cfg.num_layers, self.layout.pp, self.virtual_pp) != self.coord.pp:
                 continue
-            local = self.local_name(entry.megatron)
+            local = self.local_name(entry.megatron, experts)
             if local in names:  # not a tied output layer at pp = 1 (the embedding's), not another rank's expert
                 out.append((entry, local))
         return out
@@ -394,7 +395,8 @@ class MegatronEngine:
         elif self.layout.cp > 1:
             cp = (self.layout.cp, self.coord.cp, self._pipeline_width(s))
             self.routes.begin(batch, rows, lambda: input_tags(batch, idx, cp=cp), split)
-            output = context_parallel_forward(model, ids, self.layout.cp, self.coord.cp, self._pipeline_width(s))
+            output = context_parallel_forward(model, ids, self.layout.cp, self.coord.cp, self._pipeline_width(s),
+                                              batch[F.ATTENTION_MASK].sum(-1), self.tconfig)
         else:
             positions = torch.arange(s, device=ids.device)[None].expand_as(ids)
             causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]

@@ -19,20 +19,25 @@ from hybridflow.models.config import DecoderConfig
 
 def forward_with_padding(model: nn.Module, inputs: tuple[Tensor, Tensor, Tensor], real: Tensor, tconfig) -> Tensor:
     """`model(*inputs)` (ids [b, S], positions, mask); an MoE model's routers also get which columns are padding
-    (all but the first `real[b]` of row b). GPTModel splits that mask over TP under sequence parallelism on
-    the first pipeline stage only; a later stage is given its TP rank's columns here. tconfig: the model's
-    TransformerConfig."""
+    (all but the first `real[b]` of row b). tconfig: the model's TransformerConfig."""
+    ids = inputs[0]
+    padding = torch.arange(ids.shape[1], device=ids.device)[None] >= real.to(ids.device)[:, None]
+    return model(*inputs, **padding_kwargs(model, padding, tconfig))
+
+
+def padding_kwargs(model: nn.Module, padding: Tensor, tconfig) -> dict[str, Tensor]:
+    """GPTModel's `padding_mask` argument for an MoE model ({} for a dense one): `padding` [b, S] (True at
+    padding, S the columns this rank runs). GPTModel splits that mask over TP under sequence parallelism on the
+    first pipeline stage only; a later stage is given its TP rank's columns here."""
     if not tconfig.num_moe_experts:
-        return model(*inputs)
+        return {}
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_attr_wrapped_model
 
-    ids = inputs[0]
-    padding = torch.arange(ids.shape[1], device=ids.device)[None] >= real.to(ids.device)[:, None]
     if tconfig.sequence_parallel and not get_attr_wrapped_model(model, "pre_process"):
         tp = ps.get_tensor_model_parallel_world_size()
         padding = padding.chunk(tp, dim=1)[ps.get_tensor_model_parallel_rank()].contiguous()
-    return model(*inputs, padding_mask=padding)
+    return {"padding_mask": padding}
 
 
 LOSSES = {"load_balancing_loss": "aux_loss", "z_loss": "z_loss"}  # megatron-core's tracker names -> ours

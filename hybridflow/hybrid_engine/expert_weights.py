@@ -1,12 +1,13 @@
-"""The generation weights of an expert-parallel actor (parallel.ep > 1, pp = cp = 1): every rank generates with
+"""The generation weights of an expert-parallel actor (parallel.ep > 1): every rank generates with
 all of a layer's experts, but trains only its own (`engine/experts.py`).
 
 `AllExperts` is the engine as if it held every expert: its own tensors as they are, the other expert-parallel
 ranks' experts (at this rank's TP shard: a rank's expert-parallel peers share its TP rank) as buffers refilled
 after each update by one all-gather per expert tensor over the expert-parallel group. `ExpertGatheredWeights`
-runs a route's own generation weights on it: views at tp = 1 (every tensor but the other ranks' experts is
+runs a route's own generation weights on it: views at tp = pp = 1 (every tensor but the other ranks' experts is
 a view of the training parameters, seen at once after an update), the 3D-HybridEngine's grouped gather at
-tp > 1. A rank receives (ep - 1) / ep of its TP shard of the model's expert bytes before the route's own
+tp > 1 or pp > 1 (each stage's experts gathered over its own expert-parallel group). A rank receives (ep - 1) / ep
+of its TP shard of its stage's expert bytes before the route's own
 transfer (docs/design.md, "Expert parallelism"; `reshard/bytes_received` counts both).
 """
 from __future__ import annotations
@@ -50,10 +51,9 @@ class AllExperts:
         return self.engine.bridge.megatron_to_generation(self.named_params())
 
     def stage_entries(self) -> list[tuple[Any, str]]:
-        """(bridge entry, name in `named_params`) of every tensor, every expert's included (pp = 1: global names)."""
-        names, value_head = self.named_params().keys(), self.engine.value_head
-        return [(e, e.megatron) for e in self.engine.bridge.entries()
-                if e.megatron in names and not (value_head and e.megatron == "output_layer.weight")]
+        """(bridge entry, name in `named_params`) of every tensor on this stage, every expert's included (layers
+        numbered per stage, experts globally)."""
+        return self.engine.stage_entries(self.named_params().keys(), self.experts)
 
     @torch.no_grad()
     def gather(self, traffic: Traffic) -> None:
@@ -69,8 +69,6 @@ class ExpertGatheredWeights:
     (views, or the grouped gather at tp > 1), after the experts' gather on each refresh."""
 
     def __init__(self, engine, inner):
-        if engine.layout.pp > 1:
-            raise NotImplementedError("expert parallelism generates at pp = 1 only")
         self.source = AllExperts(engine)
         self.source.gather(Traffic())
         self.inner = inner(self.source)

@@ -70,12 +70,14 @@ LAYOUTS = {"tp2sp": ["trainer.n_devices=2", "actor.parallel.tp=2", "actor.parall
            "dp2": ["trainer.n_devices=2"],
            "dp2ep2": ["trainer.n_devices=2", "actor.parallel.ep=2"],
            "tp2sp_ep2": ["trainer.n_devices=4", "actor.parallel.tp=2", "actor.parallel.sequence_parallel=true",
-                         "actor.parallel.ep=2", "rollout.tg=2"]}
+                         "actor.parallel.ep=2", "rollout.tg=2"],
+           "pp2_ep2": ["trainer.n_devices=4", "actor.parallel.pp=2", "actor.parallel.ep=2"],
+           "cp2_ep2": ["trainer.n_devices=2", "actor.parallel.cp=2", "actor.parallel.ep=2"]}
 
 
 @pytest.mark.parametrize("name,layout,router_losses", [
     ("tiny-grpo.yaml", "tp2sp", "aux"), ("tiny-grpo.yaml", "pp2", "aux+z"), ("tiny-grpo.yaml", "dp2", ""),
-    ("tiny-grpo.yaml", "tp2sp_ep2", ""),
+    ("tiny-grpo.yaml", "tp2sp_ep2", ""), ("tiny-grpo.yaml", "pp2_ep2", ""), ("tiny-grpo.yaml", "cp2_ep2", "aux"), ("tiny-grpo.yaml", "cp2_ep2", ""),
     *(("tiny-ppo.yaml", k, "replay") for k in ("tp2sp", "pp2", "dp2ep2"))])
 def test_grpo_and_ppo_on_a_tiny_qwen3_moe_at_each_layout_match_one_process(tmp_path, qwen3_moe, name, layout,
                                                                            router_losses: str):
@@ -86,7 +88,12 @@ def test_grpo_and_ppo_on_a_tiny_qwen3_moe_at_each_layout_match_one_process(tmp_p
     experts (expert parallelism; the critic and the reference too), the dispatcher gathering both ranks'
     tokens to them; each rank generates with all experts, the other rank's gathered after every update.
     tp2sp_ep2 (GRPO, 4 processes): experts TP-split and split over the two DP ranks; generation at tg = 2
-    gathers the other rank's experts' TP shards, then regroups as for a dense model. Three steps' learned metrics equal one process's within
+    gathers the other rank's experts' TP shards, then regroups as for a dense model. pp2_ep2 (GRPO, 4 processes):
+    each stage's layers' experts split over its two DP ranks, gathered per stage before the grouped gather over
+    the pipeline. cp2_ep2 (GRPO, 2 processes, dp 1): megatron-core carves the expert-parallel group from the CP
+    ranks, so each CP rank holds half the experts and the dispatcher gathers both ranks' sequence chunks to them;
+    with the load-balancing loss on (the routers told which chunk columns are padding), its loss and loads are
+    one process's. Three steps' learned metrics equal one process's within
     1e-5 relative (1e-6 absolute for small values). GRPO with router losses: megatron-core counts the
     load-balancing loss's tokens over TP (and CP) and the engine marks the padding columns, so at tp2+SP it,
     and at pp2 it and the z-loss, are one process's, as are the reported `moe/...` figures. Not at tp2+SP for
