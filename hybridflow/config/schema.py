@@ -343,6 +343,11 @@ class RewardConfig:
     # A row whose reward raised, timed out or returned no number scores 0 and is counted (reward/failures);
     # more than this fraction of a batch failing stops the run, naming the reward and the first failing row.
     max_failure_fraction: float = 0.1
+    # Score each chunk of a rollout (rollout.batch_size_per_device prompts) while the next one generates, in
+    # the rollout's worker (roles/scoring.py RolloutScoring); the scores, counts and errors equal scoring the
+    # whole batch after it. "auto": on for kinds function and http, off for judge (its model would generate
+    # beside the rollout's); true or false to choose.
+    async_scoring: Literal["auto", True, False] = "auto"
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the code reward's limits
     http: HttpRewardConfig = field(default_factory=HttpRewardConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)

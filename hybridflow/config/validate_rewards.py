@@ -25,6 +25,12 @@ def _check_limits(reward: RewardConfig) -> None:
         raise ConfigError("reward.workers", f"must be >= 0 (0: score in the scoring process), got {reward.workers}")
     if not 0.0 <= reward.max_failure_fraction <= 1.0:
         raise ConfigError("reward.max_failure_fraction", f"must be in [0, 1], got {reward.max_failure_fraction}")
+    mode = reward.async_scoring
+    if not (mode == "auto" or isinstance(mode, bool)):
+        raise ConfigError("reward.async_scoring", f"must be true, false or 'auto', got {mode!r}")
+    if mode is True and reward.kind == "judge":
+        raise ConfigError("reward.async_scoring", "true scores with the judge model beside the rollout's "
+                                                  "generation; the judge scores after the rollout: 'auto' or false")
     box = reward.sandbox
     for key in ("cpu_s", "wall_s", "memory_mb", "processes", "file_size_mb", "output_kb"):
         _positive(f"reward.sandbox.{key}", getattr(box, key))

@@ -251,12 +251,17 @@ class GuardedReward:
         """The plain reward function, unguarded (the verl signature, for callers that score one row)."""
         return reward_value(self.fn(data_source, solution_str, ground_truth, extra_info), self.fn)
 
+    def start(self) -> None:
+        """Start the thread or the processes now (else on first use): a caller about to score from a thread
+        of its own starts them first, so the pool is forked by the thread that made it."""
+        if self._runner is None:  # a process pool forks the process that scores
+            self._runner = (_ProcessRunner(self.fn, self.name, self.workers) if self.workers
+                            else _ThreadRunner(self.fn, self.name))
+
     def score_rows(self, rows: Sequence[Row]) -> list[Outcome]:
         if not rows:
             return []
-        if self._runner is None:  # started on first use: a process pool forks the process that scores
-            self._runner = (_ProcessRunner(self.fn, self.name, self.workers) if self.workers
-                            else _ThreadRunner(self.fn, self.name))
+        self.start()
         return self._runner.run(list(rows), self.timeout_s)
 
     def close(self) -> None:

@@ -10,14 +10,14 @@ rewards and RESPONSE_TEXT the last model turn (the answer a rule reward reads).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from hybridflow.algos.overlong import truncated_rows
 from hybridflow.config.schema import EnvConfig, RolloutConfig
 from hybridflow.data import fields as F
-from hybridflow.data.batch import chunk_rows, repeat_rows
+from hybridflow.data.batch import chunk_rows, repeat_rows, slice_rows
 from hybridflow.data.tokenizer import Tokenizer
 from hybridflow.envs import load_env_factory
 from hybridflow.errors import ConfigError
@@ -85,6 +85,15 @@ def assemble_rollout(prompts: Batch, out: GenerationOutput, n: int, tokenizer: T
     return batch
 
 
+def part_rows(prompts: Batch, start: int, stop: int, out: GenerationOutput, n: int, tokenizer: Tokenizer) -> Batch:
+    """What a reward reads (`roles.scoring.batch_rows`) of the rows that prompts [start, stop) gave in `out`:
+    equal to those rows of the assembled batch (`assemble_rollout`)."""
+    part = {key: repeat_rows(slice_rows(prompts[key], start, stop), n)
+            for key in (F.DATA_SOURCE, F.GROUND_TRUTH, F.EXTRA_INFO, F.PROMPT_TEXT)}
+    part[F.RESPONSE_TEXT] = response_texts(out.responses, out.response_mask, tokenizer)
+    return part
+
+
 class Rollout:
     """Generation for one rank.
 
@@ -102,11 +111,15 @@ class Rollout:
         self.sampling = {mode: sampling_params(cfg, max_new_tokens, tokenizer, mode, more_stops=stops)
                          for mode in MODES}
 
-    def generate(self, prompts: Batch, seed: int, mode: str = TRAIN, pad: bool = False) -> Batch:
+    def generate(self, prompts: Batch, seed: int, mode: str = TRAIN, pad: bool = False,
+                 on_part: Optional[Callable[[Batch], None]] = None) -> Batch:
         """This rank's prompts -> the rollout batch (fields in `data.fields`); `mode` one of MODES.
 
         Responses are padded to max_new_tokens when batches are concatenated
         (several ranks or chunks, or `pad`), else to the longest one.
+        `on_part`: called with each generated chunk's rows as a reward reads
+        them (`part_rows`), in order, before the next chunk generates (a
+        multi-turn rollout is one loop: it calls nothing).
         """
         if mode not in self.sampling:
             raise ValueError(f"rollout mode must be one of {MODES}, got {mode!r}")
@@ -119,8 +132,11 @@ class Rollout:
             return self._agent_generate(prompts, keys, params, pad)
         # rollout.batch_size_per_device: generate this rank's prompts that many at a time.
         size = self.cfg.batch_size_per_device or len(ids)
-        parts = [self.generator.generate(c["ids"], c["mask"], params, row_keys=c["keys"])
-                 for c in chunk_rows({"ids": ids, "mask": mask, "keys": keys}, size)]
+        parts = []
+        for start, c in zip(range(0, len(ids), size), chunk_rows({"ids": ids, "mask": mask, "keys": keys}, size)):
+            parts.append(self.generator.generate(c["ids"], c["mask"], params, row_keys=c["keys"]))
+            if on_part is not None:
+                on_part(part_rows(prompts, start, start + len(c["ids"]), parts[-1], params.n, self.tokenizer))
         if pad or self.world_size > 1 or len(parts) > 1:  # concatenated batches need one width
             width = params.max_new_tokens
         else:

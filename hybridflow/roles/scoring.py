@@ -10,13 +10,21 @@ and logged with the first error's text. More than the scorer's
 `RewardError` naming the reward and the first failing row, e.g.
 "reward.function NAME raised ZeroDivisionError: ... (at file:line)".
 `score` is the unguarded path: the values as the function returns them.
+
+`RolloutScoring` scores a rollout as it is made: with `overlap` each finished
+chunk (`add`) is scored on a thread of its own while the rollout generates the
+next, and `finish` collects the chunks' outcomes in order and applies the same
+failure rule to the whole batch, so the fields, the counts and any RewardError
+equal those of scoring the whole batch at once. `overlaps(reward)` is whether
+`reward.async_scoring` asks for that.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import time
-from typing import Any, Callable, Optional
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -27,7 +35,7 @@ from hybridflow.rewards.remote import EndpointError
 from hybridflow.rewards.scorer import PROCESS_REWARDS, BatchScorer, FunctionScorer
 
 __all__ = ["RewardError", "RewardValueError", "score", "score_rule", "rule_outcomes", "reward_counts",
-           "build_scorer", "batch_rows"]
+           "build_scorer", "batch_rows", "RolloutScoring", "overlaps", "score_with_config"]
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +84,23 @@ def rule_outcomes(batch: dict[str, Any], reward: Any, name: str) -> list[Outcome
     more than the allowed fraction failed."""
     scorer = reward if hasattr(reward, "score_batch") else FunctionScorer(reward, name)
     try:
-        outcomes = scorer.score_batch(batch_rows(batch), batch.get(F.PROMPT_TEXT, ()))
-    except EndpointError as exc:  # the endpoint itself failed: one error naming it, not rows scored 0
-        raise RewardError(str(exc)) from None
+        return checked(scored(scorer, batch_rows(batch), batch.get(F.PROMPT_TEXT, ())), batch, scorer)
     finally:
         if scorer is not reward:
             scorer.close()
+
+
+def scored(scorer: BatchScorer, rows: Sequence[tuple], prompts: Sequence[str]) -> list[Outcome]:
+    """The scorer's outcomes; an endpoint that itself failed is one RewardError naming it, not rows scored 0."""
+    try:
+        return scorer.score_batch(rows, prompts)
+    except EndpointError as exc:
+        raise RewardError(str(exc)) from None
+
+
+def checked(outcomes: list[Outcome], batch: dict[str, Any], scorer: BatchScorer) -> list[Outcome]:
+    """`outcomes` of `batch`'s rows; RewardError naming the first failing row when more than the scorer's
+    max_failure_fraction failed, else a warning when any did."""
     failed = [i for i, o in enumerate(outcomes) if o.failed]
     if failed:
         first = outcomes[failed[0]]
@@ -94,18 +113,111 @@ def rule_outcomes(batch: dict[str, Any], reward: Any, name: str) -> list[Outcome
     return outcomes
 
 
+def with_outcomes(batch: dict[str, Any], outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
+    """`batch` with RULE_SCORES, REWARD_FAILED, REWARD_TIMED_OUT and RULE_REWARD_SECONDS (see `score_rule`)."""
+    n = len(outcomes)
+    batch[F.RULE_SCORES] = torch.tensor([o.score for o in outcomes], dtype=torch.float32)
+    batch[F.REWARD_FAILED] = torch.tensor([float(o.failed) for o in outcomes])
+    batch[F.REWARD_TIMED_OUT] = torch.tensor([float(o.kind == "timeout") for o in outcomes])
+    batch[F.RULE_REWARD_SECONDS] = torch.full((n,), seconds / max(n, 1))
+    return batch
+
+
 def score_rule(batch: dict[str, Any], reward: Any, name: str) -> dict[str, Any]:
     """`batch` with RULE_SCORES, REWARD_FAILED and REWARD_TIMED_OUT (1.0 on the rows that scored 0 for it)
     and RULE_REWARD_SECONDS, the seconds that took spread over the rows: where the rollout scores, the
     scoring's time would otherwise count only in the rollout's."""
     started = time.perf_counter()
     outcomes = rule_outcomes(batch, reward, name)
-    n = len(outcomes)
-    batch[F.RULE_SCORES] = torch.tensor([o.score for o in outcomes], dtype=torch.float32)
-    batch[F.REWARD_FAILED] = torch.tensor([float(o.failed) for o in outcomes])
-    batch[F.REWARD_TIMED_OUT] = torch.tensor([float(o.kind == "timeout") for o in outcomes])
-    batch[F.RULE_REWARD_SECONDS] = torch.full((n,), (time.perf_counter() - started) / max(n, 1))
-    return batch
+    return with_outcomes(batch, outcomes, time.perf_counter() - started)
+
+
+def score_with_config(batch: dict[str, Any], reward: Any, fn: Optional[Callable] = None) -> dict[str, Any]:
+    """`score_rule` with the scorer the reward section (a RewardConfig) describes (`build_scorer`: its
+    kind, time limit and processes), built for this batch and closed after it."""
+    scorer = build_scorer(reward, fn)
+    try:
+        return score_rule(batch, scorer, reward.function)
+    finally:
+        scorer.close()
+
+
+def overlaps(reward: Any) -> bool:
+    """Whether `reward` (a RewardConfig, or None) scores a rollout's chunks while the next one generates:
+    reward.async_scoring true, or "auto" for every kind but judge (its model would generate beside the
+    rollout's, and its greedy batches would be cut where the chunks end)."""
+    if reward is None:
+        return False
+    return reward.async_scoring is True or (reward.async_scoring == "auto" and reward.kind != "judge")
+
+
+class RolloutScoring:
+    """Scores one rollout batch with `reward` (a scorer, or a plain function guarded on a thread).
+
+    Without `overlap`, `finish(batch)` is `score_rule(batch, ...)`. With it,
+    each `add(part)` (a finished chunk's rows, fields as `batch_rows` reads
+    them) is scored at once on this object's thread while the caller goes on
+    generating; `finish(batch)` waits for the chunks, which must hold the
+    batch's rows in order, and gives the batch what `score_rule` would:
+    RULE_SCORES, REWARD_FAILED and REWARD_TIMED_OUT from the same outcomes,
+    the same RewardError past max_failure_fraction, and RULE_REWARD_SECONDS
+    from the seconds the chunks took to score. `events`, where given, gets
+    ("score_start", k) and ("score_end", k) for chunk k as they happen.
+    """
+
+    def __init__(self, reward: Any, name: str, overlap: bool = False, events: Optional[list] = None):
+        self.scorer = reward if hasattr(reward, "score_batch") else FunctionScorer(reward, name)
+        self.owned = self.scorer is not reward
+        self.name, self.overlap, self.events = name, overlap, events
+        self.parts: list[Future] = []
+        self.rows = 0
+        self.pool = None
+        if overlap:
+            if isinstance(self.scorer, FunctionScorer):
+                self.scorer.guard.start()  # its processes forked here, not by the scoring thread
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"scoring-{name}")
+
+    def add(self, part: dict[str, Any]) -> None:
+        """Score `part` (the next chunk's rows) on the scoring thread; ignored without overlap."""
+        if self.pool is None:
+            return
+        rows, prompts = batch_rows(part), list(part.get(F.PROMPT_TEXT, ()))
+        self.rows += len(rows)
+        self.parts.append(self.pool.submit(self._score_part, len(self.parts), rows, prompts))
+
+    def _score_part(self, k: int, rows: list[tuple], prompts: list[str]) -> tuple[list[Outcome], float]:
+        if self.events is not None:
+            self.events.append(("score_start", k))
+        started = time.perf_counter()
+        try:
+            return scored(self.scorer, rows, prompts), time.perf_counter() - started
+        finally:
+            if self.events is not None:
+                self.events.append(("score_end", k))
+
+    def finish(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """`batch` scored (see the class docstring); the chunks added must be its rows, or none were."""
+        try:
+            if not self.parts:
+                return score_rule(batch, self.scorer, self.name)
+            n = len(batch[F.RESPONSE_TEXT])
+            if self.rows != n:
+                raise ValueError(f"the chunks scored hold {self.rows} rows, the batch {n}")
+            outcomes, seconds = [], 0.0
+            for part in self.parts:  # in the order added; a chunk's RewardError is raised here
+                got, took = part.result()
+                outcomes += got
+                seconds += took
+            return with_outcomes(batch, checked(outcomes, batch, self.scorer), seconds)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+        if self.owned:
+            self.scorer.close()
 
 
 def reward_counts(batch: dict[str, Any]) -> dict[str, float]:

@@ -48,7 +48,7 @@ from hybridflow.roles.actor import UPDATE_FIELDS as ACTOR_UPDATE_FIELDS
 from hybridflow.roles.critic import UPDATE_FIELDS as CRITIC_UPDATE_FIELDS
 from hybridflow.roles.critic import VALUE_FIELDS
 from hybridflow.roles.preparation import TokenStage, prepare_tokens
-from hybridflow.roles.scoring import score_rule
+from hybridflow.roles.scoring import RolloutScoring, overlaps
 from hybridflow.roles.rollout import TRAIN
 from hybridflow.rollout import RolloutBackend
 from hybridflow.rollout.factory import build_backend
@@ -121,10 +121,15 @@ class _Generates(Worker):
         and the token tensors and texts stay in the object store (`token_rows`): the
         groups that read them next fetch the rows from there, not from the driver.
         """
-        out = self.rollout.generate(prompts, seed, mode, pad)
         if not self.mesh_coords()["generation"].answers:  # a TP peer: its answer is dropped, its copy unscored
-            return out
-        return token_rows(score_rule(out, self.reward_fn, self.spec.reward.function), self.spec.run)
+            return self.rollout.generate(prompts, seed, mode, pad)
+        # reward.async_scoring: each finished chunk scores while the next generates (`roles.scoring`)
+        scoring = RolloutScoring(self.reward_fn, self.spec.reward.function, overlaps(self.spec.reward.config))
+        try:
+            out = self.rollout.generate(prompts, seed, mode, pad, on_part=scoring.add if scoring.overlap else None)
+            return token_rows(scoring.finish(out), self.spec.run)
+        finally:
+            scoring.close()
 
 
 class ActorRolloutRefWorker(EngineWorker, _Generates):

@@ -4,6 +4,7 @@ reward/timeouts; past reward.max_failure_fraction the step stops, naming the rew
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridflow.config.loader import load_config
 from hybridflow.trainer.trainer import RLTrainer, TrainingError
@@ -58,3 +59,28 @@ def test_failing_rows_score_0_and_are_counted_in_a_step_and_too_many_stop_it(tmp
             trainer.prepare(1)
     finally:
         trainer.shutdown()
+
+
+@pytest.mark.slow
+def test_a_step_with_async_scoring_equals_one_scored_after_the_rollout(tmp_path):
+    """rollout.batch_size_per_device=2: the step's 8 prompts generate in 4 chunks per rank, each scored while
+    the next generates (reward.async_scoring=true) or all after the rollout (false); the batch and every
+    metric but the timings are equal, failing rows (the flaky reward's) included."""
+    from hybridflow.data import fields as F
+
+    runs = {}
+    for mode in ("false", "true"):
+        trainer = _trainer(tmp_path / mode, "reward.max_failure_fraction=1.0", "reward.timeout_s=5",
+                           "rollout.batch_size_per_device=2", f"reward.async_scoring={mode}")
+        try:
+            runs[mode] = trainer.prepare(1)[:2]
+        finally:
+            trainer.shutdown()
+    (sync, sync_metrics), (async_, async_metrics) = runs["false"], runs["true"]
+    assert sync_metrics["reward/failures"] > 0
+    assert {k: v for k, v in sync_metrics.items() if not k.startswith("timing/")} == \
+        {k: v for k, v in async_metrics.items() if not k.startswith("timing/")}
+    assert sync.keys() == async_.keys()
+    for key in (F.SCORES, F.RULE_SCORES, F.RESPONSES, F.ADVANTAGES):
+        if key in sync:
+            assert torch.equal(sync[key], async_[key]), key
