@@ -144,7 +144,7 @@ def _eval(args: argparse.Namespace) -> int:
     from hybridflow.trainer.evaluate import evaluate, report
 
     results = [evaluate(m, args.data, args.reward or ["default"], args.limit, args.max_new_tokens, args.batch_size,
-                        args.engine) for m in args.model]
+                        args.engine, args.reward_timeout) for m in args.model]
     print(report(results, args.examples))
     return 0
 
@@ -253,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_at_least(1), default=64)
     p.add_argument("--batch-size", type=_at_least(1), default=64)
     p.add_argument("--examples", type=_at_least(0), default=4, help="before/after answers to show with two models")
+    p.add_argument("--reward-timeout", type=float, default=30.0,
+                   help="seconds per row before a reward call scores 0 and is counted (default 30)")
     p.add_argument("--engine", choices=ENGINES, default="builtin",
                    help="the engine that generates: builtin, or vllm (needs the vLLM package)")
     p.set_defaults(func=_eval)

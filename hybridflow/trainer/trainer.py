@@ -54,7 +54,7 @@ from hybridflow.roles.actor import actor_update_plan, update_fields
 from hybridflow.roles.critic import critic_update_plan
 from hybridflow.roles.preparation import READS as PREPARATION_READS
 from hybridflow.roles.preparation import TokenStage
-from hybridflow.roles.scoring import RewardError, reward_counts, score_rule
+from hybridflow.roles.scoring import RewardError, reward_counts, score_with_config
 from hybridflow.roles.rollout import BASELINE, TRAIN, VALIDATION, row_figures
 from hybridflow.trainer import rl_steps as S
 from hybridflow.checkpoint.base import lora_base
@@ -294,9 +294,10 @@ class RLTrainer:
 
     def _scored_here(self, batch: dict[str, Any]) -> dict[str, Any]:
         """A batch from a checkpoint's rollout buffer saved before the rollout scored its rows (it holds its
-        tensors and texts): scored here, with the per-row figures the driver reads, as the rollout would."""
+        tensors and texts): scored here, with the per-row figures the driver reads, as the rollout would (the
+        reward section's scorer: its kind, time limit and processes)."""
         try:
-            batch = score_rule(batch, self.reward_fn, self.cfg.reward.function)
+            batch = score_with_config(batch, self.cfg.reward, self.reward_fn)
         except RewardError as exc:
             raise TrainingError(str(exc)) from None
         return row_figures(batch)
