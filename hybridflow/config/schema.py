@@ -315,6 +315,10 @@ class JudgeConfig:
     max_new_tokens: int = 16
     batch_size: int = 8  # prompts per generate call
     stop: list[str] = field(default_factory=lambda: ["\n"])  # strings that end the judge's answer
+    # Where the judge model runs (workers/judge.py): "rollout" in the rollout's worker, scoring the rows where
+    # they are made; "reward" a worker group of its own on placement.reward's devices; "reference" in the
+    # reference's processes (the actor's, or the reference's group apart). The scores are the same.
+    placement: Literal["rollout", "reward", "reference"] = "rollout"
 
 
 @dataclass

@@ -33,7 +33,7 @@ from hybridflow.config.schema import Config, LogProbConfig, ParallelConfig, Trai
 from hybridflow.config.validate_lora import check_lora, check_lora_model
 from hybridflow.config.validate_moe import check_expert_parallel, check_routing_replay
 from hybridflow.config.validate_dapo import check_dapo
-from hybridflow.config.validate_rewards import check_reward
+from hybridflow.config.validate_rewards import check_judge_placement, check_reward
 from hybridflow.errors import ConfigError
 from hybridflow.parallel.layout import ParallelDims
 
@@ -388,6 +388,7 @@ def validate(cfg: Config) -> Config:
     _check_algorithm(cfg)
     _check_coefficients(cfg)
     check_reward(cfg.reward)
+    check_judge_placement(cfg)
     _check_batches(cfg)
     _check_optim(cfg)
     _check_off_policy(cfg)

@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 from hybridflow.config.schema import RewardConfig
 from hybridflow.errors import ConfigError
 
-__all__ = ["check_reward"]
+__all__ = ["check_reward", "check_judge_placement"]
 
 
 def _positive(key: str, value: float) -> None:
@@ -78,6 +78,14 @@ def _check_judge(reward: RewardConfig) -> None:
     for key in ("max_new_tokens", "batch_size"):
         if getattr(judge, key) < 1:
             raise ConfigError(f"reward.judge.{key}", f"must be >= 1, got {getattr(judge, key)}")
+
+
+def check_judge_placement(cfg) -> None:
+    """reward.judge.placement "reference" needs a reference (reference.enabled) to share processes with."""
+    reward = cfg.reward
+    if reward.kind == "judge" and reward.judge.placement == "reference" and not cfg.reference.enabled:
+        raise ConfigError("reward.judge.placement", "'reference' runs the judge in the reference's processes, "
+                                                    "and reference.enabled is false: use 'rollout' or 'reward'")
 
 
 def check_reward(reward: RewardConfig) -> None:

@@ -10,7 +10,9 @@ arguments (data_source, solution_str, ground_truth, extra_info) and
 * `FunctionScorer`: `reward.function` row by row, guarded (`rewards/guard.py`);
   `math` and `code` (`PROCESS_REWARDS`) always score in worker processes, since
   a sympy comparison or a program can hang or crash the process that runs it;
-* `rewards.remote.HttpReward`: batches POSTed to an endpoint.
+* `rewards.remote.HttpReward`: batches POSTed to an endpoint;
+* `JudgedApart`: nothing here, every row 0: a judge on a group of its own
+  (`workers/judge.py`) scores the rows once the rollout is back on the driver.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Callable, Protocol, Sequence
 
 from hybridflow.rewards.guard import GuardedReward, Outcome
 
-__all__ = ["BatchScorer", "FunctionScorer", "PROCESS_REWARDS"]
+__all__ = ["BatchScorer", "FunctionScorer", "JudgedApart", "PROCESS_REWARDS"]
 
 # Registered rewards that run only in worker processes: name -> processes used when reward.workers is 0.
 PROCESS_REWARDS = {"math": 2, "code": 2}
@@ -46,3 +48,17 @@ class FunctionScorer:
 
     def close(self) -> None:
         self.guard.close()
+
+
+class JudgedApart:
+    """The rollout's scorer when reward.judge.placement puts the judge on a group of its own: each row 0 and
+    none failed here; the driver replaces the scores with the judge group's (`workers.judge.judge_stage`)."""
+
+    def __init__(self, name: str, max_failure_fraction: float = 0.1):
+        self.name, self.max_failure_fraction = name, max_failure_fraction
+
+    def score_batch(self, rows: Sequence[tuple], prompts: Sequence[str] = ()) -> list[Outcome]:
+        return [Outcome(0.0) for _ in rows]
+
+    def close(self) -> None:
+        pass

@@ -32,7 +32,7 @@ from torch import Tensor
 from hybridflow.data import fields as F
 from hybridflow.rewards.guard import Outcome, RewardValueError, reward_value
 from hybridflow.rewards.remote import EndpointError
-from hybridflow.rewards.scorer import PROCESS_REWARDS, BatchScorer, FunctionScorer
+from hybridflow.rewards.scorer import PROCESS_REWARDS, BatchScorer, FunctionScorer, JudgedApart
 
 __all__ = ["RewardError", "RewardValueError", "score", "score_rule", "rule_outcomes", "reward_counts",
            "build_scorer", "batch_rows", "RolloutScoring", "overlaps", "score_with_config"]
@@ -57,6 +57,8 @@ def build_scorer(reward: Any, fn: Optional[Callable] = None) -> BatchScorer:
         from hybridflow.rewards.remote import HttpReward
 
         return HttpReward(reward.http, reward.timeout_s, reward.max_failure_fraction)
+    if reward.kind == "judge" and reward.judge.placement != "rollout":
+        return JudgedApart(f"judge {reward.judge.model_path}", reward.max_failure_fraction)
     if reward.kind == "judge":
         from hybridflow.roles.judge import JudgeReward
 
@@ -84,7 +86,8 @@ def rule_outcomes(batch: dict[str, Any], reward: Any, name: str) -> list[Outcome
     more than the allowed fraction failed."""
     scorer = reward if hasattr(reward, "score_batch") else FunctionScorer(reward, name)
     try:
-        return checked(scored(scorer, batch_rows(batch), batch.get(F.PROMPT_TEXT, ())), batch, scorer)
+        outcomes = scored(scorer, batch_rows(batch), batch.get(F.PROMPT_TEXT, ()))
+        return checked(outcomes, batch[F.DATA_SOURCE], scorer.max_failure_fraction)
     finally:
         if scorer is not reward:
             scorer.close()
@@ -98,17 +101,16 @@ def scored(scorer: BatchScorer, rows: Sequence[tuple], prompts: Sequence[str]) -
         raise RewardError(str(exc)) from None
 
 
-def checked(outcomes: list[Outcome], batch: dict[str, Any], scorer: BatchScorer) -> list[Outcome]:
-    """`outcomes` of `batch`'s rows; RewardError naming the first failing row when more than the scorer's
-    max_failure_fraction failed, else a warning when any did."""
+def checked(outcomes: list[Outcome], sources: Sequence[str], max_failure_fraction: float) -> list[Outcome]:
+    """`outcomes` of a batch's rows (`sources`: each row's data_source); RewardError naming the first failing
+    row when more than `max_failure_fraction` of them failed, else a warning when any did."""
     failed = [i for i, o in enumerate(outcomes) if o.failed]
     if failed:
         first = outcomes[failed[0]]
-        text = (f"{first.text}; on row {failed[0]} (data_source {batch[F.DATA_SOURCE][failed[0]]!r}), the first "
+        text = (f"{first.text}; on row {failed[0]} (data_source {sources[failed[0]]!r}), the first "
                 f"of {len(failed)} failing rows of {len(outcomes)}")
-        if len(failed) > scorer.max_failure_fraction * len(outcomes):
-            raise RewardError(f"{text}, more than reward.max_failure_fraction="
-                              f"{scorer.max_failure_fraction:g} of the batch")
+        if len(failed) > max_failure_fraction * len(outcomes):
+            raise RewardError(f"{text}, more than reward.max_failure_fraction={max_failure_fraction:g} of the batch")
         log.warning("%s: those rows score 0", text)
     return outcomes
 
@@ -208,7 +210,8 @@ class RolloutScoring:
                 got, took = part.result()
                 outcomes += got
                 seconds += took
-            return with_outcomes(batch, checked(outcomes, batch, self.scorer), seconds)
+            return with_outcomes(batch, checked(outcomes, batch[F.DATA_SOURCE], self.scorer.max_failure_fraction),
+                                 seconds)
         finally:
             self.close()
 

@@ -32,6 +32,7 @@ from hybridflow.parallel.stages import layout_label
 from hybridflow.workers.rl_workers import (ActorGroup, ActorRolloutRefWorker, CriticGroup, CriticWorker,
                                            ReferenceGroup, ReferenceWorker, RewardModelGroup, RewardModelWorker,
                                            RolloutGroup, RolloutWorker)
+from hybridflow.workers.judge import JudgeGroup, JudgeWorker
 from hybridflow.workers.specs import (ActorWorkerSpec, CriticWorkerSpec, ReferenceWorkerSpec, RolloutWorkerSpec,
                                       RuleReward, Run)
 
@@ -124,6 +125,7 @@ class Groups:
     reward_model: Optional[RewardModelGroup] = None
     rollout: Optional[RolloutGroup] = None         # rollout on devices apart from training
     reference: Optional[ReferenceGroup] = None     # the reference on devices of its own (under FSDP)
+    judge: Optional[JudgeGroup] = None             # reward.judge placed apart from the rollout (workers/judge.py)
 
     @property
     def generation(self) -> Union[ActorGroup, RolloutGroup]:
@@ -155,7 +157,8 @@ def build_groups(cfg: Config, plan: RunPlan) -> Groups:
 
         return Groups(ActorGroup(local(ActorRolloutRefWorker, actor_spec(cfg, plan))),
                       CriticGroup(local(CriticWorker, critic_spec(cfg, plan))) if plan.uses_critic else None,
-                      RewardModelGroup(local(RewardModelWorker, cfg.reward)) if plan.uses_reward_model else None)
+                      RewardModelGroup(local(RewardModelWorker, cfg.reward)) if plan.uses_reward_model else None,
+                      judge=JudgeGroup(local(JudgeWorker, cfg.reward)) if judge_apart(cfg) else None)
     from hybridflow.controller.ray_setup import init_ray
     from hybridflow.controller.ray_group import RayWorkerGroup
 
@@ -179,7 +182,17 @@ def build_groups(cfg: Config, plan: RunPlan) -> Groups:
         RolloutGroup(RayWorkerGroup(RolloutWorker, pools["rollout"], rollout_spec(cfg, plan))) if plan.rollout_apart else None,
         reference=ReferenceGroup(RayWorkerGroup(ReferenceWorker, pools["reference"], reference_spec(cfg, plan)))
         if plan.reference_apart else None)
+    if judge_apart(cfg):  # its own processes on placement.reward, or the reference's (the actor's, or its own)
+        beside = (groups.reference or groups.actor).group
+        groups.judge = JudgeGroup(RayWorkerGroup(JudgeWorker, pools["reward"], cfg.reward)
+                                  if cfg.reward.judge.placement == "reward"
+                                  else RayWorkerGroup.colocated(beside, JudgeWorker, cfg.reward))
     return groups
+
+
+def judge_apart(cfg: Config) -> bool:
+    """Whether the judge runs on a group of its own (`reward.judge.placement`), not in the rollout's worker."""
+    return cfg.reward.kind == "judge" and cfg.reward.judge.placement != "rollout"
 
 
 def rollout_weights(cfg: Config, plan: RunPlan, groups: Groups, inputs: Callable[[int], Any],

@@ -60,6 +60,7 @@ from hybridflow.trainer import rl_steps as S
 from hybridflow.checkpoint.base import lora_base
 from hybridflow.checkpoint.format import trainer_state
 from hybridflow.checkpoint.manager import CheckpointManager
+from hybridflow.workers.judge import judge_stage
 from hybridflow.trainer.build import build_groups, checkpoint_layouts, model_tensors, rollout_weights, weights_bytes
 from hybridflow.trainer.checkpointing import load_latest, save_step
 from hybridflow.trainer.dapo import dapo_stages, refill_seed, step_collector
@@ -115,6 +116,11 @@ def _per_item(fn: Callable[[Any], Any]) -> Callable[[Any, list], list]:
     return lambda model, items: [fn(item) for item in items]
 
 
+def _as_scored(batch: dict[str, Any]) -> dict[str, Any]:
+    """A rollout batch as the rollout's worker scored it (no judge placed apart)."""
+    return batch
+
+
 class RLTrainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -151,6 +157,8 @@ class RLTrainer:
         self.actor, self.critic, self.reward_model = groups.actor, groups.critic, groups.reward_model
         self.separate_reference = groups.reference  # the reference on devices of its own (under FSDP), or None
         self.separate_rollout = groups.rollout  # rollout apart from training: fed the actor's weights
+        self.judge = groups.judge  # reward.judge on a group of its own: it scores each rollout batch here
+        self._judged = judge_stage(groups.judge, cfg.reward) if groups.judge is not None else _as_scored
         self.rollout_group = groups.generation
         self.version = 0  # the actor's weight version: the updates (steps) it has taken
         # The one owner of the rollout's weights (colocated, apart, or off-policy ahead of the update).
@@ -237,11 +245,15 @@ class RLTrainer:
         """The rollout group's batch; the rule reward failing where the rollout scored it (user code: the
         message names the function and its line, `roles.scoring.RewardError`) as that one line."""
         try:
-            return self.rollout_group.generate(prompts, seed, mode, pad)
+            batch = self.rollout_group.generate(prompts, seed, mode, pad)
         except WorkerError as exc:
             if exc.reason.startswith(_REWARD_ERROR):
                 raise TrainingError(exc.reason.removeprefix(_REWARD_ERROR)) from None
             raise
+        try:
+            return self._judged(batch)  # a judge placed apart scores the rows here
+        except RewardError as exc:
+            raise TrainingError(str(exc)) from None
 
     def rollout(self, prompts: dict[str, Any], seed: int, mode: str = TRAIN, pad: bool = False) -> dict[str, Any]:
         """The rollout batch of `prompts` from the trainer's weights; mode: TRAIN, VALIDATION or BASELINE
@@ -297,7 +309,7 @@ class RLTrainer:
         tensors and texts): scored here, with the per-row figures the driver reads, as the rollout would (the
         reward section's scorer: its kind, time limit and processes)."""
         try:
-            batch = score_with_config(batch, self.cfg.reward, self.reward_fn)
+            batch = self._judged(score_with_config(batch, self.cfg.reward, self.reward_fn))
         except RewardError as exc:
             raise TrainingError(str(exc)) from None
         return row_figures(batch)
@@ -445,8 +457,8 @@ class RLTrainer:
     def _every_group(self) -> list:
         """Every worker group of the run: those with checkpoints, a reward model's, a rollout group and a
         reference apart."""
-        return [g for g in (*self._groups(), self.reward_model, self.separate_rollout, self.separate_reference)
-                if g is not None]
+        return [g for g in (*self._groups(), self.reward_model, self.separate_rollout, self.separate_reference,
+                            self.judge) if g is not None]
 
     def save_checkpoint(self, step: int) -> Path:
         """Save step `step`: every rank's shard and trainer.json (`trainer/checkpointing.py`)."""
