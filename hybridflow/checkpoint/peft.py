@@ -4,7 +4,8 @@
 model hybridflow exports beside it. megatron-core fuses what HF keeps apart (`linear_qkv` is q, k and v;
 `linear_fc1` is [gate; up]), so one fused adapter becomes one PEFT adapter per HF linear: B's rows split
 by the bridge exactly as the fused weight's rows are (the bridge is read with B in the weight's place), and
-A shared, since each part's delta `s * B_part A` is the fused delta's rows.
+A shared, since each part's delta `s * B_part A` is the fused delta's rows. An FSDP engine's adapters are
+peft's own (`engine/fsdp_lora.py`): on a `transformers` model they are written under their names as they are.
 """
 from __future__ import annotations
 
@@ -63,17 +64,37 @@ def peft_config(lora, hf_modules: list[str], base_path: str) -> dict:
             "inference_mode": True, "modules_to_save": None}
 
 
+def fsdp_peft_tensors(engine) -> dict[str, Tensor]:
+    """An FSDP engine's adapters (`engine/fsdp_lora.py`, gathered whole on every rank) as PEFT's tensors: on a
+    `transformers` model they sit on the HF linears already; on hybridflow's decoder the fused ones (`attn.qkv`,
+    `mlp.fc1`) are cut by the bridge as the megatron engine's are."""
+    whole = engine.lora.adapters()  # module's base weight name -> (A, B)
+    if engine.modeling == "transformers":  # "model." + the causal LM's own names
+        return {f"{PREFIX}{name[len('model.'):-len('.weight')]}.lora_{side}.weight": t.contiguous()
+                for name, (a, b) in whole.items() for side, t in (("A", a), ("B", b))}
+    megatron = {e.generation: e.megatron for e in engine.bridge.entries()}
+    adapters = {}
+    for name, (a, b) in whole.items():
+        key = megatron[name[len("decoder."):]][:-len(".weight")]
+        adapters[f"{key}.lora_A"], adapters[f"{key}.lora_B"] = a, b
+    return peft_tensors(engine.bridge, adapters)
+
+
 def export_peft(engine, path: str | Path, base_path: str) -> Optional[Path]:
     """Write the engine's adapters as a PEFT directory at `path` (every rank of the engine calls it: the TP
-    gathers and the stage broadcasts; rank 0 writes). Returns the directory on rank 0, else None."""
+    gathers and the stage broadcasts, or FSDP's all-gathers; rank 0 writes). Returns the directory on rank 0,
+    else None."""
     from safetensors.torch import save_file
 
-    adapters: dict[str, Tensor] = {}
-    for part in engine.each_stage(adapter_stage_state(engine)):
-        adapters.update(part)
+    if engine.kind == "fsdp":
+        tensors = fsdp_peft_tensors(engine)
+    else:
+        adapters: dict[str, Tensor] = {}
+        for part in engine.each_stage(adapter_stage_state(engine)):
+            adapters.update(part)
+        tensors = peft_tensors(engine.bridge, adapters) if engine.rank == 0 else {}
     if engine.rank != 0:
         return None
-    tensors = peft_tensors(engine.bridge, adapters)
     modules = [name[len(PREFIX):].split(".")[-3] for name in tensors]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

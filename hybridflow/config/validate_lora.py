@@ -1,4 +1,5 @@
-"""The config checks of LoRA (`actor.lora`, `reference.engine: adapters_off`; engine/lora.py builds them).
+"""The config checks of LoRA (`actor.lora`, `reference.engine: adapters_off`; engine/lora.py builds them on the
+megatron engine, engine/fsdp_lora.py through peft on the FSDP engine).
 
 `check_lora` runs with the other config checks (`validate.validate`), `check_lora_model` with those that read
 the model's config.json (`validate.check_plan`); each raises a ConfigError naming the key and the value.
@@ -33,9 +34,6 @@ def check_lora(cfg: Config) -> None:
     if unknown or not lora.target_modules:
         raise ConfigError("actor.lora.target_modules", f"{lora.target_modules}: each must be one of "
                           f"{list(LORA_TARGETS)} (megatron-core's parallel linears), and at least one given")
-    if cfg.actor.engine != "megatron":
-        raise ConfigError("actor.lora.rank", f"{lora.rank} with actor.engine={cfg.actor.engine!r}: adapters are "
-                          "built on the megatron engine only")
 
 
 def check_lora_model(cfg: Config, model: "DecoderConfig") -> None:
@@ -44,6 +42,10 @@ def check_lora_model(cfg: Config, model: "DecoderConfig") -> None:
     lora = cfg.actor.lora
     if lora.rank == 0:
         return
+    if not model.native:  # the FSDP engine on an architecture only transformers builds
+        raise ConfigError("actor.lora.rank", f"{lora.rank} on a {model.model_type!r} model, which hybridflow's "
+                          "decoder does not build: adapters target the Llama family's linears (q/k/v/o_proj, "
+                          "gate/up/down_proj), which this architecture names otherwise")
     if model.is_moe and set(lora.target_modules) & set(MLP_TARGETS):
         attention = [t for t in lora.target_modules if t not in MLP_TARGETS]
         raise ConfigError("actor.lora.target_modules", f"{lora.target_modules}: {sorted(set(MLP_TARGETS))} match "

@@ -29,7 +29,9 @@ clipped by its global norm, the LR follows megatron-core's scheduler. The same
 GRPO or PPO run agrees with `MegatronEngine` to float32 rounding
 (tests/engine/test_fsdp_engine.py, tests/trainer/test_fsdp_roles.py).
 Checkpoints are torch DCP (each rank writes its shards; `hybridflow reshard`
-converts them to HF), exports are HF safetensors.
+converts them to HF), exports are HF safetensors. With `lora`, `peft` adapters
+train on the frozen base (`fsdp_lora.py`): checkpoints hold the adapters and
+their Adam state, generation and the export the merged weights.
 """
 from __future__ import annotations
 
@@ -44,8 +46,10 @@ from torch import Tensor, nn
 
 from hybridflow.checkpoint.format import FSDP_STATE
 from hybridflow.data import fields as F
+from hybridflow.config.schema import LoRAConfig
 from hybridflow.engine.build import lr_scheduler
 from hybridflow.engine.fsdp_comm import gather_in_place
+from hybridflow.engine.fsdp_lora import PeftLoRA, adapter_state, attach, base_named
 from hybridflow.engine.megatron import StepFn, StepStats
 from hybridflow.engine.packing import (left_align_index, pack_rows, share_prompt_rows, to_cpu, unalign,
                                        unpack_sequences, unshare_rows)
@@ -122,6 +126,7 @@ class FSDPEngine:
     megatron's bf16 with float32 main parameters). offload=True keeps parameters, gradients and Adam
     state in CPU memory between uses (`CPUOffloadPolicy`; a CUDA device only, where it saves device
     memory). `self.layout` is dp = the world (tp = pp = cp = 1); the output layer is never fused.
+    lora (rank > 0): `peft` adapters on the targeted linears, the base frozen (`self.lora`, `fsdp_lora.py`).
     """
 
     kind = "fsdp"
@@ -129,7 +134,7 @@ class FSDPEngine:
 
     def __init__(self, model_cfg: DecoderConfig, optim=None, *, device: str = "cpu", dtype: str = "float32",
                  make_vocab_size_divisible_by: int = 128, value_head: bool = False, total_steps: int = 1,
-                 seed: int = 0, offload: bool = False):
+                 seed: int = 0, offload: bool = False, lora: Optional[LoRAConfig] = None):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         if offload and device == "cpu":
@@ -148,6 +153,8 @@ class FSDPEngine:
         self.group = self.mesh.get_group()
         with torch.device("meta"):
             self.module: nn.Module = self._meta_module()
+            self.lora: Optional[PeftLoRA] = (attach(self.module, lora, self.modeling == "hybridflow")
+                                             if lora is not None and lora.rank > 0 else None)
         mixed = (MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
                  if self.dtype != torch.float32 else MixedPrecisionPolicy())
         policy = CPUOffloadPolicy() if offload else OffloadPolicy()
@@ -161,6 +168,8 @@ class FSDPEngine:
         gather_in_place([*units, self.module], self.mesh)  # each unit gathered once (engine/fsdp_comm.py)
         self.module.to_empty(device="cpu" if offload else self.torch_device)
         self._init_buffers()
+        if self.lora is not None:
+            self.lora.init(seed)
         if value_head:
             with torch.no_grad():
                 self.module.head.weight.zero_()
@@ -205,7 +214,8 @@ class FSDPEngine:
     def _build_optimizer(self, optim, total_steps: int) -> None:
         decay, plain = [], []
         for name, param in self.module.named_parameters():
-            (plain if _no_weight_decay(name, param) else decay).append(param)
+            if param.requires_grad:  # with LoRA the adapters only
+                (plain if _no_weight_decay(name, param) else decay).append(param)
         groups = [{"params": decay, "wd_mult": 1.0}, {"params": plain, "wd_mult": 0.0}]
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr,
                                            betas=tuple(optim.betas), eps=optim.eps,
@@ -217,9 +227,16 @@ class FSDPEngine:
         """This rank's parameters (DTensors holding its dim-0 chunk), under the module's names."""
         return dict(self.module.named_parameters())
 
+    def _base_params(self) -> dict[str, Tensor]:
+        """Generation-layout name (the bridge's `entry.generation`) -> this rank's DTensor parameter of the base
+        model (with LoRA: peft's `.base_layer` weights under the plain names, no adapter)."""
+        return {name[len("decoder."):]: p for name, p in base_named(self.module) if name.startswith("decoder.")}
+
     def _generation_params(self) -> dict[str, Tensor]:
-        """Generation-layout name (the bridge's `entry.generation`) -> this rank's DTensor parameter."""
-        return {name[len("decoder."):]: p for name, p in self.module.named_parameters() if name.startswith("decoder.")}
+        """`_base_params` as generation reads them: with LoRA an adapted weight is its `fsdp_lora.MergedShard`
+        (this rank's chunk of W + s * B A)."""
+        params = self._base_params()
+        return params if self.lora is None else {n: self.lora.view("decoder." + n, p) for n, p in params.items()}
 
     def load_hf_checkpoint(self, path: str | Path) -> int:
         """This rank's chunk of every tensor from an HF safetensors checkpoint, reading only the HF rows it
@@ -240,7 +257,7 @@ class FSDPEngine:
     @torch.no_grad()
     def _load(self, read, source) -> None:
         """Copy this rank's rows of every parameter, as `read` (a `bridge.SliceReader`) gives them."""
-        params = self._generation_params()
+        params = self._base_params()
         self.bridge.check_hf_names(read.keys())
         loaded = set()
         for e in self.bridge.entries():
@@ -357,7 +374,7 @@ class FSDPEngine:
     def _state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        state = {"model": get_model_state_dict(self.module)}
+        state = {"model": adapter_state(get_model_state_dict(self.module), self.lora)}
         if self._has_stepped():
             state["optimizer"] = get_optimizer_state_dict(self.module, self.optimizer)
         return state
@@ -378,8 +395,8 @@ class FSDPEngine:
     def load(self, directory: Path) -> None:
         """Restore what `save` wrote (DCP reshards to any world size; the trainer resumes at the saved one)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                             set_model_state_dict, set_optimizer_state_dict)
 
         directory = Path(directory)
         meta_path = directory / STATE_FILE
@@ -394,12 +411,12 @@ class FSDPEngine:
                              f"from that")
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        state = {"model": get_model_state_dict(self.module)}
+        state = {"model": adapter_state(get_model_state_dict(self.module), self.lora)}
         with_optimizer = self.optimizer is not None and meta["optimizer"]
         if with_optimizer:
             state["optimizer"] = get_optimizer_state_dict(self.module, self.optimizer)
         dcp.load(state, checkpoint_id=str(directory), process_group=self.group)
-        set_model_state_dict(self.module, state["model"])
+        set_model_state_dict(self.module, state["model"], options=StateDictOptions(strict=self.lora is None))
         if with_optimizer:
             set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
             self.scheduler.load_state_dict(meta["scheduler"])

@@ -31,6 +31,7 @@ from torch import nn
 
 from hybridflow.engine.fsdp import agreed_count, block_units, chunk_bounds, world_mesh
 from hybridflow.engine.fsdp_comm import gather_in_place
+from hybridflow.engine.fsdp_lora import adapter_param, base_name, base_named
 from hybridflow.models.checkpoint import is_rotary, loose_buffers
 from hybridflow.models.hf import RewardModel
 
@@ -101,8 +102,9 @@ def load_rows(model: nn.Module, read, source: str, prefix: str = "", unused: fro
     in errors). The stored name of `model`'s tensor `n` is prefix + n (a base model inside a checkpoint of
     its *ForCausalLM); stored tensors in `unused` (the output layer a value model has not) are not read."""
     stored = set(read.keys())
-    wanted = {prefix + n: p for n, p in model.named_parameters()}
-    buffers = {prefix + k: v for k, v in model.state_dict().items() if prefix + k not in wanted}
+    wanted = {prefix + n: p for n, p in base_named(model)}  # a model with peft adapters: its base tensors
+    buffers = {prefix + base_name(k): v for k, v in model.state_dict().items()
+               if not adapter_param(k) and prefix + base_name(k) not in wanted}
     missing = sorted(set(wanted) - stored)
     if missing:
         raise KeyError(f"{source} has no tensor(s) {missing[:5]} of {type(model).__name__}")

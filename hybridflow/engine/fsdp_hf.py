@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from hybridflow.engine.fsdp import FSDPEngine
 from hybridflow.engine.fsdp_frozen import init_buffers, load_rows
+from hybridflow.engine.fsdp_lora import base_named
 from hybridflow.models.config import DecoderConfig
 from hybridflow.models.hf_experts import InMemoryNames, to_checkpoint_names
 
@@ -143,7 +144,10 @@ class TransformersFSDPEngine(FSDPEngine):
 
     def _generation_params(self) -> dict[str, Tensor]:
         """HF name -> this rank's DTensor parameter (the generation layout of this engine: HF's tensors)."""
-        return {self._prefix + name: p for name, p in self.module.model.named_parameters()}
+        params = {self._prefix + name: p for name, p in base_named(self.module.model)}
+        if self.lora is None:
+            return params
+        return {name: self.lora.view("model." + name[len(self._prefix):], p) for name, p in params.items()}
 
     def _load(self, read, source) -> None:
         # a value model has no output layer; some tied checkpoints store the embedding again as lm_head

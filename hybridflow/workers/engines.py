@@ -39,18 +39,17 @@ def megatron_engine(run: Run, model: ModelConfig, path: str, optim: Optional[Opt
 def fsdp_engine(run: Run, model: ModelConfig, path: str, optim: Optional[OptimConfig], parallel: ParallelConfig,
                 layout: ParallelDims, optimizer_steps: int, value_head: bool, fsdp: Optional[FSDPConfig],
                 moe: MoELossConfig, lora: Optional[LoRAConfig] = None):
-    """FSDP2 over the group's world, on hybridflow's decoder or transformers' code (`fsdp.modeling`); the
-    plan's layout must be dp = world, which the config checks made sure of. It adds no router loss (the
+    """FSDP2 over the group's world, on hybridflow's decoder or transformers' code (`fsdp.modeling`), with
+    `lora` (rank > 0) peft's adapters on its frozen base; the plan's layout must be dp = world, which the
+    config checks made sure of. It adds no router loss (the
     config checks refuse `moe` coefficients for it)."""
     from hybridflow.engine.fsdp import FSDPEngine
     from hybridflow.engine.fsdp_hf import TransformersFSDPEngine
 
-    if lora is not None and lora.rank > 0:
-        raise ValueError("actor.lora: adapters are built on the megatron engine only (the config checks refuse it)")
     fsdp = fsdp or FSDPConfig()
     options = dict(device=run.device, dtype=model.dtype,
                    make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, value_head=value_head,
-                   total_steps=optimizer_steps, seed=run.seed, offload=fsdp.offload)
+                   total_steps=optimizer_steps, seed=run.seed, offload=fsdp.offload, lora=lora)
     model_cfg = model_config(path, "fsdp", fsdp)
     engine = (TransformersFSDPEngine(path, model_cfg, optim, **options) if fsdp.modeling == "transformers"
               else FSDPEngine(model_cfg, optim, **options))

@@ -263,7 +263,7 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
             stages = self.engine.layout.pp
             written = str(save_hf_checkpoint(next(parts), hf_config, path, extra_files=extra) if stages == 1
                           else save_hf_checkpoint_parts(parts, stages, hf_config, path, extra_files=extra))
-        if self.engine.kind == "megatron" and self.engine.lora is not None:  # after: the save replaces `path`
+        if self.engine.lora is not None:  # after: the save replaces `path`
             export_peft(self.engine, Path(path) / "peft", self.spec.model.path)
         return written
 

@@ -21,8 +21,6 @@ def load(tmp_path, *overrides):
     (["actor.lora.rank=8", "actor.lora.dropout=1.0"], "actor.lora.dropout", "1.0 is not a probability"),
     (["actor.lora.rank=8", "actor.lora.target_modules=[linear_qkv,q_proj]"], "actor.lora.target_modules",
      "'q_proj'"),
-    (["actor.lora.rank=8", "actor.engine=fsdp", "reference.engine=fsdp"], "actor.lora.rank",
-     "megatron engine only"),
     (["reference.enabled=true", "reference.engine=adapters_off"], "reference.engine", "actor.lora.rank > 0"),
 ])
 def test_bad_lora_settings_are_a_config_error_naming_the_key(tmp_path, overrides, key, words):
@@ -51,3 +49,16 @@ def test_a_rank_beyond_an_adapted_matrix_and_mlp_adapters_on_experts_are_refused
                                       "num_experts_per_tok": 2, "moe_intermediate_size": 96})
     with pytest.raises(ConfigError, match=r"actor.lora.target_modules: .* match nothing in a mixture-of-experts"):
         check_plan(cfg, RunPlan.from_config(cfg), moe)
+
+
+def test_lora_on_the_fsdp_engine_loads_and_an_architecture_outside_the_llama_family_is_refused(tmp_path):
+    """LoRA under FSDP (peft) with the adapters-off reference passes the checks; on a model only transformers
+    builds (GPT-2 here, whose linears are c_attn / c_fc) the targets name nothing: refused by key."""
+    cfg = in_repo(load(tmp_path, "actor.lora.rank=8", "actor.engine=fsdp", "reference.enabled=true",
+                       "reference.engine=adapters_off", "actor.fsdp.modeling=transformers"))
+    model = DecoderConfig.from_pretrained(cfg.model.path)
+    check_plan(cfg, RunPlan.from_config(cfg), model)
+    gpt2 = DecoderConfig.foreign({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2,
+                                  "n_embd": 64, "n_head": 4, "vocab_size": 100}, "GPT-2 is not a Llama-family model")
+    with pytest.raises(ConfigError, match="actor.lora.rank: 8 on a 'gpt2' model"):
+        check_plan(cfg, RunPlan.from_config(cfg), gpt2)
