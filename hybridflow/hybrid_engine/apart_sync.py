@@ -57,6 +57,9 @@ class ApartWeightSync:
                "sync/collectives_off_plan": float(sum(x["sync/collectives"] != x["sync/plan_collectives"]
                                                       for x in (*sent, *received))),
                "sync/time_s": seconds}
+        if "lora/adapter_bytes_received" in received[0]:  # a LoRA actor's sync (`lora_sync.py`)
+            out["lora/adapter_bytes_received"] = max(r["lora/adapter_bytes_received"] for r in received)
+            out["lora/adapter_bytes_sent"] = sum(s["lora/adapter_bytes_sent"] for s in sent)
         push = [r["reshard/push_bytes"] for r in received if "reshard/push_bytes" in r]
         if push:  # an engine with its own copy (vLLM) took the received shard by a push
             out["sync/push_bytes"] = max(push)

@@ -70,7 +70,8 @@ def actor_spec(cfg: Config, plan: RunPlan) -> ActorWorkerSpec:
 def rollout_spec(cfg: Config, plan: RunPlan) -> RolloutWorkerSpec:
     return RolloutWorkerSpec(run=_run(cfg), model=cfg.model, rollout=cfg.rollout,
                              max_response_length=cfg.data.max_response_length,
-                             train_layout=plan.layouts["training"], env=cfg.env, reward=_rule_reward(cfg))
+                             train_layout=plan.layouts["training"], env=cfg.env, reward=_rule_reward(cfg),
+                             lora=cfg.actor.lora if cfg.actor.engine == "megatron" and cfg.actor.lora.rank else None)
 
 
 def reference_spec(cfg: Config, plan: RunPlan) -> ReferenceWorkerSpec:

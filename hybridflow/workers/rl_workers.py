@@ -38,6 +38,7 @@ from hybridflow.controller.worker import Worker
 from hybridflow.data import fields as F
 from hybridflow.data.tokenizer import Tokenizer
 from hybridflow.engine.lora import AdaptersOff
+from hybridflow.hybrid_engine.lora_sync import apart_receiver, apart_sender
 from hybridflow.hybrid_engine.worker_weights import ColocatedGeneration, ShardReceiver, ShardSender
 from hybridflow.models.checkpoint import save_hf_checkpoint, save_hf_checkpoint_parts
 from hybridflow.parallel.layout import ParallelDims
@@ -166,7 +167,7 @@ class ActorRolloutRefWorker(EngineWorker, _Generates):
         self.generation: Optional[ColocatedGeneration] = None
         self.sender: Optional[ShardSender] = None
         if not spec.generates:
-            self.sender = ShardSender(self.engine, self.rank, self.context.device)
+            self.sender = apart_sender(self.engine, self.rank, self.context.device)  # a LoRA actor: adapters
             return
         self.generation = ColocatedGeneration(self.engine, spec.rollout, spec.model.make_vocab_size_divisible_by)
         replica, replicas, answers = self.generation.mesh
@@ -278,8 +279,8 @@ class RolloutWorker(_Generates):
         prepare_process(self, spec.run.processes)
         self.spec = spec
         self.tokenizer = read_tokenizer(spec.model)
-        self.receiver = ShardReceiver(spec.model, spec.train_layout, spec.rollout.tg, self.rank, self.world_size,
-                                      spec.run.device)
+        self.receiver: ShardReceiver = apart_receiver(spec.model, spec.train_layout, spec.rollout.tg, self.rank,
+                                                      self.world_size, spec.run.device, spec.lora)
         replica, replicas, answers = self.receiver.mesh
         self.register_replica("generation", replica, replicas, answers)
         self.backend: RolloutBackend = build_backend(spec.rollout, self.receiver.model, self.tokenizer,

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from hybridflow.config.schema import (ActorConfig, CriticConfig, EnvConfig, ModelConfig, ReferenceConfig,
-                                      RewardConfig, RolloutConfig)
+from hybridflow.config.schema import (ActorConfig, CriticConfig, EnvConfig, LoRAConfig, ModelConfig,
+                                      ReferenceConfig, RewardConfig, RolloutConfig)
 from hybridflow.parallel.layout import ParallelDims
 
 
@@ -82,6 +82,7 @@ class RolloutWorkerSpec:
     rollout: RolloutConfig
     max_response_length: int
     train_layout: ParallelDims  # the actor's layout, whose shards it receives (and whose padded vocabulary)
+    lora: Optional[LoRAConfig] = None  # a megatron actor's LoRA adapters: after the first sync only they cross
     reward: RuleReward = field(default_factory=RuleReward)
     env: EnvConfig = field(default_factory=EnvConfig)
 
