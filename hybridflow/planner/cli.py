@@ -132,9 +132,9 @@ def main(argv: list[str]) -> int:
     if apart is not None:
         print("\n" + "\n".join(report.modes(apart)))
     if best is not None:
-        print("\n" + "\n".join(report.detail(best, wl)))
+        print("\n" + "\n".join(report.detail(best, wl) + report.experts(best, model, wl, fits + misfits)))
         if not args.no_dry_run:
-            print("\n" + "\n".join(dry_run(model, best.actor, best.tg, wl.dtype_bytes, wl.divisible_by)
+            print("\n" + "\n".join(dry_run(model, best.actor, best.tg, wl.dtype_bytes, wl.divisible_by, best.ep)
                                    .lines(wl.dtype_bytes)))
         if args.out:
             _write(args, data, best, wl, planner)

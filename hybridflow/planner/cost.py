@@ -50,26 +50,42 @@ def mlp_params(cfg: DecoderConfig, active: bool = False) -> int:
     return 3 * h * (experts * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size)
 
 
-def layer_params(cfg: DecoderConfig, tp: int = 1) -> int:
+def expert_params(cfg: DecoderConfig) -> int:
+    """Matrix parameters of one layer's routed experts (0 for a dense model): what expert parallelism
+    splits; the shared expert and the router stay with the dense parameters."""
+    return 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts if cfg.is_moe else 0
+
+
+def layer_params(cfg: DecoderConfig, tp: int = 1, ep: int = 1) -> int:
     """Parameters of one decoder layer on one of `tp` ranks (norms, QK-norms, the router and the shared
-    expert's gate replicated, the rest split; experts replicated over ranks, each split like an MLP)."""
+    expert's gate replicated, the rest split); the routed experts split like an MLP over `tp` and, whole,
+    over the `ep` ranks of an expert-parallel group (megatron-core: experts / ep per rank, etp = tp)."""
     h, hq = cfg.hidden_size, cfg.num_heads * cfg.head_dim
-    split = cfg.qkv_size * h + (cfg.qkv_size if cfg.qkv_bias else 0) + hq * h + mlp_params(cfg)
+    experts = expert_params(cfg)
+    split = cfg.qkv_size * h + (cfg.qkv_size if cfg.qkv_bias else 0) + hq * h + mlp_params(cfg) - experts
     replicated = 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0) + cfg.num_experts * h \
         + (h if cfg.shared_expert_gate else 0)
-    return split // tp + replicated
+    return split // tp + experts // (tp * ep) + replicated
+
+
+def rank_expert_params(cfg: DecoderConfig, tp: int = 1, pp: int = 1, ep: int = 1) -> int:
+    """Routed-expert parameters one rank holds: its stage's layers' experts / (tp * ep). Their gradients
+    reduce, and the distributed optimizer shards them, over the expert-data-parallel group (dp * cp / ep
+    ranks at etp = tp) instead of the dp * cp ranks of the dense parameters."""
+    return expert_params(cfg) // (tp * ep) * (cfg.num_layers // pp)
 
 
 def stage_params(cfg: DecoderConfig, stage: int, tp: int = 1, pp: int = 1, divisible_by: int = 128,
-                 value_head: bool = False) -> int:
-    """Parameters pipeline stage `stage` of `pp` holds on each of its `tp` ranks (megatron-core's layout).
+                 value_head: bool = False, ep: int = 1) -> int:
+    """Parameters pipeline stage `stage` of `pp` holds on each of its `tp` ranks (megatron-core's layout),
+    the routed experts divided over `ep`.
 
     value_head: the critic, whose output layer is one replicated row. Tied embeddings with pp > 1 keep a
     copy of the embedding on the last stage, as megatron-core does.
     """
     h = cfg.hidden_size
     vocab = padded_vocab_size(cfg.vocab_size, divisible_by, tp) * h // tp
-    n = layer_params(cfg, tp) * (cfg.num_layers // pp)
+    n = layer_params(cfg, tp, ep) * (cfg.num_layers // pp)
     last = stage == pp - 1
     if stage == 0:
         n += vocab
@@ -83,9 +99,9 @@ def stage_params(cfg: DecoderConfig, stage: int, tp: int = 1, pp: int = 1, divis
 
 
 def rank_params(cfg: DecoderConfig, tp: int = 1, pp: int = 1, divisible_by: int = 128,
-                value_head: bool = False) -> int:
+                value_head: bool = False, ep: int = 1) -> int:
     """The most parameters any rank holds (the stage that bounds memory)."""
-    return max(stage_params(cfg, s, tp, pp, divisible_by, value_head) for s in range(pp))
+    return max(stage_params(cfg, s, tp, pp, divisible_by, value_head, ep) for s in range(pp))
 
 
 def total_params(cfg: DecoderConfig, divisible_by: int = 128, value_head: bool = False) -> int:
@@ -224,6 +240,50 @@ def cp_time(cfg: DecoderConfig, layout: ParallelDims, micro: int, seq: float, dt
     received = cp_kv_bytes(cfg, micro, int(seq), layout.tp, layout.cp, dtype_bytes) * (layout.cp - 1) / layout.cp
     one = gather_time(received, layout.cp, layout.span("cp"), device)
     return one * (2 if backward else 1)
+
+
+def dispatch_bytes_per_token(cfg: DecoderConfig, ep: int, dtype_bytes: int, backward: bool = False) -> float:
+    """Bytes one rank receives per token of its micro-batch and per MoE layer in megatron-core's allgather
+    token dispatcher (the one the engine builds, `engine/build.py`), beyond what a dense layer's TP exchange
+    moves: the dispatch gathers every token of the tp x ep group (its hidden state, its fp32 router
+    probabilities and the boolean routing map over the experts), the combine reduce-scatters the outputs back,
+    so each rank receives the other ep - 1 ranks' tokens twice. The backward reverses both (gradients of the
+    hidden states and the probabilities, no map). 0 at ep = 1 or for a dense model."""
+    if not cfg.is_moe or ep <= 1:
+        return 0.0
+    probs = cfg.num_experts * (FP32 + (0 if backward else 1))
+    return (ep - 1) * (2 * cfg.hidden_size * dtype_bytes + probs)
+
+
+def alltoall_bytes_per_token(cfg: DecoderConfig, ep: int, dtype_bytes: int) -> float:
+    """The same for megatron-core's alltoall dispatcher, for comparison (not built by the engine, which runs
+    the allgather one on gloo): each of a token's top-k copies leaves the rank with probability (ep - 1) / ep,
+    out for the experts and back with their outputs."""
+    if not cfg.is_moe or ep <= 1:
+        return 0.0
+    return 2 * cfg.moe_top_k * (ep - 1) / ep * cfg.hidden_size * dtype_bytes
+
+
+def dispatch_time(cfg: DecoderConfig, tokens: float, tp: int, ep: int, dtype_bytes: int, device: DeviceSpec,
+                  backward: bool = False) -> float:
+    """One MoE layer's token exchange for `tokens` tokens of a micro-batch on a rank: the dispatcher's gathers
+    and reduce-scatter run over the tp x ep group (consecutive ranks in megatron-core's order), three
+    collectives out and one back forward, two and two backward."""
+    if not cfg.is_moe or ep <= 1:
+        return 0.0
+    g = tp * ep
+    received = tokens * dispatch_bytes_per_token(cfg, ep, dtype_bytes, backward)
+    return received / link_bandwidth(device, g) + 4 * (g - 1) * device.link_latency
+
+
+def expert_transition_bytes(cfg: DecoderConfig, tp: int, ep: int, dtype_bytes: int, pp: int = 1) -> float:
+    """Bytes each rank receives gathering the other expert-parallel ranks' experts before generation:
+    (ep - 1) / ep * X / tp, X the bytes of every layer's routed experts on a pipeline stage (docs/design.md,
+    "Expert parallelism and its bytes"); the dense grouped gather (`transition_bytes`) follows over the whole
+    model."""
+    if ep <= 1:
+        return 0.0
+    return (ep - 1) / ep * expert_params(cfg) * (cfg.num_layers // pp) * dtype_bytes / tp
 
 
 def transition_bytes(model_bytes: float, tp: int, pp: int, tg: int, pg: int = 1) -> float:

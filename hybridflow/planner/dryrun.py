@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import re
+
 import torch
 
 from hybridflow.hybrid_engine.plan import GenLayout, bridge_params, plan_reshard
@@ -40,10 +42,21 @@ def meta_decoder(cfg: DecoderConfig, tp: int = 1, divisible_by: int = 128) -> De
         return Decoder(cfg, parallel) if parallel else Decoder(cfg)
 
 
-def stage_numel(model: Decoder, stage: int, pp: int) -> int:
-    """Parameters of pipeline stage `stage` of `pp`: the embedding first, whole layers, norm and head last."""
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
+
+
+def stage_numel(model: Decoder, stage: int, pp: int, ep: int = 1) -> int:
+    """Parameters of pipeline stage `stage` of `pp`: the embedding first, whole layers, norm and head last.
+    At `ep` > 1 an MoE layer keeps only the first expert-parallel rank's routed experts (the first
+    experts / ep: megatron-core's block of rank 0), as a training rank holds them."""
     per = model.full_cfg.num_layers // pp
-    total = sum(p.numel() for i, layer in enumerate(model.layers) if i // per == stage for p in layer.parameters())
+    held = model.full_cfg.num_experts // ep if ep > 1 else None
+
+    def kept(name: str) -> bool:
+        match = _EXPERT.match(name)
+        return held is None or match is None or int(match[1]) < held
+    total = sum(p.numel() for i, layer in enumerate(model.layers) if i // per == stage
+                for name, p in layer.named_parameters() if kept(name))
     if stage == 0:
         total += model.embed.weight.numel()
     if stage == pp - 1:
@@ -60,33 +73,47 @@ class DryRun:
     exact_transition: int  # the most bytes any rank receives in the reshard plan
     model_transition: float  # the cost model's formula
     plan_ranks: int
+    ep: int = 1
+    exact_expert_transition: float = 0.0  # ep > 1: (ep - 1) / ep of the bridge's expert tensors' bytes / tp
+    model_expert_transition: float = 0.0  # the cost model's formula for the same
 
     def lines(self, dtype_bytes: int) -> list[str]:
         gib = 1024 ** 3
-        out = [f"dry-run, actor {self.layout} -> generation tg{self.tg} (meta-device Decoder, plan_reshard over "
-               f"{self.plan_ranks} ranks):"]
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        out = [f"dry-run, actor {self.layout}{ep} -> generation tg{self.tg} (meta-device Decoder"
+               + (f", experts / {self.ep} per rank" if self.ep > 1 else "")
+               + f", plan_reshard over {self.plan_ranks} ranks):"]
         for s, (exact, model) in enumerate(zip(self.exact_params, self.model_params)):
             out.append(f"  stage {s}: params per rank exact {exact:,} ({exact * dtype_bytes / gib:.2f} GiB), "
                        f"cost model {model:,} (diff {model - exact:+,})")
         out.append(f"  transition bytes per rank: exact {self.exact_transition:,} "
                    f"({self.exact_transition / gib:.2f} GiB), cost model {self.model_transition:,.0f} "
                    f"(ratio {self.model_transition / max(1, self.exact_transition):.4f})")
+        if self.ep > 1:
+            out.append(f"  expert-parallel gather before it, bytes per rank: from the bridge's expert tensors "
+                       f"{self.exact_expert_transition:,.0f} ({self.exact_expert_transition / gib:.2f} GiB), "
+                       f"cost model {self.model_expert_transition:,.0f}")
         return out
 
 
-def dry_run(cfg: DecoderConfig, layout: ParallelDims, tg: int, dtype_bytes: int, divisible_by: int = 128) -> DryRun:
-    """Exact parameter counts per rank and transition bytes per rank for the actor's layout.
+def dry_run(cfg: DecoderConfig, layout: ParallelDims, tg: int, dtype_bytes: int, divisible_by: int = 128,
+            ep: int = 1) -> DryRun:
+    """Exact parameter counts per rank and transition bytes per rank for the actor's layout (at `ep` > 1 the
+    routed experts of one expert-parallel rank, and the experts' gather before the dense one).
 
     The plan is built for one training replica (dp = 1): with the paper's grouping a rank gathers only
     within its replica, so the bytes per rank do not depend on dp.
     """
     model = meta_decoder(cfg, layout.tp, divisible_by)
-    exact = [stage_numel(model, s, layout.pp) for s in range(layout.pp)]
-    estimate = [cost.stage_params(cfg, s, layout.tp, layout.pp, divisible_by) for s in range(layout.pp)]
+    exact = [stage_numel(model, s, layout.pp, ep) for s in range(layout.pp)]
+    estimate = [cost.stage_params(cfg, s, layout.tp, layout.pp, divisible_by, ep=ep) for s in range(layout.pp)]
     params = bridge_params(get_bridge(cfg, divisible_by, layout.tp), dtype_bytes)
     plan = plan_reshard(params, ParallelDims(tp=layout.tp, pp=layout.pp, dp=1), GenLayout(tg=tg))
     moved = max(plan.bytes_received(r) for r in range(plan.train.world_size))
     total = cost.total_params(cfg, divisible_by) * dtype_bytes
+    experts = sum(p.nbytes for p in params if ".local_experts." in p.name) // layout.pp
     return DryRun(layout=layout, tg=tg, exact_params=exact, model_params=estimate, exact_transition=moved,
                   model_transition=cost.transition_bytes(total, layout.tp, layout.pp, tg),
-                  plan_ranks=plan.train.world_size)
+                  plan_ranks=plan.train.world_size, ep=ep,
+                  exact_expert_transition=(ep - 1) / ep * experts / layout.tp if ep > 1 else 0.0,
+                  model_expert_transition=cost.expert_transition_bytes(cfg, layout.tp, ep, dtype_bytes, layout.pp))

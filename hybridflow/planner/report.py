@@ -22,7 +22,8 @@ from hybridflow.planner.search import Candidate
 
 RESOURCES = {"compute": "compute (GEMM/attention)", "decode": "decode steps (memory bandwidth + launches)",
              "tp": "TP collectives", "pp": "pipeline sends", "dp": "DP gradient reduction", "link": "weight transfer",
-             "overhead": "layer launch overhead"}
+             "overhead": "layer launch overhead", "dispatch": "MoE token dispatch (tp x ep group)",
+             "experts": "expert-parallel gather of the experts"}
 
 
 def _gib(n: float) -> str:
@@ -106,6 +107,36 @@ def detail(c: Candidate, wl: Workload) -> list[str]:
     return lines
 
 
+def experts(c: Candidate, model, wl: Workload, others: list[Candidate]) -> list[str]:
+    """An MoE model's expert parallelism: the ep picked and why (the best candidate at each ep searched, its
+    iteration and memory per GPU, or the nearest that does not fit and why), the token dispatcher's bytes and
+    the experts' switch bytes."""
+    if not model.is_moe:
+        return []
+    from hybridflow.planner import cost
+
+    lines = [f"expert parallelism: ep {c.ep} picked ({model.num_experts} experts, {model.num_experts // c.ep} per "
+             f"rank), peak {'/'.join(_gib(v) for v in c.device_peak.values())} GiB per GPU; ep searched where "
+             f"hybridflow builds it (pp = cp = 1, generation in the actor's processes: config/validate_moe.py)"]
+    best: dict[int, Candidate] = {}
+    for o in sorted(others, key=lambda o: (not o.fits, o.iteration_s if o.fits else _overshoot(o))):
+        best.setdefault(o.ep, o)
+    for ep, o in sorted(best.items()):
+        mem = o.memory.get("actor", {})
+        states = _gib(sum(v for k, v in mem.items() if k != "activations")) + " GiB actor states/GPU" if mem else ""
+        verdict = (f"{o.iteration_s:.1f} s/iteration, peak {'/'.join(_gib(v) for v in o.device_peak.values())} "
+                   f"GiB/GPU" if o.fits else f"best does not fit: {o.reason}")
+        lines.append(f"  ep {ep:3d}: {o.label()}: {states}; {verdict}" + ("  <- picked" if o is c else ""))
+    if c.ep > 1:
+        per = cost.dispatch_bytes_per_token(model, c.ep, wl.dtype_bytes)
+        a2a = cost.alltoall_bytes_per_token(model, c.ep, wl.dtype_bytes)
+        moved = cost.expert_transition_bytes(model, c.actor.tp, c.ep, wl.dtype_bytes, c.actor.pp)
+        lines.append(f"  token dispatch (allgather dispatcher): {per / 1024:.1f} KiB per token per MoE layer forward "
+                     f"(alltoall would move {a2a / 1024:.1f} KiB); experts gathered per switch "
+                     f"{moved / GIB:.2f} GiB per rank, (ep - 1) / ep * X / tp")
+    return lines
+
+
 def overlay_data(c: Candidate, base: dict, uses_critic: bool, device: str) -> dict:
     """The base config's data with the candidate's choices written in."""
     data = copy.deepcopy(base)
@@ -120,12 +151,12 @@ def overlay_data(c: Candidate, base: dict, uses_critic: bool, device: str) -> di
     trainer["device"] = "cpu" if device == "cpu" else "cuda"
     actor = section("actor")
     actor["parallel"] = {**(actor.get("parallel") or {}), "tp": c.actor.tp, "pp": c.actor.pp, "cp": c.actor.cp,
-                         "virtual_pp": c.virtual_pp if c.virtual_pp > 1 else None}
+                         "virtual_pp": c.virtual_pp if c.virtual_pp > 1 else None, "ep": c.ep}
     actor["ppo_micro_batch_size"] = c.micro.get("actor", actor.get("ppo_micro_batch_size", 8))
     if uses_critic and c.critic is not None:
         critic = section("critic")
         critic["parallel"] = {**(critic.get("parallel") or {}), "tp": c.critic.tp, "pp": c.critic.pp,
-                              "cp": c.critic.cp}
+                              "cp": c.critic.cp, "ep": c.critic_ep}
         critic["ppo_micro_batch_size"] = c.micro.get("critic", critic.get("ppo_micro_batch_size", 8))
     section("rollout")["tg"] = c.tg
     data["placement"] = _placement(c)

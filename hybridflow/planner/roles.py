@@ -90,24 +90,29 @@ class Workload:
 
 
 def train_memory(model: DecoderConfig, wl: Workload, layout: ParallelDims, micro: int, value_head: bool = False,
-                 recompute: bool = False, vpp: int = 1) -> dict[str, int]:
-    """A training rank's bytes: weights, gradients, optimizer state, activations at the update's peak."""
-    params = cost.rank_params(model, layout.tp, layout.pp, wl.divisible_by, value_head)
+                 recompute: bool = False, vpp: int = 1, ep: int = 1) -> dict[str, int]:
+    """A training rank's bytes: weights, gradients, optimizer state, activations at the update's peak. At
+    `ep` > 1 a rank holds experts / ep of every layer's routed experts, whose optimizer state the distributed
+    optimizer shards over the expert-data-parallel ranks (dp * cp / ep), the rest over dp * cp."""
+    params = cost.rank_params(model, layout.tp, layout.pp, wl.divisible_by, value_head, ep)
+    experts = cost.rank_expert_params(model, layout.tp, layout.pp, ep)
     m = cost.micro_batch_count(wl.mini_batch_rows, layout.dp, micro)
+    g = layout.dp * layout.cp
     return {"weights": cost.weight_bytes(params, wl.dtype_bytes), "grads": cost.grad_bytes(params),
-            "optimizer": cost.optimizer_bytes(params, wl.dtype_bytes, layout.dp * layout.cp,
-                                              wl.distributed_optimizer),
+            "optimizer": cost.optimizer_bytes(params - experts, wl.dtype_bytes, g, wl.distributed_optimizer)
+            + cost.optimizer_bytes(experts, wl.dtype_bytes, max(1, g // ep), wl.distributed_optimizer),
             "activations": cost.activation_bytes(model, layout, micro, wl.max_len, m, wl.dtype_bytes, recompute,
                                                  logits=not value_head, vpp=vpp)}
 
 
 def _passes(model: DecoderConfig, wl: Workload, layout: ParallelDims, device: DeviceSpec, micro: int, rows: int,
-            passes: float, value_head: bool, vpp: int = 1) -> dict[str, float]:
+            passes: float, value_head: bool, vpp: int = 1, ep: int = 1) -> dict[str, float]:
     """Seconds of `passes` forward-equivalents over `rows` rows (3 = forward and backward, 4 with the
     recompute's forward), split by resource; activations cross TP twice per layer and pass, and pipeline
     stages once per pass (v times with `vpp` model chunks per rank, whose bubble is v times smaller); at
     cp > 1 each layer exchanges K and V (`cost.cp_time`) and the output is gathered to the whole sequence
-    once per micro-batch."""
+    once per micro-batch; at `ep` > 1 every MoE layer's token dispatcher exchanges the tokens of the tp x ep
+    group (`cost.dispatch_time`) each pass, forward and (training) backward."""
     tokens = rows * wl.seq
     gemm, attention = cost.forward_flops(model, tokens, wl.seq, value_head)
     m = cost.micro_batch_count(rows, layout.dp, micro)
@@ -120,7 +125,13 @@ def _passes(model: DecoderConfig, wl: Workload, layout: ParallelDims, device: De
         cp += m * layers * cost.cp_time(model, layout, micro, wl.seq, wl.dtype_bytes, device, backward=False)
     if layout.cp > 1:
         cp += m * cost.gather_time(activation * (layout.cp - 1) / layout.cp, layout.cp, layout.span("cp"), device)
-    return {"cp": cp, "compute": passes * cost.compute_time(gemm, attention, layout.world_size, device) * bubble,
+    out: dict[str, float] = {}
+    if ep > 1 and model.is_moe:
+        one = lambda backward: cost.dispatch_time(model, micro * wl.seq, layout.tp, ep, wl.dtype_bytes, device,
+                                                   backward)
+        forwards = 2 if passes > 3 else 1  # the recompute's forward dispatches again
+        out["dispatch"] = m * layers * (forwards * one(False) + (one(True) if passes > 1 else 0.0))
+    return {**out, "cp": cp, "compute": passes * cost.compute_time(gemm, attention, layout.world_size, device) * bubble,
             "tp": 2 * passes * m * layers * cost.allreduce_time(activation, layout.tp, layout.span("tp"), device),
             "pp": (passes * m * vpp * activation / cost.link_bandwidth(device, layout.span("pp"))
                    if layout.pp > 1 else 0.0),
@@ -128,28 +139,35 @@ def _passes(model: DecoderConfig, wl: Workload, layout: ParallelDims, device: De
 
 
 def train_time(model: DecoderConfig, wl: Workload, layout: ParallelDims, device: DeviceSpec, micro: int, epochs: int,
-               value_head: bool = False, recompute: bool = False, vpp: int = 1) -> dict[str, float]:
+               value_head: bool = False, recompute: bool = False, vpp: int = 1, ep: int = 1) -> dict[str, float]:
     """The update of one role: `epochs` passes over every row (forward and backward, one more forward with
     recompute) and the gradient reduction over DP once per mini-batch; `vpp`: model chunks per pipeline
-    rank (the interleaved schedule)."""
+    rank (the interleaved schedule); at `ep` > 1 the routed experts' gradients reduce over the
+    expert-data-parallel group (dp * cp / ep ranks), the rest over dp * cp."""
     minis = max(1, math.ceil(wl.rows / wl.mini_batch_rows))
     out = {k: v * epochs for k, v in _passes(model, wl, layout, device, micro, wl.rows,
-                                              4.0 if recompute else 3.0, value_head, vpp).items()}
-    params = cost.rank_params(model, layout.tp, layout.pp, wl.divisible_by, value_head)
+                                              4.0 if recompute else 3.0, value_head, vpp, ep).items()}
+    params = cost.rank_params(model, layout.tp, layout.pp, wl.divisible_by, value_head, ep)
+    experts = cost.rank_expert_params(model, layout.tp, layout.pp, ep)
     g = layout.dp * layout.cp  # gradients reduce over the data-and-context group (megatron-core's DDP)
-    if wl.distributed_optimizer:  # reduce-scatter fp32 gradients, all-gather the weights
-        share = (g - 1) / g * params * (cost.FP32 + wl.dtype_bytes)
-        dp = cost.gather_time(share, g, layout.span("dp"), device)
-    else:
-        dp = cost.allreduce_time(params * cost.FP32, g, layout.span("dp"), device)
-    out["dp"] = epochs * minis * dp
+    out["dp"] = epochs * minis * (_reduce(params - experts, g, layout, wl, device)
+                                  + _reduce(experts, max(1, g // ep), layout, wl, device))
     return out
 
 
+def _reduce(params: int, g: int, layout: ParallelDims, wl: Workload, device: DeviceSpec) -> float:
+    """The gradient reduction of `params` parameters over `g` ranks once per mini-batch: with the distributed
+    optimizer a reduce-scatter of fp32 gradients and an all-gather of the weights, else an all-reduce."""
+    if wl.distributed_optimizer:
+        share = (g - 1) / g * params * (cost.FP32 + wl.dtype_bytes)
+        return cost.gather_time(share, g, layout.span("dp"), device)
+    return cost.allreduce_time(params * cost.FP32, g, layout.span("dp"), device)
+
+
 def forward_memory(model: DecoderConfig, wl: Workload, layout: ParallelDims, micro: int,
-                   value_head: bool = False) -> dict[str, int]:
+                   value_head: bool = False, ep: int = 1) -> dict[str, int]:
     """A forward-only rank: its weights and one layer's activations of a micro-batch plus the logits."""
-    params = cost.rank_params(model, layout.tp, layout.pp, wl.divisible_by, value_head)
+    params = cost.rank_params(model, layout.tp, layout.pp, wl.divisible_by, value_head, ep)
     one = dataclasses.replace(layout, pp=model.num_layers)  # one layer's activations live at a time
     return {"weights": cost.weight_bytes(params, wl.dtype_bytes),
             "activations": cost.activation_bytes(model, one, micro, wl.max_len, 1, wl.dtype_bytes,
@@ -157,8 +175,8 @@ def forward_memory(model: DecoderConfig, wl: Workload, layout: ParallelDims, mic
 
 
 def forward_time(model: DecoderConfig, wl: Workload, layout: ParallelDims, device: DeviceSpec, micro: int,
-                 value_head: bool = False, vpp: int = 1) -> dict[str, float]:
-    return _passes(model, wl, layout, device, micro, wl.rows, 1.0, value_head, vpp)
+                 value_head: bool = False, vpp: int = 1, ep: int = 1) -> dict[str, float]:
+    return _passes(model, wl, layout, device, micro, wl.rows, 1.0, value_head, vpp, ep)
 
 
 @dataclass(frozen=True)

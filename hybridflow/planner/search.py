@@ -60,6 +60,8 @@ class Candidate:
     split_stages: Optional["overlap.SplitStages"] = None
     mode: str = "sync"
     virtual_pp: int = 1  # the actor's model chunks per pipeline rank (the interleaved schedule), with its reference
+    ep: int = 1  # the actor's expert-parallel size (its reference's too); the critic's is `critic_ep`
+    critic_ep: int = 1
 
     @property
     def fits(self) -> bool:
@@ -76,8 +78,10 @@ class Candidate:
 
     def label(self) -> str:
         split = "/".join(f"{k}{v}" for k, v in self.devices.items())
-        critic = f" critic {self.critic}" if self.critic else ""
-        return f"{self.placement} [{split}] actor {layout_label(self.actor, self.virtual_pp)} tg{self.tg}{critic}"
+        critic = f" critic {self.critic}" + (f" ep{self.critic_ep}" if self.critic_ep > 1 else "") \
+            if self.critic else ""
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return f"{self.placement} [{split}] actor {layout_label(self.actor, self.virtual_pp)}{ep} tg{self.tg}{critic}"
 
 
 def layouts(world: int, model: DecoderConfig, device: DeviceSpec, wl: Workload) -> list[ParallelDims]:
@@ -124,17 +128,17 @@ class Planner:
         self.model_bytes = cost.total_params(model, wl.divisible_by) * wl.dtype_bytes
 
     # -- the roles of one candidate ----------------------------------------------------------------
-    def _states(self, layout: ParallelDims, value_head: bool) -> int:
+    def _states(self, layout: ParallelDims, value_head: bool, ep: int = 1) -> int:
         """Weights, gradients and optimizer state of a training rank (what does not depend on the batch)."""
-        parts = roles.train_memory(self.model, self.wl, layout, 1, value_head)
+        parts = roles.train_memory(self.model, self.wl, layout, 1, value_head, ep=ep)
         return _total(parts) - parts["activations"]
 
-    def static_actor(self, a: ParallelDims) -> int:
-        ref = cost.rank_params(self.model, a.tp, a.pp, self.wl.divisible_by) * self.wl.dtype_bytes
-        return self._states(a, False) + (ref if self.wl.needs_reference else 0)
+    def static_actor(self, a: ParallelDims, ep: int = 1) -> int:
+        ref = cost.rank_params(self.model, a.tp, a.pp, self.wl.divisible_by, ep=ep) * self.wl.dtype_bytes
+        return self._states(a, False, ep) + (ref if self.wl.needs_reference else 0)
 
-    def static_critic(self, k: Optional[ParallelDims], reward_layout: ParallelDims) -> int:
-        out = self._states(k, True) if self.wl.uses_critic else 0
+    def static_critic(self, k: Optional[ParallelDims], reward_layout: ParallelDims, ep: int = 1) -> int:
+        out = self._states(k, True, ep) if self.wl.uses_critic else 0
         rm = self.wl.reward_model
         if rm is not None:
             out += cost.rank_params(rm, reward_layout.tp, reward_layout.pp, self.wl.divisible_by, True) \
@@ -155,33 +159,33 @@ class Planner:
     def _actor_side(self, c: Candidate, budget: float) -> tuple[int, dict[str, int], dict[str, float]]:
         """Static bytes of the actor's ranks, their transient peaks by phase, and their stage times;
         `budget`: bytes the actor's ranks may fill (the micro-batch is halved until its activations fit)."""
-        m, wl, a, dev, v = self.model, self.wl, c.actor, self.device, c.virtual_pp
-        static = self.static_actor(a)
+        m, wl, a, dev, v, ep = self.model, self.wl, c.actor, self.device, c.virtual_pp, c.ep
+        static = self.static_actor(a, ep)
         c.micro["actor"] = micro = self._micro(a, budget - static, wl.actor_micro, False, v)
-        c.memory["actor"] = roles.train_memory(m, wl, a, micro, vpp=v)
+        c.memory["actor"] = roles.train_memory(m, wl, a, micro, vpp=v, ep=ep)
         phases = {"actor update": c.memory["actor"]["activations"]}
-        times = {"actor_update": roles.train_time(m, wl, a, dev, micro, wl.actor_epochs, vpp=v)}
-        forward = roles.forward_memory(m, wl, a, wl.forward_micro)
+        times = {"actor_update": roles.train_time(m, wl, a, dev, micro, wl.actor_epochs, vpp=v, ep=ep)}
+        forward = roles.forward_memory(m, wl, a, wl.forward_micro, ep=ep)
         if wl.needs_reference:
             c.memory["reference"] = forward
-            times["reference"] = roles.forward_time(m, wl, a, dev, wl.forward_micro, vpp=v)
+            times["reference"] = roles.forward_time(m, wl, a, dev, wl.forward_micro, vpp=v, ep=ep)
         if wl.needs_old_log_probs:
-            times["old_log_probs"] = roles.forward_time(m, wl, a, dev, wl.forward_micro, vpp=v)
+            times["old_log_probs"] = roles.forward_time(m, wl, a, dev, wl.forward_micro, vpp=v, ep=ep)
         if wl.needs_reference or wl.needs_old_log_probs:
             phases["log-prob passes"] = forward["activations"]
         return static, phases, times
 
     def _critic_side(self, c: Candidate, budget: float) -> tuple[int, dict[str, int], dict[str, float]]:
         m, wl, dev = self.model, self.wl, self.device
-        layout = c.critic or c.actor
-        static, phases, times = self.static_critic(c.critic, layout), {}, {}
+        layout, ep = c.critic or c.actor, c.critic_ep
+        static, phases, times = self.static_critic(c.critic, layout, ep), {}, {}
         if wl.uses_critic:
             k = c.critic
             c.micro["critic"] = micro = self._micro(k, budget - static, wl.critic_micro, True)
-            c.memory["critic"] = roles.train_memory(m, wl, k, micro, value_head=True)
+            c.memory["critic"] = roles.train_memory(m, wl, k, micro, value_head=True, ep=ep)
             phases["critic update"] = c.memory["critic"]["activations"]
-            times["critic_update"] = roles.train_time(m, wl, k, dev, micro, wl.critic_epochs, True)
-            times["values"] = roles.forward_time(m, wl, k, dev, wl.forward_micro, value_head=True)
+            times["critic_update"] = roles.train_time(m, wl, k, dev, micro, wl.critic_epochs, True, ep=ep)
+            times["values"] = roles.forward_time(m, wl, k, dev, wl.forward_micro, value_head=True, ep=ep)
         if wl.reward_model is not None:
             c.memory["reward_model"] = roles.forward_memory(wl.reward_model, wl, layout, wl.forward_micro, True)
             phases["reward model"] = c.memory["reward_model"]["activations"]
@@ -215,15 +219,18 @@ class Planner:
 
     # -- placements --------------------------------------------------------------------------------
     def colocated(self, n: int, actor: ParallelDims, critic: Optional[ParallelDims], tg: int,
-                  virtual_pp: int = 1) -> Candidate:
-        c = Candidate("colocated", {"all": n}, actor, critic, tg, n // tg, virtual_pp=virtual_pp)
-        both = self.static_actor(actor) + self.static_critic(critic, critic or actor)
-        a_static, a_phases, a_times = self._actor_side(c, self.usable - both + self.static_actor(actor))
-        k_static, k_phases, k_times = self._critic_side(c, self.usable - both + self.static_critic(critic,
-                                                                                                   critic or actor))
+                  virtual_pp: int = 1, ep: int = 1) -> Candidate:
+        c = Candidate("colocated", {"all": n}, actor, critic, tg, n // tg, virtual_pp=virtual_pp, ep=ep,
+                      critic_ep=critic_ep(critic, actor, ep))
+        a_own = self.static_actor(actor, ep)
+        k_own = self.static_critic(critic, critic or actor, c.critic_ep)
+        a_static, a_phases, a_times = self._actor_side(c, self.usable - k_own)
+        k_static, k_phases, k_times = self._critic_side(c, self.usable - a_own)
         static = a_static + k_static
         gen_weights = self.model_bytes / tg
-        extra = gen_weights - c.memory["actor"]["weights"]  # the generation shard holds the training shard
+        # the generation shard holds the training shard; at ep > 1 and tp > 1 the other ranks' experts' TP
+        # shards, gathered first, are held beside it (docs/design.md, "Expert parallelism and its bytes")
+        extra = gen_weights - c.memory["actor"]["weights"] + self.expert_buffers(actor, ep)
         phases = {**a_phases, **k_phases}
         if not self._check(c, "all", static, phases):
             return c
@@ -232,18 +239,35 @@ class Planner:
             return c
         c.device_peak["all"] = max(c.device_peak["all"], static + int(extra) + _total(c.memory["rollout"])
                                    - c.memory["rollout"]["weights"])
-        moved = cost.transition_bytes(self.model_bytes, actor.tp, actor.pp, tg)
-        c.stages = {"rollout": times, "transition": {
-            "link": cost.gather_time(moved, actor.tp * actor.pp // tg, actor.tp, self.device)}, **a_times, **k_times}
+        c.stages = {"rollout": times, "transition": self.transition(actor, tg, ep), **a_times, **k_times}
         c.iteration_s = sum(_total_s(t) for t in c.stages.values())
         return c
 
+    def expert_buffers(self, actor: ParallelDims, ep: int) -> float:
+        """Bytes an expert-parallel rank holds besides its generation weights at tp > 1: the other ranks'
+        experts' TP shards, gathered before the grouped gather (at tp = 1 they are the generation weights)."""
+        if actor.tp <= 1:
+            return 0.0
+        return cost.expert_transition_bytes(self.model, actor.tp, ep, self.wl.dtype_bytes, actor.pp)
+
+    def transition(self, actor: ParallelDims, tg: int, ep: int = 1) -> dict[str, float]:
+        """Seconds of the switch to generation: at ep > 1 the all-gather of the other expert-parallel ranks'
+        experts ((ep - 1) / ep * X / tp per rank, over the tp x ep ranks that group spans), then the dense
+        grouped gather of the paper's layout over the whole model."""
+        moved = cost.transition_bytes(self.model_bytes, actor.tp, actor.pp, tg)
+        out = {"link": cost.gather_time(moved, actor.tp * actor.pp // tg, actor.tp, self.device)}
+        if ep > 1:
+            experts = cost.expert_transition_bytes(self.model, actor.tp, ep, self.wl.dtype_bytes, actor.pp)
+            out["experts"] = cost.gather_time(experts, ep, actor.tp * ep, self.device)
+        return out
+
     def split(self, placement: str, devices: dict[str, int], actor: ParallelDims, critic: Optional[ParallelDims],
-              tg: int, virtual_pp: int = 1) -> Candidate:
+              tg: int, virtual_pp: int = 1, ep: int = 1) -> Candidate:
         """split-critic (rollout with the actor) or split-all (rollout on `devices['rollout']` at tg = 1)."""
         apart = placement == "split-all"
         replicas = devices["rollout"] if apart else devices["actor"] // tg
-        c = Candidate(placement, devices, actor, critic, tg, replicas, virtual_pp=virtual_pp)
+        c = Candidate(placement, devices, actor, critic, tg, replicas, virtual_pp=virtual_pp, ep=ep,
+                      critic_ep=critic_ep(critic, actor, ep) if not apart else 1)
         a_static, a_phases, a_times = self._actor_side(c, self.usable)
         k_static, k_phases, k_times = self._critic_side(c, self.usable)
         if not self._check(c, "actor", a_static, a_phases, ("actor", "reference")):
@@ -256,10 +280,9 @@ class Planner:
             times = self._rollout(c, free, self.model_bytes)
             sync = {"link": self.model_bytes / cost.link_bandwidth(self.device, sum(devices.values()))}
         else:
-            extra = self.model_bytes / tg - c.memory["actor"]["weights"]
+            extra = self.model_bytes / tg - c.memory["actor"]["weights"] + self.expert_buffers(actor, c.ep)
             times = self._rollout(c, self.usable - a_static - extra, self.model_bytes / tg)
-            moved = cost.transition_bytes(self.model_bytes, actor.tp, actor.pp, tg)
-            sync = {"link": cost.gather_time(moved, actor.tp * actor.pp // tg, actor.tp, self.device)}
+            sync = self.transition(actor, tg, c.ep)
         if times is None:
             return c
         prep_a = {k: v for k, v in a_times.items() if k != "actor_update"}
@@ -304,12 +327,14 @@ class Planner:
         if "colocated" in placements:
             for a in layouts(n, m, dev, wl):
                 for k in (layouts(n, m, dev, wl) if wl.uses_critic else [None]):
-                    out += [self.colocated(n, a, k, tg, v) for tg in _tgs(a, wl, n) for v in _vpps(a, m, wl)]
+                    out += [self.colocated(n, a, k, tg, v, ep) for ep in expert_parallel_sizes(m, a, "colocated")
+                            for tg in _tgs(a, wl, n) for v in _vpps(a, m, wl)]
         if "split-critic" in placements and (wl.uses_critic or wl.reward_model is not None) and n > 1:
             for na, nc in _splits(n, 2):
                 for a in layouts(na, m, dev, wl):
                     for k in layouts(nc, m, dev, wl):
-                        out += [self.split("split-critic", {"actor": na, "critic": nc}, a, k, tg, v)
+                        out += [self.split("split-critic", {"actor": na, "critic": nc}, a, k, tg, v, ep)
+                                for ep in expert_parallel_sizes(m, a, "split-critic")
                                 for tg in _tgs(a, wl, na) for v in _vpps(a, m, wl)]
         if "split-all" in placements and n > 1:
             cuts = _splits(n, 3) if wl.uses_critic else ((r, n - r, 0) for r, _ in _splits(n, 2))
@@ -321,6 +346,26 @@ class Planner:
                         devices = {"rollout": nr, "actor": na, **({"critic": nc} if nc else {})}
                         out += [self.split("split-all", devices, a, k, 1, v) for v in _vpps(a, m, wl)]
         return out
+
+
+def expert_parallel_sizes(model: DecoderConfig, layout: ParallelDims, placement: str) -> list[int]:
+    """The actor's expert-parallel sizes a candidate is costed at: 1, and for an MoE model every ep dividing
+    both its experts and the layout's data-parallel ranks (megatron-core carves the expert-parallel group
+    from them: expert-data-parallel = dp * cp / ep at etp = tp). Restricted to what hybridflow builds today
+    (`config/validate_moe.py`): pp = cp = 1 and the rollout in the actor's processes (not split-all)."""
+    if not model.is_moe or placement == "split-all" or layout.pp > 1 or layout.cp > 1:
+        return [1]
+    return [ep for ep in range(1, layout.dp + 1) if layout.dp % ep == 0 and model.num_experts % ep == 0]
+
+
+def critic_ep(critic: Optional[ParallelDims], actor: ParallelDims, ep: int) -> int:
+    """The critic's expert-parallel size beside an actor at `ep`: the actor's where its layout takes it (at the
+    actor's own layout it shares the actor's processes, hence its megatron-core layout), else 1."""
+    if critic is None or ep == 1:
+        return 1
+    if critic == actor or (critic.pp == 1 and critic.cp == 1 and critic.dp % ep == 0):
+        return ep
+    return 1
 
 
 def _vpps(actor: ParallelDims, model: DecoderConfig, wl: Workload) -> list[int]:
