@@ -9,6 +9,7 @@ side by side; a 70B model on 64 ranks takes seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import re
 
@@ -45,10 +46,12 @@ def meta_decoder(cfg: DecoderConfig, tp: int = 1, divisible_by: int = 128) -> De
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
 
 
-def stage_numel(model: Decoder, stage: int, pp: int, ep: int = 1) -> int:
+def stage_numel(model: Decoder, stage: int, pp: int, ep: int = 1, vocab_rows: Optional[int] = None) -> int:
     """Parameters of pipeline stage `stage` of `pp`: the embedding first, whole layers, norm and head last.
     At `ep` > 1 an MoE layer keeps only the first expert-parallel rank's routed experts (the first
-    experts / ep: megatron-core's block of rank 0), as a training rank holds them."""
+    experts / ep: megatron-core's block of rank 0), as a training rank holds them. `vocab_rows`: the
+    embedding's and head's rows as a training rank holds them (megatron-core pads the vocabulary, which the
+    generation model at one rank does not); default the model's own."""
     per = model.full_cfg.num_layers // pp
     held = model.full_cfg.num_experts // ep if ep > 1 else None
 
@@ -57,10 +60,12 @@ def stage_numel(model: Decoder, stage: int, pp: int, ep: int = 1) -> int:
         return held is None or match is None or int(match[1]) < held
     total = sum(p.numel() for i, layer in enumerate(model.layers) if i // per == stage
                 for name, p in layer.named_parameters() if kept(name))
+    def rows(weight: torch.Tensor) -> int:
+        return weight.numel() if vocab_rows is None else vocab_rows * weight.shape[1]
     if stage == 0:
-        total += model.embed.weight.numel()
+        total += rows(model.embed.weight)
     if stage == pp - 1:
-        total += model.norm.weight.numel() + (model.lm_head.weight.numel() if model.lm_head is not None else 0)
+        total += model.norm.weight.numel() + (rows(model.lm_head.weight) if model.lm_head is not None else 0)
     return total
 
 
@@ -105,7 +110,8 @@ def dry_run(cfg: DecoderConfig, layout: ParallelDims, tg: int, dtype_bytes: int,
     within its replica, so the bytes per rank do not depend on dp.
     """
     model = meta_decoder(cfg, layout.tp, divisible_by)
-    exact = [stage_numel(model, s, layout.pp, ep) for s in range(layout.pp)]
+    rows = padded_vocab_size(cfg.vocab_size, divisible_by, layout.tp) // layout.tp
+    exact = [stage_numel(model, s, layout.pp, ep, rows) for s in range(layout.pp)]
     estimate = [cost.stage_params(cfg, s, layout.tp, layout.pp, divisible_by, ep=ep) for s in range(layout.pp)]
     params = bridge_params(get_bridge(cfg, divisible_by, layout.tp), dtype_bytes)
     plan = plan_reshard(params, ParallelDims(tp=layout.tp, pp=layout.pp, dp=1), GenLayout(tg=tg))
