@@ -3,7 +3,8 @@
     root/latest                          "step_000010": the current step (`manager.py` writes it)
     root/step_000010/manifest.json       every file of the step, its size and (small files) its sha256
     root/step_000010/trainer.json        TRAINER_STATE: step, kl_coef, [sampler], models, layouts, [base]
-    root/step_000010/actor/engine_tp{t}_pp{p}_dp{d}.pt   one rank's shard (`shard_file`); critic/ alike
+    root/step_000010/actor/engine_tp{t}_pp{p}_dp{d}.pt   one rank's shard (`shard_file`; `_cp{c}` at CP rank c > 0);
+                                                   critic/ alike
 
 trainer.json's `models` is each checkpointed model's tensor table (`model_table`: Megatron name -> full
 shape, the vocabulary padded as at TP 1, a critic's output layer its one-value head) and `layouts` the layout
@@ -32,7 +33,7 @@ MANIFEST = "manifest.json"
 VALUE_HEAD = "score.weight"  # the critic's value head in HF form (a one-label token classifier)
 OUTPUT_LAYER = "output_layer.weight"  # its Megatron name: the critic's output layer is the value head
 STEP_DIR = re.compile(r"^step_(\d+)$")
-SHARD_FILE = re.compile(r"^engine_tp(\d+)_pp(\d+)_dp(\d+)\.pt$")
+SHARD_FILE = re.compile(r"^engine_tp(\d+)_pp(\d+)_dp(\d+)(?:_cp(\d+))?\.pt$")
 # An FSDP engine's role directory is a torch DCP checkpoint (`.metadata`, `__R_0.distcp`) with this file beside
 # it: {"engine": "fsdp", "world", "value_head", "optimizer", "scheduler"} (engine/fsdp.py writes it).
 FSDP_STATE = "engine.json"
@@ -60,15 +61,17 @@ def step_dirname(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def shard_file(tp_rank: int, pp_rank: int, dp_rank: int = 0) -> str:
-    """The file name of one rank's shard in a role directory."""
-    return f"engine_tp{tp_rank}_pp{pp_rank}_dp{dp_rank}.pt"
+def shard_file(tp_rank: int, pp_rank: int, dp_rank: int = 0, cp_rank: int = 0) -> str:
+    """The file name of one rank's shard in a role directory. A context-parallel rank other than 0 has its own
+    (`_cp{c}`): CP ranks hold other experts at parallel.ep > 1 and other optimizer shards under the distributed
+    optimizer, which megatron-core spreads over the data- and context-parallel ranks."""
+    return f"engine_tp{tp_rank}_pp{pp_rank}_dp{dp_rank}" + (f"_cp{cp_rank}" if cp_rank else "") + ".pt"
 
 
-def shard_coordinates(name: str) -> Optional[tuple[int, int, int]]:
-    """(tp, pp, dp) of a shard file's name, or None for another file."""
+def shard_coordinates(name: str) -> Optional[tuple[int, int, int, int]]:
+    """(tp, pp, dp, cp) of a shard file's name, or None for another file."""
     match = SHARD_FILE.match(name)
-    return None if match is None else (int(match[1]), int(match[2]), int(match[3]))
+    return None if match is None else (int(match[1]), int(match[2]), int(match[3]), int(match[4] or 0))
 
 
 # --- trainer.json ----------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["ExpertShard", "exchange_experts", "expert_of"]
+__all__ = ["ExpertShard", "exchange_experts", "expert_of", "expert_rank", "first_holder"]
 
 _EXPERT = re.compile(r"(\.local_experts\.)(\d+)(\.)")
 
@@ -30,6 +30,18 @@ def expert_of(name: str) -> Optional[int]:
 
 def _renumbered(name: str, index: int) -> str:
     return _EXPERT.sub(lambda m: f"{m[1]}{index}{m[3]}", name, count=1)
+
+
+def expert_rank(dp_rank: int, cp_rank: int, cp: int, ep: int) -> int:
+    """The expert-parallel rank of the rank at (dp_rank, cp_rank) of a stage's data- x context-parallel ranks:
+    megatron-core numbers those ranks c + cp * d and groups ep consecutive ones (its expert rank order
+    "tp-ep-dp-pp", beside "tp-cp-dp-pp")."""
+    return (cp_rank + cp * dp_rank) % ep
+
+
+def first_holder(ep_rank: int, cp: int) -> tuple[int, int]:
+    """(dp rank, cp rank) of the first rank holding expert-parallel rank `ep_rank`'s experts."""
+    return divmod(ep_rank, cp)
 
 
 class ExpertShard:

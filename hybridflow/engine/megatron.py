@@ -564,7 +564,7 @@ class MegatronEngine:
     def shard_path(self, directory: Path) -> Path:
         """This rank's file inside a checkpoint directory."""
         c = self.coord
-        return Path(directory) / shard_file(c.tp, c.pp, c.dp)
+        return Path(directory) / shard_file(c.tp, c.pp, c.dp, c.cp)
 
     def save(self, directory: Path) -> None:
         """Write this rank's shard (`state_dict`) into `directory`."""

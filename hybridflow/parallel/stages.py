@@ -97,7 +97,8 @@ def chunks_in(names) -> int:
     return max(found) + 1 if found else 1
 
 
-def layout_label(dims, virtual_pp: int = 1) -> str:
+def layout_label(dims, virtual_pp: int = 1, ep: int = 1) -> str:
     """The layout a role's shards are written at, as trainer.json records it: "p2-t1-d1", "-v2" appended
-    for 2 model chunks per stage (the shards then hold other names: a resume compares the labels)."""
-    return str(dims) + (f"-v{virtual_pp}" if virtual_pp > 1 else "")
+    for 2 model chunks per stage, "-e2" for experts split over 2 ranks (the shards then hold other names or
+    other tensors: a resume compares the labels)."""
+    return str(dims) + (f"-v{virtual_pp}" if virtual_pp > 1 else "") + (f"-e{ep}" if ep > 1 else "")

@@ -205,6 +205,8 @@ class Plan:
     divisible_by: int = 128
     items: list[Item] = field(default_factory=list)
     virtual_pp: int = 1  # hybridflow: model chunks per pipeline stage (their tensors named per chunk)
+    cp: int = 1  # hybridflow: context-parallel ranks, each reading its own file (links, or other experts)
+    ep: int = 1  # hybridflow: the experts split over ep ranks of the dp x cp ranks (one file each per TP rank)
 
     def nbytes(self, item: Item) -> int:
         return math.prod(item.shape) * self.dtype.itemsize
@@ -215,8 +217,13 @@ class Plan:
         return sum(self.nbytes(i) for i in self.items)
 
     @property
+    def copies(self) -> int:
+        """How many ranks read each written file (hybridflow: the others are hard links)."""
+        return self.dp * self.cp // self.ep
+
+    @property
     def total_bytes(self) -> int:
-        return self.tensor_bytes * self.dp
+        return self.tensor_bytes * self.copies
 
     def files(self) -> dict[str, list[Item]]:
         out: dict[str, list[Item]] = {}
@@ -233,8 +240,9 @@ class Plan:
             for i in items:
                 rank = f" [tp rank {i.tp_rank}]" if self.target == "hybridflow" and self.tp > 1 else ""
                 out.append(f"  {i.name} {list(i.shape)} {dt} <- {i.source}{rank}")
-        if self.dp > 1:
-            out.append(f"(each engine_*_dp0.pt also as dp1..dp{self.dp - 1}: hard links)")
+        if self.copies > 1:
+            out.append(f"(each file also read by {self.copies - 1} other data- or context-parallel rank(s) of "
+                       f"dp {self.dp} x cp {self.cp}{f' / ep {self.ep}' if self.ep > 1 else ''}: hard links)")
         out.append(f"total: {len(self.items)} tensors in {len(self.files())} file(s), {human(self.total_bytes)}")
         return out
 

@@ -21,6 +21,8 @@ forms (SRC's format is found from its files; DST is written beside itself and re
       hybridflow reshard models/qwen runs/qwen/checkpoints --to hybridflow --tp 2 --pp 2
   hybridflow checkpoint (root, step_N or its actor/ or critic/ directory) -> another layout:
       hybridflow reshard runs/x/checkpoints ckpt/t1p1 --to hybridflow --tp 1 --pp 1 --config models/qwen
+  HF MoE -> a run at tp 2, dp 2, experts split over 2 ranks (actor.parallel.ep=2):
+      hybridflow reshard models/qwen3_moe ckpt/ep2 --to hybridflow --tp 2 --dp 2 --ep 2
   hybridflow checkpoint -> HF for release (a critic becomes a one-label ...ForTokenClassification):
       hybridflow reshard runs/x/checkpoints/step_000100 release/ --to hf --config models/qwen [--role critic]
   HF or hybridflow -> megatron-core dist_checkpointing (what Megatron-LM's GPTModel loads at --tp):
@@ -80,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model chunks per pipeline stage of DST (hybridflow; a run's actor.parallel.virtual_pp)")
     p.add_argument("--dp", type=_positive, default=1,
                    help="data-parallel replicas of DST (hybridflow: each rank reads its own file)")
+    p.add_argument("--cp", type=_positive, default=1,
+                   help="context-parallel ranks of DST (hybridflow: each reads its own file; a run's parallel.cp)")
+    p.add_argument("--ep", type=_positive, default=1,
+                   help="expert-parallel size of DST (hybridflow, an MoE model: each shard holds experts / ep of "
+                        "every layer's experts, as a run at parallel.ep writes them)")
     p.add_argument("--role", choices=ROLES, default="actor",
                    help="which model of a hybridflow checkpoint to read (default actor)")
     p.add_argument("--config", type=Path,

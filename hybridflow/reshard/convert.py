@@ -38,6 +38,8 @@ class Request:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
+    ep: int = 1
     virtual_pp: int = 1
     role: str = "actor"
     config: Optional[Path] = None
@@ -91,14 +93,30 @@ def check_layout(source: Source, req: Request) -> None:
         raise ConfigError(option, str(exc).removeprefix(f"{exc.path}: ")) from None
 
 
+def check_experts(source: Source, req: Request) -> None:
+    """--ep: an MoE model whose experts it divides, over --dp x --cp ranks it divides (megatron-core carves the
+    expert-parallel groups from them, as the run's config check says)."""
+    if req.ep == 1:
+        return
+    cfg = source.cfg
+    if not cfg.is_moe:
+        raise ConfigError("--ep", f"{req.ep}: the model has no experts (a dense {cfg.model_type})")
+    if cfg.num_experts % req.ep:
+        raise ConfigError("--ep", f"{req.ep} does not divide the model's {cfg.num_experts} experts")
+    if (req.dp * req.cp) % req.ep:
+        raise ConfigError("--ep", f"{req.ep} does not divide the --dp x --cp = {req.dp * req.cp} ranks the "
+                                  "expert-parallel groups are made of")
+
+
 def check_request(source: Source, req: Request) -> None:
     """Every refusal that does not need the weights, before anything is written."""
     if req.to not in FORMATS:
         raise ConfigError("--to", f"{req.to!r} is not one of {tuple(FORMATS)}")
     target = FORMATS[req.to]
-    if not target.pp and (req.pp != 1 or req.dp != 1):
-        raise ConfigError("--pp" if req.pp != 1 else "--dp", f"{req.to} checkpoints hold whole tensors; "
-                          f"--pp and --dp apply to --to {_formats(' and ', lambda f: f.pp)} only")
+    if not target.pp and (req.pp != 1 or req.dp != 1 or req.cp != 1 or req.ep != 1):
+        option = next(f"--{k}" for k in ("pp", "dp", "cp", "ep") if getattr(req, k) != 1)
+        raise ConfigError(option, f"{req.to} checkpoints hold whole tensors; --pp, --dp, --cp and --ep apply to "
+                                  f"--to {_formats(' and ', lambda f: f.pp)} only")
     if req.virtual_pp != 1 and (req.to != "hybridflow" or req.pp < 2):
         raise ConfigError("--virtual-pp", "model chunks per pipeline stage (a run's actor.parallel.virtual_pp) "
                           f"apply to --to hybridflow with --pp >= 2; got --to {req.to} --pp {req.pp}")
@@ -106,6 +124,7 @@ def check_request(source: Source, req: Request) -> None:
         raise ConfigError("--tp", f"{target.label} checkpoints hold whole tensors; --tp applies to --to "
                                   f"{_formats(' and ', lambda f: f.tp)}")
     check_layout(source, req)
+    check_experts(source, req)
     if target.no_critic and source.value_head:
         raise ConfigError("--to", f"{target.no_critic}; convert it to {_formats(' or ', lambda f: not f.no_critic)}")
     if req.verify_logits and source.value_head:
@@ -166,7 +185,7 @@ def run(req: Request, out: Callable[[str], None] = print) -> Optional[Result]:
         write_dir_atomically(req.dst, write, "reshard")
         if req.progress:
             sys.stderr.write("\n")
-    result = Result(plan, sink.done * plan.dp, time.perf_counter() - started, peak_rss())  # DP copies: links
+    result = Result(plan, sink.done * plan.copies, time.perf_counter() - started, peak_rss())  # copies: links
     if req.verify or req.verify_logits:
         from hybridflow.reshard.verify import verify
 

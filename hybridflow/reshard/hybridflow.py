@@ -27,7 +27,7 @@ from hybridflow.errors import ConfigError
 from hybridflow.models.bridge import get_bridge
 from hybridflow.models.config import DecoderConfig
 from hybridflow.models.sharding import spec_for, unshard_tensor
-from hybridflow.engine.experts import ExpertShard, expert_of
+from hybridflow.engine.experts import ExpertShard, expert_of, expert_rank, first_holder
 from hybridflow.parallel.layout import ParallelDims
 from hybridflow.parallel.stages import chunks_in, layout_label
 from hybridflow.reshard import fsdp
@@ -73,13 +73,14 @@ def _role_dir(path: Path, role: str) -> tuple[Path, Optional[Path]]:
 
 
 def shard_layout(role_dir: Path) -> ParallelDims:
-    """The TP x PP layout a role directory's shards were written at (its DP copies are alike)."""
-    found = [c for p in role_dir.iterdir() if (c := shard_coordinates(p.name))]
-    tp, pp = max(f[0] for f in found) + 1, max(f[1] for f in found) + 1
-    missing = [shard_file(r, s) for s in range(pp) for r in range(tp) if (r, s, 0) not in found]
+    """The TP x PP (x CP) layout a role directory's shards were written at (its DP copies are alike; at
+    parallel.ep > 1 the first ep of the dp x cp ranks hold the experts between them)."""
+    found = {c for p in role_dir.iterdir() if (c := shard_coordinates(p.name))}
+    tp, pp, cp = (max(f[i] for f in found) + 1 for i in (0, 1, 3))
+    missing = [shard_file(r, s) for s in range(pp) for r in range(tp) if (r, s, 0, 0) not in found]
     if missing:
         raise ConfigError("SRC", f"{role_dir} lacks shard(s) {missing} of its tp={tp} x pp={pp} layout")
-    return ParallelDims(tp=tp, pp=pp)
+    return ParallelDims(tp=tp, pp=pp, cp=cp)
 
 
 def open_source(path: Path, role: str, config: Optional[Path]) -> Source:
@@ -106,42 +107,44 @@ class ShardsReader(MegatronReader):
                 self._model(r, s)  # every file readable, before anything is written
         # Model chunks per stage (the interleaved schedule's virtual_pp): the shards name them.
         self.virtual_pp = chunks_in(self._model(0, 0).keys())
-        # Expert parallelism (parallel.ep): DP rank r of an expert group holds experts r * n onwards, numbered
-        # from 0 (`engine/experts.py`); n = the experts a shard names, fewer than the model's at ep > 1.
+        # Expert parallelism (parallel.ep): expert-parallel rank e holds experts e * n onwards, numbered from 0
+        # (`engine/experts.py`); n = the experts a shard names, fewer than the model's at ep > 1.
         local = {expert_of(k) for k in self._model(0, 0)} - {None}
         self.experts_per_shard = max(local) + 1 if local else 0
         super().__init__(source.cfg, source.value_head, self._gather)
 
-    def _place(self, megatron_name: str) -> tuple[int, str, int]:
-        """(stage, name in its shard, DP rank of the shard) of a Megatron tensor: `parallel.stages`, as the engine
-        wrote it; an expert's from the expert-parallel rank that holds it (DP rank 0 otherwise)."""
-        cfg, pp, dp = self.cfg, self.source.layout.pp, 0
+    def _place(self, megatron_name: str) -> tuple[int, str, tuple[int, int]]:
+        """(stage, name in its shard, (DP, CP) rank of the shard) of a Megatron tensor: `parallel.stages`, as
+        the engine wrote it; an expert's from the first rank holding its expert-parallel rank ((0, 0)
+        otherwise)."""
+        cfg, pp, rank = self.cfg, self.source.layout.pp, (0, 0)
         j, n = expert_of(megatron_name), self.experts_per_shard
         if j is not None and n and n < cfg.num_experts:
-            dp, megatron_name = j // n, ExpertShard(cfg.num_experts, cfg.num_experts // n, j // n).local(megatron_name)
+            rank = first_holder(j // n, self.source.layout.cp)
+            megatron_name = ExpertShard(cfg.num_experts, cfg.num_experts // n, j // n).local(megatron_name)
         return (stage_of(megatron_name, cfg.num_layers, pp, self.virtual_pp),
-                local_name(megatron_name, cfg.num_layers, pp, self.virtual_pp), dp)
+                local_name(megatron_name, cfg.num_layers, pp, self.virtual_pp), rank)
 
-    def _model(self, tp_rank: int, stage: int, dp: int = 0) -> dict[str, torch.Tensor]:
+    def _model(self, tp_rank: int, stage: int, rank: tuple[int, int] = (0, 0)) -> dict[str, torch.Tensor]:
         """A rank's tensors, memory-mapped (read from disk as they are used; unmapped once dropped)."""
-        path = self.source.path / shard_file(tp_rank, stage, dp)
+        path = self.source.path / shard_file(tp_rank, stage, *rank)
         state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
             raise ConfigError("SRC", f"{path} is not a hybridflow engine shard (no 'model' table)")
         return state["model"]
 
     def _dtype_of(self, megatron_name: str) -> torch.dtype:
-        stage, name, dp = self._place(megatron_name)
-        return self._model(0, stage, dp)[name].dtype
+        stage, name, rank = self._place(megatron_name)
+        return self._model(0, stage, rank)[name].dtype
 
     def _gather(self, megatron_name: str) -> torch.Tensor:
         cfg, layout = self.cfg, self.source.layout
-        stage, name, dp = self._place(megatron_name)
+        stage, name, rank = self._place(megatron_name)
         pieces = []
         for r in range(layout.tp):
-            model = self._model(r, stage, dp)
+            model = self._model(r, stage, rank)
             if name not in model:
-                raise ConfigError("SRC", f"{self.source.path / shard_file(r, stage, dp)} has no {name!r}: not a "
+                raise ConfigError("SRC", f"{self.source.path / shard_file(r, stage, *rank)} has no {name!r}: not a "
                                          f"{cfg.model_type} model of this config, or not its {self.source.role}?")
             pieces.append(model[name].clone())
             del model
@@ -153,28 +156,41 @@ class ShardsReader(MegatronReader):
 # --- writing -----------------------------------------------------------------
 
 def plan_hybridflow(cfg: DecoderConfig, dtype: torch.dtype, role: str, tp: int, pp: int, dp: int,
-                    divisible_by: int, virtual_pp: int = 1) -> Plan:
+                    divisible_by: int, virtual_pp: int = 1, cp: int = 1, ep: int = 1) -> Plan:
     """A hybridflow role directory at TP x PP: per rank, the Megatron tensors of its stage, cut to its TP rank
     by the sharding table; the last stage's copy of a tied embedding; a critic's replicated value head.
     virtual_pp > 1: each stage's tensors named per model chunk, as a run at that actor.parallel.virtual_pp
-    loads them (`parallel.stages.local_name`)."""
-    plan = Plan("hybridflow", cfg, dtype, role, tp, pp, dp, divisible_by, virtual_pp=virtual_pp)
+    loads them (`parallel.stages.local_name`). ep > 1: one file per TP rank and expert-parallel rank (the
+    first of the dp x cp ranks that hold it), with that rank's experts under its local numbers."""
+    plan = Plan("hybridflow", cfg, dtype, role, tp, pp, dp, divisible_by, virtual_pp=virtual_pp, cp=cp, ep=ep)
     last = lambda name: local_name(name, cfg.num_layers, pp, virtual_pp)  # noqa: E731 (the last chunk's name)
     full = get_bridge(cfg, divisible_by, tp).megatron_shapes()
     critic = role == "critic"
     names = [e.megatron for e in model_entries(cfg, critic)]
-    for s in range(pp):
-        on_stage = [n for n in names if stage_of(n, cfg.num_layers, pp, virtual_pp) == s]
-        for r in range(tp):
-            file = f"{role}/{shard_file(r, s)}"
-            plan.items += [Item(file, local_name(n, cfg.num_layers, pp, virtual_pp), shard_shape(full[n], n, tp), n, r)
-                           for n in on_stage]
-            if s == pp - 1 and critic:
-                plan.items.append(Item(file, last(OUTPUT_LAYER), (1, cfg.hidden_size), VALUE_HEAD, r))
-            elif s == pp - 1 and pp > 1 and cfg.tie_word_embeddings:
-                plan.items.append(Item(file, last(OUTPUT_LAYER), shard_shape(full[EMBEDDING], EMBEDDING, tp),
-                                       EMBEDDING, r))
+    for s, r, e in ((s, r, e) for s in range(pp) for r in range(tp) for e in range(ep)):
+        shard = ExpertShard(cfg.num_experts, ep, e)
+        on_stage = [(n, shard.local(n)) for n in names if stage_of(n, cfg.num_layers, pp, virtual_pp) == s]
+        file = f"{role}/{shard_file(r, s, *first_holder(e, cp))}"
+        plan.items += [Item(file, local_name(mine, cfg.num_layers, pp, virtual_pp), shard_shape(full[n], n, tp), n, r)
+                       for n, mine in on_stage if mine is not None]  # not another expert-parallel rank's expert
+        if s == pp - 1 and critic:
+            plan.items.append(Item(file, last(OUTPUT_LAYER), (1, cfg.hidden_size), VALUE_HEAD, r))
+        elif s == pp - 1 and pp > 1 and cfg.tie_word_embeddings:
+            plan.items.append(Item(file, last(OUTPUT_LAYER), shard_shape(full[EMBEDDING], EMBEDDING, tp),
+                                   EMBEDDING, r))
     return plan
+
+
+def copies(plan: Plan) -> list[tuple[str, str]]:
+    """(file, the written file it links to) for every rank that reads a copy: each (DP, CP) rank reads the file
+    of the first rank holding its expert-parallel rank (at ep = 1: DP 0, CP 0)."""
+    out = []
+    for s, r, d, c in ((s, r, d, c) for s in range(plan.pp) for r in range(plan.tp) for d in range(plan.dp)
+                       for c in range(plan.cp)):
+        first = first_holder(expert_rank(d, c, plan.cp, plan.ep), plan.cp)
+        if (d, c) != first:
+            out.append((f"{plan.role}/{shard_file(r, s, d, c)}", f"{plan.role}/{shard_file(r, s, *first)}"))
+    return out
 
 
 def shard_shape(shape: tuple[int, ...], megatron_name: str, tp: int) -> tuple[int, ...]:
@@ -196,8 +212,8 @@ def write_shards(plan: Plan, reader, step_dir: Path, sink: Sink) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"model": model}, path)
         del model
-        for d in range(1, plan.dp):  # every DP replica reads its own file; the weights are the same
-            os.link(path, path.with_name(path.name.replace("_dp0.pt", f"_dp{d}.pt")))
+    for file, written in copies(plan):  # every rank reads its own file; these hold the same tensors
+        os.link(step_dir / written, step_dir / file)
     (step_dir / plan.role / "config.json").write_text(json.dumps(plan.cfg.to_hf_dict(), indent=2))
 
 
@@ -208,7 +224,8 @@ def _state(source: Source, plan: Plan) -> dict:
     if source.step_dir is not None and (source.step_dir / TRAINER_STATE).is_file():
         kept = json.loads((source.step_dir / TRAINER_STATE).read_text())
     models = {plan.role: model_table(source.cfg, plan.divisible_by, plan.role == "critic")}
-    layouts = {plan.role: layout_label(ParallelDims(tp=plan.tp, pp=plan.pp, dp=plan.dp), plan.virtual_pp)}
+    layouts = {plan.role: layout_label(ParallelDims(tp=plan.tp, pp=plan.pp, dp=plan.dp, cp=plan.cp), plan.virtual_pp,
+                                       plan.ep)}
     return {**kept, **trainer_state(kept.get("step", 0), models, layouts)}
 
 
@@ -226,6 +243,6 @@ def write_checkpoint(plan: Plan, source: Source, reader, root: Path, sink: Sink)
 
 FORMAT = Format("hybridflow", "hybridflow", holds, open_source, ShardsReader,
                 lambda source, req, dtype: plan_hybridflow(source.cfg, dtype, source.role, req.tp, req.pp, req.dp,
-                                                           req.divisible_by, req.virtual_pp),
-                write_checkpoint, lambda req: layout_label(ParallelDims(tp=req.tp, pp=req.pp, dp=req.dp),
-                                                           req.virtual_pp), tp=True, pp=True)
+                                                           req.divisible_by, req.virtual_pp, req.cp, req.ep),
+                write_checkpoint, lambda req: layout_label(ParallelDims(tp=req.tp, pp=req.pp, dp=req.dp, cp=req.cp),
+                                                           req.virtual_pp, req.ep), tp=True, pp=True)

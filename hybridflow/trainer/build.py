@@ -99,14 +99,16 @@ def model_tensors(cfg: Config, plan: RunPlan, model: DecoderConfig,
 
 def checkpoint_layouts(plan: RunPlan, cfg: Config) -> dict[str, str]:
     """Checkpoint name -> the layout its shards are written at, e.g. "p1-t2-d1" (one file per rank),
-    "p2-t1-d1-v2" (two model chunks per stage), or "fsdp-d2" (a torch DCP checkpoint FSDP2 wrote from 2 ranks)."""
-    def layout(role: str, virtual_pp: Optional[int]) -> str:
+    "p2-t1-d1-v2" (two model chunks per stage), "p1-t1-d2-e2" (experts split over 2 ranks), or "fsdp-d2" (a
+    torch DCP checkpoint FSDP2 wrote from 2 ranks)."""
+    def layout(role: str, parallel) -> str:
         dims = plan.layouts[role]
-        return f"fsdp-d{dims.dp}" if plan.engines[role] == "fsdp" else layout_label(dims, virtual_pp or 1)
+        return (f"fsdp-d{dims.dp}" if plan.engines[role] == "fsdp"
+                else layout_label(dims, parallel.virtual_pp or 1, parallel.ep))
 
-    out = {"actor": layout("training", cfg.actor.parallel.virtual_pp)}
+    out = {"actor": layout("training", cfg.actor.parallel)}
     if plan.uses_critic:
-        out["critic"] = layout("critic", cfg.critic.parallel.virtual_pp)
+        out["critic"] = layout("critic", cfg.critic.parallel)
     return out
 
 

@@ -48,6 +48,37 @@ def test_hf_to_tp2pp2_to_tp1pp1_to_hf_is_bit_exact(tmp_path, family):
     assert config["tie_word_embeddings"] == (family == "qwen2")
 
 
+def test_hf_to_expert_parallel_layouts_and_back_is_bit_exact(tmp_path):
+    """To tp2 x dp2 x ep2 (2 files per TP rank, each with half the experts under local numbers, the DP copies
+    links) and to pp2 x cp2 x ep2 (the experts split over the CP ranks, CP rank 1's own `_cp1` files), on to tp1
+    at ep1 and to HF: every tensor back bit for bit; the tp1 step equals a direct conversion."""
+    from hybridflow.checkpoint.format import shard_coordinates
+
+    write_model(tmp_path / "hf", "qwen3_moe")  # 4 experts
+    assert reshard(tmp_path / "hf", tmp_path / "e2", "--to", "hybridflow", "--tp", 2, "--dp", 4, "--ep", 2) == 0
+    assert reshard(tmp_path / "hf", tmp_path / "c2", "--to", "hybridflow", "--pp", 2, "--cp", 2, "--ep", 2) == 0
+    assert reshard(tmp_path / "hf", tmp_path / "t1", "--to", "hybridflow") == 0
+    e2, step = shards(tmp_path / "e2"), tmp_path / "e2" / "step_000000" / "actor"
+    assert sorted(e2) == sorted(shard_file(r, 0, d) for r in range(2) for d in range(4))
+    # megatron-core's expert ranks: DP ranks 0 and 2 hold the first two experts, 1 and 3 the last two.
+    for r in range(2):
+        assert [(step / shard_file(r, 0, d)).stat().st_ino for d in (2, 3)] == [
+            (step / shard_file(r, 0, d)).stat().st_ino for d in (0, 1)]
+    expert = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc1.weight"
+    assert {expert.format(0), expert.format(1)} <= e2[shard_file(0, 0, 1)].keys()
+    assert expert.format(2) not in e2[shard_file(0, 0, 1)]
+    assert not torch.equal(e2[shard_file(0, 0, 0)][expert.format(0)], e2[shard_file(0, 0, 1)][expert.format(0)])
+    c2 = tmp_path / "c2" / "step_000000"
+    assert sorted(shard_coordinates(p.name) for p in (c2 / "actor").glob("*.pt")) == [
+        (0, s, 0, c) for s in range(2) for c in range(2)]
+    assert json.loads((c2 / "trainer.json").read_text())["layouts"] == {"actor": "p2-t1-d1-c2-e2"}
+    for name in ("e2", "c2"):
+        assert reshard(tmp_path / name, tmp_path / f"{name}_t1", "--to", "hybridflow") == 0
+        assert_same_shards(tmp_path / f"{name}_t1", tmp_path / "t1")
+        assert reshard(tmp_path / name, tmp_path / f"{name}_hf", "--to", "hf", "--verify") == 0
+        assert_same_hf(tmp_path / "hf", tmp_path / f"{name}_hf")
+
+
 def test_tp4_to_tp2_and_pp2_to_pp1_equal_direct_conversions(tmp_path):
     write_model(tmp_path / "hf", "qwen2", num_key_value_heads=4)  # tp 4 needs 4 KV heads
     for name, tp, pp in (("t4", 4, 1), ("t2", 2, 1), ("p2", 1, 2), ("p1", 1, 1)):
@@ -127,6 +158,8 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, qwen, capsys):
     (("--to", "hybridflow", "--pp", 8), "--pp", "8 pipeline stages for the model's 4 layers"),
     (("--to", "hybridflow", "--pp", 3), "--pp", "does not divide the model's 4 layers"),
     (("--to", "hf", "--tp", 2), "--tp", "HF checkpoints hold whole tensors"),
+    (("--to", "hf", "--ep", 2), "--ep", "hf checkpoints hold whole tensors"),
+    (("--to", "hybridflow", "--dp", 2, "--ep", 2), "--ep", "the model has no experts (a dense qwen2)"),
 ])
 def test_refusals_before_anything_is_written(tmp_path, qwen, args, option, words):
     with pytest.raises(ConfigError) as err:
@@ -159,10 +192,10 @@ def test_the_formats_table_finds_opens_and_refuses_by_format(tmp_path, qwen):
     with pytest.raises(FileNotFoundError, match="holds no hybridflow actor checkpoint"):
         open_source(tmp_path / "empty")  # no format holds it: the hybridflow reader says what it looked for
     for args, option, text in [
-            (("--to", "dist", "--pp", 2), "--pp", "dist checkpoints hold whole tensors; --pp and --dp apply to --to "
-                                                  "hybridflow only"),
-            (("--to", "hf", "--dp", 2), "--dp", "hf checkpoints hold whole tensors; --pp and --dp apply to --to "
-                                                "hybridflow only"),
+            (("--to", "dist", "--pp", 2), "--pp", "dist checkpoints hold whole tensors; --pp, --dp, --cp and --ep "
+                                                  "apply to --to hybridflow only"),
+            (("--to", "hf", "--dp", 2), "--dp", "hf checkpoints hold whole tensors; --pp, --dp, --cp and --ep apply "
+                                                "to --to hybridflow only"),
             (("--to", "hf", "--tp", 2), "--tp", "HF checkpoints hold whole tensors; --tp applies to --to hybridflow "
                                                 "and dist"),
             (("--to", "dist", "--role", "critic"), "--to", "a critic has no megatron-core GPTModel form; convert it to "
