@@ -35,6 +35,15 @@ tg = 1 sync's time / this one's (the whole model into every rollout rank,
 what the object-store path it replaced moved too); `exact` = every rollout
 rank then holds exactly its generation shard of the senders' model.
 
+Then the expert-parallel case: a Qwen3-MoE-shaped model at t = 2 on the 4
+ranks (d = 2), its experts on every rank (ep = 1) or split over the two DP
+ranks (ep = 2, `hybrid_engine/expert_weights.py`), switched to tg = 2 and
+tg = 1. At ep = 2 a rank first receives the other rank's experts at its TP
+shard ((ep - 1) / ep of the experts' bytes / t), then the grouped gather
+runs as for a dense model (docs/design.md, "Expert parallelism and its
+bytes"); `= form.` says the counted bytes equal that formula, `exact` that
+the generation model equals the ep = 1 one bit for bit.
+
 `--tool [--model DIR]` measures the checkpoint resharding tool instead
 (`hybridflow reshard`, one process, no torchrun): each conversion of the HF
 model at DIR (default: the ~100M-parameter model above, random, written to a
@@ -131,6 +140,71 @@ def run(args) -> None:
     if dist.get_rank() == 0:
         _print_apart(m, args, apart)
     dist.barrier()
+    experts = _experts(args)
+    if dist.get_rank() == 0:
+        _print_experts(args, experts)
+    dist.barrier()
+
+
+def _moe_model(quick: bool):
+    """A Qwen3-MoE-shaped model, 8 experts with 2 chosen per token: ~25M parameters (quick: ~2M)."""
+    from hybridflow.models import DecoderConfig
+
+    size = dict(vocab_size=2048, hidden_size=128, num_layers=2, moe_intermediate_size=128) if quick else dict(
+        vocab_size=16000, hidden_size=512, num_layers=4, moe_intermediate_size=384)
+    return DecoderConfig.from_hf_dict({
+        "model_type": "qwen3_moe", "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+        "intermediate_size": 4 * size["hidden_size"], "num_experts": 8, "num_experts_per_tok": 2,
+        "norm_topk_prob": True, "num_hidden_layers": size.pop("num_layers"), **size})
+
+
+def _experts(args) -> list[dict]:
+    """The switch to generation of an MoE actor at tp 2 on 4 ranks (dp 2), its experts on every rank (ep 1)
+    or split over the two DP ranks (ep 2), to tg 2 and tg 1: the median refresh, the bytes rank 0 received
+    against the formula (the grouped gather's plan, plus (ep - 1) / ep of its TP shard of the experts), and
+    whether the generation model equals the ep 1 one's bit for bit (the same HF weights loaded)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from hybridflow.config.schema import ParallelConfig
+    from hybridflow.engine import MegatronEngine
+    from hybridflow.engine.experts import expert_of
+    from hybridflow.hybrid_engine.reshard import generation_weights
+    from hybridflow.models import Decoder, get_bridge
+
+    cfg = _moe_model(args.quick)
+    hf = get_bridge(cfg).generation_to_hf(dict(Decoder(cfg).init_weights(std=0.02, seed=0).state_dict()))
+    rows, models = [], {}
+    for ep in (1, 2):
+        engine = MegatronEngine(cfg, ParallelConfig(tp=2, ep=ep, sequence_parallel=True), None)
+        engine.load_hf_state_dict(hf)
+        own = sum(p.nbytes for k, p in engine.named_params().items() if expert_of(k) is not None)
+        for tg in (2, 1):
+            gen = generation_weights(engine, tg)
+            ms, stats = _median_ms(gen.refresh, args.repeats)
+            plan = gen.inner.plan if ep > 1 else gen.plan
+            state = {k: v.clone() for k, v in gen.model.state_dict().items()}
+            exact = ep == 1 or all(torch.equal(state[k], models[1, tg][k]) for k in state)
+            models[ep, tg] = state
+            rows.append({"ep": ep, "tg": tg, "ms": ms, "recv": stats["reshard/bytes_received"],
+                         "experts": own * ep, "formula": plan.bytes_received(0) + own * (ep - 1), "exact": exact})
+            gen.release()
+        ps.destroy_model_parallel()
+        dist.barrier()
+    return rows
+
+
+def _print_experts(args, rows: list[dict]) -> None:
+    print(f"experts: Qwen3-MoE-shaped, 8 experts top 2, t=2 on {WORLD} CPU processes (d 2), experts on every "
+          f"rank (ep1) or split over the 2 DP ranks (ep2), median of {args.repeats}")
+    print(f"{'layout':<8} {'tg':>3} {'time ms':>9} {'vs ep1':>7} {'MiB recv':>9} {'formula':>8} {'= form.':>7} "
+          f"{'experts MiB':>11} {'exact':>6}")
+    base = {r["tg"]: r["ms"] for r in rows if r["ep"] == 1}
+    for r in rows:
+        same = "yes" if r["recv"] == r["formula"] else "NO"
+        print(f"t2-ep{r['ep']:<3} {r['tg']:>3} {r['ms']:9.1f} {base[r['tg']] / r['ms']:6.2f}x {r['recv'] / 2**20:9.2f} "
+              f"{r['formula'] / 2**20:8.2f} {same:>7} {r['experts'] / 2**20:11.2f} {'yes' if r['exact'] else 'NO':>6}")
 
 
 APART = ((dict(tp=2), 2), (dict(tp=2), 1), (dict(dp=2), 2), (dict(dp=2), 1))  # (training layout, rollout tg)

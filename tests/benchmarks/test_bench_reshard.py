@@ -33,3 +33,17 @@ and ends up holding exactly that shard of the training ranks' model."""
     # at d = 2 into one tg = 2 replica the two training replicas share the sending: the busiest training rank
     # sends about half the model (one replica alone would send all of it)
     assert float(rows[("apart-t1d2", "2")][7]) < 0.6 * float(rows[("apart-t1d2", "1")][4]), out
+
+
+@pytest.mark.timeout(600)
+def test_bench_reshard_quick_prints_the_expert_parallel_switch_against_the_formula(four_process_launch):
+    """The MoE case: at t2 x ep2 a switch receives the grouped gather's bytes plus the other DP rank's experts
+    at its TP shard, half of the experts' TP shard (the formula, equal to the count); the generation model is
+    the ep1 one's bit for bit."""
+    out = four_process_launch["bench_reshard"].read_text()
+    rows = {(r[0], r[1]): r for r in (line.split() for line in out.splitlines()) if r and r[0].startswith("t2-ep")}
+    assert set(rows) == {(f"t2-ep{ep}", tg) for ep in ("1", "2") for tg in ("1", "2")}, out
+    assert all(row[6] == "yes" and row[4] == row[5] and row[8] == "yes" for row in rows.values()), out
+    for tg in ("1", "2"):
+        extra = float(rows[("t2-ep2", tg)][4]) - float(rows[("t2-ep1", tg)][4])
+        assert extra == pytest.approx(float(rows[("t2-ep2", tg)][7]) / 2, abs=0.01), out  # printed to 0.01 MiB
