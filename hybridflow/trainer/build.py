@@ -185,11 +185,13 @@ def build_groups(cfg: Config, plan: RunPlan) -> Groups:
         RolloutGroup(RayWorkerGroup(RolloutWorker, pools["rollout"], rollout_spec(cfg, plan))) if plan.rollout_apart else None,
         reference=ReferenceGroup(RayWorkerGroup(ReferenceWorker, pools["reference"], reference_spec(cfg, plan)))
         if plan.reference_apart else None)
-    if judge_apart(cfg):  # its own processes on placement.reward, or the reference's (the actor's, or its own)
-        beside = (groups.reference or groups.actor).group
-        groups.judge = JudgeGroup(RayWorkerGroup(JudgeWorker, pools["reward"], cfg.reward)
-                                  if cfg.reward.judge.placement == "reward"
-                                  else RayWorkerGroup.colocated(beside, JudgeWorker, cfg.reward))
+    if judge_apart(cfg):  # placement.reward's processes (the actor's on its devices), or the reference's
+        judge = cfg.reward.judge.placement
+        if judge == "reward" and not plan.colocate_reward_model:
+            groups.judge = JudgeGroup(RayWorkerGroup(JudgeWorker, pools["reward"], cfg.reward))
+        else:
+            beside = groups.actor if judge == "reward" else (groups.reference or groups.actor)
+            groups.judge = JudgeGroup(RayWorkerGroup.colocated(beside.group, JudgeWorker, cfg.reward))
     return groups
 
 

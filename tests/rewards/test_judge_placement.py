@@ -57,3 +57,17 @@ def test_the_judges_scores_are_the_same_on_every_placement(tmp_path):
     _same(runs)
     with pytest.raises(ConfigError, match="reward.judge.placement"):
         _config(tmp_path / "x", "reward.judge.placement=reference", "reference.enabled=false")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # three Ray runs
+def test_the_judges_scores_are_the_same_in_processes_of_its_own_and_beside_the_reference(tmp_path):
+    """Under Ray on 3 devices, training on [0, 1]: the judge in a process of its own (placement "reward",
+    placement.reward [2]) and in the actor's 2 processes, which hold the reference (placement "reference"),
+    score as the judge in the rollout's worker."""
+    ray = ["trainer.n_devices=3", "trainer.launcher=ray", "reference.enabled=true", "placement.training=[0,1]",
+           "placement.rollout=[0,1]", "placement.reward=[2]"]
+    runs = [_step(_config(tmp_path / p, f"reward.judge.placement={p}", *ray))
+            for p in ("rollout", "reward", "reference")]
+    assert [apart for apart, _, _ in runs] == [False, True, True]
+    _same(runs)
