@@ -35,11 +35,15 @@ of it and their errors (predicted / measured - 1):
 
     model s   the planner's cost model (`hybridflow/planner/overlap.py` over the
               split-all candidate's stages, the colocated candidate's sum),
-              calibrated as `hybridflow plan --calibrate` calibrates it, on the
-              demo's PPO step that `bench calibrate --record` measured on this
-              machine (`--calibration`); the model is given the lengths the run
-              measured (the rollout decodes to each step's longest response,
-              the training passes see the mean), which it cannot know itself;
+              calibrated as `bench calibrate` calibrates it, on the demo's PPO
+              step measured in this run before and after the timed ones (2
+              processes at the full and half batch, one of them alone at the
+              half: the efficiencies and how much slower each process computes
+              while both do), or on
+              a `bench calibrate --record` file (`--calibration`); the model is
+              given the lengths the run measured (the rollout decodes to each
+              step's longest response, the training passes see the mean), which
+              it cannot know itself;
     stages s  the same overlap model over this run's own per-stage medians
               (rollout less its weight sync, sync, reward + log-probs, update):
               the error of the overlap's composition alone.
@@ -57,7 +61,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_calibrate (hybridflow bench runs this by path)
-CALIBRATION = ROOT / "tests" / "planner" / "data" / "calibration_cpu_2proc.json"
 
 SPLIT = ["placement.training=[0]", "placement.reference=[0]", "placement.critic=[0]", "placement.rollout=[1]"]
 DECOUPLED = ["actor.off_policy_correction=decoupled"]
@@ -125,16 +128,35 @@ def measure(name: str, overrides: list[str], args, out: Path) -> dict:
                          for k in sorted({k for r in records for k in r if k.startswith("timing/")})}}
 
 
-def calibration(path: Path):
-    """The CPU spec fitted as `hybridflow plan --calibrate` fits it, to the demo's PPO step on 2 processes
-    that `hybridflow bench calibrate --record` measured (`path`: its JSON, by default the recorded one)."""
-    import bench_calibrate
-    from hybridflow.planner import calibrate
-    from hybridflow.planner.devices import get_device
+CALIBRATION_STEPS = 4  # timed steps of each of the calibration's PPO runs
 
-    full = json.loads(Path(path).read_text())["full"]
-    planner = bench_calibrate.planner_for(bench_calibrate.TWO_PROCESSES, full)
-    return calibrate.fit(bench_calibrate.evaluate(planner), get_device("cpu"), full)
+
+def calibration_round(reverse: bool = False) -> dict[str, dict]:
+    """One round of `bench calibrate`'s runs (the demo's PPO step on 2 processes at the full and half batch, and
+    at the half on one of the two alone), in its order or reversed."""
+    import bench_calibrate
+
+    runs = tuple(bench_calibrate.RUNS)
+    return bench_calibrate.measure_abba(1, runs[::-1] if reverse else runs, CALIBRATION_STEPS)
+
+
+def mean_rounds(*rounds: dict[str, dict]) -> dict[str, dict]:
+    """Each run's figures averaged over the rounds."""
+    return {name: {k: sum(r[name][k] for r in rounds) / len(rounds) for k in rounds[0][name]} for name in rounds[0]}
+
+
+def fitted_from(figures: dict[str, dict]):
+    """The CPU spec fitted to the calibration's figures as `bench calibrate` fits it."""
+    import bench_calibrate
+
+    return bench_calibrate.fitted_device(figures)
+
+
+def recorded_calibration(path: Path) -> dict[str, dict]:
+    """The figures of a `bench calibrate --record` file."""
+    import bench_calibrate
+
+    return {k: v for k, v in json.loads(Path(path).read_text()).items() if k in bench_calibrate.RUNS}
 
 
 def mode_of(cfg) -> tuple[str, int, int]:
@@ -191,6 +213,27 @@ def predict_stages(cfg, r: dict) -> float:
     return overlap.iteration_seconds(mode, st, k, e)
 
 
+RECORDED_KEYS = ("mean_step_s", "step_s", "length_mean", "length_max_median", "prompt_len", "sync_s", "stages_s",
+                 "predicted_model_s", "predicted_stages_s")
+
+
+def record(path: Path, args, calibrated: dict, results: dict) -> None:
+    """The calibration's figures and each run's measured ones (what `predict_model` reads), with the load."""
+    import subprocess
+    import time
+
+    from figures import write_json
+
+    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True).stdout.strip()
+    write_json(path, {"how": "hybridflow bench async --record", "commit": rev, "date": time.strftime("%Y-%m-%d %H:%M"),
+                      "load": os.getloadavg()[0], "cpu_count": os.cpu_count(),
+                      "args": {k: getattr(args, k) for k in ("steps", "warmup", "prompts", "max_response",
+                                                             "temperature", "val")},
+                      "calibration": calibrated,
+                      "results": {name: {k: r[k] for k in RECORDED_KEYS} for name, r in results.items()}})
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=38)
@@ -201,9 +244,11 @@ def main(argv=None) -> int:
     p.add_argument("--val", type=int, default=1000)
     p.add_argument("--only", default="", help="comma-separated run names (default: all five)")
     p.add_argument("--json", type=Path)
-    p.add_argument("--calibration", type=Path, default=CALIBRATION,
-                   help="a `hybridflow bench calibrate --record` file the cost model is fitted to "
-                        "(default: the recorded tests/planner/data/calibration_cpu_2proc.json)")
+    p.add_argument("--record", type=Path, help="write the calibration and each run's measured figures in the form "
+                   "tests/planner/test_split_prediction.py reads (tests/planner/data/async_cpu_2proc.json)")
+    p.add_argument("--calibration", type=Path, default=None,
+                   help="a `hybridflow bench calibrate --record` file the cost model is fitted to (default: "
+                        "measure the calibration's runs in this run, before the timed ones, on this machine)")
     args = p.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from hybridflow.controller import init_ray
@@ -211,25 +256,32 @@ def main(argv=None) -> int:
     init_ray(num_cpus=8)
     names = [n for n in RUNS if not args.only or n in args.only.split(",")]
     results = {}
-    fitted = calibration(args.calibration)
+    # the calibration's runs before the timed ones and again after them (reversed), so that the load's drift
+    # over the bench falls on both alike
+    before = calibration_round() if args.calibration is None else None
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            results[name] = r = measure(name, RUNS[name], args, Path(tmp))
+            results[name] = measure(name, RUNS[name], args, Path(tmp))
+        calibrated = (mean_rounds(before, calibration_round(reverse=True)) if args.calibration is None
+                      else recorded_calibration(args.calibration))
+        fitted = fitted_from(calibrated)
+        for name, r in results.items():
             cfg = run_config(name, RUNS[name], args, Path(tmp))
             r["predicted_model_s"], r["predicted_stages_s"] = predict_model(cfg, r, fitted), predict_stages(cfg, r)
-            r["error_model"] = r["predicted_model_s"] / r["mean_step_s"] - 1
+            r["error_model"] = r["predicted_model_s"] / r["step_s"] - 1
+            r["error_model_mean"] = r["predicted_model_s"] / r["mean_step_s"] - 1
             r["error_stages"] = r["predicted_stages_s"] / r["mean_step_s"] - 1
     base = results.get("split sync", {}).get("samples_per_s")
     print(f"{args.prompts} prompts x 4 samples per step, {args.steps} timed steps after {args.warmup}, "
           f"temperature {args.temperature}, up to {args.max_response} tokens; load average {os.getloadavg()[0]:.1f}")
     print(f"{'run':<20} {'samples/s':>9} {'vs sync':>7} {'rollout busy':>12} {'train busy':>10} "
-          f"{'staleness':>9} {'len mean':>8} {'len max':>7} {'val acc':>7} {'s/step':>7} {'model s':>7} "
-          f"{'error':>6} {'stages s':>8} {'error':>6}")
+          f"{'staleness':>9} {'len mean':>8} {'len max':>7} {'val acc':>7} {'s/step':>7} {'median':>7} "
+          f"{'model s':>7} {'error':>6} {'stages s':>8} {'error':>6}")
     for name, r in results.items():
         ratio = r["samples_per_s"] / base if base else float("nan")
         print(f"{name:<20} {r['samples_per_s']:>9.1f} {ratio:>6.2f}x {r['rollout_busy']:>12.2f} "
               f"{r['training_busy']:>10.2f} {r['staleness']:>9.2f} {r['length_mean']:>8.1f} {r['length_max']:>7.0f} "
-              f"{r['accuracy']:>7.3f} {r['mean_step_s']:>7.3f} {r['predicted_model_s']:>7.3f} "
+              f"{r['accuracy']:>7.3f} {r['mean_step_s']:>7.3f} {r['step_s']:>7.3f} {r['predicted_model_s']:>7.3f} "
               f"{r['error_model']:>+6.0%} {r['predicted_stages_s']:>8.3f} {r['error_stages']:>+6.0%}")
     sync = results.get("split sync")
     if sync is not None:  # what a perfect overlap of this workload's two sides could reach
@@ -239,13 +291,18 @@ def main(argv=None) -> int:
         print(f"overlap bound: split sync's step {t['step_s']:.3f} s over max(rollout {t['rollout_s']:.3f} s, "
               f"reward + log-probs + update {training:.3f} s) = {bound:.2f}x")
         sync["overlap_bound"] = bound
-    print("s/step: measured (wall / steps); model s: the planner's cost model calibrated on this machine "
-          f"({args.calibration.name}) at the measured lengths; stages s: the same overlap model over this run's "
-          "own measured stage medians; error = predicted / measured - 1")
+    source = "in this run" if args.calibration is None else args.calibration.name
+    print(f"calibration ({source}): {fitted.device.describe()}")
+    print("s/step: measured (wall / steps); median: the median step; model s: the planner's cost model calibrated "
+          f"on this machine ({source}, stage medians) at the measured lengths, its error against the median step "
+          "(a load spike moves the mean; the error against the mean is in the JSON); stages s: the same overlap "
+          "model over this run's own measured stage medians, against the mean; error = predicted / measured - 1")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json), "calibration": str(args.calibration)},
-                                         "results": results},
-                                        indent=1))
+        given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"args": given,
+                                         "calibration": calibrated, "results": results}, indent=1))
+    if args.record:
+        record(args.record, args, calibrated, results)
     return 0
 
 

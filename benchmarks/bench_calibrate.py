@@ -2,12 +2,16 @@
 
     hybridflow bench calibrate [--rounds 2] [--json PATH] [--record PATH]
 
-Runs the demo's PPO step (`bench e2e`'s settings, 2 processes on Ray) at the
-full batch and at half of it, taking turns A-B, B-A, ... so that a load that
-drifts on a shared machine falls on both alike. It fits the CPU device's
+Runs the demo's PPO step (`bench e2e`'s settings) on 2 processes at the full
+batch and at half of it, and at the half batch (each process's rows of the full
+run) with every role on the first process (one thread, as each process of the
+2-process runs has, the other core idle), taking turns A-B-C, C-B-A, ... so that a load that
+drifts on a shared machine falls on all alike. It fits the CPU device's
 efficiency factors to the full-batch run (what `hybridflow plan --calibrate`
-does), predicts the half-batch run's stage times from the fitted device, and
-prints measured, predicted and the relative error per stage.
+does) and its `compute_share` to the one-process run against it (how much
+slower each process computes while both do), predicts the half-batch run's
+stage times from the fitted device, and prints measured, predicted and the
+relative error per stage.
 
 `--record PATH` writes both runs' measured figures, with the machine's load,
 in the form `tests/planner/test_calibrate.py` reads
@@ -32,6 +36,9 @@ from figures import take_turns, write_json  # noqa: E402
 
 TWO_PROCESSES = ["trainer.n_devices=2"]
 HALF_BATCH = ["data.train_batch_size=64", "actor.ppo_mini_batch_size=64"]
+# Every role on the first of the two processes: one process computes, on its one thread, the other core idle.
+ON_ONE = [f"placement.{role}=[0]" for role in ("training", "reference", "critic", "rollout", "reward")]
+RUNS = {"full": TWO_PROCESSES, "half": TWO_PROCESSES + HALF_BATCH, "single": TWO_PROCESSES + HALF_BATCH + ON_ONE}
 STAGES = ("rollout", "log_probs", "values", "update")
 
 
@@ -53,32 +60,44 @@ def planner_for(overrides: list[str], figures: dict):
     return calibrate.replace_workload(planner, prompt_len=prompt, response_len=response)
 
 
-def evaluate(planner):
-    """The demo as run: colocated on 2 processes, actor and critic at p1-t1-d2."""
+def evaluate(planner, processes: int = 2):
+    """The demo as run: colocated on `processes` processes, actor and critic at p1-t1-d`processes`."""
     from hybridflow.parallel.layout import ParallelDims
     from hybridflow.planner.search import Planner
 
-    layout = ParallelDims(tp=1, pp=1, dp=2)
-    return lambda device: Planner(planner.model, planner.wl, device).colocated(2, layout, layout, 1)
+    layout = ParallelDims(tp=1, pp=1, dp=processes)
+    return lambda device: Planner(planner.model, planner.wl, device).colocated(processes, layout, layout, 1)
 
 
-def fit_and_predict(full: dict, half: dict):
-    """(fitted, predicted stage seconds of the half-batch run, relative errors): the CPU spec fitted to
-    the full-batch run's figures, then asked for the half-batch run."""
+def fitted_device(measured: dict[str, dict]):
+    """The CPU spec fitted to the full-batch run's figures, its compute share to the one-process run's where
+    `measured` holds one (a recording made before that run existed holds none: share 1)."""
     from hybridflow.planner import calibrate
     from hybridflow.planner.devices import get_device
 
-    fitted = calibrate.fit(evaluate(planner_for(TWO_PROCESSES, full)), get_device("cpu"), full)
-    predicted = fitted.scale(calibrate.bench_stages(evaluate(planner_for(TWO_PROCESSES + HALF_BATCH, half))(
-        fitted.device)))
+    full = measured["full"]
+    single = None
+    if "single" in measured:
+        one = measured["single"]
+        single = (evaluate(planner_for(RUNS["single"], one), 1), one)
+    return calibrate.fit(evaluate(planner_for(TWO_PROCESSES, full)), get_device("cpu"), full, single=single)
+
+
+def fit_and_predict(measured: dict[str, dict]):
+    """(fitted, predicted stage seconds of the half-batch run, relative errors): the CPU spec fitted
+    (`fitted_device`), then asked for the half-batch run."""
+    from hybridflow.planner import calibrate
+
+    half = measured["half"]
+    fitted = fitted_device(measured)
+    predicted = fitted.scale(calibrate.bench_stages(evaluate(planner_for(RUNS["half"], half))(fitted.device)))
     return fitted, predicted, calibrate.errors(predicted, half)
 
 
-def measure_abba(rounds: int) -> dict[str, dict]:
-    """Each run's stage medians (bench e2e's `measure`), the runs taking turns; means over rounds."""
-    seen = take_turns({name: (lambda o=overrides: bench_e2e.measure("ppo", 2, 1, o))
-                       for name, overrides in (("full", TWO_PROCESSES), ("half", TWO_PROCESSES + HALF_BATCH))},
-                      rounds)
+def measure_abba(rounds: int, runs: tuple[str, ...] = tuple(RUNS), steps: int = 2) -> dict[str, dict]:
+    """Each run's stage medians over `steps` steps (bench e2e's `measure`), the runs taking turns in the order
+    of `runs`, then reversed; means over rounds."""
+    seen = take_turns({name: (lambda o=RUNS[name]: bench_e2e.measure("ppo", steps, 1, o)) for name in runs}, rounds)
     return {name: {k: sum(f[k] for f in figures) / len(figures) for k, v in figures[0].items()
                    if isinstance(v, (int, float))} for name, figures in seen.items()}
 
@@ -92,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before, start = os.getloadavg()[0], time.perf_counter()
     measured = measure_abba(args.rounds)
     load_after = os.getloadavg()[0]
-    fitted, predicted, errors = fit_and_predict(measured["full"], measured["half"])
+    fitted, predicted, errors = fit_and_predict(measured)
     print(f"fitted on the full batch (2 processes, PPO, demo model): {fitted.device.describe()}")
     print(f"half batch     {'measured s':>10s} {'predicted s':>12s} {'error':>7s}")
     for stage in STAGES:
@@ -109,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.record, {"how": "hybridflow bench calibrate --record", "commit": rev,
                                  "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
                                  "load": [load_before, load_after], "cpu_count": os.cpu_count(),
-                                 "full": measured["full"], "half": measured["half"]})
+                                 **measured})
     return 0
 
 

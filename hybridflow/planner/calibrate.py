@@ -67,15 +67,16 @@ def bench_stages(c: Candidate) -> dict[str, float]:
             "transition": sec.get("transition", 0.0)}
 
 
-def fit(evaluate, device: DeviceSpec, measured: dict[str, float], rounds: int = 3) -> Calibrated:
+def fit(evaluate, device: DeviceSpec, measured: dict[str, float], rounds: int = 3, single=None) -> Calibrated:
     """Fit `device` so that `evaluate(device) -> Candidate` reproduces the measured update and rollout.
 
-    `evaluate` is the run's own layout costed on a device (see `measured_candidate`)."""
+    `evaluate` is the run's own layout costed on a device (see `measured_candidate`). `single`: optionally
+    (evaluate_one, figures_one), a run of one process, whose update against the run's gives the device's
+    `compute_share` (`fit_share`) before the efficiencies are fitted."""
+    if single is not None:
+        device = fit_share(evaluate, measured, *single, device)
     for _ in range(rounds):  # the two fits share the launch overhead: a few rounds settle them
-        c = evaluate(device)
-        update = c.stages["actor_update"], c.stages.get("critic_update", {})
-        compute = sum(p.get("compute", 0.0) for p in update)
-        rest = sum(sum(p.values()) for p in update) - compute
+        compute, rest = _update_parts(evaluate(device))
         if measured["update"] > rest and compute > 0:
             gemm = device.efficiency["gemm"] * compute / (measured["update"] - rest)
             ratio = gemm / device.efficiency["gemm"]
@@ -86,6 +87,26 @@ def fit(evaluate, device: DeviceSpec, measured: dict[str, float], rounds: int = 
     residual = {k: measured[k] / predicted[k] for k in ("rollout", "log_probs", "values")
                 if predicted[k] > 0 and measured[k] > 0}
     return Calibrated(device=device, residual=residual)
+
+
+def _update_parts(c: Candidate) -> tuple[float, float]:
+    """(compute, the rest) of a candidate's update seconds."""
+    update = c.stages["actor_update"], c.stages.get("critic_update", {})
+    compute = sum(p.get("compute", 0.0) for p in update)
+    return compute, sum(sum(p.values()) for p in update) - compute
+
+
+def fit_share(evaluate, measured: dict[str, float], evaluate_one, one: dict[str, float],
+              device: DeviceSpec) -> DeviceSpec:
+    """`device` with the `compute_share` that makes the update's compute of a run whose node is busy (`evaluate`,
+    `measured`) and of a run of one process (`evaluate_one`, `one`) scale alike: each run's measured compute over
+    its predicted at share 1, the busy run's over the lone one's (the efficiency cancels)."""
+    device = device.with_efficiency(compute_share=1.0)
+    busy, alone = _update_parts(evaluate(device)), _update_parts(evaluate_one(device))
+    if min(busy[0], alone[0]) <= 0 or measured["update"] <= busy[1] or one["update"] <= alone[1]:
+        return device
+    share = ((one["update"] - alone[1]) / alone[0]) / ((measured["update"] - busy[1]) / busy[0])
+    return device.with_efficiency(compute_share=min(1.0, max(0.05, share)))
 
 
 def _fit_rollout(evaluate, device: DeviceSpec, seconds: float, rounds: int = 8) -> DeviceSpec:

@@ -38,21 +38,37 @@ class DeviceSpec:
     devices_per_node: int
     layer_overhead: float
     efficiency: dict[str, float]
+    # Each device's share of its matrix-product throughput while every device of its node runs training or
+    # forward passes at once: 1 for accelerators; below 1 for CPU processes that share the cores' arithmetic
+    # (or their memory bandwidth). `calibrate.fit` measures it from one process against two.
+    compute_share: float = 1.0
+
+    def busy_factor(self, busy: int) -> float:
+        """Speed of each of `busy` devices of one node running passes at once, over one running alone: 1 alone,
+        `compute_share` with the whole node busy, its slowdown linear in the devices added between."""
+        busy = min(busy, self.devices_per_node)
+        if busy <= 1 or self.compute_share >= 1:
+            return 1.0
+        return 1.0 / (1.0 + (busy - 1) / (self.devices_per_node - 1) * (1.0 / self.compute_share - 1.0))
 
     def with_efficiency(self, **factors: float) -> "DeviceSpec":
         """This spec with some efficiency factors (or `layer_overhead`, seconds) replaced."""
         overhead = factors.pop("layer_overhead", self.layer_overhead)
+        share = factors.pop("compute_share", self.compute_share)
         unknown = sorted(set(factors) - set(EFFICIENCY_KINDS))
         if unknown:
             raise ValueError(f"unknown efficiency kinds {unknown}; kinds are {list(EFFICIENCY_KINDS)}")
-        return dataclasses.replace(self, efficiency={**self.efficiency, **factors}, layer_overhead=overhead)
+        return dataclasses.replace(self, efficiency={**self.efficiency, **factors}, layer_overhead=overhead,
+                                   compute_share=share)
 
     def describe(self) -> str:
         eff = ", ".join(f"{k} {v:.3g}" for k, v in self.efficiency.items())
         return (f"{self.name}: {self.peak_flops / 1e12:g} TFLOP/s peak, {self.memory_bytes / GIB:g} GiB, "
                 f"{self.memory_bw / 1e9:g} GB/s memory, links {self.intra_bw / 1e9:g} / {self.inter_bw / 1e9:g} "
                 f"GB/s (in / between nodes of {self.devices_per_node}); efficiency {eff}; "
-                f"{self.layer_overhead * 1e6:.3g} us per layer call")
+                f"{self.layer_overhead * 1e6:.3g} us per layer call"
+                + (f"; {self.compute_share:.2f} of a device's compute each with its node busy"
+                   if self.compute_share < 1 else ""))
 
 
 def _number(entry: dict, key: str, where: str) -> float:
@@ -67,7 +83,7 @@ def parse_device(key: str, entry: object, where: str = "") -> DeviceSpec:
     where = where or key
     if not isinstance(entry, dict):
         raise ConfigError(where, f"must be a mapping of device figures, got {type(entry).__name__}")
-    known = {*_NUMBERS, "name", "devices_per_node", "efficiency"}
+    known = {*_NUMBERS, "name", "devices_per_node", "efficiency", "compute_share"}
     for name in entry:
         if name not in known:
             hint = nearest_name(str(name), known)
@@ -83,7 +99,10 @@ def parse_device(key: str, entry: object, where: str = "") -> DeviceSpec:
     for k, v in factors.items():
         if v > 1:
             raise ConfigError(f"{where}.efficiency.{k}", f"is a fraction of the peak, at most 1; got {v}")
-    return DeviceSpec(key=key, name=str(entry.get("name", key)), peak_flops=n["peak_tflops"] * 1e12,
+    share = entry.get("compute_share", 1.0)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ConfigError(f"{where}.compute_share", f"must be a fraction in (0, 1], got {share!r}")
+    return DeviceSpec(compute_share=float(share), key=key, name=str(entry.get("name", key)), peak_flops=n["peak_tflops"] * 1e12,
                       memory_bytes=n["memory_gib"] * GIB, memory_bw=n["memory_gbps"] * 1e9,
                       intra_bw=n["intra_gbps"] * 1e9, inter_bw=n["inter_gbps"] * 1e9,
                       link_latency=n["link_latency_us"] * 1e-6, devices_per_node=per_node,

@@ -111,7 +111,8 @@ def _passes(model: DecoderConfig, wl: Workload, layout: ParallelDims, device: De
     recompute's forward), split by resource; activations cross TP twice per layer and pass, and pipeline
     stages once per pass (v times with `vpp` model chunks per rank, whose bubble is v times smaller); at
     cp > 1 each layer exchanges K and V (`cost.cp_time`) and the output is gathered to the whole sequence
-    once per micro-batch; at `ep` > 1 every MoE layer's token dispatcher exchanges the tokens of the tp x ep
+    once per micro-batch; the compute slows by the device's `busy_factor` for the ranks of a node computing
+    at once (1 on accelerators); at `ep` > 1 every MoE layer's token dispatcher exchanges the tokens of the tp x ep
     group (`cost.dispatch_time`) each pass, forward and (training) backward."""
     tokens = rows * wl.seq
     gemm, attention = cost.forward_flops(model, tokens, wl.seq, value_head)
@@ -131,7 +132,10 @@ def _passes(model: DecoderConfig, wl: Workload, layout: ParallelDims, device: De
                                                    backward)
         forwards = 2 if passes > 3 else 1  # the recompute's forward dispatches again
         out["dispatch"] = m * layers * (forwards * one(False) + (one(True) if passes > 1 else 0.0))
-    return {**out, "cp": cp, "compute": passes * cost.compute_time(gemm, attention, layout.world_size, device) * bubble,
+    # ranks of one node running passes at once share its arithmetic where the device says so (a CPU's cores)
+    busy = device.busy_factor(min(layout.world_size, device.devices_per_node))
+    compute = passes * cost.compute_time(gemm, attention, layout.world_size, device) * bubble / busy
+    return {**out, "cp": cp, "compute": compute,
             "tp": 2 * passes * m * layers * cost.allreduce_time(activation, layout.tp, layout.span("tp"), device),
             "pp": (passes * m * vpp * activation / cost.link_bandwidth(device, layout.span("pp"))
                    if layout.pp > 1 else 0.0),

@@ -25,7 +25,7 @@ TWO_PROCESSES = bench_calibrate.TWO_PROCESSES
 
 def test_a_fit_on_one_measured_run_predicts_another_within_30_percent():
     recorded = json.loads(RECORDED.read_text())
-    fitted, predicted, errors = bench_calibrate.fit_and_predict(recorded["full"], recorded["half"])
+    fitted, predicted, errors = bench_calibrate.fit_and_predict(recorded)
     assert set(bench_calibrate.STAGES) <= set(errors)
     assert all(abs(e) < 0.3 for e in errors.values()), errors
     # The fit moved the factors off the file's placeholders (a fit that changed nothing would pass vacuously).
