@@ -10,6 +10,7 @@ peft's own (`engine/fsdp_lora.py`): on a `transformers` model they are written u
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -38,14 +39,48 @@ def adapter_stage_state(engine) -> dict[str, Tensor]:
                 dist.all_gather(pieces, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
                 tensor = unshard_tensor(pieces, spec)
             out[f"{a.key}.{name}"] = tensor.clone()
+    if engine.experts.ep > 1:  # every rank's experts' adapters (each rank trains its own)
+        from hybridflow.engine.distributed import expert_group
+        from hybridflow.engine.experts import exchange_experts
+
+        out.update(exchange_experts(out, engine.experts, expert_group(engine.experts.ep)))
     return out
+
+
+# transformers fuses an MoE layer's experts into 3-D parameters (Qwen3-MoE: `mlp.experts.gate_up_proj` [E, 2F, H],
+# `mlp.experts.down_proj` [E, H, F]), which peft adapts through `target_parameters`, in this order (peft nests the
+# second wrapper around the first: the first's tensors sit under `experts.base_layer`).
+EXPERT_PARAMETERS = {"linear_fc1": "mlp.experts.gate_up_proj", "linear_fc2": "mlp.experts.down_proj"}
+_EXPERT_ADAPTER = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.lora_([AB])$")
+
+
+def expert_peft_tensors(adapters: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
+    """The experts' adapters among `adapters` (every expert's, whole) as peft's `target_parameters` tensors, and
+    those parameters' names. Expert e's A_e [r, in] and B_e [out, r] become one A [E r, in] (A_e in rows e r ..)
+    and one B [out, r E] (B_e's column k in column k E + e), the layout peft's ParamWrapper reads, whose delta of
+    expert e is s * B_e A_e."""
+    found: dict[tuple[int, str], dict[int, dict[str, Tensor]]] = {}
+    for name, tensor in adapters.items():
+        match = _EXPERT_ADAPTER.match(name)
+        if match:
+            layer, expert, target, side = int(match[1]), int(match[2]), match[3], match[4]
+            found.setdefault((layer, target), {}).setdefault(expert, {})[side] = tensor
+    targets = sorted({target for _, target in found})
+    out = {}
+    for (layer, target), experts in found.items():
+        ordered = [experts[e] for e in sorted(experts)]
+        wrapper = "experts.base_layer" if len(targets) == 2 and target == "linear_fc1" else "experts"
+        module = f"{PREFIX}model.layers.{layer}.mlp.{wrapper}"
+        out[f"{module}.lora_A.weight"] = torch.cat([t["A"] for t in ordered]).contiguous()
+        out[f"{module}.lora_B.weight"] = torch.stack([t["B"] for t in ordered], dim=-1).flatten(1).contiguous()
+    return out, [EXPERT_PARAMETERS[t] for t in targets]
 
 
 def peft_tensors(bridge, adapters: dict[str, Tensor]) -> dict[str, Tensor]:
     """Whole adapters (`adapter_stage_state`, every stage) -> PEFT's tensors under HF module names."""
     out = {}
     for name, b in adapters.items():
-        if not name.endswith(".lora_B"):
+        if not name.endswith(".lora_B") or _EXPERT_ADAPTER.match(name):
             continue
         key = name[:-len(".lora_B")]
         a = adapters[key + ".lora_A"]
@@ -56,12 +91,16 @@ def peft_tensors(bridge, adapters: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def peft_config(lora, hf_modules: list[str], base_path: str) -> dict:
-    """adapter_config.json for `lora` (a `LoRAConfig`) on the HF linears `hf_modules` (e.g. "q_proj")."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
-            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
-            "target_modules": sorted(set(hf_modules)), "fan_in_fan_out": False, "use_rslora": False,
-            "inference_mode": True, "modules_to_save": None}
+def peft_config(lora, hf_modules: list[str], base_path: str, hf_parameters: Optional[list[str]] = None) -> dict:
+    """adapter_config.json for `lora` (a `LoRAConfig`) on the HF linears `hf_modules` (e.g. "q_proj") and the
+    fused expert parameters `hf_parameters` (`EXPERT_PARAMETERS`)."""
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
+              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
+              "target_modules": sorted(set(hf_modules)), "fan_in_fan_out": False, "use_rslora": False,
+              "inference_mode": True, "modules_to_save": None}
+    if hf_parameters:
+        config["target_parameters"] = list(hf_parameters)
+    return config
 
 
 def fsdp_peft_tensors(engine) -> dict[str, Tensor]:
@@ -86,6 +125,8 @@ def export_peft(engine, path: str | Path, base_path: str) -> Optional[Path]:
     else None."""
     from safetensors.torch import save_file
 
+    experts: dict[str, Tensor] = {}
+    parameters: list[str] = []
     if engine.kind == "fsdp":
         tensors = fsdp_peft_tensors(engine)
     else:
@@ -93,11 +134,13 @@ def export_peft(engine, path: str | Path, base_path: str) -> Optional[Path]:
         for part in engine.each_stage(adapter_stage_state(engine)):
             adapters.update(part)
         tensors = peft_tensors(engine.bridge, adapters) if engine.rank == 0 else {}
+        experts, parameters = expert_peft_tensors(adapters) if engine.rank == 0 else ({}, [])
     if engine.rank != 0:
         return None
     modules = [name[len(PREFIX):].split(".")[-3] for name in tensors]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / WEIGHTS_FILE))
-    (path / CONFIG_FILE).write_text(json.dumps(peft_config(engine.lora.cfg, modules, base_path), indent=2))
+    save_file({**tensors, **experts}, str(path / WEIGHTS_FILE))
+    config = peft_config(engine.lora.cfg, modules, base_path, parameters)
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return path

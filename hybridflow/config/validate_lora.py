@@ -37,8 +37,9 @@ def check_lora(cfg: Config) -> None:
 
 
 def check_lora_model(cfg: Config, model: "DecoderConfig") -> None:
-    """The adapters against the model: an MoE model's MLP is its experts, which take no adapter; a rank must
-    not exceed the smaller side of any adapted matrix (it would add no capacity, only parameters)."""
+    """The adapters against the model: an MoE model's MLP adapters sit on its experts (the megatron engine at
+    tp = 1); a rank must not exceed the smaller side of any adapted matrix (it would add no capacity, only
+    parameters)."""
     lora = cfg.actor.lora
     if lora.rank == 0:
         return
@@ -46,14 +47,20 @@ def check_lora_model(cfg: Config, model: "DecoderConfig") -> None:
         raise ConfigError("actor.lora.rank", f"{lora.rank} on a {model.model_type!r} model, which hybridflow's "
                           "decoder does not build: adapters target the Llama family's linears (q/k/v/o_proj, "
                           "gate/up/down_proj), which this architecture names otherwise")
-    if model.is_moe and set(lora.target_modules) & set(MLP_TARGETS):
-        attention = [t for t in lora.target_modules if t not in MLP_TARGETS]
-        raise ConfigError("actor.lora.target_modules", f"{lora.target_modules}: {sorted(set(MLP_TARGETS))} match "
-                          "nothing in a mixture-of-experts model (its MLP is the experts, which take no adapter); "
-                          f"use {attention or ['linear_qkv', 'linear_proj']}")
+    on_experts = model.is_moe and bool(set(lora.target_modules) & set(MLP_TARGETS))
+    attention = [t for t in lora.target_modules if t not in MLP_TARGETS] or ["linear_qkv", "linear_proj"]
+    if on_experts and cfg.actor.engine == "fsdp":
+        raise ConfigError("actor.lora.target_modules", f"{lora.target_modules} with actor.engine=fsdp: peft adapts "
+                          "dense linears there, and this model's MLP is its experts (the megatron engine adapts "
+                          f"them); use {attention}")
+    if on_experts and cfg.actor.parallel.tp > 1:
+        raise ConfigError("actor.lora.target_modules", f"{lora.target_modules} adapt the experts, which is not "
+                          f"built at actor.parallel.tp={cfg.actor.parallel.tp} (tp = 1 at any ep is); use "
+                          f"{attention}")
     q = model.num_heads * model.head_dim
     kv = model.num_kv_heads * model.head_dim
-    h, f = model.hidden_size, model.intermediate_size
+    h = model.hidden_size
+    f = min(model.intermediate_size, model.moe_intermediate_size) if model.is_moe else model.intermediate_size
     sides = {"linear_qkv": (h, q + 2 * kv), "linear_proj": (q, h), "linear_fc1": (h, 2 * f), "linear_fc2": (f, h)}
     for name in lora.target_modules:
         if lora.rank > min(sides[name]):

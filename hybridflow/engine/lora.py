@@ -17,7 +17,11 @@ The adapters are parameters of the linear module itself (`linear_qkv.lora_A`, `.
 hook adds their term, so megatron-core's DDP, distributed optimizer, gradient-norm and checkpoints see
 them as ordinary parameters while the base weights' names, bridge and loaders stay as they are. A is
 drawn from the adapter's global name (kaiming-uniform, as peft draws it) and B is zero, so every layout
-starts from the same adapters and step 0 is the base model. MoE experts are not adapted.
+starts from the same adapters and step 0 is the base model. On an MoE model `linear_fc1`/`linear_fc2` adapt each
+expert's (megatron-core's SequentialMLP `local_experts.J`): at ep > 1 a rank holds its own experts' adapters, named
+globally (`experts.ExpertShard`) and reduced over the expert-data-parallel ranks as their weights are
+(`allreduce`); experts' adapters at tp > 1 are not built (their linears leave the TP reductions to the token
+dispatcher).
 """
 from __future__ import annotations
 
@@ -137,23 +141,35 @@ def init_a(key: str, rank: int, fan_in: int, seed: int, dtype: torch.dtype) -> T
     return (torch.rand(rank, fan_in, generator=g, dtype=torch.float64) * 2 - 1).mul_(bound).to(dtype)
 
 
-def targets(inner: nn.Module, names: list[str]) -> Iterator[tuple[str, str, nn.Module]]:
+def targets(inner: nn.Module, names: list[str], experts=None) -> Iterator[tuple[str, str, nn.Module]]:
     """(global module name, local module name, module) of each dense attention or MLP linear named in
-    `names` in one unwrapped GPTModel; layers numbered globally from their `layer_number`."""
+    `names` in one unwrapped GPTModel, and of each local expert's (megatron-core's SequentialMLP); layers
+    numbered globally from their `layer_number`, experts by `experts` (an `ExpertShard`; None: as held)."""
     for i, layer in enumerate(inner.decoder.layers):
+        top, here = f"decoder.layers.{layer.layer_number - 1}.", f"decoder.layers.{i}."
         for block in ("self_attention", "mlp"):
             for target in names:
                 module = getattr(getattr(layer, block, None), target, None)
                 if module is None or not hasattr(module, "weight"):
                     continue
                 rest = f"{block}.{target}"
-                yield f"decoder.layers.{layer.layer_number - 1}.{rest}", f"decoder.layers.{i}.{rest}", module
+                yield top + rest, here + rest, module
+        local_experts = getattr(getattr(layer.mlp, "experts", None), "local_experts", None) or []
+        for j, expert in enumerate(local_experts):
+            for target in names:
+                module = getattr(expert, target, None)
+                if module is None or not hasattr(module, "weight"):
+                    continue
+                rest = f"mlp.experts.local_experts.{j}.{target}"
+                key = top + rest if experts is None else experts.global_name(top + rest + ".weight")[:-len(".weight")]
+                yield key, here + rest, module
 
 
-def attach_lora(chunks: list[nn.Module], cfg: LoRAConfig, tp: int, tp_rank: int, seed: int) -> LoRA:
+def attach_lora(chunks: list[nn.Module], cfg: LoRAConfig, tp: int, tp_rank: int, seed: int, experts=None) -> LoRA:
     """Freeze every parameter of `chunks` (this rank's model chunks) and add trainable adapters to the
-    linears `cfg.target_modules` names; ValueError when a name is not one of `LORA_TARGETS` or nothing on
-    this rank matches."""
+    linears `cfg.target_modules` names (`experts`: this rank's `ExpertShard`, naming its experts' adapters
+    globally); ValueError when a name is not one of `LORA_TARGETS`, nothing on this rank matches, or an
+    expert would be adapted at tp > 1."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
     from megatron.core.utils import unwrap_model
 
@@ -164,7 +180,10 @@ def attach_lora(chunks: list[nn.Module], cfg: LoRAConfig, tp: int, tp_rank: int,
     vpp = len(chunks)
     for c, chunk in enumerate(chunks):
         chunk.requires_grad_(False)
-        for key, local, module in targets(unwrap_model(chunk), cfg.target_modules):
+        for key, local, module in targets(unwrap_model(chunk), cfg.target_modules, experts):
+            if ".local_experts." in key and tp > 1:
+                raise ValueError(f"actor.lora.target_modules: {cfg.target_modules} adapt the experts, which is "
+                                 f"not built at tp = {tp} (tp = 1, any ep)")
             a = Adapted(key, chunk_name(c, local + ".weight", vpp), module, key.split(".")[-1] in COLUMN_TARGETS)
             out_local, in_local = module.weight.shape
             fan_in = in_local if a.column else in_local * tp
@@ -177,10 +196,11 @@ def attach_lora(chunks: list[nn.Module], cfg: LoRAConfig, tp: int, tp_rank: int,
                 set_tensor_model_parallel_attributes(param, spec.dim is not None, spec.dim or 0, 1)
                 # Replicated adapters whose gradient is a sum over this rank's tokens only.
                 param.sequence_parallel = sp and spec.dim is None
+                # An expert's adapters are reduced where its weight is: over the expert-data-parallel ranks.
+                param.allreduce = getattr(module.weight, "allreduce", True)
             adapted.append(a)
     if not adapted:
-        raise ValueError(f"actor.lora.target_modules: {cfg.target_modules} match no dense linear of this "
-                         "model stage")
+        raise ValueError(f"actor.lora.target_modules: {cfg.target_modules} match no linear of this model stage")
     lora = LoRA(cfg, adapted, tp)
     for a in adapted:
         a.module.register_forward_hook(lora.hook(a))

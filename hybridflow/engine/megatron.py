@@ -129,8 +129,8 @@ class MegatronEngine:
         # parallel.ep > 1: this rank's experts of each layer (`engine/experts.py`), named from 0 by megatron-core.
         self.experts = ExpertShard(model_cfg.num_experts, parallel.ep, expert_parallel_rank(parallel.ep))
         self.routes = RouteReplay(self.chunks, model_cfg.num_layers, model_cfg.moe_top_k)  # engine/routes.py
-        self.lora: Optional[LoRA] = (attach_lora(self.chunks, lora, self.layout.tp, self.coord.tp, seed)
-                                     if lora is not None and lora.rank > 0 else None)
+        self.lora: Optional[LoRA] = (attach_lora(self.chunks, lora, self.layout.tp, self.coord.tp, seed,
+                                                 self.experts) if lora is not None and lora.rank > 0 else None)
         self.module = self.chunks[0]
         self.optimizer = self.scheduler = None
         self.models: list[nn.Module] = list(self.chunks)

@@ -35,9 +35,10 @@ def test_lora_on_the_critic_is_an_unknown_key(tmp_path):
         load(tmp_path, "critic.lora.rank=8")
 
 
-def test_a_rank_beyond_an_adapted_matrix_and_mlp_adapters_on_experts_are_refused_against_the_model(tmp_path):
+def test_a_rank_beyond_an_adapted_matrix_and_expert_adapters_where_not_built_are_refused_against_the_model(tmp_path):
     """Checked against the model's config.json (`check_plan`): the demo model's hidden size is 128, so rank 129
-    adds nothing to any matrix; an MoE model's MLP is its experts, which take no adapter."""
+    adds nothing to any matrix; an MoE model's MLP adapters sit on its experts, built on the megatron engine at
+    tp = 1 (refused at tp 2 and under FSDP), and its experts' 96 features bound the rank."""
     cfg = in_repo(load(tmp_path, "actor.lora.rank=129"))
     model = DecoderConfig.from_pretrained(cfg.model.path)
     with pytest.raises(ConfigError, match="actor.lora.rank: 129 exceeds linear_qkv's smaller side"):
@@ -47,8 +48,16 @@ def test_a_rank_beyond_an_adapted_matrix_and_mlp_adapters_on_experts_are_refused
     moe = DecoderConfig.from_hf_dict({**model.to_hf_dict(), "model_type": "qwen3_moe",
                                       "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
                                       "num_experts_per_tok": 2, "moe_intermediate_size": 96})
-    with pytest.raises(ConfigError, match=r"actor.lora.target_modules: .* match nothing in a mixture-of-experts"):
+    check_plan(cfg, RunPlan.from_config(cfg), moe)
+    cfg.actor.lora.rank = 97
+    with pytest.raises(ConfigError, match=r"actor.lora.rank: 97 exceeds linear_fc2's smaller side \(96"):
         check_plan(cfg, RunPlan.from_config(cfg), moe)
+    for override, words in (("actor.parallel.tp=2", "not built at actor.parallel.tp=2"),
+                            ("actor.engine=fsdp", "with actor.engine=fsdp")):
+        other = in_repo(load(tmp_path, "actor.lora.rank=8", override, "trainer.n_devices=2",
+                             "actor.parallel.sequence_parallel=true" if "tp" in override else "trainer.val_every=0"))
+        with pytest.raises(ConfigError, match=f"actor.lora.target_modules: .* {words}"):
+            check_plan(other, RunPlan.from_config(other), moe)
 
 
 def test_lora_on_the_fsdp_engine_loads_and_an_architecture_outside_the_llama_family_is_refused(tmp_path):
