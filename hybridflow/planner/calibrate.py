@@ -5,6 +5,8 @@ values, update, transition, ...) and the step's real token counts (`tokens`, `an
 does not record the config it ran, so the caller passes the same config and overrides the benchmark
 used (for `ppo`, the demo with bench_e2e's PPO overrides). Fitting, in order:
 
+0. where a run of one process beside the node's busy run is given (`bench calibrate`'s third run), the
+   device's `compute_share`: how much slower each process computes while the node's others do too;
 1. GEMM efficiency from the update (the training passes are almost all matrix products);
 2. decode efficiency and the per-layer launch overhead, scaled together, from the rollout (a step of a
    small model is launch-bound, of a large one bandwidth-bound: one factor moves both);
