@@ -34,3 +34,21 @@ def test_qwen3_moe_weights_pushed_into_vllm_greedy_equal_the_builtin_engine(moe_
 
 def test_qwen3_moe_weights_pushed_again_after_an_update_equal_the_builtin_engine(moe_run):
     assert moe_run["pushed_again"]
+
+
+def test_grpo_with_vllm_on_an_expert_parallel_actor_takes_the_one_process_steps(tmp_path):
+    """GRPO on the tiny Qwen3-MoE with vLLM generating: the actor at dp2 x ep2 (each rank trains half of every
+    layer's experts, gathers the other half after each update, `hybrid_engine/expert_weights.py`) pushes the
+    whole model into its vLLM engine every step, and three steps' learned metrics equal the one-process vLLM
+    run's (1e-4 relative, as tests/vllm/test_flows.py holds vLLM runs of two layouts)."""
+    from tests.trainer.test_moe_layouts import _steps, qwen3_moe_shaped_model
+    from tests.vllm.test_flows import _assert_same_steps, _train
+
+    path = qwen3_moe_shaped_model(tmp_path / "model")
+    one = _train(tmp_path, "one", "rollout.engine=vllm", *_steps(path))
+    ep2 = _train(tmp_path, "ep2", "rollout.engine=vllm", *_steps(path), "trainer.n_devices=2",
+                 "actor.parallel.ep=2")
+    assert [r["step"] for r in ep2] == [0, 1, 2, 3]
+    model = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    assert all(0.95 * model < r["reshard/push_bytes"] <= model for r in ep2[1:])  # every tensor, no file header
+    _assert_same_steps(one, ep2)
