@@ -27,7 +27,7 @@ from hybridflow.engine.lora import lora_delta
 from hybridflow.hybrid_engine.generation import nbytes, transition_metrics
 from hybridflow.hybrid_engine.reshard import GroupedWeights, generation_weights
 from hybridflow.hybrid_engine.traffic import Traffic
-from hybridflow.models.sharding import shard_tensor, unshard_tensor
+from hybridflow.models.sharding import unshard_tensor
 
 
 class AdapterMerge:

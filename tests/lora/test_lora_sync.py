@@ -1,10 +1,14 @@
 """Adapter-only weight syncs of a LoRA actor (issue 62 item 4): after the first sync the 3D-HybridEngine's
 gather moves only the split side of each adapter, and the generation weights equal the merged route's."""
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests.engine.conftest import write_layout_model
 from tests.torchrun import torchrun
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def adapter_plan_bytes(shapes, rank: int, element: int, tp: int, tg: int) -> int:
@@ -48,7 +52,7 @@ def demo_bridge(tp: int):
     from hybridflow.models.bridge import get_bridge
     from hybridflow.models.config import DecoderConfig
 
-    return get_bridge(DecoderConfig.from_pretrained("hybridflow/assets/demo_model"), 128, tp)
+    return get_bridge(DecoderConfig.from_pretrained(ROOT / "hybridflow" / "assets" / "demo_model"), 128, tp)
 
 
 def adapter_formula_bytes(bridge, rank: int, element: int = 4) -> int:
@@ -91,19 +95,17 @@ def test_lora_grpo_with_the_rollout_apart_moves_the_adapters_only_after_the_firs
     apart plan's bytes, the generation shard) and the adapters, every later one the adapters alone, each the
     plan's bytes and the formula's; three steps equal the one-process run within 1e-5 relative; after a last
     sync the rollout's weights are the merged HF export bit for bit."""
+    from hybridflow.config.loader import load_config
     from hybridflow.models.checkpoint import load_hf_state_dict
+    from hybridflow.trainer import read_metrics
+    from hybridflow.trainer.trainer import RLTrainer
     from tests.lora.test_lora_layouts import LORA_GRPO
     from tests.trainer.test_distributed_trainer import compare_with_one_process, run
     from tests.trainer.test_trainer import in_repo
-    from hybridflow.config.loader import load_config
-    from hybridflow.trainer import read_metrics
-    from hybridflow.trainer.trainer import RLTrainer
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
     apart = ["trainer.launcher=ray", "trainer.n_devices=3", "placement.training=[0,1]", "placement.reference=[0,1]",
              "placement.rollout=[2]", "actor.parallel.tp=2"]
-    cfg = in_repo(load_config(root / "configs" / "tiny-grpo.yaml",
+    cfg = in_repo(load_config(ROOT / "configs" / "tiny-grpo.yaml",
                               [f"trainer.output_dir={tmp_path / 'apart'}", *apart, *LORA_GRPO]))
     trainer = RLTrainer(cfg)
     try:
