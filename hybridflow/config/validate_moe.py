@@ -46,7 +46,7 @@ def check_routing_replay(cfg: Config, plan: RunPlan, model: "DecoderConfig") -> 
 def check_expert_parallel(cfg: Config, plan: RunPlan, model: "DecoderConfig") -> None:
     """`parallel.ep` > 1 (actor, and a critic at the actor's processes): an MoE model on megatron-core whose
     experts ep divides, over the data- and context-parallel ranks of a stage (megatron-core carves the
-    expert-parallel groups from them) that ep divides, generating in the actor's processes."""
+    expert-parallel groups from them) that ep divides."""
     roles = [("actor", "training", cfg.actor)] + ([("critic", "critic", cfg.critic)] if plan.uses_critic else [])
     for role, engine, section in roles:
         ep, key = section.parallel.ep, f"{role}.parallel.ep"
@@ -66,10 +66,6 @@ def check_expert_parallel(cfg: Config, plan: RunPlan, model: "DecoderConfig") ->
             raise ConfigError(key, f"{ep} does not divide the {layout.dp * layout.cp} data- x context-parallel ranks "
                                    f"of the {role} (dp={layout.dp}, cp={layout.cp}), which megatron-core splits "
                                    "into expert-parallel groups")
-    if cfg.actor.parallel.ep > 1 and plan.rollout_apart:
-        raise ConfigError("actor.parallel.ep", f"{cfg.actor.parallel.ep}: a rollout apart receives the actor's "
-                          "shards (placement.rollout); with experts split over ranks only colocated generation "
-                          "is built")
     if plan.uses_critic and plan.colocate_critic and cfg.critic.parallel.ep != cfg.actor.parallel.ep:
         raise ConfigError("critic.parallel.ep", f"{cfg.critic.parallel.ep}: the critic shares the actor's processes, "
                           f"which run one megatron-core layout (actor.parallel.ep={cfg.actor.parallel.ep})")

@@ -26,7 +26,9 @@ to rank `j` of every rollout replica. Its sender is one of the training
 ranks that hold it: the `d` copies of its piece (the stage's training TP
 rank whose range overlaps, in each replica; for a replicated tensor, such as
 a norm, TP rank `j % t`, which spreads those over the TP ranks and at
-t = tg keeps each generation rank on one sender); among them the one with the fewest
+t = tg keeps each generation rank on one sender; at expert parallelism `ep`,
+an expert's piece only on the `d * c / ep` data- and context-parallel ranks
+of its expert-parallel rank, `engine/experts.py`); among them the one with the fewest
 bytes assigned so far, slice by slice in plan order, so the training
 ranks share the sending evenly (a pure, deterministic choice). Its bytes
 are counted once per receiver.
@@ -41,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from hybridflow.engine.experts import expert_of, expert_rank
 from hybridflow.hybrid_engine.plan import ParamInfo
 from hybridflow.parallel.layout import Coord, ParallelDims
 from hybridflow.parallel.stages import layer_index, param_stage
@@ -136,11 +139,27 @@ def _slices_of(p: ParamInfo, t: int, tg: int, j: int) -> list[tuple[int, Slice]]
     return out
 
 
+def _holders(train: ParallelDims, tp_rank: int, stage: int, expert: Optional[int], experts: int, ep: int
+             ) -> list[int]:
+    """The training ranks holding TP rank `tp_rank`'s piece of a tensor on `stage`: one per data-parallel
+    replica (CP rank 0), or, for expert `expert` at ep > 1, every data- and context-parallel rank of the
+    expert-parallel rank that trains it."""
+    if expert is None or ep == 1:
+        return [train.rank(Coord(tp=tp_rank, cp=0, dp=d, pp=stage)) for d in range(train.dp)]
+    owner = expert // (experts // ep)
+    return [train.rank(Coord(tp=tp_rank, cp=c, dp=d, pp=stage)) for d in range(train.dp) for c in range(train.cp)
+            if expert_rank(d, c, train.cp, ep) == owner]
+
+
 def plan_apart(params: Iterable[ParamInfo], train: ParallelDims, tg: int, rollout_world: int,
-               bucket_bytes: int = 64 * 2**20, virtual_pp: int = 1) -> ApartPlan:
+               bucket_bytes: int = 64 * 2**20, virtual_pp: int = 1, ep: int = 1) -> ApartPlan:
     """Every broadcast of a sync from the training layout `train` into `rollout_world // tg` replicas of a
-    `tg`-way generation model (see the module docstring); virtual_pp: the training stages' model chunks."""
+    `tg`-way generation model (see the module docstring); virtual_pp: the training stages' model chunks; ep:
+    the experts split over that many of a stage's data- and context-parallel ranks."""
     params = list(params)
+    experts = 1 + max((expert_of(p.name) for p in params if expert_of(p.name) is not None), default=-1)
+    if ep > 1 and (not experts or experts % ep or (train.dp * train.cp) % ep):
+        raise ValueError(f"ep={ep} must divide the {experts} experts and the {train.dp * train.cp} dp x cp ranks")
     if tg < 1 or rollout_world % tg:
         raise ValueError(f"tg={tg} must divide the rollout group's {rollout_world} ranks")
     if bucket_bytes < 1:
@@ -158,7 +177,7 @@ def plan_apart(params: Iterable[ParamInfo], train: ParallelDims, tg: int, rollou
         for p in params:
             stage = param_stage(p.name, layers, train.pp, virtual_pp)
             for r, s in _slices_of(p, train.tp, tg, j):
-                holders = [train.rank(Coord(tp=r, cp=0, dp=d, pp=stage)) for d in range(train.dp)]
+                holders = _holders(train, r, stage, expert_of(p.name), experts, ep)
                 src = min(holders, key=lambda h: (load[h], h))
                 load[src] += s.nbytes
                 by_group.setdefault((src, dsts), []).append(s)

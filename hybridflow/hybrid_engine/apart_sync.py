@@ -23,14 +23,15 @@ from hybridflow.parallel.layout import ParallelDims
 
 
 class ApartWeightSync:
-    def __init__(self, actor, rollout, train: ParallelDims, tg: int, bucket_bytes: int, virtual_pp: int = 1):
+    def __init__(self, actor, rollout, train: ParallelDims, tg: int, bucket_bytes: int, virtual_pp: int = 1,
+                 ep: int = 1):
         self.actor, self.rollout, self.train = actor, rollout, train
         # torn down when the other side fails: one that fails before the rendezvous (or a broadcast) would
         # leave the other waiting for it (30 min)
         self.groups = (actor.group, rollout.group)
         address, port = actor.sync_address()
         run_together(lambda: actor.join_weight_sync(address, port, tg, rollout.world_size, bucket_bytes),
-                     lambda: rollout.join_weight_sync(address, port, train, bucket_bytes, virtual_pp),
+                     lambda: rollout.join_weight_sync(address, port, train, bucket_bytes, virtual_pp, ep),
                      abort=self.groups)
         self.last: dict = {}  # the last push's per-rank figures (sent: training ranks, received: rollout ranks)
 

@@ -108,7 +108,7 @@ class ShardSender:
         """Join the sync world (sync ranks 0 .. N-1 are the training ranks), with the plan both sides build alike."""
         element = torch.empty((), dtype=self.engine.dtype).element_size()
         plan = plan_apart(bridge_params(self.engine.bridge, element), self.engine.layout, tg, rollout_world,
-                          bucket_bytes, self.engine.virtual_pp)
+                          bucket_bytes, self.engine.virtual_pp, self.engine.experts.ep)
         self.world = SyncWorld(plan, self.rank, address, port, self.device)
 
     def training_shard(self) -> dict[str, torch.Tensor]:
@@ -170,10 +170,13 @@ class ShardReceiver:
         self.world_sync: Optional[SyncWorld] = None
         self.syncs = 0
 
-    def join(self, address: str, port: int, train: ParallelDims, bucket_bytes: int, virtual_pp: int = 1) -> None:
-        """Join the sync world as rank N + rank (`train`: the actor's layout, `virtual_pp` chunks a stage)."""
+    def join(self, address: str, port: int, train: ParallelDims, bucket_bytes: int, virtual_pp: int = 1,
+             ep: int = 1) -> None:
+        """Join the sync world as rank N + rank (`train`: the actor's layout, `virtual_pp` chunks a stage, the
+        experts split over `ep` ranks)."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        plan = plan_apart(bridge_params(self.bridge, element), train, self.tg, self.world, bucket_bytes, virtual_pp)
+        plan = plan_apart(bridge_params(self.bridge, element), train, self.tg, self.world, bucket_bytes, virtual_pp,
+                          ep)
         self.world_sync = SyncWorld(plan, train.world_size + self.rank, address, port, self.device)
 
     def receive(self, backend: RolloutBackend) -> dict[str, float]:

@@ -212,7 +212,8 @@ def rollout_weights(cfg: Config, plan: RunPlan, groups: Groups, inputs: Callable
     if groups.rollout is None:
         return LockStep(inputs, refresh=groups.actor.refresh_generation, release=groups.actor.release_generation)
     sync = ApartWeightSync(groups.actor, groups.rollout, plan.layouts["training"], cfg.rollout.tg,
-                           cfg.rollout.weight_bucket_mb * 2**20, cfg.actor.parallel.virtual_pp or 1)
+                           cfg.rollout.weight_bucket_mb * 2**20, cfg.actor.parallel.virtual_pp or 1,
+                           cfg.actor.parallel.ep)
     if cfg.trainer.off_policy == "sync":
         return Apart(sync, inputs)
     schedule = Schedule.of(cfg.trainer)

@@ -291,10 +291,10 @@ class RolloutWorker(_Generates):
 
     @register(Dispatch.ONE_TO_ALL)
     def join_weight_sync(self, address: str, port: int, train: ParallelDims, bucket_bytes: int,
-                         virtual_pp: int = 1) -> None:
-        """Join the process group spanning the actor's group (`train` with `virtual_pp` model chunks a stage,
-        sync ranks 0 .. N-1) and this one (N + rank)."""
-        self.receiver.join(address, port, train, bucket_bytes, virtual_pp)
+                         virtual_pp: int = 1, ep: int = 1) -> None:
+        """Join the process group spanning the actor's group (`train` with `virtual_pp` model chunks a stage and
+        its experts split over `ep` ranks, sync ranks 0 .. N-1) and this one (N + rank)."""
+        self.receiver.join(address, port, train, bucket_bytes, virtual_pp, ep)
 
     @register(Dispatch.ONE_TO_ALL)
     def receive_weights(self) -> dict[str, float]:

@@ -28,16 +28,18 @@ def full_state(bridge, seed=0):
     return {p.name: torch.randn(p.shape, generator=g) for p in bridge_params(bridge)}
 
 
-def simulate(plan, bridge, full):
+def simulate(plan, bridge, full, holds=lambda rank, name: True):
     """Every broadcast run by hand: the sender's pack from its training shard, each receiver's unpack
-    into an empty generation shard. Returns rollout rank -> megatron name -> received shard."""
+    into an empty generation shard. Returns rollout rank -> megatron name -> received shard. `holds(rank,
+    name)`: whether a training rank holds a tensor of its stage (an expert of another expert-parallel rank:
+    not; a plan that had it send one fails in `pack`)."""
     train, tg = plan.train, plan.tg
     layers = CFG.num_layers
     held = {}  # training rank -> its shards
     for rank in range(train.world_size):
         c = train.coord(rank)
         held[rank] = {name: shard_tensor(t, bridge_entry(bridge, name).shard, c.tp, train.tp)
-                      for name, t in full.items() if param_stage(name, layers, train.pp) == c.pp}
+                      for name, t in full.items() if param_stage(name, layers, train.pp) == c.pp and holds(rank, name)}
     got = {i: {name: torch.full_like(shard_tensor(t, bridge_entry(bridge, name).shard, i % tg, tg), float("nan"))
                for name, t in full.items()} for i in range(plan.rollout_world)}
     for b in plan.broadcasts:
@@ -71,6 +73,39 @@ def test_every_rollout_rank_gets_exactly_its_generation_shard(case):
     # the senders together send each receiver's shard once
     assert sum(plan.bytes_sent(r) for r in range(t * p * d)) == m * shard
     assert all(b.src < t * p * d <= min(b.dsts) for b in plan.broadcasts)
+
+
+MOE = DecoderConfig(model_type="qwen3_moe", vocab_size=70, hidden_size=32, intermediate_size=48, num_layers=2,
+                    num_heads=4, num_kv_heads=4, head_dim=8, num_experts=4, moe_top_k=2, moe_intermediate_size=16)
+
+
+@pytest.mark.parametrize("t,p,d,c,ep", [(1, 1, 2, 1, 2), (2, 1, 2, 1, 2), (1, 2, 2, 1, 2), (1, 1, 1, 2, 2),
+                                         (1, 1, 2, 2, 2), (1, 1, 2, 2, 4)])
+def test_an_expert_parallel_actor_sends_each_expert_from_a_rank_that_trains_it(t, p, d, c, ep):
+    """At ep > 1 a training rank holds only its expert-parallel rank's experts (megatron-core's expert ranks
+    over the stage's dp x cp ranks); every expert slice comes from such a rank (the simulation holds no other
+    and would fail to pack), every rollout rank still gets exactly its generation shard, all experts included,
+    and the expert sending is spread over all of an expert's holders."""
+    from hybridflow.engine.experts import expert_of, expert_rank
+
+    bridge = get_bridge(MOE, 8, t)
+    train = ParallelDims(tp=t, pp=p, dp=d, cp=c)
+
+    def holds(rank, name):
+        j, coord = expert_of(name), train.coord(rank)
+        return j is None or j // (MOE.num_experts // ep) == expert_rank(coord.dp, coord.cp, c, ep)
+
+    plan = plan_apart(bridge_params(bridge), train, 2, 4, bucket_bytes=4096, ep=ep)
+    full = full_state(bridge)
+    got = simulate(plan, bridge, full, holds)
+    for i in range(4):
+        for name, tensor in full.items():
+            assert torch.equal(got[i][name], shard_tensor(tensor, bridge_entry(bridge, name).shard, i % 2, 2)), name
+        assert plan.bytes_received(train.world_size + i) == plan.needed_bytes[i]
+    senders = {b.src for b in plan.broadcasts for s in b.slices if expert_of(s.param) is not None}
+    assert len(senders) == train.world_size  # each rank sends its own experts
+    with pytest.raises(ValueError, match="ep=3 must divide the 4 experts"):
+        plan_apart(bridge_params(bridge), train, 2, 4, ep=3)
 
 
 def test_buckets_bound_the_collectives_and_training_replicas_share_the_sending():

@@ -72,7 +72,9 @@ LAYOUTS = {"tp2sp": ["trainer.n_devices=2", "actor.parallel.tp=2", "actor.parall
            "tp2sp_ep2": ["trainer.n_devices=4", "actor.parallel.tp=2", "actor.parallel.sequence_parallel=true",
                          "actor.parallel.ep=2", "rollout.tg=2"],
            "pp2_ep2": ["trainer.n_devices=4", "actor.parallel.pp=2", "actor.parallel.ep=2"],
-           "cp2_ep2": ["trainer.n_devices=2", "actor.parallel.cp=2", "actor.parallel.ep=2"]}
+           "cp2_ep2": ["trainer.n_devices=2", "actor.parallel.cp=2", "actor.parallel.ep=2"],
+           "dp2ep2_apart": ["trainer.n_devices=3", "actor.parallel.ep=2", "placement.training=[0,1]",
+                            "placement.reference=[0,1]", "placement.rollout=[2]"]}
 
 
 # The expert-parallel runs that save their step-3 checkpoint, with the `hybridflow reshard` options of their layout.
@@ -108,6 +110,7 @@ def ep_checkpoint_round_trips(summary, path, tmp_path, layout: list[str]) -> Non
 @pytest.mark.parametrize("name,layout,router_losses", [
     ("tiny-grpo.yaml", "tp2sp", "aux"), ("tiny-grpo.yaml", "pp2", "aux+z"), ("tiny-grpo.yaml", "dp2", ""),
     ("tiny-grpo.yaml", "tp2sp_ep2", ""), ("tiny-grpo.yaml", "pp2_ep2", ""), ("tiny-grpo.yaml", "cp2_ep2", "aux"),
+    ("tiny-grpo.yaml", "dp2ep2_apart", ""),
     *(("tiny-ppo.yaml", k, "replay") for k in ("tp2sp", "pp2", "dp2ep2"))])
 def test_grpo_and_ppo_on_a_tiny_qwen3_moe_at_each_layout_match_one_process(tmp_path, qwen3_moe, name, layout,
                                                                            router_losses: str):
@@ -123,7 +126,9 @@ def test_grpo_and_ppo_on_a_tiny_qwen3_moe_at_each_layout_match_one_process(tmp_p
     the pipeline. cp2_ep2 (GRPO, 2 processes, dp 1): megatron-core carves the expert-parallel group from the CP
     ranks, so each CP rank holds half the experts and the dispatcher gathers both ranks' sequence chunks to them;
     with the load-balancing loss on (the routers told which chunk columns are padding), its loss and loads are
-    one process's. Three steps' learned metrics equal one process's within
+    one process's. dp2ep2_apart (GRPO, 3 processes): the rollout on a process of its own receives every expert
+    from the training rank that trains it (`hybrid_engine/apart.py`). Three steps' learned metrics equal one
+    process's within
     1e-5 relative (1e-6 absolute for small values). GRPO with router losses: megatron-core counts the
     load-balancing loss's tokens over TP (and CP) and the engine marks the padding columns, so at tp2+SP it,
     and at pp2 it and the z-loss, are one process's, as are the reported `moe/...` figures. Not at tp2+SP for
@@ -150,6 +155,10 @@ def test_grpo_and_ppo_on_a_tiny_qwen3_moe_at_each_layout_match_one_process(tmp_p
 
         experts = sum(t.numel() * t.element_size() for k, t in load_hf_state_dict(path).items() if ".experts." in k)
         assert [r["reshard/bytes_received"] for r in records if r.get("step")] == [experts / 2] * 3
+    if layout == "dp2ep2_apart":  # each expert slice sent by a rank that trains it, the plan's bytes moved
+        from tests.trainer.test_distributed_trainer import _assert_synced_by_plan
+
+        _assert_synced_by_plan(records, (1, 2, 3))
     if layout in EP_CHECKPOINTS:
         ep_checkpoint_round_trips(summary, path, tmp_path, EP_CHECKPOINTS[layout])
     compare_with_one_process(f"{name} on the tiny qwen3-moe at {layout}", records, single, steps=(1, 2, 3),
