@@ -146,9 +146,9 @@ def test_grpo_and_ppo_on_a_tiny_qwen3_moe_at_each_layout_match_one_process(tmp_p
     mismatched tokens: those are differences of a few 1e-6 between the sampler's and the trainer's log-probs,
     rounding's, which each layout rounds otherwise)."""
     path, one_process = qwen3_moe
-    save = ["trainer.save_every=3"] if layout in EP_CHECKPOINTS else []  # after _steps' save_every=0
-    summary, records = run(name, tmp_path / "layout", "trainer.launcher=ray", *critic_too(LAYOUTS[layout]),
-                           *_steps(path), *save, *ROUTER_LOSSES[router_losses], before_fit=critic_at_the_actors_layout)
+    save = ["trainer.save_every=1"] if layout in EP_CHECKPOINTS else []  # after _steps' save_every=0
+    overrides = ["trainer.launcher=ray", *critic_too(LAYOUTS[layout]), *_steps(path), *ROUTER_LOSSES[router_losses]]
+    summary, records = run(name, tmp_path / "layout", *overrides, *save, before_fit=critic_at_the_actors_layout)
     single = one_process(name, router_losses)[1]
     if layout == "dp2ep2":  # each rank receives the other's experts, half of all: (ep - 1) / ep of them
         from hybridflow.models.checkpoint import load_hf_state_dict
@@ -161,6 +161,17 @@ def test_grpo_and_ppo_on_a_tiny_qwen3_moe_at_each_layout_match_one_process(tmp_p
         _assert_synced_by_plan(records, (1, 2, 3))
     if layout in EP_CHECKPOINTS:
         ep_checkpoint_round_trips(summary, path, tmp_path, EP_CHECKPOINTS[layout])
+    if layout == "dp2ep2":  # resumed from step 2 (each rank its experts' weights and Adam state), step 3 again
+        from tests.trainer.test_trainer import learned
+
+        shutil.copytree(tmp_path / "layout", tmp_path / "resumed")
+        shutil.rmtree(summary["run_dir"].parent.parent / "resumed" / summary["run_dir"].name / "checkpoints" /
+                      "step_000003")
+        _, again = run(name, tmp_path / "resumed", *overrides, "trainer.resume=auto",
+                       before_fit=critic_at_the_actors_layout)
+        assert [r["step"] for r in again] == [r["step"] for r in records]
+        for key, value in learned(records)[3].items():
+            assert learned(again)[3][key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
     compare_with_one_process(f"{name} on the tiny qwen3-moe at {layout}", records, single, steps=(1, 2, 3),
                              rel=1e-5, abs_=3e-6 if name == "tiny-ppo.yaml" and layout == "tp2sp" else 1e-6)
     for many, one in zip(records[1:], single[1:]):
