@@ -23,6 +23,7 @@ import torch
 from hybridflow.common import SigintHandler, clear_dead_writes, write_dir_atomically
 from hybridflow.errors import ConfigError
 from hybridflow.parallel.layout import ParallelDims
+from hybridflow.reshard import adapters
 from hybridflow.reshard.base import Format, Plan, Sink, Source, hf_dtype, human
 from hybridflow.reshard.formats import FORMATS, open_source
 from hybridflow.reshard.fsdp import plan_foreign_hf, write_foreign_hf
@@ -159,11 +160,18 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def run(req: Request, out: Callable[[str], None] = print) -> Optional[Result]:
-    """The conversion `req` asks for; with `dry_run` only the plan is printed (returns None)."""
+    """The conversion `req` asks for; with `dry_run` only the plan is printed (returns None). A LoRA
+    checkpoint's adapters go their own way (`adapters.py`; returns None, its lines printed)."""
     source = open_source(req.src, req.role, req.config)
     if not req.dry_run:
         clear_dead_writes(req.dst, "reshard")  # before the checks: a DST moved aside by a killed run is back
     check_request(source, req)
+    if source.kind == "hybridflow" and adapters.holds_adapters(source):
+        started = time.perf_counter()
+        written = adapters.convert(source, req, out)
+        if not req.dry_run:
+            out(f"reshard: wrote {human(written)} of adapters to {req.dst} in {time.perf_counter() - started:.1f} s")
+        return None
     with source.open() as reader:
         plan = build_plan(source, req, reader)
         target = FORMATS[req.to]
