@@ -109,9 +109,10 @@ class AdapterPlans:
     """The two plans of a LoRA sync (the base's, the adapters') and the sync world that runs both."""
 
     def __init__(self, bridge, lora: LoRAConfig, element: int, train: ParallelDims, tg: int, rollout_world: int,
-                 bucket_bytes: int, virtual_pp: int):
+                 bucket_bytes: int, virtual_pp: int, ep: int = 1):
         self.matrices = adapted_matrices(bridge, lora.target_modules)
-        self.base = plan_apart(bridge_params(bridge, element), train, tg, rollout_world, bucket_bytes, virtual_pp)
+        self.base = plan_apart(bridge_params(bridge, element), train, tg, rollout_world, bucket_bytes, virtual_pp,
+                               ep)
         self.adapters = plan_adapters(self.matrices, lora.rank, element, train, bridge.cfg.num_layers,
                                       rollout_world, bucket_bytes, virtual_pp)
         self.both = ApartPlan(train, tg, rollout_world, bucket_bytes,
@@ -166,7 +167,7 @@ class AdapterSender:
         e = self.engine
         element = torch.empty((), dtype=e.dtype).element_size()
         self.plans = AdapterPlans(e.bridge, e.lora.cfg, element, e.layout, tg, rollout_world, bucket_bytes,
-                                  e.virtual_pp)
+                                  e.virtual_pp, e.experts.ep)
         mine = {a.key + ".weight" for a in e.lora.adapted}
         stage = {m.weight for m in self.plans.matrices
                  if param_stage(m.weight, e.cfg.num_layers, e.layout.pp, e.virtual_pp) == e.coord.pp}
@@ -228,11 +229,12 @@ class AdapterReceiver(ShardReceiver):
         self.plans: Optional[AdapterPlans] = None
         self.pieces: dict[str, torch.Tensor] = {}
 
-    def join(self, address: str, port: int, train: ParallelDims, bucket_bytes: int, virtual_pp: int = 1) -> None:
+    def join(self, address: str, port: int, train: ParallelDims, bucket_bytes: int, virtual_pp: int = 1,
+             ep: int = 1) -> None:
         element = torch.empty((), dtype=self.dtype).element_size()
         self.train = train
         self.plans = AdapterPlans(self.bridge, self.lora, element, train, self.tg, self.world, bucket_bytes,
-                                  virtual_pp)
+                                  virtual_pp, ep)
         self.pieces = {name: torch.empty(shape, dtype=self.dtype, device=self.device)
                        for m in self.plans.matrices for name, shape in m.pieces(self.lora.rank, train.tp).items()}
         self.world_sync = self.plans.join(train.world_size + self.rank, address, port, self.device)
