@@ -33,6 +33,7 @@ from hybridflow.hybrid_engine.plan import bridge_params
 from hybridflow.hybrid_engine.traffic import Traffic
 from hybridflow.hybrid_engine.weight_sync import SyncWorld, pack, unpack
 from hybridflow.hybrid_engine.worker_weights import ShardReceiver, ShardSender
+from hybridflow.models.config import DecoderConfig
 from hybridflow.models.sharding import shard_tensor, spec_for, unshard_tensor
 from hybridflow.parallel.layout import Coord, ParallelDims
 from hybridflow.parallel.stages import param_stage
@@ -282,15 +283,25 @@ class AdapterReceiver(ShardReceiver):
         return metrics
 
 
+def adapters_only(model_cfg, lora: Optional[LoRAConfig]) -> bool:
+    """Whether a sync apart moves adapters alone: LoRA on the dense linears only (a mixture-of-experts model
+    whose experts take adapters syncs merged tensors)."""
+    if lora is None or lora.rank == 0:
+        return False
+    return not (model_cfg.num_experts and {"linear_fc1", "linear_fc2"} & set(lora.target_modules))
+
+
 def apart_sender(engine, rank: int, device: str):
-    """A training rank's side of the sync apart: adapters only after the first sync for a LoRA megatron actor,
-    else the training shard (merged or not) each time."""
-    return AdapterSender(engine, rank, device) if adapters_of(engine) else ShardSender(engine, rank, device)
+    """A training rank's side of the sync apart: adapters only after the first sync for a LoRA megatron actor
+    (`adapters_only`), else the training shard (merged or not) each time."""
+    if adapters_of(engine) and adapters_only(engine.cfg, engine.lora.cfg):
+        return AdapterSender(engine, rank, device)
+    return ShardSender(engine, rank, device)
 
 
 def apart_receiver(model: ModelConfig, train_layout: ParallelDims, tg: int, rank: int, world: int, device: str,
                    lora: Optional[LoRAConfig]):
     """The rollout rank's side, matching `apart_sender` (`lora`: the megatron actor's adapters, else None)."""
-    if lora is not None and lora.rank > 0:
+    if adapters_only(DecoderConfig.from_pretrained(model.path), lora):
         return AdapterReceiver(model, train_layout, tg, rank, world, device, lora)
     return ShardReceiver(model, train_layout, tg, rank, world, device)

@@ -178,9 +178,9 @@ class AdapterGatheredWeights(GroupedWeights):
 
 def lora_generation(engine, rollout):
     """A LoRA actor's colocated generation weights: adapters only where the bytes move and the built-in
-    generator keeps the shard (tp > 1, pp = 1, `hybridflow` grouping, no expert parallelism), else the merged
-    weights through the route `generation_weights` picks."""
-    experts = engine.experts is not None and engine.experts.ep > 1
+    generator keeps the shard (tp > 1, pp = 1, `hybridflow` grouping, no expert parallelism or expert
+    adapters), else the merged weights through the route `generation_weights` picks."""
+    experts = engine.experts.ep > 1 or any(".experts." in a.key for a in engine.lora.adapted)
     if (rollout.engine == "builtin" and engine.layout.tp > 1 and engine.layout.pp == 1
             and rollout.grouping == "hybridflow" and not experts):
         return AdapterGatheredWeights(engine, rollout.tg, rollout.weight_bucket_mb * 2**20)
