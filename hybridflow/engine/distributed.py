@@ -83,3 +83,13 @@ def expert_group(ep: int):
     from megatron.core import parallel_state as ps
 
     return ps.get_expert_model_parallel_group() if ep > 1 else None
+
+
+def all_reduced(t, group, op=None):
+    """`t` reduced over `group` (a sum unless `op` says otherwise), as a new tensor where the group has more
+    than one rank; `t` itself where it has one."""
+    if dist.get_world_size(group) == 1:
+        return t
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return t

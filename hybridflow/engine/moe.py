@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hybridflow.engine.distributed import all_reduced
 from hybridflow.models.config import DecoderConfig
 
 def forward_with_padding(model: nn.Module, inputs: tuple[Tensor, Tensor, Tensor], real: Tensor, tconfig) -> Tensor:
@@ -86,18 +87,19 @@ class RouterStats:
             values = tracker[name]["values"][:len(self.passes)].detach().to("cpu", torch.float64)
             values = values / self.passes.clamp(min=1)
             group = tracker[name].get("reduce_group")
-            losses.append(_sum(values, group) if group is not None else _sum(values, tp_cp) / _size(tp_cp))
+            losses.append(all_reduced(values, group) if group is not None
+                          else all_reduced(values, tp_cp) / dist.get_world_size(tp_cp))
         layers, experts = self.loads.shape
-        totals = torch.cat([_sum(self.loads.clone(), tp_cp).flatten(), *losses, self.passes])
-        totals = _sum(totals, ps.get_pipeline_model_parallel_group())  # each stage holds its own layers
+        totals = torch.cat([all_reduced(self.loads, tp_cp).flatten(), *losses, self.passes])
+        totals = all_reduced(totals, ps.get_pipeline_model_parallel_group())  # each stage holds its own layers
         dp = ps.get_data_parallel_group()
-        totals = _sum(totals, dp)
+        totals = all_reduced(totals, dp)
         self.loads.zero_(), self.passes.zero_()
         for name in names:  # the tracker is one per process: another MoE model there (the critic's) starts anew
             tracker.pop(name)
         if not totals[-layers:].any():
             return {}
-        out = {LOSSES[name]: float(totals[layers * (experts + i):layers * (experts + i + 1)].mean() / _size(dp))
+        out = {LOSSES[name]: float(totals[layers * (experts + i):layers * (experts + i + 1)].mean() / dist.get_world_size(dp))
                for i, name in enumerate(names)}
         share = totals[:layers * experts].view(layers, experts)
         share = share / share.sum(-1, keepdim=True).clamp(min=1)
@@ -105,13 +107,3 @@ class RouterStats:
             out[f"layer{layer}/max_load"] = float(share[layer].max())
             out[f"layer{layer}/min_load"] = float(share[layer].min())
         return out
-
-
-def _size(group) -> int:
-    return dist.get_world_size(group)
-
-
-def _sum(t: Tensor, group) -> Tensor:
-    if _size(group) > 1:
-        dist.all_reduce(t, group=group)
-    return t

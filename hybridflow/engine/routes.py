@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hybridflow.data import fields as F
+from hybridflow.engine.distributed import all_reduced
 
 __all__ = ["RouteReplay", "input_tags"]
 
@@ -144,11 +145,11 @@ class RouteReplay:
         out = []
         for step in self._steps.values():
             shape = (step.rows, step.width)
-            mismatch = _reduce(_reduce(step.mismatch, tp_cp, dist.ReduceOp.MAX), pp, dist.ReduceOp.SUM)
+            mismatch = all_reduced(all_reduced(step.mismatch, tp_cp, dist.ReduceOp.MAX), pp, dist.ReduceOp.SUM)
             mismatch = mismatch[:step.rows * step.width].view(shape).cpu().float() / self.layers
             got = {F.ROUTE_MISMATCH: mismatch.masked_fill(~step.measured, -1.0)}
             if step.recorded is not None:
-                recorded = _reduce(_reduce(step.recorded, tp_cp, dist.ReduceOp.MAX), pp, dist.ReduceOp.MAX)
+                recorded = all_reduced(all_reduced(step.recorded, tp_cp, dist.ReduceOp.MAX), pp, dist.ReduceOp.MAX)
                 got[F.OLD_ROUTES] = recorded[:step.rows * step.width].view(*shape, self.layers, self.k).cpu().short()
             out.append(got)
         self._steps.clear()
@@ -184,10 +185,3 @@ def input_tags(batch: dict[str, Any], idx: Tensor, multiple: int = 1, lengths: O
 
 def sliced(t: Optional[Tensor], rows: int) -> Optional[Tensor]:
     return None if t is None else t[:rows]
-
-
-def _reduce(t: Tensor, group, op) -> Tensor:
-    if dist.get_world_size(group) > 1:
-        t = t.clone()
-        dist.all_reduce(t, op=op, group=group)
-    return t
