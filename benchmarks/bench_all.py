@@ -49,7 +49,8 @@ SUITE: dict[str, tuple[list[str], list[str], bool]] = {
     "async": ([], ["--steps", "1", "--warmup", "1", "--prompts", "8", "--val", "20"], True),
     "dapo": ([], ["--prompts", "256", "--every", "128", "--val", "20"], True),
     "moe": ([], ["--tokens", "256", "--steps", "1", "--decode-tokens", "8"], True),
-    "lora": ([], ["--ranks", "8", "--steps", "1", "--rows", "2", "--seq", "32", "--no-tp"], True),
+    "lora": ([], ["--model", "hybridflow/assets/demo_model", "--ranks", "8", "--steps", "1", "--rows", "2", "--seq",
+                  "32", "--no-tp"], True),
 }
 LEFT_OUT = {"csrc": "compares two builds: hybridflow bench csrc --baseline REV", "all": "this script"}
 

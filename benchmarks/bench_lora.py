@@ -242,6 +242,10 @@ def main(argv=None) -> None:
     if args.rank_part:
         rank_main(args)
         return
+    if not Path(args.model).exists():  # a path below the repository, from anywhere
+        args.model = str(ROOT / args.model)
+    if not (Path(args.model) / "config.json").is_file():
+        sys.exit(f"bench lora: no model at {args.model} (the default is fetched by `hybridflow fetch-model smollm2`)")
     ranks = [int(r) for r in args.ranks.split(",")]
     rows, proj = ([], []) if args.only_syncs else memory_tables(args, ranks)
     print(f"\nBytes per weight sync, one rollout rank apart (tp 1 -> tg 1), from the sync plans (MiB)")
