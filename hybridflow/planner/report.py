@@ -116,8 +116,8 @@ def experts(c: Candidate, model, wl: Workload, others: list[Candidate]) -> list[
     from hybridflow.planner import cost
 
     lines = [f"expert parallelism: ep {c.ep} picked ({model.num_experts} experts, {model.num_experts // c.ep} per "
-             f"rank), peak {'/'.join(_gib(v) for v in c.device_peak.values())} GiB per GPU; ep searched where "
-             f"hybridflow builds it (pp = cp = 1, generation in the actor's processes: config/validate_moe.py)"]
+             f"rank), peak {'/'.join(_gib(v) for v in c.device_peak.values())} GiB per GPU; ep searched over the "
+             f"divisors of dp x cp that divide the experts (config/validate_moe.py)"]
     best: dict[int, Candidate] = {}
     for o in sorted(others, key=lambda o: (not o.fits, o.iteration_s if o.fits else _overshoot(o))):
         best.setdefault(o.ep, o)

@@ -258,7 +258,7 @@ class Planner:
         out = {"link": cost.gather_time(moved, actor.tp * actor.pp // tg, actor.tp, self.device)}
         if ep > 1:
             experts = cost.expert_transition_bytes(self.model, actor.tp, ep, self.wl.dtype_bytes, actor.pp)
-            out["experts"] = cost.gather_time(experts, ep, actor.tp * ep, self.device)
+            out["experts"] = cost.gather_time(experts, ep, actor.tp * actor.cp * ep, self.device)
         return out
 
     def split(self, placement: str, devices: dict[str, int], actor: ParallelDims, critic: Optional[ParallelDims],
@@ -267,7 +267,7 @@ class Planner:
         apart = placement == "split-all"
         replicas = devices["rollout"] if apart else devices["actor"] // tg
         c = Candidate(placement, devices, actor, critic, tg, replicas, virtual_pp=virtual_pp, ep=ep,
-                      critic_ep=critic_ep(critic, actor, ep) if not apart else 1)
+                      critic_ep=critic_ep(critic, actor, ep))
         a_static, a_phases, a_times = self._actor_side(c, self.usable)
         k_static, k_phases, k_times = self._critic_side(c, self.usable)
         if not self._check(c, "actor", a_static, a_phases, ("actor", "reference")):
@@ -344,18 +344,20 @@ class Planner:
                 for a in layouts(na, m, dev, wl):
                     for k in (layouts(nc, m, dev, wl) if nc else [None]):
                         devices = {"rollout": nr, "actor": na, **({"critic": nc} if nc else {})}
-                        out += [self.split("split-all", devices, a, k, 1, v) for v in _vpps(a, m, wl)]
+                        out += [self.split("split-all", devices, a, k, 1, v, ep) for v in _vpps(a, m, wl)
+                                for ep in expert_parallel_sizes(m, a, "split-all")]
         return out
 
 
 def expert_parallel_sizes(model: DecoderConfig, layout: ParallelDims, placement: str) -> list[int]:
     """The actor's expert-parallel sizes a candidate is costed at: 1, and for an MoE model every ep dividing
-    both its experts and the layout's data-parallel ranks (megatron-core carves the expert-parallel group
-    from them: expert-data-parallel = dp * cp / ep at etp = tp). Restricted to what hybridflow builds today
-    (`config/validate_moe.py`): pp = cp = 1 and the rollout in the actor's processes (not split-all)."""
-    if not model.is_moe or placement == "split-all" or layout.pp > 1 or layout.cp > 1:
+    both its experts and the data- x context-parallel ranks of a stage (megatron-core carves the expert-parallel
+    groups from them: expert-data-parallel = dp * cp / ep at etp = tp), the rules `config/validate_moe.py`
+    checks, at any pp and placement."""
+    if not model.is_moe:
         return [1]
-    return [ep for ep in range(1, layout.dp + 1) if layout.dp % ep == 0 and model.num_experts % ep == 0]
+    ranks = layout.dp * layout.cp
+    return [ep for ep in range(1, ranks + 1) if ranks % ep == 0 and model.num_experts % ep == 0]
 
 
 def critic_ep(critic: Optional[ParallelDims], actor: ParallelDims, ep: int) -> int:
@@ -363,7 +365,7 @@ def critic_ep(critic: Optional[ParallelDims], actor: ParallelDims, ep: int) -> i
     actor's own layout it shares the actor's processes, hence its megatron-core layout), else 1."""
     if critic is None or ep == 1:
         return 1
-    if critic == actor or (critic.pp == 1 and critic.cp == 1 and critic.dp % ep == 0):
+    if critic == actor or (critic.dp * critic.cp) % ep == 0:
         return ep
     return 1
 

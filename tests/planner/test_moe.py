@@ -80,13 +80,13 @@ def test_dispatch_and_expert_switch_bytes_are_the_formulas():
 
 
 def test_ep_is_searched_where_hybridflow_builds_it():
-    """ep divides the experts and the data-parallel ranks; pp = cp = 1 and the rollout in the actor's
-    processes (config/validate_moe.py refuses the rest); 1 only for a dense model."""
+    """ep divides the experts and the data- x context-parallel ranks of a stage (config/validate_moe.py's
+    rules), at any pp and placement; 1 only for a dense model."""
     assert expert_parallel_sizes(QWEN3_MOE, ParallelDims(tp=1, pp=1, dp=16), "colocated") == [1, 2, 4, 8, 16]
     assert expert_parallel_sizes(QWEN3_MOE, ParallelDims(tp=2, pp=1, dp=6), "colocated") == [1, 2]
-    assert expert_parallel_sizes(QWEN3_MOE, ParallelDims(tp=2, pp=2, dp=4), "colocated") == [1]
-    assert expert_parallel_sizes(QWEN3_MOE, ParallelDims(tp=2, pp=1, dp=4, cp=2), "colocated") == [1]
-    assert expert_parallel_sizes(QWEN3_MOE, ParallelDims(tp=1, pp=1, dp=8), "split-all") == [1]
+    assert expert_parallel_sizes(QWEN3_MOE, ParallelDims(tp=2, pp=2, dp=4), "colocated") == [1, 2, 4]
+    assert expert_parallel_sizes(QWEN3_MOE, ParallelDims(tp=2, pp=1, dp=1, cp=4), "colocated") == [1, 2, 4]
+    assert expert_parallel_sizes(QWEN3_MOE, ParallelDims(tp=1, pp=1, dp=8), "split-all") == [1, 2, 4, 8]
     dense = DecoderConfig.from_hf_dict(KNOWN["Qwen3-8B"])
     assert expert_parallel_sizes(dense, ParallelDims(tp=1, pp=1, dp=8), "colocated") == [1]
 
