@@ -139,8 +139,8 @@ def _slices_of(p: ParamInfo, t: int, tg: int, j: int) -> list[tuple[int, Slice]]
     return out
 
 
-def _holders(train: ParallelDims, tp_rank: int, stage: int, expert: Optional[int], experts: int, ep: int
-             ) -> list[int]:
+def holders_of(train: ParallelDims, tp_rank: int, stage: int, expert: Optional[int] = None, experts: int = 0,
+               ep: int = 1) -> list[int]:
     """The training ranks holding TP rank `tp_rank`'s piece of a tensor on `stage`: one per data-parallel
     replica (CP rank 0), or, for expert `expert` at ep > 1, every data- and context-parallel rank of the
     expert-parallel rank that trains it."""
@@ -149,6 +149,20 @@ def _holders(train: ParallelDims, tp_rank: int, stage: int, expert: Optional[int
     owner = expert // (experts // ep)
     return [train.rank(Coord(tp=tp_rank, cp=c, dp=d, pp=stage)) for d in range(train.dp) for c in range(train.cp)
             if expert_rank(d, c, train.cp, ep) == owner]
+
+
+def add_broadcasts(plan: ApartPlan, by_group: dict[tuple[int, tuple[int, ...]], list[Slice]]) -> None:
+    """Each (sender, receivers) group's slices onto `plan` as broadcasts of at most `plan.bucket_bytes` (a
+    larger slice travels alone), the groups in sorted order (every rank runs them in plan order)."""
+    for (src, dsts), slices in sorted(by_group.items()):
+        bucket: list[Slice] = []
+        for s in slices:
+            if bucket and sum(x.nbytes for x in bucket) + s.nbytes > plan.bucket_bytes:
+                plan.broadcasts.append(Broadcast(src, dsts, tuple(bucket)))
+                bucket = []
+            bucket.append(s)
+        if bucket:
+            plan.broadcasts.append(Broadcast(src, dsts, tuple(bucket)))
 
 
 def plan_apart(params: Iterable[ParamInfo], train: ParallelDims, tg: int, rollout_world: int,
@@ -177,19 +191,11 @@ def plan_apart(params: Iterable[ParamInfo], train: ParallelDims, tg: int, rollou
         for p in params:
             stage = param_stage(p.name, layers, train.pp, virtual_pp)
             for r, s in _slices_of(p, train.tp, tg, j):
-                holders = _holders(train, r, stage, expert_of(p.name), experts, ep)
+                holders = holders_of(train, r, stage, expert_of(p.name), experts, ep)
                 src = min(holders, key=lambda h: (load[h], h))
                 load[src] += s.nbytes
                 by_group.setdefault((src, dsts), []).append(s)
-    for (src, dsts), slices in sorted(by_group.items()):
-        bucket: list[Slice] = []
-        for s in slices:
-            if bucket and sum(x.nbytes for x in bucket) + s.nbytes > bucket_bytes:
-                plan.broadcasts.append(Broadcast(src, dsts, tuple(bucket)))
-                bucket = []
-            bucket.append(s)
-        if bucket:
-            plan.broadcasts.append(Broadcast(src, dsts, tuple(bucket)))
+    add_broadcasts(plan, by_group)
     shard = sum(p.nbytes if p.spec.dim is None else p.nbytes // tg for p in params)
     plan.needed_bytes = {i: shard for i in range(rollout_world)}
     return plan

@@ -27,7 +27,7 @@ import torch
 
 from hybridflow.config.schema import LoRAConfig, ModelConfig
 from hybridflow.engine.lora import lora_delta
-from hybridflow.hybrid_engine.apart import ApartPlan, Broadcast, Slice, plan_apart
+from hybridflow.hybrid_engine.apart import ApartPlan, Slice, add_broadcasts, holders_of, plan_apart
 from hybridflow.hybrid_engine.lora_weights import adapters_of
 from hybridflow.hybrid_engine.plan import bridge_params
 from hybridflow.hybrid_engine.traffic import Traffic
@@ -35,7 +35,7 @@ from hybridflow.hybrid_engine.weight_sync import SyncWorld, pack, unpack
 from hybridflow.hybrid_engine.worker_weights import ShardReceiver, ShardSender
 from hybridflow.models.config import DecoderConfig
 from hybridflow.models.sharding import shard_tensor, spec_for, unshard_tensor
-from hybridflow.parallel.layout import Coord, ParallelDims
+from hybridflow.parallel.layout import ParallelDims
 from hybridflow.parallel.stages import param_stage
 from hybridflow.rollout import RolloutBackend, sync_weights
 
@@ -81,26 +81,17 @@ def plan_adapters(matrices: list[AdaptedMatrix], rank: int, element: int, train:
     t, n = train.tp, train.world_size
     dsts = tuple(range(n, n + rollout_world))
     load = {r: 0 for r in range(n)}
-    by_src: dict[int, list[Slice]] = {}
+    by_group: dict[tuple[int, tuple[int, ...]], list[Slice]] = {}
     for index, m in enumerate(matrices):
         stage = param_stage(m.weight, layers, train.pp, virtual_pp)
         for name, shape in m.pieces(rank, t).items():
             tp_rank = int(name.rsplit(".", 1)[1]) if name[-1].isdigit() else index % t
-            holders = [train.rank(Coord(tp=tp_rank, cp=0, dp=d, pp=stage)) for d in range(train.dp)]
-            src = min(holders, key=lambda h: (load[h], h))
+            src = min(holders_of(train, tp_rank, stage), key=lambda h: (load[h], h))
             nbytes = shape[0] * shape[1] * element
             load[src] += nbytes
-            by_src.setdefault(src, []).append(Slice(name, None, 1, 0, 0, 0, nbytes))
+            by_group.setdefault((src, dsts), []).append(Slice(name, None, 1, 0, 0, 0, nbytes))
     plan = ApartPlan(train, 1, rollout_world, bucket_bytes)
-    for src, slices in sorted(by_src.items()):
-        bucket: list[Slice] = []
-        for s in slices:
-            if bucket and sum(x.nbytes for x in bucket) + s.nbytes > bucket_bytes:
-                plan.broadcasts.append(Broadcast(src, dsts, tuple(bucket)))
-                bucket = []
-            bucket.append(s)
-        if bucket:
-            plan.broadcasts.append(Broadcast(src, dsts, tuple(bucket)))
+    add_broadcasts(plan, by_group)
     needed = sum(rank * (m.d_in + m.d_out) * element for m in matrices)
     plan.needed_bytes = {i: needed for i in range(rollout_world)}
     return plan
