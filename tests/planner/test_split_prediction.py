@@ -28,9 +28,10 @@ def predictions(recorded: dict, fitted, out: Path) -> dict[str, float]:
             for name, r in recorded["results"].items()}
 
 
-@pytest.mark.xfail(strict=True, reason="the recording (load 14-40 on the 2 cores, other engineers' suites) moved "
-                   "2-5x between the bench's runs: colocated DP2 measured 1.54 s a step, 0.47-0.49 s when quiet; "
-                   "record again on a quiet machine (`bench async --record`) and drop this mark")
+@pytest.mark.xfail(strict=True, reason="recorded on a quiet machine (load 0.3-8): lock step with the rollout apart "
+                   "within 1%, but the overlapped modes are predicted 26-35% fast (the model does not slow the "
+                   "trainer while the rollout decodes beside it on the same cores) and colocated DP2 36% slow "
+                   "(the fitted share, 0.38, slows both ranks' passes more than they slow): the model's next term")
 def test_every_placement_is_predicted_within_15_percent_of_the_recorded_run(recorded, tmp_path):
     fitted = bench_calibrate.fitted_device(recorded["calibration"])
     assert set(recorded["results"]) == set(bench_async.RUNS)  # every placement and mode the bench runs
