@@ -49,6 +49,7 @@ SUITE: dict[str, tuple[list[str], list[str], bool]] = {
     "async": ([], ["--steps", "1", "--warmup", "1", "--prompts", "8", "--val", "20"], True),
     "dapo": ([], ["--prompts", "256", "--every", "128", "--val", "20"], True),
     "moe": ([], ["--tokens", "256", "--steps", "1", "--decode-tokens", "8"], True),
+    "scoring": ([], ["--quick"], True),
     "lora": ([], ["--model", "hybridflow/assets/demo_model", "--ranks", "8", "--steps", "1", "--rows", "2", "--seq",
                   "32", "--no-tp"], True),
 }
