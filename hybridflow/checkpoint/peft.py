@@ -39,11 +39,7 @@ def adapter_stage_state(engine) -> dict[str, Tensor]:
                 dist.all_gather(pieces, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
                 tensor = unshard_tensor(pieces, spec)
             out[f"{a.key}.{name}"] = tensor.clone()
-    if engine.experts.ep > 1:  # every rank's experts' adapters (each rank trains its own)
-        from hybridflow.engine.distributed import expert_group
-        from hybridflow.engine.experts import exchange_experts
-
-        out.update(exchange_experts(out, engine.experts, expert_group(engine.experts.ep)))
+    out.update(engine.exchanged_experts(out))  # ep > 1: every rank's experts' adapters (each trains its own)
     return out
 
 

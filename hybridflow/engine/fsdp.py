@@ -48,7 +48,7 @@ from hybridflow.checkpoint.format import FSDP_STATE
 from hybridflow.data import fields as F
 from hybridflow.config.schema import LoRAConfig
 from hybridflow.engine.build import lr_scheduler
-from hybridflow.engine.fsdp_comm import gather_in_place
+from hybridflow.engine.fsdp_comm import chunk_bounds, chunk_rows, gather_in_place
 from hybridflow.engine.fsdp_lora import PeftLoRA, adapter_state, attach, base_named
 from hybridflow.engine.megatron import StepFn, StepStats
 from hybridflow.engine.packing import (left_align_index, pack_rows, share_prompt_rows, to_cpu, unalign,
@@ -433,19 +433,6 @@ def world_mesh(device: str = "cpu"):
     keeps_world_state(MESH_STATE)  # this process then ends with its job (parallel/process_group.py)
     return init_device_mesh("cpu" if device == "cpu" else "cuda", (dist.get_world_size(),),
                             mesh_dim_names=("fsdp",))
-
-
-def chunk_rows(rows: int, ranks: int) -> int:
-    """FSDP2's dim-0 chunk size of a tensor of `rows` rows over `ranks` (torch.chunk's: every chunk but the
-    last ones this many rows; those may be short or empty)."""
-    return -(-rows // ranks)
-
-
-def chunk_bounds(param) -> tuple[int, int]:
-    """The whole tensor's dim-0 rows [start, stop) this rank holds of a DTensor FSDP2 sharded."""
-    mesh = param.device_mesh
-    start = min(mesh.get_local_rank() * chunk_rows(param.shape[0], mesh.size()), param.shape[0])
-    return start, start + param.to_local().shape[0]
 
 
 def agreed_count(n: int, group, device=None) -> int:

@@ -20,6 +20,8 @@ The second reads FSDP2's per-parameter state (`FSDPParam.all_gather_outputs`, th
 fills), which is not public API: `fits_in_place` checks the layout it relies on and anything else gets a
 plain buffer, and tests/engine/test_fsdp_comm.py compares the gathered weights with the default all-gather's
 and checks that a single-parameter unit's buffer is its parameter's storage.
+
+`chunk_rows` and `chunk_bounds` say which dim-0 rows of a tensor FSDP2 gives each rank.
 """
 from __future__ import annotations
 
@@ -80,3 +82,16 @@ def gather_in_place(units: Sequence[nn.Module], mesh) -> None:
         return
     for unit in units:
         unit.set_custom_all_gather(InPlaceAllGather(unit))
+
+
+def chunk_rows(rows: int, ranks: int) -> int:
+    """FSDP2's dim-0 chunk size of a tensor of `rows` rows over `ranks` (torch.chunk's: every chunk but the
+    last ones this many rows; those may be short or empty)."""
+    return -(-rows // ranks)
+
+
+def chunk_bounds(param) -> tuple[int, int]:
+    """The whole tensor's dim-0 rows [start, stop) this rank holds of a DTensor FSDP2 sharded."""
+    mesh = param.device_mesh
+    start = min(mesh.get_local_rank() * chunk_rows(param.shape[0], mesh.size()), param.shape[0])
+    return start, start + param.to_local().shape[0]

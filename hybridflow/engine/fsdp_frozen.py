@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridflow.engine.fsdp import agreed_count, block_units, chunk_bounds, world_mesh
+from hybridflow.engine.fsdp import agreed_count, block_units, world_mesh
+from hybridflow.engine.fsdp_comm import chunk_bounds
 from hybridflow.engine.fsdp_comm import gather_in_place
 from hybridflow.engine.fsdp_lora import adapter_param, base_name, base_named
 from hybridflow.models.checkpoint import is_rotary, loose_buffers

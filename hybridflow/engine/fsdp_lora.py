@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from hybridflow.config.schema import LoRAConfig
+from hybridflow.engine.fsdp_comm import chunk_bounds
 from hybridflow.engine.lora import init_a
 
 ADAPTER = "default"  # peft's adapter name
@@ -106,8 +107,6 @@ class PeftLoRA:
     @torch.no_grad()
     def init(self, seed: int) -> None:
         """After `to_empty`: this rank's rows of each A (the whole A drawn by the layer's name) and B zero."""
-        from hybridflow.engine.fsdp import chunk_bounds
-
         for name, layer in self.layers.items():
             a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
             start, stop = chunk_bounds(a)

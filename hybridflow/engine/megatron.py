@@ -307,7 +307,13 @@ class MegatronEngine:
                 out[entry.megatron] = unshard_tensor(pieces, entry.shard)  # joined anew: a copy already
             else:
                 out[entry.megatron] = tensor.clone()
-        return {**out, **exchange_experts(out, self.experts, expert_group(self.experts.ep), traffic)}  # ep > 1
+        return {**out, **self.exchanged_experts(out, traffic)}  # ep > 1
+
+    def exchanged_experts(self, own: dict[str, Tensor], traffic: Optional[TrafficCounter] = None
+                          ) -> dict[str, Tensor]:
+        """The other expert-parallel ranks' copies of this rank's expert tensors in `own` (global names); {} at
+        ep = 1 (`experts.exchange_experts`, a collective over the expert-parallel group)."""
+        return exchange_experts(own, self.experts, expert_group(self.experts.ep), traffic)
 
     def full_state(self, traffic: Optional[TrafficCounter] = None) -> dict[str, Tensor]:
         """The whole model on every rank (global megatron names): TP all-gathers, then one broadcast

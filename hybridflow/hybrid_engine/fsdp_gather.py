@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hybridflow.engine.fsdp import chunk_rows
+from hybridflow.engine.fsdp_comm import chunk_rows
 from hybridflow.engine.fsdp_frozen import init_buffers
 from hybridflow.engine.fsdp_hf import without_dropout
 from hybridflow.hybrid_engine.generation import transition_metrics
