@@ -3,14 +3,13 @@
 adapters only; the adapters-off forward is the frozen base model's; the generation weights and the HF export are
 the merged W + s * B A; a checkpoint holds the adapters and their Adam state, and a resumed engine takes the same
 next update; the PEFT directory loaded by peft onto the base gives the merged export's logits."""
-import json
-
 import pytest
 import torch
 
 from hybridflow.config.schema import LoRAConfig
 from hybridflow.data import fields as F
 from tests.engine.conftest import layout_case, write_layout_model
+from tests.lora.common import assert_peft_loads_as_the_merged_export
 
 pytestmark = [pytest.mark.usefixtures("megatron_world"), pytest.mark.slow]
 LORA = LoRAConfig(rank=4, alpha=8.0)
@@ -105,12 +104,7 @@ def test_the_fsdp_peft_directory_on_the_base_model_gives_the_merged_exports_logi
     """Adapters made non-zero by two updates; the PEFT directory (hybridflow's fused adapters cut by the bridge,
     a transformers model's written as they are) loaded by `peft.PeftModel.from_pretrained` onto the base gives
     the merged HF export's logits; the base alone is far from them."""
-    import peft
-    import transformers
-
-    from hybridflow.checkpoint.peft import CONFIG_FILE, export_peft
     from hybridflow.config.schema import OptimConfig
-    from hybridflow.models.checkpoint import save_hf_checkpoint
     from hybridflow.roles import Actor
 
     engine = fsdp_engine(case, modeling)
@@ -119,16 +113,4 @@ def test_the_fsdp_peft_directory_on_the_base_model_gives_the_merged_exports_logi
         group["lr"] = 0.2
     for step in range(2):
         Actor(case.actor_cfg, engine).update(case.batch, step=step)
-    save_hf_checkpoint(engine.hf_state_dict(), case.cfg.to_hf_dict(), tmp_path / "merged")
-    export_peft(engine, tmp_path / "peft", case.path)
-    config = json.loads((tmp_path / "peft" / CONFIG_FILE).read_text())
-    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
-    ids = torch.randint(3, case.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
-    load = transformers.AutoModelForCausalLM.from_pretrained
-    with torch.no_grad():
-        merged = load(tmp_path / "merged").eval()(input_ids=ids).logits
-        base = load(case.path).eval()
-        plain = base(input_ids=ids).logits
-        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()(input_ids=ids).logits
-    torch.testing.assert_close(adapted, merged, rtol=1e-5, atol=1e-5)
-    assert (plain - merged).abs().max() > 1e-2
+    assert_peft_loads_as_the_merged_export(engine, case, tmp_path, 1e-2)
