@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hybridflow.engine.distributed import expert_group
-from hybridflow.engine.experts import ExpertShard, exchange_experts, expert_of
+from hybridflow.engine.experts import ExpertShard, expert_of
 from hybridflow.hybrid_engine.generation import nbytes, transition_metrics
 from hybridflow.hybrid_engine.traffic import Traffic
 
@@ -57,10 +56,9 @@ class AllExperts:
 
     @torch.no_grad()
     def gather(self, traffic: Traffic) -> None:
-        """Every other rank's experts into the buffers (`engine.experts.exchange_experts`)."""
-        group = expert_group(self.shard.ep)
+        """Every other rank's experts into the buffers (`MegatronEngine.exchanged_experts`)."""
         own = {k: v for k, v in self.named_params().items() if k not in self.buffers}
-        for name, piece in exchange_experts(own, self.shard, group, traffic).items():
+        for name, piece in self.engine.exchanged_experts(own, traffic).items():
             self.buffers[name].copy_(piece)
 
 

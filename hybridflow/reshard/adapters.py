@@ -21,12 +21,13 @@ import torch
 from hybridflow.checkpoint.format import TRAINER_STATE, model_table, shard_file, trainer_state
 from hybridflow.checkpoint.manager import CheckpointManager
 from hybridflow.common import atomic_write_json, write_dir_atomically
-from hybridflow.engine.experts import ExpertShard, expert_of, expert_rank, first_holder
+from hybridflow.engine.experts import ExpertShard, expert_of, first_holder
 from hybridflow.engine.lora import COLUMN_TARGETS, Adapted
 from hybridflow.errors import ConfigError
 from hybridflow.models.sharding import shard_tensor, unshard_tensor
 from hybridflow.parallel.layout import ParallelDims
 from hybridflow.parallel.stages import chunks_in, layout_label, local_name, param_stage
+from hybridflow.reshard.hybridflow import copies, experts_per_shard
 
 SIDES = ("lora_A", "lora_B")
 
@@ -52,8 +53,7 @@ def read(source) -> dict[str, torch.Tensor]:
                                          map_location="cpu")["model"]
     first = load(0, 0, (0, 0))
     vpp = chunks_in(first)
-    local = {expert_of(k) for k in first} - {None}
-    per_rank = max(local) + 1 if local else 0
+    per_rank = experts_per_shard(first)
     ep = cfg.num_experts // per_rank if per_rank else 1
     wanted = _global_names(cfg, layout.pp, vpp, first, ep)
     out: dict[str, torch.Tensor] = {}
@@ -104,11 +104,8 @@ def write(adapters: dict[str, torch.Tensor], cfg, role: str, layout: ParallelDim
                                                                                  layout.tp).clone()
         written += sum(t.numel() * t.element_size() for t in model.values())
         torch.save({"model": model}, folder / shard_file(r, s, *first_holder(e, layout.cp)))
-    for s, r, d, c in ((s, r, d, c) for s in range(layout.pp) for r in range(layout.tp) for d in range(layout.dp)
-                       for c in range(layout.cp)):
-        first = first_holder(expert_rank(d, c, layout.cp, ep), layout.cp)
-        if (d, c) != first:  # this rank reads the same tensors as the first of its expert-parallel rank
-            os.link(folder / shard_file(r, s, *first), folder / shard_file(r, s, d, c))
+    for file, written in copies(layout, ep):  # ranks holding the same tensors as a written file
+        os.link(folder / written, folder / file)
     (folder / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
     return written
 

@@ -109,8 +109,7 @@ class ShardsReader(MegatronReader):
         self.virtual_pp = chunks_in(self._model(0, 0).keys())
         # Expert parallelism (parallel.ep): expert-parallel rank e holds experts e * n onwards, numbered from 0
         # (`engine/experts.py`); n = the experts a shard names, fewer than the model's at ep > 1.
-        local = {expert_of(k) for k in self._model(0, 0)} - {None}
-        self.experts_per_shard = max(local) + 1 if local else 0
+        self.experts_per_shard = experts_per_shard(self._model(0, 0))
         super().__init__(source.cfg, source.value_head, self._gather)
 
     def _place(self, megatron_name: str) -> tuple[int, str, tuple[int, int]]:
@@ -181,16 +180,23 @@ def plan_hybridflow(cfg: DecoderConfig, dtype: torch.dtype, role: str, tp: int, 
     return plan
 
 
-def copies(plan: Plan) -> list[tuple[str, str]]:
-    """(file, the written file it links to) for every rank that reads a copy: each (DP, CP) rank reads the file
-    of the first rank holding its expert-parallel rank (at ep = 1: DP 0, CP 0)."""
+def copies(layout: ParallelDims, ep: int) -> list[tuple[str, str]]:
+    """(shard file, the written shard file it links to) for every rank of `layout` that reads a copy: each
+    (DP, CP) rank reads the file of the first rank holding its expert-parallel rank (at ep = 1: DP 0, CP 0)."""
     out = []
-    for s, r, d, c in ((s, r, d, c) for s in range(plan.pp) for r in range(plan.tp) for d in range(plan.dp)
-                       for c in range(plan.cp)):
-        first = first_holder(expert_rank(d, c, plan.cp, plan.ep), plan.cp)
+    for s, r, d, c in ((s, r, d, c) for s in range(layout.pp) for r in range(layout.tp) for d in range(layout.dp)
+                       for c in range(layout.cp)):
+        first = first_holder(expert_rank(d, c, layout.cp, ep), layout.cp)
         if (d, c) != first:
-            out.append((f"{plan.role}/{shard_file(r, s, d, c)}", f"{plan.role}/{shard_file(r, s, *first)}"))
+            out.append((shard_file(r, s, d, c), shard_file(r, s, *first)))
     return out
+
+
+def experts_per_shard(names) -> int:
+    """How many of each layer's experts a shard with these tensor names holds (their local numbers count from
+    0); 0 for a dense model's."""
+    local = {expert_of(k) for k in names} - {None}
+    return max(local) + 1 if local else 0
 
 
 def shard_shape(shape: tuple[int, ...], megatron_name: str, tp: int) -> tuple[int, ...]:
@@ -212,8 +218,9 @@ def write_shards(plan: Plan, reader, step_dir: Path, sink: Sink) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"model": model}, path)
         del model
-    for file, written in copies(plan):  # every rank reads its own file; these hold the same tensors
-        os.link(step_dir / written, step_dir / file)
+    layout = ParallelDims(tp=plan.tp, pp=plan.pp, dp=plan.dp, cp=plan.cp)
+    for file, written in copies(layout, plan.ep):  # every rank reads its own file; these hold the same tensors
+        os.link(step_dir / plan.role / written, step_dir / plan.role / file)
     (step_dir / plan.role / "config.json").write_text(json.dumps(plan.cfg.to_hf_dict(), indent=2))
 
 
